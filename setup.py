@@ -1,0 +1,33 @@
+"""megatron-ext: Helix, ResiHP and Hydro inside a megatron-core / DeepSpeed GPT pretraining loop."""
+from setuptools import find_packages, setup
+
+# Exact pins: megatron-core and DeepSpeed internals are patched (megatron_ext/compat,
+# deepspeed_patches) and each patch checks these versions at apply() time.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "deepspeed==0.19.8",
+    "pyyaml==6.0.4",
+    "numpy==2.4.6",
+    "tokenizers==0.23.3",
+    "tensorboard==2.21.0",
+    "optuna==5.0.0",
+    "matplotlib==3.11.2",
+    "tqdm==4.70.1",
+    "mup==1.0.0",
+]
+
+setup(
+    name="megatron-ext",
+    version="0.1.0",
+    description=__doc__,
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["megatron_ext", "megatron_ext.*", "deepspeed_patches", "deepspeed_patches.*"]),
+    py_modules=["pretrain_gpt"],
+    install_requires=INSTALL_REQUIRES,
+    extras_require={
+        # GPU clusters only; never needed on CPU. apex is built from source (see Dockerfile).
+        "gpu": ["transformer-engine[pytorch]==2.9.0"],
+        "dev": ["pytest==9.2.0", "hypothesis==6.170.17"],
+    },
+)
