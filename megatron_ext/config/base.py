@@ -1,0 +1,178 @@
+"""Typed configs with flags and strict YAML.
+
+Every subsystem owns one ``kw_only`` dataclass. A field becomes a command-line flag named after it
+(``hidden_size`` -> ``--hidden-size``), so flag names are global: a field's name is the flag and the
+YAML key (dashes or underscores both accepted in YAML). Field metadata carries the help text
+(``doc(...)``) and, optionally, ``choices``. Validation lives in ``__post_init__`` and raises
+``ConfigError`` naming the key.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message names the key, the file or flag, and what to do."""
+
+
+def doc(help: str, default: Any = dataclasses.MISSING, *, choices: Iterable[Any] | None = None,
+        default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with a help text (shown by ``--help`` and in docs/)."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(scalar type, optional?) of an annotation such as ``int | None`` or ``list[int]``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            inner, _ = _base_type(args[0])
+            return inner, True
+    return tp, False
+
+
+def _resolved_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
+
+
+def _parse_bool(text: str) -> bool:
+    low = str(text).lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
+    """Add one flag per field of ``cls``. Defaults are ``None`` so that only flags given on the
+    command line override YAML; the dataclass default applies when neither gives a value."""
+    group = parser.add_argument_group(title or cls.__name__, (cls.__doc__ or "").strip().split("\n")[0])
+    for f, tp in _resolved_fields(cls):
+        base, _optional = _base_type(tp)
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default is not None and default != "":
+            help_text += f" (default: {default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if base is bool:
+            # --flag, --flag true/false, and --no-flag all work.
+            group.add_argument(flag_name(f.name), nargs="?", const=True, type=_parse_bool, **kwargs)
+            group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const",
+                               const=False, default=None, help=argparse.SUPPRESS)
+        elif typing.get_origin(base) in (list, tuple):
+            (elem,) = set(typing.get_args(base)) - {Ellipsis} or {str}
+            group.add_argument(flag_name(f.name), nargs="+", type=elem, **kwargs)
+        else:
+            group.add_argument(flag_name(f.name), type=base if base in (int, float, str) else str, **kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    base, optional = _base_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: key '{key}' must not be null")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            return _parse_bool(value)
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if base is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if base is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+        origin = typing.get_origin(base)
+        if origin in (list, tuple):
+            (elem,) = set(typing.get_args(base)) - {Ellipsis} or {str}
+            items = value if isinstance(value, (list, tuple)) else [value]
+            return origin(_coerce(v, elem, key, where) for v in items)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise ConfigError(f"{where}: key '{key}' expects {getattr(base, '__name__', base)}, "
+                          f"got {value!r}") from None
+    return value
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a flat YAML mapping; keys normalised to underscores. Errors name the file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: top level must be a mapping of key: value, got {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        norm = str(key).replace("-", "_")
+        if norm in out:
+            raise ConfigError(f"{path}: key '{key}' given twice")
+        out[norm] = value
+    return out
+
+
+def build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    """Instantiate ``cls`` from the subset of ``values`` it owns, coercing types; errors name ``where``."""
+    kwargs = {}
+    for f, tp in _resolved_fields(cls):
+        if f.name in values and values[f.name] is not None:
+            kwargs[f.name] = _coerce(values[f.name], tp, f.name, where)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as exc:  # a required field missing
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f, _ in _resolved_fields(cls)]
+
+
+def check_unknown(values: Mapping[str, Any], known: Iterable[str], where: str) -> None:
+    known = set(known)
+    unknown = sorted(k for k in values if k not in known)
+    if unknown:
+        import difflib
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, known, n=1)
+            hints.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
