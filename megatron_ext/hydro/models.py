@@ -33,6 +33,10 @@ class GPTShape:
     parametrization: str = "sp"   # sp | mup
     attn_mult: float = 1.0        # muP: attention scale is attn_mult / head_dim
     output_mult: float = 1.0      # muP: readout multiplier (divided by the width multiplier)
+    # No attention biases by default: the key bias has an analytically zero gradient (softmax is
+    # shift-invariant), so its float32 gradient is rounding noise that Adam's normalization turns
+    # into full-size steps, and no two summation orders (fused or not) agree on that noise.
+    attn_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -96,7 +100,7 @@ class Block(nn.Module):
     def __init__(self, shape: GPTShape) -> None:
         super().__init__()
         self.ln1 = _norm(shape.norm, shape.d_model)
-        self.attn = SelfAttention(shape.d_model, shape.n_heads, shape.attn_scale())
+        self.attn = SelfAttention(shape.d_model, shape.n_heads, shape.attn_scale(), bias=shape.attn_bias)
         self.ln2 = _norm(shape.norm, shape.d_model)
         self.mlp = MLP(shape.d_model, shape.ffn_mult * shape.d_model, shape.activation)
         self.drop = nn.Dropout(shape.dropout)

@@ -37,7 +37,7 @@ class FusedGPTBlock(FusedModule):
         super().__init__()
         B = num_trials
         self.ln1 = _fused_norm(shape.norm, B, shape.d_model)
-        self.attn = FusedSelfAttention(B, shape.d_model, shape.n_heads, shape.attn_scale())
+        self.attn = FusedSelfAttention(B, shape.d_model, shape.n_heads, shape.attn_scale(), bias=shape.attn_bias)
         self.ln2 = _fused_norm(shape.norm, B, shape.d_model)
         self.mlp = FusedMLP(B, shape.d_model, shape.ffn_mult * shape.d_model, shape.activation)
         self.drop = FusedDropout(B, shape.dropout)

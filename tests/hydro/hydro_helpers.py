@@ -1,0 +1,32 @@
+"""Shared helpers of the hydro tests (imported by module name; pytest puts this folder on sys.path)."""
+import torch
+
+from megatron_ext.hydro.models import GPT, GPTShape
+from megatron_ext.hydro.parametrization import apply_mup, param_shapes
+
+VOCAB, SEQ = 37, 8
+
+
+def gpt_factory(d_model=16, n_heads=2, parametrization="sp", dtype=torch.float64, base_d=None, **kw):
+    """seed -> plain GPT (muP applied against base width ``base_d`` when parametrization='mup')."""
+    def shape(d):
+        return GPTShape(vocab_size=VOCAB, seq_len=SEQ, d_model=d, n_layers=1, n_heads=n_heads,
+                        parametrization=parametrization, **kw)
+    base = delta = None
+    if parametrization == "mup":
+        base = param_shapes(GPT(shape(base_d or d_model)))
+        delta = param_shapes(GPT(shape(2 * (base_d or d_model))))
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = GPT(shape(d_model)).to(dtype)
+        if parametrization == "mup":
+            apply_mup(m, base, delta)
+        return m
+    return make
+
+
+def token_batch(seed, n=4, vocab=VOCAB, seq=SEQ):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
