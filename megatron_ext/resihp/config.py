@@ -1,0 +1,73 @@
+"""ResiHP detector configuration: flags ``--resihp*`` and the YAML keys of the same names."""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_ext.config.base import ConfigError, doc
+from megatron_ext.config.run import section
+
+DETECTORS = ("resihp", "raw")
+
+
+@section("resihp")
+@dataclasses.dataclass(kw_only=True)
+class ResiHPConfig:
+    """ResiHP fail-slow / fail-stop detection (FLOPs-normalised, pipeline-simulated)."""
+
+    resihp: bool = doc("Run the ResiHP detector in the training loop.", False)
+    resihp_detector: str = doc("Which detector issues verdicts: 'resihp' (FLOPs-normalised) or 'raw' "
+                               "(per-rank busy time against its own median: the baseline).", "resihp",
+                               choices=DETECTORS)
+    resihp_threshold: float = doc("Fail-slow when a rank runs at least this many times slower than expected.",
+                                  1.25)
+    resihp_zscore: float = doc("...and the deviation is at least this many robust standard deviations of "
+                               "the rank's healthy noise.", 5.0)
+    resihp_window: int = doc("Persistence: a verdict needs the median of the last N iterations past both "
+                             "bounds, the current one included.", 7)
+    resihp_warmup: int = doc("Iterations used to calibrate throughput before any fail-slow verdict.", 20)
+    resihp_calibration_window: int = doc("Healthy iterations kept for the rolling calibration.", 100)
+    resihp_refit_every: int = doc("Refit the throughput model every N iterations after warm-up.", 25)
+    resihp_rank_bias_max: float = doc("Largest steady per-rank speed difference from its stage's peers that "
+                                      "calibration accepts as normal (a rank slow from the start beyond "
+                                      "this is still caught).", 1.1)
+    resihp_noise_floor: float = doc("Smallest relative noise assumed for a rank's score (keeps z-scores "
+                                    "finite on very quiet runs).", 0.01)
+    resihp_p2p_latency_s: float = doc("Point-to-point latency assumed by the pipeline simulation.", 0.0)
+    resihp_heartbeat_interval_s: float = doc("How often each rank publishes a heartbeat.", 1.0)
+    resihp_heartbeat_timeout_s: float = doc("Fail-stop when a rank's heartbeat is older than this.", 10.0)
+    resihp_trace_out: str = doc("Write the detector's input, one JSON record per iteration, to this "
+                                "file (trace format v1, docs/resihp_trace_format.md).", "")
+    resihp_verdicts_out: str = doc("Append verdicts as JSON lines to this file.", "")
+
+    def __post_init__(self) -> None:
+        if self.resihp_detector not in DETECTORS:
+            raise ConfigError(f"--resihp-detector must be one of {', '.join(DETECTORS)}, got {self.resihp_detector!r}")
+        if not self.resihp_threshold > 1.0:
+            raise ConfigError(f"--resihp-threshold must be > 1 (a slowdown factor), got {self.resihp_threshold}")
+        if self.resihp_zscore < 0:
+            raise ConfigError(f"--resihp-zscore must be >= 0, got {self.resihp_zscore}")
+        if self.resihp_window < 1:
+            raise ConfigError(f"--resihp-window must be >= 1, got {self.resihp_window}")
+        if self.resihp_warmup < 3:
+            raise ConfigError(f"--resihp-warmup must be >= 3 (calibration needs a few iterations), "
+                              f"got {self.resihp_warmup}")
+        if self.resihp_calibration_window < self.resihp_warmup:
+            raise ConfigError(f"--resihp-calibration-window ({self.resihp_calibration_window}) must be >= "
+                              f"--resihp-warmup ({self.resihp_warmup})")
+        if self.resihp_refit_every < 1:
+            raise ConfigError(f"--resihp-refit-every must be >= 1, got {self.resihp_refit_every}")
+        if self.resihp_rank_bias_max < 1.0:
+            raise ConfigError(f"--resihp-rank-bias-max must be >= 1, got {self.resihp_rank_bias_max}")
+        if not self.resihp_rank_bias_max < self.resihp_threshold:
+            raise ConfigError(f"--resihp-rank-bias-max ({self.resihp_rank_bias_max}) must be below "
+                              f"--resihp-threshold ({self.resihp_threshold}), or a slow rank could be "
+                              "calibrated as normal")
+        if self.resihp_noise_floor <= 0:
+            raise ConfigError(f"--resihp-noise-floor must be > 0, got {self.resihp_noise_floor}")
+        if self.resihp_p2p_latency_s < 0:
+            raise ConfigError(f"--resihp-p2p-latency-s must be >= 0, got {self.resihp_p2p_latency_s}")
+        if self.resihp_heartbeat_interval_s <= 0:
+            raise ConfigError(f"--resihp-heartbeat-interval-s must be > 0, got {self.resihp_heartbeat_interval_s}")
+        if self.resihp_heartbeat_timeout_s <= self.resihp_heartbeat_interval_s:
+            raise ConfigError(f"--resihp-heartbeat-timeout-s ({self.resihp_heartbeat_timeout_s}) must exceed "
+                              f"--resihp-heartbeat-interval-s ({self.resihp_heartbeat_interval_s})")

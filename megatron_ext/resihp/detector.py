@@ -1,0 +1,316 @@
+"""Fail-slow detection: the ResiHP detector (FLOPs-normalised, pipeline-simulated) and the raw
+busy-time baseline, behind one interface: ``observe(record) -> IterationReport``.
+
+ResiHP's point is that a slow iteration is not evidence of a slow device: with packed
+variable-length documents a micro-batch's attention work varies with the sum of squared document
+lengths, and the pipeline schedule decides which stage's work is on the critical path. So:
+
+1. every (rank, chunk, micro-batch, phase) gets its expected FLOPs from the model description and
+   the micro-batch's documents (``flops.py``), split into linear and attention FLOPs;
+2. each stage's throughput per FLOP class (plus a fixed per-op cost) is calibrated online from
+   healthy iterations by a robust (Huber) regression pooled over the stage's TP and DP ranks, so
+   one bad rank cannot teach the stage its slowness; a rank may keep a small steady bias
+   (``resihp_rank_bias_max``);
+3. a rank's score is its observed compute time over its expected time in the iteration; its
+   healthy noise is the MAD of its recent scores;
+4. a verdict needs persistence (``stats.Persistence``);
+5. the expected iteration time is the pipeline simulation (``pipesim``) of the expected per-op
+   durations plus a calibrated fixed tail, reported next to the observed time.
+
+The baseline sees only the same per-rank busy time, normalised by its own median (no FLOPs, no
+simulation), with the same persistence rule, so the two differ only in the normalisation.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any, Protocol
+
+import numpy as np
+
+from megatron_ext.pipeline.schedule_orders import schedule_order
+from megatron_ext.resihp.config import ResiHPConfig
+from megatron_ext.resihp.flops import stage_costs
+from megatron_ext.resihp.pipesim import compile_plan, simulate
+from megatron_ext.resihp.stats import Persistence, huber_fit, nanmedian, robust_scale
+from megatron_ext.resihp.trace import IterationRecord
+from megatron_ext.resihp.verdicts import Verdict
+
+logger = logging.getLogger(__name__)
+
+# Points per (stage, phase) regression: enough to pin three coefficients, few enough to refit
+# 64 stages in milliseconds.
+_MAX_FIT_POINTS = 2048
+
+
+@dataclasses.dataclass(eq=False)
+class IterationReport:
+    """What a detector made of one iteration."""
+
+    iteration: int
+    detector: str
+    calibrated: bool
+    observed_s: float
+    expected_s: float | None        # expected iteration time (None before calibration)
+    rank_scores: np.ndarray         # (world,) observed / expected compute; NaN if not scored
+    stage_scores: np.ndarray        # (pp, dp) same for each stage of each replica (slowest TP rank)
+    verdicts: list[Verdict]
+
+    def scalars(self) -> dict[str, float]:
+        """Values for TensorBoard / progress lines."""
+        out = {"observed_s": self.observed_s}
+        if self.expected_s is not None:
+            out["expected_s"] = self.expected_s
+            out["observed_over_expected"] = self.observed_s / self.expected_s if self.expected_s > 0 else float("nan")
+        if np.isfinite(self.rank_scores).any():
+            out["max_rank_score"] = float(np.nanmax(self.rank_scores))
+        return out
+
+
+class Detector(Protocol):
+    name: str
+
+    def observe(self, record: IterationRecord) -> IterationReport: ...
+
+
+def _layout_key(rec: IterationRecord) -> Any:
+    layers = None if rec.layers is None else tuple(map(tuple, rec.layers))
+    return rec.layout, rec.model, layers
+
+
+class _Base:
+    """Layout bookkeeping, warm-up, calibration buffer and the persistence rule."""
+
+    name = "base"
+
+    def __init__(self, config: ResiHPConfig | None = None):
+        self.cfg = config if config is not None else ResiHPConfig()
+        self._key: Any = None
+
+    # subclasses fill these in
+    def _setup(self, rec: IterationRecord) -> None:
+        raise NotImplementedError
+
+    def _sample(self, rec: IterationRecord) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _fit(self) -> None:
+        raise NotImplementedError
+
+    def _score(self, rec: IterationRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
+        raise NotImplementedError
+
+    def _reset(self, rec: IterationRecord) -> None:
+        if self._key is not None:
+            logger.info("resihp[%s]: layout changed at iteration %d; calibrating again", self.name, rec.iteration)
+        self._key = _layout_key(rec)
+        lay = rec.layout
+        coords = lay.coord_array
+        self.stage_of, self.dp_of, self.tp_of = coords[:, 0], coords[:, 1], coords[:, 2]
+        self.world, self.pp, self.dp = lay.world_size, lay.pp, lay.dp
+        self.buffer: collections.deque = collections.deque(maxlen=self.cfg.resihp_calibration_window)
+        self.seen = 0
+        self.calibrated = False
+        self.sigma = np.full(self.world, self.cfg.resihp_noise_floor)
+        self.persist = Persistence(self.world, threshold=self.cfg.resihp_threshold, zscore=self.cfg.resihp_zscore,
+                                   window=self.cfg.resihp_window)
+        self._setup(rec)
+
+    def observe(self, record: IterationRecord) -> IterationReport:
+        if _layout_key(record) != self._key:
+            self._reset(record)
+        self.seen += 1
+        sample = self._sample(record)
+        present = record.present
+        verdicts: list[Verdict] = []
+        if self.calibrated:
+            scores, stage_scores, expected_s = self._score(record, sample)
+            scores = np.where(present, scores, np.nan)
+            for d in self.persist.update(scores, self.sigma):
+                verdicts.append(Verdict(
+                    kind=d.kind, rank=d.rank, stage=int(self.stage_of[d.rank]), iteration=record.iteration,
+                    factor=round(d.factor, 4) if d.kind == "fail_slow" else None,
+                    confidence=round(min(1.0, max(0.0, d.confidence)), 4), detector=self.name,
+                    time_s=record.time_s,
+                    detail={"dp": int(self.dp_of[d.rank]), "tp": int(self.tp_of[d.rank]),
+                            "median_z": round(d.median_z, 2), "threshold": self.cfg.resihp_threshold,
+                            "window": self.cfg.resihp_window,
+                            "observed_s": record.iteration_s,
+                            "expected_s": None if expected_s is None else round(expected_s, 6)}))
+            # Only clearly healthy ranks teach the calibration: a rank on its way to a verdict
+            # (or already convicted) must not pull the expectation towards its slowness.
+            guard = 1.0 + 0.5 * (self.cfg.resihp_threshold - 1.0)
+            healthy = present & (scores < guard) & ~self.persist.suspect
+        else:
+            scores = np.full(self.world, np.nan)
+            stage_scores = np.full((self.pp, self.dp), np.nan)
+            expected_s = None
+            healthy = present
+        sample["healthy"] = healthy
+        sample["iteration_s"] = record.iteration_s
+        self.buffer.append(sample)
+        warm = self.cfg.resihp_warmup
+        if self.seen == warm or (self.seen > warm and (self.seen - warm) % self.cfg.resihp_refit_every == 0):
+            self._fit()
+            self.calibrated = True
+        for v in verdicts:
+            logger.warning(v.describe())
+        return IterationReport(record.iteration, self.name, expected_s is not None,
+                               record.iteration_s, expected_s, scores, stage_scores, verdicts)
+
+    def _set_sigma(self, scores: np.ndarray, healthy: np.ndarray) -> None:
+        """Per-rank healthy noise from calibration scores (n_it, world); a rank without healthy
+        iterations in the buffer keeps its previous value."""
+        s = np.where(healthy, scores, np.nan)
+        sig = robust_scale(s, axis=0)
+        self.sigma = np.where(np.isfinite(sig), np.maximum(sig, self.cfg.resihp_noise_floor), self.sigma)
+
+
+class ResiHPDetector(_Base):
+    """FLOPs-normalised, pipeline-simulated fail-slow detector."""
+
+    name = "resihp"
+
+    def _setup(self, rec: IterationRecord) -> None:
+        lay = rec.layout
+        order = schedule_order(lay.schedule, lay.pp, lay.num_microbatches, lay.vp, lay.microbatch_group_size)
+        self.plan = compile_plan(order)
+        costs = stage_costs(rec.model, lay.pp, lay.vp, lay.tp, rec.layers)
+        # (p, vp, phase) coefficients: FLOPs per token and per squared document length.
+        self.per_token = np.array([[[c.fwd_per_token, c.bwd_per_token] for c in row] for row in costs])
+        self.per_sq = np.array([[[c.fwd_per_sq, c.bwd_per_sq] for c in row] for row in costs])
+        self.coef = np.zeros((lay.pp, 2, 3))  # (stage, phase, [s per linear FLOP, s per attention FLOP, s per op])
+        self.bias = np.ones(self.world)
+        self.overhead_s = 0.0
+        self._starved: set[int] = set()
+
+    def _sample(self, rec: IterationRecord) -> dict[str, Any]:
+        tokens, sq = rec.doc_stats
+        # (world, phase, vp, m) FLOPs of each op of each rank.
+        pt = self.per_token[self.stage_of].transpose(0, 2, 1)[..., None]
+        ps = self.per_sq[self.stage_of].transpose(0, 2, 1)[..., None]
+        lin = pt * tokens[self.dp_of][:, None, None, :]
+        att = ps * sq[self.dp_of][:, None, None, :]
+        obs = np.stack([rec.fwd_s, rec.bwd_s], axis=1)
+        return {"obs": obs, "lin": lin, "att": att}
+
+    def _predict(self, lin: np.ndarray, att: np.ndarray) -> np.ndarray:
+        """Expected op durations (..., world, phase, vp, m) without the rank bias."""
+        c = self.coef[self.stage_of]  # (world, phase, 3)
+        return (c[..., 0, None, None] * lin + c[..., 1, None, None] * att + c[..., 2, None, None])
+
+    def _fit(self) -> None:
+        obs = np.stack([b["obs"] for b in self.buffer])      # (n, world, 2, vp, m)
+        lin = np.stack([b["lin"] for b in self.buffer])
+        att = np.stack([b["att"] for b in self.buffer])
+        healthy = np.stack([b["healthy"] for b in self.buffer])  # (n, world)
+        n = obs.shape[0]
+        # Every stage has tp * dp ranks, so all (stage, phase) fits have the same shape and run
+        # as one batched regression over the newest iterations that fit the point budget.
+        by_stage = np.stack([np.flatnonzero(self.stage_of == s) for s in range(self.pp)])  # (p, tp*dp)
+        per_it = by_stage.shape[1] * obs.shape[3] * obs.shape[4]
+        keep = max(1, min(n, _MAX_FIT_POINTS // per_it))
+
+        def groups(a: np.ndarray) -> np.ndarray:  # (n, world, 2, vp, m) -> (p, 2, points)
+            g = a[n - keep:][:, by_stage]                   # (keep, p, r, 2, vp, m)
+            return g.transpose(1, 3, 0, 2, 4, 5).reshape(self.pp, 2, -1)
+
+        ok = np.broadcast_to(healthy[:, :, None, None, None], obs.shape)
+        x = np.stack([groups(lin), groups(att), np.ones_like(groups(lin))], axis=-1)
+        y, valid = groups(obs), groups(ok)
+        enough = (valid & np.isfinite(y)).sum(axis=-1) >= 3
+        coef = huber_fit(x, y, valid)
+        starved = set(np.flatnonzero(~enough.all(axis=1)).tolist())
+        for s in sorted(starved - self._starved):
+            logger.info("resihp: stage %d has no healthy data to calibrate from; keeping its old fit", s)
+        self._starved = starved
+        self.coef = np.where(enough[..., None], coef, self.coef)
+        pred = self._predict(lin, att)
+        with np.errstate(all="ignore"):
+            ratio = np.nansum(obs, axis=(2, 3, 4)) / pred.sum(axis=(2, 3, 4))  # (n, world)
+            ratio = np.where(healthy & np.isfinite(ratio), ratio, np.nan)
+            bias = nanmedian(ratio, axis=0)
+        bmax = self.cfg.resihp_rank_bias_max
+        # A rank with no healthy iteration in the buffer (convicted) keeps what it had.
+        self.bias = np.where(np.isfinite(bias), np.clip(bias, 1.0 / bmax, bmax), self.bias)
+        self._set_sigma(ratio / self.bias, healthy)
+        # The part of the iteration the pipeline simulation does not model (optimizer step, data
+        # loading, gradient all-reduce) as one robust constant.
+        exp = pred * self.bias[None, :, None, None, None]
+        sim = self._simulate(exp)
+        iters = np.array([b["iteration_s"] for b in self.buffer])
+        all_healthy = healthy.all(axis=1)
+        rest = (iters - sim)[all_healthy] if all_healthy.any() else iters - sim
+        self.overhead_s = float(np.median(rest))
+
+    def _simulate(self, exp: np.ndarray) -> np.ndarray:
+        """Makespan (n,) of expected durations (n, world, phase, vp, m): per replica, each stage's
+        op takes as long as its slowest TP rank; the iteration waits for the slowest replica."""
+        n = exp.shape[0]
+        lay_shape = (n, self.dp, self.pp) + exp.shape[3:]
+        fwd, bwd = np.zeros(lay_shape), np.zeros(lay_shape)
+        np.maximum.at(fwd, (slice(None), self.dp_of, self.stage_of), exp[:, :, 0])
+        np.maximum.at(bwd, (slice(None), self.dp_of, self.stage_of), exp[:, :, 1])
+        res = simulate(self.plan, fwd.reshape((-1,) + lay_shape[2:]), bwd.reshape((-1,) + lay_shape[2:]),
+                       p2p_latency_s=self.cfg.resihp_p2p_latency_s)
+        return res.makespan_s.reshape(n, self.dp).max(axis=1)
+
+    def _score(self, rec: IterationRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
+        obs = sample["obs"]
+        exp = self._predict(sample["lin"], sample["att"]) * self.bias[:, None, None, None]
+        with np.errstate(all="ignore"):
+            scores = np.nansum(obs, axis=(1, 2, 3)) / exp.sum(axis=(1, 2, 3))
+        stage_scores = np.full((self.pp, self.dp), np.nan)
+        for s in range(self.pp):
+            for d in range(self.dp):
+                ranks = np.flatnonzero((self.stage_of == s) & (self.dp_of == d))
+                o = obs[ranks]
+                if np.isnan(o).all():
+                    continue
+                stage_scores[s, d] = np.nanmax(o, axis=0).sum() / exp[ranks].max(axis=0).sum()
+        expected_s = float(self._simulate(exp[None])[0]) + self.overhead_s
+        return scores, stage_scores, expected_s
+
+
+class RawTimeDetector(_Base):
+    """Baseline: a rank's busy time against its own healthy median; the same persistence rule."""
+
+    name = "raw"
+
+    def _setup(self, rec: IterationRecord) -> None:
+        self.center = np.ones(self.world)
+        self.iter_center = 0.0
+
+    def _sample(self, rec: IterationRecord) -> dict[str, Any]:
+        busy = np.nansum(rec.fwd_s, axis=(1, 2)) + np.nansum(rec.bwd_s, axis=(1, 2))
+        return {"busy": np.where(rec.present, busy, np.nan)}
+
+    def _fit(self) -> None:
+        busy = np.stack([b["busy"] for b in self.buffer])
+        healthy = np.stack([b["healthy"] for b in self.buffer])
+        center = nanmedian(np.where(healthy, busy, np.nan), axis=0)
+        self.center = np.where(np.isfinite(center) & (center > 0), center, self.center)
+        self._set_sigma(busy / self.center, healthy)
+        self.iter_center = float(np.median([b["iteration_s"] for b in self.buffer]))
+
+    def _score(self, rec: IterationRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
+        scores = sample["busy"] / self.center
+        stage_scores = np.full((self.pp, self.dp), np.nan)
+        for s in range(self.pp):
+            for d in range(self.dp):
+                ranks = np.flatnonzero((self.stage_of == s) & (self.dp_of == d))
+                b = sample["busy"][ranks]
+                if np.isfinite(b).any():
+                    stage_scores[s, d] = np.nanmax(b) / self.center[ranks].max()
+        return scores, stage_scores, self.iter_center
+
+
+def make_detector(config: ResiHPConfig, name: str | None = None) -> ResiHPDetector | RawTimeDetector:
+    """The detector named by ``name`` or ``config.resihp_detector``."""
+    which = name or config.resihp_detector
+    if which == "resihp":
+        return ResiHPDetector(config)
+    if which == "raw":
+        return RawTimeDetector(config)
+    raise ValueError(f"unknown detector {which!r}; expected 'resihp' or 'raw'")

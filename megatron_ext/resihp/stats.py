@@ -1,0 +1,150 @@
+"""Robust statistics for the detectors: median/MAD scale, a Huber regression, persistence.
+
+Robust because the calibration data are never guaranteed clean: a rank may already be slow, a
+micro-batch may hit a garbage-collection pause. Medians and Huber weights let a minority of bad
+points through without moving the estimate much; means and least squares do not.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import warnings
+import numpy as np
+
+# Turns a median absolute deviation into a standard deviation for normal data.
+MAD_TO_SIGMA = 1.4826
+
+
+def robust_scale(x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """1.4826 * median absolute deviation (a standard deviation for normal data)."""
+    x = np.asarray(x, dtype=float)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        med = np.nanmedian(x, axis=axis, keepdims=True)
+        return MAD_TO_SIGMA * np.nanmedian(np.abs(x - med), axis=axis)
+
+
+def nanmedian(x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """``np.nanmedian`` that returns NaN for all-NaN slices without a warning (a convicted rank
+    has no healthy samples; that is expected, not an error)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(x, axis=axis)
+
+
+def normal_cdf(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def huber_fit(x: np.ndarray, y: np.ndarray, valid: np.ndarray | None = None, *, k: float = 1.345,
+              iters: int = 10) -> np.ndarray:
+    """Coefficients of ``y ~ x @ coef`` by iteratively reweighted least squares with Huber
+    weights (points beyond ``k`` robust standard deviations count less).
+
+    Batched: ``x`` is ``(..., n, k)``, ``y`` and ``valid`` are ``(..., n)``; every leading index is
+    an independent fit (the detector fits all stages and phases in one go). Points where ``valid``
+    is False, or with a non-finite value, are ignored.
+
+    Columns are rescaled, and a vanishing ridge keeps the normal equations solvable when a column
+    is constant (the tokens of packed micro-batches are): the fit is then not unique, but every
+    solution predicts the same for data like the calibration data, which is all the detector needs.
+    """
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if x.ndim < 2 or y.shape != x.shape[:-1]:
+        raise ValueError(f"huber_fit: x must be (..., n, k) and y (..., n), got {x.shape} and {y.shape}")
+    ok = np.isfinite(y) & np.isfinite(x).all(axis=-1)
+    if valid is not None:
+        ok &= np.asarray(valid, dtype=bool)
+    x = np.where(ok[..., None], x, 0.0)
+    y = np.where(ok, y, 0.0)
+    scale = np.abs(x).max(axis=-2)
+    scale[scale == 0] = 1.0
+    xs = x / scale[..., None, :]
+    eye = np.eye(x.shape[-1])
+    w = ok.astype(float)
+    coef = np.zeros(x.shape[:-2] + (x.shape[-1],))
+    for _ in range(iters):
+        a = np.einsum("...ni,...n,...nj->...ij", xs, w, xs)
+        ridge = 1e-10 * np.trace(a, axis1=-2, axis2=-1)[..., None, None] / x.shape[-1] + 1e-300
+        b = np.einsum("...ni,...n,...n->...i", xs, w, y)
+        coef = np.linalg.solve(a + ridge * eye, b[..., None])[..., 0]
+        r = y - np.einsum("...ni,...i->...n", xs, coef)
+        rr = np.where(ok, r, np.nan)
+        s = robust_scale(rr, axis=-1)[..., None]
+        s = np.where(np.isfinite(s) & (s > 0), s, np.inf)  # a perfect fit keeps its weights
+        u = np.abs(r) / (k * s)
+        new_w = np.where(u <= 1.0, 1.0, 1.0 / np.maximum(u, 1e-300)) * ok
+        if np.allclose(new_w, w, rtol=1e-4, atol=1e-6):
+            break
+        w = new_w
+    return coef / scale
+
+
+@dataclasses.dataclass
+class PersistenceDecision:
+    """What ``Persistence.update`` concluded for one rank in one iteration."""
+
+    rank: int
+    kind: str                   # "fail_slow" or "recovered"
+    factor: float
+    confidence: float
+    median_z: float
+
+
+class Persistence:
+    """Per-rank verdict state: a rank is convicted when, over the last ``window`` scored
+    iterations, the median score is at least ``threshold`` and the median z-score at least
+    ``zscore``, and the current iteration is itself past both; it is released (``recovered``)
+    after ``window`` consecutive iterations below them.
+
+    The median makes one quiet iteration inside a fault, or a short burst of slow iterations
+    from a healthy rank (a pause, a long document), unable to flip the decision alone.
+    """
+
+    def __init__(self, world_size: int, *, threshold: float, zscore: float, window: int):
+        self.threshold, self.zscore, self.window = threshold, zscore, window
+        self.scores = [collections.deque(maxlen=window) for _ in range(world_size)]
+        self.zs = [collections.deque(maxlen=window) for _ in range(world_size)]
+        self.suspect = np.zeros(world_size, dtype=bool)
+        self.calm = np.zeros(world_size, dtype=np.int64)
+
+    def flagged(self, score: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+        z = (score - 1.0) / sigma
+        return (score >= self.threshold) & (z >= self.zscore)
+
+    def update(self, score: np.ndarray, sigma: np.ndarray) -> list[PersistenceDecision]:
+        """Feed one iteration's per-rank scores (NaN: rank not scored this iteration)."""
+        out = []
+        z = (score - 1.0) / sigma
+        flags = self.flagged(score, sigma)
+        for r in range(len(self.scores)):
+            if not np.isfinite(score[r]):
+                continue
+            self.scores[r].append(float(score[r]))
+            self.zs[r].append(float(z[r]))
+            if self.suspect[r]:
+                self.calm[r] = 0 if flags[r] else self.calm[r] + 1
+                if self.calm[r] >= self.window:
+                    self.suspect[r] = False
+                    out.append(PersistenceDecision(r, "recovered", float(np.median(self.scores[r])), 1.0,
+                                                   float(np.median(self.zs[r]))))
+                continue
+            if not flags[r] or len(self.scores[r]) < self.window:
+                continue
+            med, med_z = float(np.median(self.scores[r])), float(np.median(self.zs[r]))
+            if med >= self.threshold and med_z >= self.zscore:
+                self.suspect[r], self.calm[r] = True, 0
+                # The slowdown is estimated from the window's slow iterations only: the window
+                # may still hold healthy ones from before the onset.
+                window = np.asarray(self.scores[r])
+                slow = window[window >= self.threshold]
+                factor = float(np.median(slow))
+                # Confidence that the true slowdown exceeds the threshold, taking the spread of
+                # a median of len(slow) scores under the rank's own healthy noise.
+                se = max(float(sigma[r]), 1e-12) * math.sqrt(math.pi / 2.0 / len(slow))
+                conf = normal_cdf((factor - self.threshold) / se)
+                out.append(PersistenceDecision(r, "fail_slow", factor, conf, med_z))
+        return out
+

@@ -1,0 +1,86 @@
+"""Config flags and validation; the robust statistics under the detector."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from megatron_ext.config.base import ConfigError, add_flags, build, field_names
+from megatron_ext.resihp.config import ResiHPConfig
+from megatron_ext.resihp.stats import Persistence, huber_fit, robust_scale
+
+
+def test_flag_list_is_pinned():
+    assert field_names(ResiHPConfig) == [
+        "resihp", "resihp_detector", "resihp_threshold", "resihp_zscore", "resihp_window", "resihp_warmup",
+        "resihp_calibration_window", "resihp_refit_every", "resihp_rank_bias_max", "resihp_noise_floor",
+        "resihp_p2p_latency_s", "resihp_heartbeat_interval_s", "resihp_heartbeat_timeout_s",
+        "resihp_trace_out", "resihp_verdicts_out"]
+
+
+def test_flags_and_yaml_values_build():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ResiHPConfig)
+    args = parser.parse_args(["--resihp", "--resihp-window", "5", "--resihp-trace-out", "t.jsonl"])
+    cfg = build(ResiHPConfig, vars(args), where="flags")
+    assert (cfg.resihp, cfg.resihp_window, cfg.resihp_trace_out, cfg.resihp_threshold) == (True, 5, "t.jsonl", 1.25)
+    cfg = build(ResiHPConfig, {"resihp_threshold": "1.5"}, where="run.yaml")
+    assert cfg.resihp_threshold == 1.5
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"resihp_threshold": 1.0}, "--resihp-threshold must be > 1 (a slowdown factor), got 1.0"),
+    ({"resihp_warmup": 2}, "--resihp-warmup must be >= 3 (calibration needs a few iterations), got 2"),
+    ({"resihp_calibration_window": 10}, "--resihp-calibration-window (10) must be >= --resihp-warmup (20)"),
+    ({"resihp_rank_bias_max": 1.3}, "--resihp-rank-bias-max (1.3) must be below --resihp-threshold (1.25)"),
+    ({"resihp_heartbeat_timeout_s": 1.0}, "--resihp-heartbeat-timeout-s (1.0) must exceed --resihp-heartbeat-interval-s (1.0)"),
+    ({"resihp_detector": "fancy"}, "--resihp-detector must be one of resihp, raw, got 'fancy'"),
+])
+def test_bad_values_are_named(kw, message):
+    with pytest.raises(ConfigError) as err:
+        ResiHPConfig(**kw)
+    assert str(err.value).startswith(message)
+
+
+def test_huber_fit_exact_robust_and_batched():
+    rng = np.random.default_rng(0)
+    x = np.column_stack([rng.uniform(1, 5, 400), rng.uniform(0, 100, 400), np.ones(400)])
+    coef = np.array([0.3, 0.02, 1.0])
+    y = x @ coef
+    np.testing.assert_allclose(huber_fit(x, y), coef, rtol=1e-6)
+    dirty = y.copy()
+    dirty[:60] *= 3.0  # 15 % gross outliers
+    plain = np.linalg.lstsq(x, dirty, rcond=None)[0]
+    robust = huber_fit(x, dirty)
+    assert np.abs(robust - coef).max() < 0.2 * np.abs(plain - coef).max()
+    # A constant column (packed micro-batches: fixed tokens) makes the fit non-unique, not wrong.
+    xc = x.copy()
+    xc[:, 0] = 4.0
+    yc = xc @ coef
+    np.testing.assert_allclose(xc @ huber_fit(xc, yc), yc, rtol=1e-6)
+    batch = huber_fit(np.stack([x, x]), np.stack([y, 2 * y]), np.stack([np.ones(400, bool), np.arange(400) < 200]))
+    np.testing.assert_allclose(batch, [coef, 2 * coef], rtol=1e-6)
+
+
+def test_robust_scale_is_normal_sigma_and_ignores_outliers():
+    x = np.random.default_rng(1).normal(0, 2.0, 20000)
+    x[:1000] = 1e6
+    assert robust_scale(x) == pytest.approx(2.0, rel=0.1)  # 5 % outliers move it by ~6 %
+    assert x.std() > 1e5
+
+
+def test_persistence_needs_a_window_median_and_releases():
+    p = Persistence(1, threshold=1.25, zscore=5.0, window=5)
+    sig = np.array([0.02])
+    feed = lambda s: p.update(np.array([s]), sig)  # noqa: E731
+    assert [feed(s) for s in [1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0]] == [[]] * 7   # 2 of 5 slow: median healthy
+    (d,) = feed(2.0)                                                               # 3 of 5: median slow
+    assert (d.kind, d.factor) == ("fail_slow", 2.0) and d.confidence == pytest.approx(1.0)
+    assert feed(1.01) == [] and feed(2.0) == []                                    # convicted: no repeat
+    out = [feed(1.0) for _ in range(5)]
+    assert out[:4] == [[]] * 4 and out[4][0].kind == "recovered"
+    # Past the threshold but within the noise: not flagged (z too small).
+    q = Persistence(1, threshold=1.25, zscore=5.0, window=1)
+    assert q.update(np.array([1.3]), np.array([0.1])) == []
+    assert q.update(np.array([np.nan]), np.array([0.1])) == []

@@ -1,0 +1,93 @@
+"""Trace format v1: round trip, and errors that name the file, line and key."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.resihp.trace import (
+    FaultLabel, IterationRecord, Layout, TraceError, TraceWriter, read_trace, write_trace)
+
+
+def record(iteration=1, **kw):
+    lay = Layout(tp=2, pp=2, dp=1, num_microbatches=3)
+    fwd = np.arange(12, dtype=float).reshape(4, 1, 3) / 100
+    base = dict(iteration=iteration, iteration_s=0.5, layout=lay,
+                model=ModelSpec(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=64),
+                documents=[[[3, 5], [8], [1, 1, 6]]], fwd_s=fwd, bwd_s=2 * fwd, time_s=10.0,
+                faults=(FaultLabel(kind="slow", rank=3, since=1, factor=1.5),))
+    base.update(kw)
+    return IterationRecord(**base)
+
+
+def test_round_trip(tmp_path):
+    recs = [record(1), record(2)]
+    recs[1].fwd_s[2] = np.nan
+    recs[1].bwd_s[2] = np.nan
+    path = tmp_path / "t.jsonl"
+    write_trace(path, recs)
+    back = list(read_trace(path))
+    assert [r.to_dict() for r in back] == [r.to_dict() for r in recs]
+    assert back[1].present.tolist() == [True, True, False, True]
+    assert json.loads(path.read_text().splitlines()[1])["fwd_s"][2] is None
+    tokens, sq = back[0].doc_stats
+    assert tokens.tolist() == [[8, 8, 8]] and sq.tolist() == [[34, 64, 38]]
+    assert back[0].layout.coords(3) == (1, 0, 1)  # tp fastest, then dp, then stage
+
+
+def write_lines(tmp_path, *objs):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(o if isinstance(o, str) else json.dumps(o) for o in objs) + "\n")
+    return path
+
+
+def good():
+    return record().to_dict()
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(version=2), "trace format version 2 is newer than this reader (version 1); update megatron-ext"),
+    (lambda d: d.update(format="other"), "key 'format' must be 'resihp-trace', got 'other'"),
+    (lambda d: d.pop("iteration_s"), "missing key 'iteration_s'"),
+    (lambda d: d.update(iteration="7"), "key 'iteration' expects int, got '7'"),
+    (lambda d: d.update(colour=1), "unknown key 'colour' (extensions must start with 'x_')"),
+    (lambda d: d["fwd_s"].pop(), "key 'fwd_s' must list 4 ranks (tp*pp*dp), got 3"),
+    (lambda d: d["bwd_s"][1][0].append(1.0), "key 'bwd_s' rank 1: expected shape [vp=1][microbatches=3], got [1, 4]"),
+    (lambda d: d["fwd_s"][0][0].__setitem__(0, -1), "key 'fwd_s' rank 0: durations must be finite and >= 0"),
+    (lambda d: d["documents"][0].pop(), "key 'documents' must be a [dp=1][microbatches=3] table"),
+    (lambda d: d["documents"][0][1].append(2.5), "key 'documents' [0][1]: expected a list of non-negative integer lengths"),
+    (lambda d: d["layout"].update(schedule="gpipe"), "key 'layout': layout.schedule must be one of 1f1b, interleaved, deepspeed, got 'gpipe'"),
+    (lambda d: d["layout"].update(ranks=[[0, 0, 0]] * 4), "key 'layout': layout.ranks must list each (stage, dp, tp)"),
+    (lambda d: d["model"].update(heads=2), "key 'model': unknown key heads"),
+    (lambda d: d["faults"][0].update(rank=9), "key 'faults' [0]: rank 9 outside 0..3"),
+    (lambda d: d["faults"][0].update(kind="slo"), "key 'faults' [0]: kind must be one of slow, stop, got 'slo'"),
+])
+def test_errors_name_file_line_and_key(tmp_path, mutate, message):
+    bad = good()
+    mutate(bad)
+    path = write_lines(tmp_path, good(), "", bad)
+    with pytest.raises(TraceError, match="^" + re.escape(f"{path}:3: {message}")):
+        list(read_trace(path))
+
+
+def test_not_json_and_missing_file(tmp_path):
+    path = write_lines(tmp_path, good(), "{not json")
+    with pytest.raises(TraceError, match="^" + re.escape(f"{path}:2: not valid JSON: Expecting property name "
+                                                          "enclosed in double quotes at column 2")):
+        list(read_trace(path))
+    with pytest.raises(TraceError, match="trace file .*nope.jsonl does not exist"):
+        list(read_trace(tmp_path / "nope.jsonl"))
+
+
+def test_extension_keys_and_explicit_rank_order(tmp_path):
+    d = good()
+    d["x_host"] = "node7"
+    d["layout"]["ranks"] = [[1, 0, 0], [1, 0, 1], [0, 0, 0], [0, 0, 1]]
+    (rec,) = read_trace(write_lines(tmp_path, d))
+    assert rec.layout.coords(0) == (1, 0, 0)
+    with TraceWriter(tmp_path / "sub" / "o.jsonl") as w:
+        w.write(rec)
+    assert (tmp_path / "sub" / "o.jsonl").exists()
