@@ -1,0 +1,385 @@
+"""The Helix torch.compile backend: tile, reorder and bucket the captured graph, guided by the simulator.
+
+``backend(tiles=2, memory_budget_bytes=None, interconnect=None)`` returns a callable for
+``torch.compile(model, backend=...)``. For each graph Dynamo hands it:
+
+1. the untiled graph goes through aot_autograd (the baseline forward/backward graphs), which is
+   simulated;
+2. the Dynamo graph is tiled into K streams (before autograd, so the backward is tiled too); the
+   tiled forward and backward graphs are reordered (segmented round-robin) and bucketed (DP over
+   simulated merges, under the memory budget), then simulated;
+3. the tiled schedule is kept only when the simulator predicts at least ``min_gain`` less
+   makespan for the whole training step and a peak within the budget; otherwise the baseline runs.
+
+Each graph logs one summary line (collectives, exposed communication before/after, predicted
+makespan and peak memory, decisions taken and refused); ``HelixBackend.summaries`` keeps them.
+
+Compiled graphs run as Python (aot_eager-style), which works on CPU and GPU. With an
+``interconnect`` on CPU, collectives run over the emulated link (``interconnect.py``). On GPUs
+the same passes can run inside Inductor instead: see ``megatron_ext.helix.inductor``.
+
+Scheduling decisions are functions of the graph and of costs that are agreed across the ranks of
+every process group in the graph (all-reduce max), so all ranks compile the same order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from megatron_ext.helix.calibrate import CostCache, benchmark_graph_ops, calibrate_device
+from megatron_ext.helix.cost import (DEFAULT_CPU, AnalyticalCostModel, CostModel, DeviceSpec, Interconnect,
+                                     InterconnectPreset, MeasuredCostModel, resolve_interconnect)
+from megatron_ext.helix.ir import GraphIR, collective_kind, iter_subgraph_modules
+from megatron_ext.helix.passes.bucketing import BucketingReport, bucket_graphs
+from megatron_ext.helix.passes.reorder import ReorderReport, reorder_graph
+from megatron_ext.helix.passes.tiling import TilingReport, tile_graph
+from megatron_ext.helix.simulator import SimResult, simulate, step_ops
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "helix", "baseline", "inductor_overlap")
+
+
+def _mib(b: int) -> str:
+    return f"{b / (1 << 20):.2f} MiB"
+
+
+@dataclasses.dataclass
+class GraphSummary:
+    """What Helix did with one compiled graph (also logged as one line)."""
+
+    index: int
+    collectives: int
+    tiled: bool
+    baseline: SimResult | None = None
+    helix: SimResult | None = None       # the tiled candidate, whether taken or not
+    tiling: TilingReport | None = None
+    reorder: dict[str, ReorderReport] = dataclasses.field(default_factory=dict)
+    bucketing: BucketingReport | None = None
+    decisions: list[str] = dataclasses.field(default_factory=list)
+    refused: list[str] = dataclasses.field(default_factory=list)
+    order: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # collective order per graph
+
+    @property
+    def chosen(self) -> SimResult | None:
+        return self.helix if self.tiled else self.baseline
+
+    def line(self) -> str:
+        b, c = self.baseline, self.chosen
+        parts = [f"helix graph {self.index}: {self.collectives} collectives"]
+        if b is not None and c is not None:
+            parts.append(f"exposed comm {b.exposed_comm_s * 1e3:.2f} -> {c.exposed_comm_s * 1e3:.2f} ms (simulated)")
+            parts.append(f"makespan {b.makespan_s * 1e3:.2f} -> {c.makespan_s * 1e3:.2f} ms")
+            parts.append(f"peak {_mib(b.peak_bytes)} -> {_mib(c.peak_bytes)}")
+        parts.append("taken: " + ("; ".join(self.decisions) or "none"))
+        parts.append("refused: " + ("; ".join(self.refused) or "none"))
+        return " | ".join(parts)
+
+
+@dataclasses.dataclass
+class _Variant:
+    tiled: bool
+    compiled: Callable | None = None
+    fw: fx.GraphModule | None = None
+    bw: fx.GraphModule | None = None
+    sim: SimResult | None = None
+    emulate: bool = False
+    reorder: dict[str, ReorderReport] = dataclasses.field(default_factory=dict)
+    bucketing: BucketingReport | None = None
+    error: str = ""
+
+
+def _count_collectives(gm: fx.GraphModule) -> int:
+    n = 0
+    for node in gm.graph.nodes:
+        if collective_kind(node) is not None:
+            n += 1
+        for sub in iter_subgraph_modules(gm, node):
+            n += _count_collectives(sub)
+    return n
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def group_size_of(name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name).size()
+
+
+def agree_max(values: Sequence[float], groups: Sequence[str]) -> list[float]:
+    """Element-wise max of ``values`` over the ranks of every group (repeated so that ranks linked
+    through several groups converge), so that decisions derived from them are rank-identical."""
+    if not values or not groups or not _dist_ready():
+        return list(values)
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    t = torch.tensor(list(values), dtype=torch.float64)
+    pgs = [_resolve_process_group(g) for g in sorted(set(groups))]
+    for _ in range(len(pgs)):
+        for pg in pgs:
+            if pg.size() > 1:
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
+    return t.tolist()
+
+
+class HelixBackend:
+    """A torch.compile backend; see the module docstring. Extra knobs are keyword-only."""
+
+    def __init__(self, tiles: int = 2, memory_budget_bytes: int | None = None,
+                 interconnect: str | Interconnect | InterconnectPreset | None = None, *,
+                 seq_tiling: bool = False, bucketing: bool = True, min_gain: float = 0.02,
+                 cost_model: str | CostModel = "analytical", cost_cache: str | None = None,
+                 device: DeviceSpec | None = None, input_dims: Mapping[str, int] | None = None,
+                 emulate: bool | None = None, mode: str = "auto") -> None:
+        if tiles < 1:
+            raise ValueError(f"helix backend: tiles must be >= 1, got {tiles}")
+        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+            raise ValueError(f"helix backend: memory_budget_bytes must be > 0, got {memory_budget_bytes}")
+        if mode not in MODES:
+            raise ValueError(f"helix backend: mode must be one of {MODES}, got {mode!r}")
+        if isinstance(cost_model, str) and cost_model not in ("analytical", "calibrated"):
+            raise ValueError(f"helix backend: cost_model must be 'analytical', 'calibrated' or a CostModel, "
+                             f"got {cost_model!r}")
+        self.tiles = tiles
+        self.memory_budget_bytes = memory_budget_bytes
+        self.interconnect_spec = interconnect
+        self.seq_tiling = seq_tiling
+        self.bucketing = bucketing
+        self.min_gain = min_gain
+        self.cost_model_spec = cost_model
+        self.cost_cache = cost_cache
+        self.device_spec = device
+        self.input_dims = input_dims
+        self.emulate_spec = emulate
+        self.mode = mode
+        self.summaries: list[GraphSummary] = []
+        self._cost: AnalyticalCostModel | MeasuredCostModel | CostModel | None = None
+        self.link: Interconnect | None = None
+
+    # -- setup -------------------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        if self._cost is not None:
+            return
+        if not isinstance(self.cost_model_spec, str):
+            self._cost = self.cost_model_spec
+            self.link = getattr(self._cost, "interconnect", None)
+            self.device_spec = self._cost.device
+            return
+        if self.device_spec is None:
+            if self.cost_model_spec == "calibrated":
+                cache = CostCache(self.cost_cache)
+                spec = calibrate_device("cpu" if not torch.cuda.is_available() else "cuda", cache)
+                cache.save()
+                groups = [torch.distributed.group.WORLD.group_name] if _dist_ready() else []
+                inv = agree_max([1 / spec.peak_flops_per_s, 1 / spec.mem_bandwidth_Bps, spec.op_overhead_s,
+                                 spec.graph_overhead_s], groups)
+                spec = DeviceSpec(name=spec.name, peak_flops_per_s=1 / inv[0], mem_bandwidth_Bps=1 / inv[1],
+                                  op_overhead_s=inv[2], graph_overhead_s=inv[3])
+            else:
+                spec = DEFAULT_CPU
+            self.device_spec = spec
+        self.link = resolve_interconnect(self.interconnect_spec, self.device_spec)
+        self._cost = AnalyticalCostModel(self.device_spec, self.link)
+
+    @property
+    def emulating(self) -> bool:
+        if self.link is None:
+            return False
+        if self.emulate_spec is not None:
+            return self.emulate_spec
+        return not torch.cuda.is_available()
+
+    def _group_size(self) -> Callable[[str], int] | None:
+        return group_size_of if _dist_ready() else None
+
+    def _cost_for(self, graphs: list[fx.GraphModule]) -> CostModel:
+        if self.cost_model_spec != "calibrated":
+            return self._cost
+        cache = CostCache(self.cost_cache)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        table = benchmark_graph_ops(graphs, device, cache)
+        cache.save()
+        groups = sorted({n.collective.group for g in graphs for n in GraphIR(g, self._group_size()).collectives()})
+        keys = sorted(table)
+        agreed = agree_max([table[k] for k in keys], groups)
+        return MeasuredCostModel(dict(zip(keys, agreed)), self._cost)
+
+    # -- compile -----------------------------------------------------------------------------------
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        self._setup()
+        summary = GraphSummary(index=len(self.summaries), collectives=_count_collectives(gm), tiled=False)
+        self.summaries.append(summary)
+        base = self._trace(gm, example_inputs, tiled=False)
+        summary.baseline = base.sim
+        chosen = base
+        if self.mode == "baseline":
+            summary.decisions.append("baseline requested (no passes)")
+        elif self.mode == "inductor_overlap":
+            summary.decisions.append("Inductor overlap scheduling on the untiled graphs" +
+                                     (f" (failed: {base.error})" if base.error else ""))
+        elif self.tiles < 2:
+            summary.refused.append("tiling: tiles=1")
+        elif summary.collectives == 0:
+            summary.refused.append("tiling: no collectives to overlap")
+        else:
+            tgm, trep = tile_graph(gm, self.tiles, self.input_dims, self.seq_tiling)
+            summary.tiling = trep
+            summary.refused += [f"tile join before {node} ({op}): {why}" for node, op, why in trep.joins]
+            if not trep.applied:
+                summary.refused.append(f"tiling: {trep.reason}")
+            else:
+                helix = self._trace(tgm, example_inputs, tiled=True)
+                summary.helix, summary.reorder, summary.bucketing = helix.sim, helix.reorder, helix.bucketing
+                if helix.bucketing is not None:
+                    summary.decisions += [f"bucket {c}" for c in helix.bucketing.taken]
+                    summary.refused += [f"bucket {c}: {why}" for c, why in helix.bucketing.refused]
+                ok, why = self._accept(base.sim, helix.sim)
+                if ok:
+                    chosen = helix
+                    summary.tiled = True
+                    summary.decisions.insert(0, f"tiling into {self.tiles} streams + round-robin ({why})")
+                else:
+                    summary.refused.insert(0, f"tiled schedule: {why}")
+        if chosen.compiled is None:
+            raise RuntimeError(f"helix: compiling graph {summary.index} failed: {chosen.error}")
+        chosen.emulate = self.emulating
+        for tag, g in (("fw", chosen.fw), ("bw", chosen.bw)):
+            if g is not None:
+                summary.order[tag] = [f"{collective_kind(n)}:{n.args[-1]}" for n in g.graph.nodes
+                                      if collective_kind(n) is not None]
+        logger.info("%s", summary.line())
+        return chosen.compiled
+
+    def _accept(self, base: SimResult, helix: SimResult) -> tuple[bool, str]:
+        gain = (base.makespan_s - helix.makespan_s) / base.makespan_s if base.makespan_s > 0 else 0.0
+        budget = self.memory_budget_bytes
+        if budget is not None and helix.peak_bytes > budget and helix.peak_bytes > base.peak_bytes:
+            return False, f"predicted peak {_mib(helix.peak_bytes)} over the budget {_mib(budget)}"
+        if self.mode == "helix":
+            return True, f"forced; predicted gain {gain:+.1%}"
+        if gain < self.min_gain:
+            return False, f"predicted gain {gain:+.1%} below {self.min_gain:.0%}"
+        return True, f"predicted gain {gain:+.1%}"
+
+    def _trace(self, gm: fx.GraphModule, example_inputs: Sequence[Any], tiled: bool) -> _Variant:
+        from functorch.compile import default_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        v = _Variant(tiled=tiled)
+
+        def partition(joint, joint_inputs, **kwargs):
+            fw, bw = default_partition(joint, joint_inputs, **kwargs)
+            v.fw, v.bw = fw, bw
+            self._optimize(v)
+            return v.fw, v.bw
+
+        def fw_compiler(g: fx.GraphModule, _inputs):
+            if v.fw is None:  # inference: no partition, no backward
+                v.fw = g
+                self._optimize(v)
+                g = v.fw
+            return self._runner(v, g)
+
+        def bw_compiler(g: fx.GraphModule, _inputs):
+            return self._runner(v, g)
+
+        v.compiled = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                  partition_fn=partition)(gm, example_inputs)
+        return v
+
+    def _runner(self, v: _Variant, g: fx.GraphModule) -> Callable:
+        # Boxed code: the graph drops its arguments as it goes, so saved activations die at
+        # their last use in the backward (what the simulator assumes).
+        g.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+        g.recompile()
+        state = {"emulated": False}
+
+        def run(args: list) -> Any:
+            if v.emulate and not state["emulated"]:
+                from megatron_ext.helix.interconnect import install_emulation
+
+                install_emulation(g, self.link, self._group_size())
+                state["emulated"] = True
+            return g(args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def _optimize(self, v: _Variant) -> None:
+        gs = self._group_size()
+        graphs = [g for g in (v.fw, v.bw) if g is not None]
+        if v.tiled:
+            for tag, g in (("fw", v.fw), ("bw", v.bw)):
+                if g is not None:
+                    _, v.reorder[tag] = reorder_graph(g)
+        elif self.mode == "inductor_overlap":
+            for g in graphs:
+                try:
+                    _inductor_overlap(g, self._cost, gs)
+                except Exception as exc:  # the competitor may not run on this device
+                    v.error = f"{type(exc).__name__}: {exc}"
+                    logger.warning("helix: Inductor overlap scheduling failed: %s", v.error)
+        cost = self._cost_for(graphs)
+        fw_ir = GraphIR(v.fw, gs)
+        bw_ir = GraphIR(v.bw, gs) if v.bw is not None else None
+        ops = step_ops(fw_ir, bw_ir, cost)
+        if v.tiled and self.bucketing:
+            offsets = {"fw": 1, "bw": len(fw_ir) + 2}
+            tagged = {"fw": v.fw} | ({"bw": v.bw} if v.bw is not None else {})
+            v.bucketing = bucket_graphs(tagged, ops, offsets, cost, self.memory_budget_bytes, gs)
+            if v.bucketing.taken:
+                cost = self._cost_for(graphs)
+                fw_ir = GraphIR(v.fw, gs)
+                bw_ir = GraphIR(v.bw, gs) if v.bw is not None else None
+                ops = step_ops(fw_ir, bw_ir, cost)
+        v.sim = simulate(ops, record=True)
+
+
+def _inductor_overlap(g: fx.GraphModule, cost: CostModel, group_size: Callable[[str], int] | None) -> None:
+    """Inductor's own overlap scheduler (fx_passes/overlap_scheduling.py) on an untiled AOT graph,
+    fed with Helix's cost model so that it sees the same link -- the comparison point."""
+    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
+
+    ir = GraphIR(g, group_size)
+    by_node = {n.node: n for n in ir.nodes}
+
+    def estimate(node: fx.Node, override_size: int | None = None) -> float | None:
+        n = by_node.get(node)
+        if n is None:
+            return None
+        if n.collective is not None:
+            return cost.collective_s(n.collective) * 1e3
+        return cost.compute_s(n) * 1e3
+
+    schedule_overlap_bucketing(g, custom_runtime_estimation=estimate, collective_bucketing=True,
+                               max_memory_increase_gb=None, max_memory_increase_ratio=None)
+    g.graph.lint()
+    g.recompile()
+
+
+def backend(tiles: int = 2, memory_budget_bytes: int | None = None,
+            interconnect: str | Interconnect | InterconnectPreset | None = None) -> HelixBackend:
+    """A torch.compile backend that runs Helix with K=``tiles`` tile streams.
+
+    ``memory_budget_bytes``: refuse schedules whose predicted step peak exceeds it.
+    ``interconnect``: ``"intra_node"``/``"cross_node"`` presets or an :class:`Interconnect`; the
+    simulator prices collectives with it and, on CPU, collectives run over it (emulated).
+    """
+    return HelixBackend(tiles=tiles, memory_budget_bytes=memory_budget_bytes, interconnect=interconnect)
+
+
+def backend_from_config(cfg: Any) -> HelixBackend:
+    """Build the backend from a :class:`megatron_ext.helix.config.HelixConfig`."""
+    link = None if cfg.helix_interconnect == "none" else cfg.helix_interconnect
+    return HelixBackend(tiles=cfg.helix_tiles, memory_budget_bytes=cfg.memory_budget_bytes, interconnect=link,
+                        seq_tiling=cfg.helix_seq_tiling, bucketing=cfg.helix_bucketing, min_gain=cfg.helix_min_gain,
+                        cost_model=cfg.helix_cost_model, cost_cache=cfg.helix_cost_cache)

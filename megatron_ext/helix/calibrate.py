@@ -1,0 +1,197 @@
+"""Automatic micro-benchmarks that calibrate the cost model on the current device, with a cache.
+
+* :func:`calibrate_device` measures peak FLOP/s (a square matmul), memory bandwidth (a large
+  copy) and the per-operator launch overhead (a tiny add), i.e. a :class:`DeviceSpec`.
+* :func:`benchmark_graph_ops` times every distinct operator call of a graph on tensors built
+  from the graph's recorded shapes, strides and dtypes (median of a few runs).
+
+Results are cached in a JSON file keyed by device (CPU model or GPU name, torch version, thread
+count), so a second compile of the same model measures nothing. Pure: no ``torch.distributed``;
+the backend agrees the numbers across ranks before using them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from megatron_ext.helix.cost import DeviceSpec, op_signature
+from megatron_ext.helix.ir import Kind, classify, collective_kind, is_wait, value_of
+
+logger = logging.getLogger(__name__)
+
+
+def default_cache_path() -> str:
+    root = os.environ.get("MEGATRON_EXT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatron_ext")
+    return os.path.join(root, "helix_costs.json")
+
+
+def device_key(device: torch.device | str = "cpu") -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        hw = torch.cuda.get_device_name(device)
+    else:
+        hw = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as fh:
+                for line in fh:
+                    if line.startswith("model name"):
+                        hw = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+    return f"{device.type}|{hw}|torch={torch.__version__}|threads={torch.get_num_threads()}"
+
+
+class CostCache:
+    """JSON file: ``{device_key: {"device": {...}, "ops": {signature: seconds}}}``."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path or default_cache_path()
+        self.data: dict[str, Any] = {}
+        if os.path.isfile(self.path):
+            try:
+                with open(self.path, encoding="utf-8") as fh:
+                    self.data = json.load(fh)
+            except (OSError, ValueError):
+                logger.warning("helix: cost cache %s is unreadable; starting a new one", self.path)
+                self.data = {}
+
+    def entry(self, key: str) -> dict[str, Any]:
+        return self.data.setdefault(key, {"device": None, "ops": {}})
+
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        # Atomic replace: ranks sharing a file may write at the same time.
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path) or ".", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(self.data, fh, indent=0, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, reps: int = 5, min_total_s: float = 2e-3) -> float:
+    """Median seconds of ``fn()`` after one warm-up; repeats until ``min_total_s`` has elapsed."""
+    fn()
+    _sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - start < min_total_s and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate_device(device: torch.device | str = "cpu", cache: CostCache | None = None) -> DeviceSpec:
+    """Measure (or read from the cache) this device's peak FLOP/s, bandwidth and op overhead."""
+    device = torch.device(device)
+    key = device_key(device)
+    if cache is not None and cache.entry(key)["device"]:
+        return DeviceSpec(**cache.entry(key)["device"])
+    n = 1024 if device.type == "cuda" else 384
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    t_mm = time_call(lambda: torch.mm(a, b), device)
+    src = torch.randn(4 << 20, device=device)
+    dst = torch.empty_like(src)
+    t_copy = time_call(lambda: dst.copy_(src), device)
+    tiny = torch.randn(8, device=device)
+    t_op = time_call(lambda: torch.ops.aten.add.Tensor(tiny, tiny), device, reps=200)
+    spec = DeviceSpec(name=key, peak_flops_per_s=2 * n ** 3 / t_mm,
+                      mem_bandwidth_Bps=2 * src.numel() * src.element_size() / t_copy,
+                      op_overhead_s=t_op, graph_overhead_s=_graph_overhead_s(device))
+    logger.info("helix: calibrated %s: %.1f GFLOP/s, %.2f GB/s, %.1f us/op, %.1f us/graph", key,
+                spec.peak_flops_per_s / 1e9, spec.mem_bandwidth_Bps / 1e9, spec.op_overhead_s * 1e6,
+                spec.graph_overhead_s * 1e6)
+    if cache is not None:
+        cache.entry(key)["device"] = {k: getattr(spec, k) for k in
+                                      ("name", "peak_flops_per_s", "mem_bandwidth_Bps", "op_overhead_s",
+                                       "graph_overhead_s")}
+    return spec
+
+
+def _graph_overhead_s(device: torch.device) -> float:
+    """Fixed cost of running one forward+backward pair of graphs through the autograd runtime,
+    measured with a trivial autograd.Function (no compile needed)."""
+
+    class _Id(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    x = torch.randn(8, device=device, requires_grad=True)
+    g = torch.ones(8, device=device)
+    return time_call(lambda: _Id.apply(x).backward(g), device, reps=50) / 2
+
+
+def _materialize(v: Any, device: torch.device) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    # Integer/bool tensors become zeros: valid indices for gathers and embeddings.
+    storage = max((s - 1) * st for s, st in zip(v.shape, v.stride())) + 1 if v.numel() else 0
+    base = torch.zeros(storage, dtype=v.dtype, device=device) if not v.is_floating_point() \
+        else torch.randn(storage, device=device).to(v.dtype)
+    return base.as_strided(tuple(v.shape), tuple(v.stride()))
+
+
+def _benchmarkable(node: fx.Node) -> bool:
+    if node.op not in ("call_function",) or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if collective_kind(node) is not None or is_wait(node) or classify(node) == Kind.OTHER:
+        return False
+    # Ops that mutate their inputs would corrupt the shared input tensors of later runs.
+    return not node.target._schema.is_mutable
+
+
+def benchmark_graph_ops(graphs: Iterable[fx.GraphModule | fx.Graph], device: torch.device | str = "cpu",
+                        cache: CostCache | None = None, reps: int = 3) -> dict[str, float]:
+    """Seconds per distinct operator call of ``graphs`` (ATen graphs with ``meta["val"]``)."""
+    device = torch.device(device)
+    known = cache.entry(device_key(device))["ops"] if cache is not None else {}
+    table: dict[str, float] = {}
+    measured = 0
+    for g in graphs:
+        graph = g.graph if isinstance(g, fx.GraphModule) else g
+        for node in graph.nodes:
+            if not _benchmarkable(node):
+                continue
+            sig = op_signature(node)
+            if sig in table:
+                continue
+            if sig in known:
+                table[sig] = known[sig]
+                continue
+            try:
+                args, kwargs = torch.utils._pytree.tree_map(
+                    lambda a: _materialize(value_of(a), device) if isinstance(a, fx.Node) else a,
+                    (node.args, node.kwargs))
+                with torch.no_grad():
+                    table[sig] = time_call(lambda: node.target(*args, **kwargs), device, reps=reps,
+                                           min_total_s=5e-4)
+                measured += 1
+            except Exception as exc:  # data-dependent ops: the analytical model covers them
+                logger.debug("helix: cannot benchmark %s (%s): %s", node.name, sig, exc)
+                continue
+            if cache is not None:
+                known[sig] = table[sig]
+    if measured:
+        logger.info("helix: micro-benchmarked %d operator calls on %s", measured, device)
+    return table

@@ -1,0 +1,60 @@
+"""Helix configuration: one flag per field (``--helix``, ``--helix-tiles``, ...).
+
+The run config registers this class as its ``helix`` section; the backend is built from it with
+:func:`megatron_ext.helix.backend_from_config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_ext.config.base import ConfigError, doc
+
+INTERCONNECTS = ("none", "intra_node", "cross_node")
+COST_MODELS = ("analytical", "calibrated")
+
+
+@dataclasses.dataclass(kw_only=True)
+class HelixConfig:
+    """Helix: overlap communication with computation by scheduling the torch.compile graph."""
+
+    helix: bool = doc("Compile the model with the Helix torch.compile backend (tiling, segmented "
+                      "round-robin reordering, bucketing).", False)
+    helix_tiles: int = doc("Tile streams per batch (K); 1 keeps the graph untiled and only reorders "
+                           "and buckets.", 2)
+    helix_memory_budget_gb: float | None = doc("Peak-memory budget of one compiled graph step in GiB; "
+                                               "schedules predicted above it are refused. Unset = no "
+                                               "limit.", None)
+    helix_seq_tiling: bool = doc("Also tile along the sequence dimension inside regions the model "
+                                 "declares safe (helix.seq_tileable()).", False)
+    helix_bucketing: bool = doc("Merge tile collectives back where the simulator predicts a gain.", True)
+    helix_min_gain: float = doc("Keep the tiled schedule only when the simulator predicts at least "
+                                "this relative makespan gain over the untiled graph.", 0.02)
+    helix_cost_model: str = doc("Cost model of the simulator: analytical roofline, or calibrated by "
+                                "micro-benchmarks of each operator on this device (cached).",
+                                "calibrated", choices=COST_MODELS)
+    helix_cost_cache: str | None = doc("Micro-benchmark cache file; default "
+                                       "$MEGATRON_EXT_CACHE/helix_costs.json or "
+                                       "~/.cache/megatron_ext/helix_costs.json.", None)
+    helix_interconnect: str = doc("Emulate an interconnect for collectives (CPU measurement "
+                                  "harness; every figure measured with it is emulated).", "none",
+                                  choices=INTERCONNECTS)
+
+    def __post_init__(self) -> None:
+        if self.helix_tiles < 1:
+            raise ConfigError(f"--helix-tiles must be >= 1, got {self.helix_tiles}")
+        if self.helix_memory_budget_gb is not None and self.helix_memory_budget_gb <= 0:
+            raise ConfigError(f"--helix-memory-budget-gb must be > 0, got {self.helix_memory_budget_gb}")
+        if not 0.0 <= self.helix_min_gain < 1.0:
+            raise ConfigError(f"--helix-min-gain must be in [0, 1), got {self.helix_min_gain}")
+        if self.helix_interconnect not in INTERCONNECTS:
+            raise ConfigError(f"--helix-interconnect must be one of {', '.join(INTERCONNECTS)}, "
+                              f"got {self.helix_interconnect!r}")
+        if self.helix_cost_model not in COST_MODELS:
+            raise ConfigError(f"--helix-cost-model must be one of {', '.join(COST_MODELS)}, "
+                              f"got {self.helix_cost_model!r}")
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        if self.helix_memory_budget_gb is None:
+            return None
+        return int(self.helix_memory_budget_gb * (1 << 30))

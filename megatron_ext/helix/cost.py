@@ -1,0 +1,229 @@
+"""Cost models of the Helix simulator: how long a node computes, how long a collective transfers.
+
+Two models, one interface (:class:`CostModel`), injectable everywhere:
+
+* :class:`AnalyticalCostModel` -- roofline for compute (FLOPs from ``torch.utils.flop_counter``
+  over the device's measured peak FLOP/s, bytes moved over its measured memory bandwidth, plus a
+  fixed per-operator launch overhead) and ``latency + algorithm bytes / bandwidth`` for
+  collectives, with the group size in the algorithm-bytes factor.
+* :class:`MeasuredCostModel` -- per-operator times from automatic micro-benchmarks on the current
+  device (see :mod:`megatron_ext.helix.calibrate`), falling back to the analytical model.
+
+Everything here is pure: no ``torch.distributed``. Measured numbers must be agreed across ranks
+by the caller before they drive decisions (the backend all-reduces them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Mapping, Protocol
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from megatron_ext.helix.ir import CollectiveInfo, IRNode, Kind, tensors_of, value_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """Measured (or assumed) capabilities of the compute device."""
+
+    name: str
+    peak_flops_per_s: float
+    mem_bandwidth_Bps: float
+    op_overhead_s: float       # fixed cost of launching one operator from the graph
+    graph_overhead_s: float = 0.0  # fixed cost of entering one compiled graph (runtime wrappers)
+
+    def __post_init__(self) -> None:
+        for key in ("peak_flops_per_s", "mem_bandwidth_Bps"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"DeviceSpec.{key} must be > 0, got {getattr(self, key)}")
+
+
+# A conservative stand-in until the device is calibrated (used by pure tests).
+DEFAULT_CPU = DeviceSpec(name="cpu-default", peak_flops_per_s=20e9, mem_bandwidth_Bps=5e9,
+                         op_overhead_s=5e-6, graph_overhead_s=50e-6)
+
+
+def _algo_factor(kind: str, group_size: int) -> float:
+    """Bytes on the busiest link per payload byte for ring algorithms (NCCL's bus-bandwidth factors)."""
+    n = max(int(group_size), 1)
+    if n == 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # broadcast
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+    """A link: every collective costs ``latency + algorithm bytes / bandwidth``.
+
+    The payload is the larger of input and output (the gathered side for all-gather and
+    reduce-scatter). Collectives on one process group share its link and run one after another.
+    """
+
+    name: str
+    latency_s: float
+    bandwidth_Bps: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or not self.bandwidth_Bps > 0:
+            raise ValueError(f"Interconnect {self.name!r}: need latency >= 0 and bandwidth > 0, "
+                             f"got {self.latency_s}, {self.bandwidth_Bps}")
+
+    def collective_time_s(self, kind: str, payload_bytes: int, group_size: int) -> float:
+        if group_size <= 1:
+            return 0.0
+        return self.latency_s + _algo_factor(kind, group_size) * payload_bytes / self.bandwidth_Bps
+
+    def time_of(self, info: CollectiveInfo) -> float:
+        return self.collective_time_s(info.kind, max(info.in_bytes, info.out_bytes), info.group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class InterconnectPreset:
+    """A link described relative to the device, so that the ratio of communication to
+    computation -- what decides whether overlap pays -- is the same on any host.
+
+    ``flops_per_byte``: how many FLOPs the device computes (at its measured peak) while the link
+    moves one byte. On an H100 node a GPT-3-size tensor-parallel layer (TP8, hidden 12288)
+    communicates about 0.2x its compute time over NVLink and 1.5x over 400 Gb/s InfiniBand; the
+    presets reproduce those two ratios for the benchmark layers (TP2, hidden 256, fp32).
+    """
+
+    name: str
+    flops_per_byte: float
+    latency_s: float
+
+    def resolve(self, device: DeviceSpec) -> Interconnect:
+        return Interconnect(name=self.name, latency_s=self.latency_s,
+                            bandwidth_Bps=device.peak_flops_per_s / self.flops_per_byte)
+
+
+PRESETS: dict[str, InterconnectPreset] = {
+    "intra_node": InterconnectPreset(name="intra_node", flops_per_byte=80.0, latency_s=50e-6),
+    "cross_node": InterconnectPreset(name="cross_node", flops_per_byte=600.0, latency_s=250e-6),
+}
+
+
+def resolve_interconnect(spec: str | Interconnect | InterconnectPreset | None,
+                         device: DeviceSpec) -> Interconnect | None:
+    """``"intra_node"``/``"cross_node"``/a preset/an :class:`Interconnect`/None -> Interconnect."""
+    if spec is None or spec == "none":
+        return None
+    if isinstance(spec, Interconnect):
+        return spec
+    if isinstance(spec, InterconnectPreset):
+        return spec.resolve(device)
+    if isinstance(spec, str) and spec in PRESETS:
+        return PRESETS[spec].resolve(device)
+    raise ValueError(f"unknown interconnect {spec!r}; expected one of {sorted(PRESETS)}, "
+                     "an Interconnect or None")
+
+
+class CostModel(Protocol):
+    """What the simulator asks: seconds on the compute stream, seconds on a link."""
+
+    device: DeviceSpec
+
+    def compute_s(self, node: IRNode) -> float: ...
+
+    def collective_s(self, info: CollectiveInfo) -> float: ...
+
+
+def _flops(node: fx.Node) -> int:
+    from torch.utils.flop_counter import flop_registry
+
+    t = node.target
+    packet = getattr(t, "overloadpacket", None)
+    fn = flop_registry.get(packet)
+    if fn is None:
+        return 0
+    args, kwargs = tree_map(lambda a: value_of(a) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    try:
+        return int(fn(*args, out_val=value_of(node), **kwargs))
+    except Exception:  # an unusual overload: no FLOPs rather than a failed compile
+        logger.debug("helix: no FLOP count for %s", node.name, exc_info=True)
+        return 0
+
+
+def moved_bytes(node: fx.Node) -> int:
+    """Bytes read and written by a node (inputs + outputs), the memory-bound side of the roofline."""
+    read = sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in tensors_of(a))
+    written = sum(t.numel() * t.element_size() for t in tensors_of(node))
+    return int(read + written)
+
+
+class AnalyticalCostModel:
+    """Roofline compute + link model for collectives. ``interconnect=None`` means free links."""
+
+    def __init__(self, device: DeviceSpec = DEFAULT_CPU, interconnect: Interconnect | None = None) -> None:
+        self.device = device
+        self.interconnect = interconnect
+
+    def compute_s(self, node: IRNode) -> float:
+        d = self.device
+        if node.kind == Kind.OTHER or node.node.op in ("placeholder", "output", "get_attr"):
+            return 0.0
+        if node.kind in (Kind.VIEW, Kind.WAIT, Kind.COLLECTIVE):
+            return d.op_overhead_s
+        flops = _flops(node.node)
+        return d.op_overhead_s + max(flops / d.peak_flops_per_s, moved_bytes(node.node) / d.mem_bandwidth_Bps)
+
+    def collective_s(self, info: CollectiveInfo) -> float:
+        if self.interconnect is None:
+            return 0.0
+        return self.interconnect.time_of(info)
+
+
+def op_signature(node: fx.Node) -> str:
+    """Rank-independent key of one operator call: op name, argument shapes/strides/dtypes, literals."""
+    from megatron_ext.helix.ir import op_name
+
+    def enc(a):
+        if isinstance(a, fx.Node):
+            v = value_of(a)
+            if isinstance(v, torch.Tensor):
+                return f"T{tuple(v.shape)}s{tuple(v.stride())}{str(v.dtype).removeprefix('torch.')}"
+            return f"V{v!r}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(enc(x) for x in a) + "]"
+        if isinstance(a, torch.dtype):
+            return str(a)
+        return repr(a)
+
+    kw = ",".join(f"{k}={enc(v)}" for k, v in sorted(node.kwargs.items()))
+    return f"{op_name(node)}({','.join(enc(a) for a in node.args)};{kw})"
+
+
+class MeasuredCostModel:
+    """Per-operator times measured on this device (``table``: signature -> seconds), with the
+    analytical model for anything not measured. Collectives always come from the link model."""
+
+    def __init__(self, table: Mapping[str, float], fallback: AnalyticalCostModel) -> None:
+        self.table = dict(table)
+        self.fallback = fallback
+        self.device = fallback.device
+        self.interconnect = fallback.interconnect
+        self.misses = 0
+
+    def compute_s(self, node: IRNode) -> float:
+        if node.kind == Kind.OTHER or node.node.op in ("placeholder", "output", "get_attr"):
+            return 0.0
+        if node.kind in (Kind.COLLECTIVE, Kind.WAIT):
+            return self.fallback.compute_s(node)
+        t = self.table.get(op_signature(node.node))
+        if t is None or not math.isfinite(t):
+            self.misses += 1
+            return self.fallback.compute_s(node)
+        return t
+
+    def collective_s(self, info: CollectiveInfo) -> float:
+        return self.fallback.collective_s(info)

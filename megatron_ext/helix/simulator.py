@@ -1,0 +1,197 @@
+"""Makespan and peak-memory simulator of one node order (pure).
+
+The machine model: one compute stream runs nodes in the given order; each process group has a
+communication stream (its link) on which its collectives run one after another. A collective
+costs a short issue on the compute stream, then ``comm_s`` on its link starting when both the
+issue is done and the link is free. A wait blocks the compute stream until its collective ends;
+that blocked time is the *exposed* communication.
+
+Memory is simulated from tensor lifetimes: a node allocates its new storage when it runs; a
+storage is freed after the last node that uses it or any of its aliases (views, waits, in-place
+results), unless it is kept (graph outputs held by the caller, gradients).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+from megatron_ext.helix.cost import CostModel
+from megatron_ext.helix.ir import GraphIR, IRNode, Kind
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SimOp:
+    name: str
+    kind: Kind
+    compute_s: float = 0.0          # time on the compute stream (issue time for collectives)
+    comm_s: float = 0.0             # collectives: time on the link
+    channel: str | None = None      # collectives: process-group name
+    wait_of: int | None = None      # waits: index of the collective they complete
+    inputs: tuple[int, ...] = ()
+    alloc_bytes: int = 0
+    alias_of: int | None = None     # index of the op whose storage this output shares
+    keep: bool = False              # storage survives the simulated span
+    tile: int | None = None
+    label: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    name: str
+    stream: str       # "compute", "wait" or "comm:<group>"
+    start_s: float
+    end_s: float
+    kind: str
+    tile: int | None
+
+
+@dataclasses.dataclass
+class SimResult:
+    makespan_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    peak_bytes: int
+    events: list[Event]
+
+    @property
+    def hidden_comm_s(self) -> float:
+        return max(self.comm_s - self.exposed_comm_s, 0.0)
+
+
+def _root(ops: Sequence[SimOp], i: int) -> int:
+    seen = 0
+    while ops[i].alias_of is not None:
+        i = ops[i].alias_of
+        seen += 1
+        if seen > len(ops):
+            raise ValueError("helix simulator: alias cycle in op list")
+    return i
+
+
+def peak_memory(ops: Sequence[SimOp]) -> int:
+    """Peak bytes of live storages over the order (allocations made inside the span only)."""
+    roots = [_root(ops, i) for i in range(len(ops))]
+    last = list(range(len(ops)))  # a storage nobody uses dies right after it is made
+    for i, op in enumerate(ops):
+        for j in op.inputs:
+            r = roots[j]
+            last[r] = max(last[r], i)
+    frees: dict[int, list[int]] = {}
+    for r in set(roots):
+        if not ops[r].keep and ops[r].alloc_bytes:
+            frees.setdefault(last[r], []).append(r)
+    live = peak = 0
+    for i, op in enumerate(ops):
+        live += op.alloc_bytes
+        peak = max(peak, live)
+        for r in frees.get(i, ()):
+            live -= ops[r].alloc_bytes
+    return peak
+
+
+def simulate(ops: Sequence[SimOp], record: bool = False) -> SimResult:
+    t = 0.0
+    channel_free: dict[str, float] = {}
+    coll_end: dict[int, float] = {}
+    compute = comm = exposed = 0.0
+    events: list[Event] = []
+    for i, op in enumerate(ops):
+        if op.kind == Kind.WAIT and op.wait_of is not None:
+            end = coll_end.get(op.wait_of, t)
+            if end > t:
+                exposed += end - t
+                if record:
+                    events.append(Event(op.name, "wait", t, end, "wait", op.tile))
+                t = end
+        start = t
+        t += op.compute_s
+        compute += op.compute_s
+        if record and op.compute_s > 0:
+            events.append(Event(op.name, "compute", start, t, op.kind.value, op.tile))
+        if op.kind == Kind.COLLECTIVE:
+            ch = op.channel or "default"
+            c_start = max(t, channel_free.get(ch, 0.0))
+            c_end = c_start + op.comm_s
+            channel_free[ch] = c_end
+            coll_end[i] = c_end
+            comm += op.comm_s
+            if record:
+                events.append(Event(op.name, f"comm:{ch}", c_start, c_end, "collective", op.tile))
+    # A collective nobody waits for still has to finish before the step is over.
+    makespan = max([t, *coll_end.values()]) if coll_end else t
+    return SimResult(makespan_s=makespan, compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
+                     peak_bytes=peak_memory(ops), events=events)
+
+
+def _op_from_ir(n: IRNode, cost: CostModel, offset: int) -> SimOp:
+    op = SimOp(name=n.name, kind=n.kind, compute_s=cost.compute_s(n),
+               inputs=tuple(offset + j for j in n.inputs), alloc_bytes=n.alloc_bytes,
+               alias_of=None if n.alias_of is None else offset + n.alias_of, tile=n.tile, label=n.op)
+    if n.kind == Kind.COLLECTIVE:
+        op.comm_s = cost.collective_s(n.collective)
+        op.channel = n.collective.group
+    if n.kind == Kind.WAIT and n.wait_of is not None:
+        op.wait_of = offset + n.wait_of
+    return op
+
+
+def _outputs(ir: GraphIR) -> list[int | None]:
+    out = [n for n in ir.nodes if n.node.op == "output"]
+    if not out:
+        return []
+    args = out[0].node.args[0]
+    args = args if isinstance(args, (list, tuple)) else (args,)
+    return [ir.index(a) if hasattr(a, "op") else None for a in args]
+
+
+def graph_ops(ir: GraphIR, cost: CostModel, keep_outputs: bool = True) -> list[SimOp]:
+    """Ops of one graph; inputs count as pre-existing, outputs are kept."""
+    ops = [SimOp(name="<enter>", kind=Kind.OTHER, compute_s=cost.device.graph_overhead_s)]
+    ops += [_op_from_ir(n, cost, 1) for n in ir.nodes]
+    if keep_outputs:
+        for j in _outputs(ir):
+            if j is not None:
+                ops[_root(ops, 1 + j)].keep = True
+    return ops
+
+
+def step_ops(fw: GraphIR, bw: GraphIR | None, cost: CostModel) -> list[SimOp]:
+    """Ops of a training step: the AOT forward graph, then its backward graph.
+
+    Saved activations (forward outputs read back by the backward placeholders) stay live until
+    their last use in the backward; user outputs and gradients are kept.
+    """
+    ops = graph_ops(fw, cost, keep_outputs=False)
+    fw_out = _outputs(fw)
+    if bw is None:
+        for j in fw_out:
+            if j is not None:
+                ops[_root(ops, 1 + j)].keep = True
+        return ops
+    bw_inputs = [n for n in bw.nodes if n.node.op == "placeholder"]
+    n_saved = sum(1 for n in bw_inputs if not n.name.startswith("tangents"))
+    user_out = fw_out[:len(fw_out) - n_saved]
+    saved_out = fw_out[len(fw_out) - n_saved:]
+    for j in user_out:
+        if j is not None:
+            ops[_root(ops, 1 + j)].keep = True
+    offset = len(ops) + 1
+    ops.append(SimOp(name="<backward>", kind=Kind.OTHER, compute_s=cost.device.graph_overhead_s))
+    bw_ops = [_op_from_ir(n, cost, offset) for n in bw.nodes]
+    for k, n in enumerate(bw_inputs[:n_saved]):
+        j = saved_out[k]
+        if j is not None:
+            bw_ops[n.index].alias_of = 1 + j
+    ops += bw_ops
+    for j in _outputs(bw):
+        if j is not None:
+            ops[_root(ops, offset + j)].keep = True
+    return ops
+
+
+def simulate_graphs(fw: GraphIR, bw: GraphIR | None, cost: CostModel, record: bool = False) -> SimResult:
+    return simulate(step_ops(fw, bw, cost), record=record)
