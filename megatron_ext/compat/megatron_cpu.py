@@ -1,0 +1,281 @@
+"""Version-guarded shims that let megatron-core 0.16.1 train on CPU ranks (gloo).
+
+Each shim replaces one symbol *inside one megatron module's namespace* (never in torch itself), so
+GPU code paths and other libraries are untouched. ``apply()`` is explicit and idempotent;
+``SHIMS`` lists every patch with the upstream source fragment it relies on, and
+``tests/compat/test_megatron_cpu.py`` fails when a fragment moves upstream.
+
+Not shimmed (see FEASIBILITY.md): megatron's optimizer and ``clip_grads`` — the CPU runtime uses a
+torch optimizer over ``param.main_grad`` instead; ``Timers`` — pass ``config.timers`` explicitly;
+``batch_p2p_sync`` — set ``TransformerConfig(batch_p2p_sync=False)`` (``runtime/model.py`` does).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+import types
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MEGATRON_CORE = ("0.16.1",)
+_CPU = torch.device("cpu")
+
+
+class _CudaProxy:
+    """Stands in for ``torch.cuda`` inside one megatron module: device queries answer CPU."""
+
+    def __init__(self) -> None:
+        self.__dict__["_real"] = torch.cuda
+
+    def current_device(self) -> torch.device:
+        return _CPU
+
+    def synchronize(self, device: Any = None) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_real"], name)
+
+
+def _cpu_device(device: Any) -> Any:
+    if device is None:
+        return None
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return _CPU
+    return device
+
+
+class _TorchProxy(types.ModuleType):
+    """Stands in for ``torch`` inside one megatron module.
+
+    ``torch.cuda.current_device()`` answers CPU, and tensor factories given a CUDA device build on
+    CPU. Everything else is the real ``torch``.
+    """
+
+    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.__dict__["cuda"] = _CudaProxy()
+        for name in self._FACTORIES:
+            self.__dict__[name] = self._wrap_factory(getattr(torch, name))
+
+    @staticmethod
+    def _wrap_factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        factory.__name__ = fn.__name__
+        return factory
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shim:
+    """One patch: in ``module`` replace ``attr``; ``fragment`` is upstream source it exists for."""
+
+    name: str
+    module: str
+    attr: str
+    fragment: str
+    why: str
+
+
+SHIMS: tuple[Shim, ...] = (
+    Shim("p2p-device", "megatron.core.pipeline_parallel.p2p_communication", "torch",
+         "device=torch.cuda.current_device()",
+         "recv buffers and shape tensors are allocated on torch.cuda.current_device()"),
+    Shim("global-buffer-device", "megatron.core.utils", "torch",
+         "device=torch.cuda.current_device()",
+         "GlobalMemoryBuffer.get_tensor (used by dot-product attention) allocates on the current GPU"),
+    Shim("schedule-token-count", "megatron.core.pipeline_parallel.schedules", "torch",
+         'torch.zeros([], dtype=torch.int, device="cuda")',
+         "total_num_tokens is created on CUDA in every schedule"),
+    Shim("ddp-buffer-device", "megatron.core.distributed.param_and_grad_buffer", "torch",
+         "device=torch.cuda.current_device()",
+         "megatron DDP allocates its parameter and gradient buffers on the current GPU"),
+    Shim("tp-mappings-device", "megatron.core.tensor_parallel.mappings", "torch",
+         "device=torch.cuda.current_device()",
+         "sequence-parallel gather/scatter allocate their outputs on the current GPU"),
+    Shim("tp-layers-device", "megatron.core.tensor_parallel.layers", "torch",
+         "device=torch.cuda.current_device()",
+         "sequence-parallel linear layers allocate all-gather buffers on the current GPU"),
+    Shim("causal-mask-device", "megatron.core.transformer.utils", "torch",
+         'torch.ones(sq, sq, device="cuda")',
+         "the default causal mask (no explicit attention mask given) is built on CUDA"),
+    Shim("rng-tracker", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
+         "base_tracker = CudaRNGStatesTracker",
+         "the model-parallel RNG tracker keeps CUDA generator states"),
+    Shim("rng-get-state", "megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+         "def _get_cuda_rng_state(",
+         "activation checkpointing saves the CUDA RNG state"),
+    Shim("rng-set-state", "megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+         "def _set_cuda_rng_state(",
+         "activation checkpointing restores the CUDA RNG state"),
+    Shim("tied-embedding-cuda", "megatron.core.models.common.language_module.language_module",
+         "LanguageModule.setup_embeddings_and_output_layer", "weight.data = weight.data.cuda()",
+         "tied embeddings with PP>1 move the shared weight to CUDA before all-reducing it"),
+)
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _make_cpu_tracker(base: type) -> type:
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        """Megatron's RNG tracker over the CPU generator.
+
+        CPU ops draw from the default CPU generator, so a fork swaps that generator's state — the
+        same contract the CUDA tracker keeps for the device generator, without its check that the
+        CPU state is untouched (which would fire on every fork here).
+        """
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng"):  # noqa: D401
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig = self.states_[orig_name]
+                torch.set_rng_state(orig)
+                self._current_state_name = orig_name
+
+    return CpuRNGStatesTracker
+
+
+_applied: dict[str, tuple[Any, str, Any]] = {}
+
+
+def check_version() -> str:
+    import megatron.core
+
+    version = megatron.core.__version__
+    if version not in SUPPORTED_MEGATRON_CORE:
+        raise RuntimeError(
+            f"megatron_ext CPU shims were written against megatron-core {SUPPORTED_MEGATRON_CORE}, "
+            f"found {version}; install the pinned version (pip install -e .) or update "
+            "megatron_ext/compat/megatron_cpu.py and its tests")
+    return version
+
+
+def _owner(shim: Shim) -> tuple[Any, str]:
+    """(object holding the patched attribute, attribute name); ``attr`` may be ``Class.method``."""
+    owner: Any = importlib.import_module(shim.module)
+    *path, leaf = shim.attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, leaf
+
+
+def missing_fragments() -> list[str]:
+    """Shims whose upstream fragment is gone: non-empty means the shim list is out of date."""
+    import inspect
+
+    missing = []
+    for shim in SHIMS:
+        try:
+            owner, leaf = _owner(shim)
+        except AttributeError:
+            missing.append(shim.name)
+            continue
+        source = inspect.getsource(importlib.import_module(shim.module))
+        if shim.fragment not in source or not hasattr(owner, leaf):
+            missing.append(shim.name)
+    return missing
+
+
+def _without_tensor_cuda(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` with ``Tensor.cuda`` as identity (CPU tensors stay where they are)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        real = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = real  # type: ignore[method-assign]
+
+    return wrapper
+
+
+def _replacement(shim: Shim, original: Any) -> Any:
+    if shim.attr == "torch":
+        return _TorchProxy()
+    if shim.name == "rng-tracker":
+        return _make_cpu_tracker(original)
+    if shim.name == "tied-embedding-cuda":
+        return _without_tensor_cuda(original)
+    if shim.name == "rng-get-state":
+        return _cpu_get_rng_state
+    if shim.name == "rng-set-state":
+        return _cpu_set_rng_state
+    raise AssertionError(shim.name)
+
+
+def apply() -> None:
+    """Install every shim (idempotent). Call only for CPU runs, before building models."""
+    if _applied:
+        return
+    check_version()
+    gone = missing_fragments()
+    if gone:
+        raise RuntimeError(f"megatron-core source changed under shims {gone}; see megatron_ext/compat/megatron_cpu.py")
+    for shim in SHIMS:
+        owner, leaf = _owner(shim)
+        original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
+        _applied[shim.name] = (owner, leaf, original)
+        setattr(owner, leaf, _replacement(shim, original))
+    # The tracker may already exist (built on import paths that call get_cuda_rng_tracker()):
+    # force the next model_parallel_cuda_manual_seed to rebuild it from the CPU class.
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._CUDA_RNG_STATE_TRACKER = None
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    logger.debug("megatron-core CPU shims applied: %s", ", ".join(s.name for s in SHIMS))
+
+
+def remove() -> None:
+    """Undo ``apply()`` (tests)."""
+    for owner, attr, original in _applied.values():
+        setattr(owner, attr, original)
+    _applied.clear()
+
+
+def applied() -> bool:
+    return bool(_applied)

@@ -1,0 +1,305 @@
+"""The run configuration of ``pretrain_gpt.py``: one dataclass per subsystem, flags + strict YAML.
+
+Sections register themselves with ``@section("name")``; extensions (helix, resihp, hydro bubbles,
+pipeline events) add theirs the same way, and ``RunConfig.extensions`` carries them by name.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+from typing import Any, Sequence
+
+from megatron_ext.config.base import (ConfigError, add_flags, build, check_unknown, doc, field_names,
+                                      load_yaml)
+
+_SECTIONS: dict[str, type] = {}
+# Core sections are attributes of RunConfig; the rest are extension sections.
+_CORE = ("model", "parallel", "training", "data", "logging", "checkpoint")
+# Extension config modules imported by the parser so their sections register themselves.
+EXTENSION_MODULES: list[str] = []
+
+
+def section(name: str):
+    def register(cls: type) -> type:
+        if name in _SECTIONS and _SECTIONS[name] is not cls:
+            raise ValueError(f"config section {name!r} registered twice")
+        clash = set(field_names(cls)) & {f for s in _SECTIONS.values() for f in field_names(s)}
+        if clash and name not in _SECTIONS:
+            raise ValueError(f"config section {name!r} reuses flag names {sorted(clash)}")
+        _SECTIONS[name] = cls
+        return cls
+
+    return register
+
+
+def sections() -> dict[str, type]:
+    for mod in EXTENSION_MODULES:
+        importlib.import_module(mod)
+    return dict(_SECTIONS)
+
+
+@section("model")
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """GPT model shape."""
+
+    num_layers: int = doc("Number of transformer layers.", 4)
+    hidden_size: int = doc("Transformer hidden size.", 64)
+    num_attention_heads: int = doc("Number of attention heads.", 4)
+    ffn_hidden_size: int | None = doc("MLP hidden size; default 4 x hidden-size.", None)
+    seq_length: int = doc("Training sequence length in tokens.", 64)
+    max_position_embeddings: int | None = doc("Learned position table size; default seq-length.", None)
+    hidden_dropout: float = doc("Dropout after attention and MLP.", 0.0)
+    attention_dropout: float = doc("Dropout on attention probabilities.", 0.0)
+    init_method_std: float = doc("Std of the normal weight initialisation.", 0.02)
+    position_embedding_type: str = doc("Position embedding.", "learned_absolute",
+                                       choices=("learned_absolute", "rope"))
+    untie_embeddings_and_output_weights: bool = doc("Separate output layer weights from the embedding.", False)
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"--hidden-size ({self.hidden_size}) is not divisible by "
+                              f"--num-attention-heads ({self.num_attention_heads})")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.max_position_embeddings < self.seq_length:
+            raise ConfigError(f"--max-position-embeddings ({self.max_position_embeddings}) is smaller than "
+                              f"--seq-length ({self.seq_length})")
+
+
+@section("parallel")
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel layout; data-parallel size is derived from the world size."""
+
+    tensor_model_parallel_size: int = doc("Tensor-parallel group size.", 1)
+    pipeline_model_parallel_size: int = doc("Number of pipeline stages.", 1)
+    virtual_pipeline_model_parallel_size: int | None = doc(
+        "Model chunks per pipeline stage (interleaved 1F1B); unset = plain 1F1B.", None)
+    sequence_parallel: bool = doc("Megatron sequence parallelism inside tensor-parallel regions.", False)
+    overlap_grad_reduce: bool = doc("Overlap data-parallel gradient reduce with backward.", False)
+    distributed_backend: str = doc("torch.distributed backend; auto = nccl on GPU, gloo on CPU.", "auto",
+                                   choices=("auto", "gloo", "nccl"))
+    device: str = doc("Where to train; auto = cuda when available.", "auto", choices=("auto", "cpu", "cuda"))
+    engine: str = doc("Training engine.", "megatron", choices=("megatron", "deepspeed"))
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 1 or (vpp > 1 and self.pipeline_model_parallel_size < 2)):
+            raise ConfigError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2 "
+                              f"and a value >= 1, got {vpp}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+
+
+@section("training")
+@dataclasses.dataclass(kw_only=True)
+class TrainingConfig:
+    """Optimisation: batch sizes, iterations, optimizer and learning-rate schedule."""
+
+    micro_batch_size: int = doc("Sequences per micro-batch per data-parallel rank.", 2)
+    global_batch_size: int = doc("Sequences per iteration over all data-parallel ranks.", 8)
+    train_iters: int = doc("Number of training iterations.", 50)
+    lr: float = doc("Peak learning rate.", 1e-3)
+    min_lr: float = doc("Learning rate at the end of decay.", 1e-4)
+    lr_warmup_iters: int = doc("Linear warm-up iterations.", 0)
+    lr_decay_iters: int | None = doc("Iterations over which the LR decays; default train-iters.", None)
+    lr_decay_style: str = doc("Decay after warm-up.", "cosine",
+                              choices=("constant", "linear", "cosine", "inverse-square-root"))
+    weight_decay: float = doc("Decoupled weight decay (AdamW); not applied to biases and norms.", 0.01)
+    adam_beta1: float = doc("Adam beta1.", 0.9)
+    adam_beta2: float = doc("Adam beta2.", 0.95)
+    adam_eps: float = doc("Adam epsilon.", 1e-8)
+    clip_grad: float = doc("Clip the global gradient norm to this value; 0 disables.", 1.0)
+    seed: int = doc("Random seed (weights, data order, dropout).", 1234)
+    bf16: bool = doc("bf16 mixed precision (GPU runs).", False)
+
+    def __post_init__(self) -> None:
+        for key in ("micro_batch_size", "global_batch_size", "train_iters"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= --min-lr <= --lr, got min-lr={self.min_lr} lr={self.lr}")
+        if self.lr_warmup_iters < 0:
+            raise ConfigError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_decay_iters is None:
+            self.lr_decay_iters = self.train_iters
+        if self.clip_grad < 0:
+            raise ConfigError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+
+
+@section("data")
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    """Training data: a Megatron indexed dataset (.bin/.idx) and its tokenizer."""
+
+    data_path: str | None = doc("Indexed dataset prefix (path without .bin/.idx); unset = the embedded "
+                                "default corpus, built on first use.", None)
+    split: str = doc("Train,valid,test weights.", "949,50,1")
+    tokenizer_file: str | None = doc("tokenizers JSON file; default: <data-path>.tokenizer.json.", None)
+    data_cache_dir: str | None = doc("Where the default corpus and dataset index caches live; default "
+                                     "$MEGATRON_EXT_CACHE or ~/.cache/megatron_ext.", None)
+    num_workers: int = doc("DataLoader workers (0 = in the training process).", 0)
+
+    def __post_init__(self) -> None:
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"--split must be comma-separated numbers such as 949,50,1, got {self.split!r}") from None
+        if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ConfigError(f"--split needs up to three non-negative weights, got {self.split!r}")
+
+
+@section("logging")
+@dataclasses.dataclass(kw_only=True)
+class LoggingConfig:
+    """Progress lines, validation and TensorBoard."""
+
+    log_interval: int = doc("Print a progress line every N iterations.", 1)
+    eval_interval: int | None = doc("Validate every N iterations (and at the end); unset = only at the end.", None)
+    eval_iters: int = doc("Validation iterations per evaluation; 0 disables validation.", 2)
+    tensorboard_dir: str | None = doc("Write TensorBoard scalars here (last rank writes).", None)
+    metrics_file: str | None = doc("Append one JSON line of metrics per iteration and evaluation here.", None)
+    progress: bool = doc("Print progress lines (iteration, loss, lr, tokens/s, ETA).", True)
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1:
+            raise ConfigError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise ConfigError(f"--eval-interval must be >= 1, got {self.eval_interval}")
+        if self.eval_iters < 0:
+            raise ConfigError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+
+
+@section("checkpoint")
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    """Sharded, atomic, integrity-checked checkpoints."""
+
+    save: str | None = doc("Checkpoint directory to save into.", None)
+    load: str | None = doc("Checkpoint directory to resume from (latest iteration).", None)
+    save_interval: int | None = doc("Save every N iterations (and at the end when --save is set).", None)
+    keep_last: int = doc("Keep this many newest checkpoints in --save; 0 keeps all.", 0)
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ConfigError(f"--save-interval must be >= 1, got {self.save_interval}")
+        if self.keep_last < 0:
+            raise ConfigError(f"--keep-last must be >= 0, got {self.keep_last}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    data: DataConfig
+    logging: LoggingConfig
+    checkpoint: CheckpointConfig
+    extensions: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: str = "defaults"
+
+    def ext(self, name: str) -> Any:
+        return self.extensions.get(name)
+
+    def flat(self) -> dict[str, Any]:
+        """All keys as one flat mapping (what a YAML file holds)."""
+        out: dict[str, Any] = {}
+        for name in _CORE:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        for cfg in self.extensions.values():
+            out.update(dataclasses.asdict(cfg))
+        return out
+
+    def validate(self, world_size: int) -> None:
+        """Checks that need the world size; raise before any model is built."""
+        tp = self.parallel.tensor_model_parallel_size
+        pp = self.parallel.pipeline_model_parallel_size
+        if world_size % (tp * pp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+                f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
+        dp = world_size // (tp * pp)
+        vpp = self.parallel.virtual_pipeline_model_parallel_size or 1
+        if self.model.num_layers % (pp * vpp):
+            what = f"--pipeline-model-parallel-size ({pp})" + (
+                f" x --virtual-pipeline-model-parallel-size ({vpp})" if vpp > 1 else "")
+            raise ConfigError(f"--num-layers ({self.model.num_layers}) is not divisible by {what}")
+        if self.model.num_attention_heads % tp:
+            raise ConfigError(f"--num-attention-heads ({self.model.num_attention_heads}) is not divisible by "
+                              f"--tensor-model-parallel-size ({tp})")
+        if self.model.ffn_hidden_size % tp:
+            raise ConfigError(f"--ffn-hidden-size ({self.model.ffn_hidden_size}) is not divisible by "
+                              f"--tensor-model-parallel-size ({tp})")
+        mbs, gbs = self.training.micro_batch_size, self.training.global_batch_size
+        if gbs % (mbs * dp):
+            raise ConfigError(
+                f"--global-batch-size ({gbs}) is not divisible by --micro-batch-size ({mbs}) x "
+                f"data-parallel size ({dp} = world size {world_size} / (TP {tp} x PP {pp})) = {mbs * dp}")
+        if vpp > 1 and (gbs // (mbs * dp)) % pp:
+            raise ConfigError(f"interleaved 1F1B needs the number of micro-batches ({gbs // (mbs * dp)}) "
+                              f"to be a multiple of --pipeline-model-parallel-size ({pp})")
+        if self.parallel.sequence_parallel and self.model.seq_length % tp:
+            raise ConfigError(f"--sequence-parallel needs --seq-length ({self.model.seq_length}) divisible by "
+                              f"--tensor-model-parallel-size ({tp})")
+        path = self.data.data_path
+        if path is not None:
+            missing = [p for p in (path + ".bin", path + ".idx") if not os.path.isfile(p)]
+            if missing:
+                raise ConfigError(f"--data-path {path}: missing {' and '.join(missing)}; build it with "
+                                  "tools/preprocess_data.py or leave --data-path unset for the default corpus")
+        if self.checkpoint.load is not None and not os.path.isdir(self.checkpoint.load):
+            raise ConfigError(f"--load {self.checkpoint.load}: no such directory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="GPT pretraining on megatron-core with the megatron-ext extensions. "
+                    "Every flag is also a key of --config YAML; flags override YAML.",
+        allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file with the same keys as the flags.")
+    for name, cls in sections().items():
+        add_flags(parser, cls, title=name)
+    return parser
+
+
+def all_keys() -> list[str]:
+    return [f for cls in sections().values() for f in field_names(cls)]
+
+
+def parse_run_config(argv: Sequence[str] | None = None, *, defaults: dict[str, Any] | None = None) -> RunConfig:
+    """Flags over YAML over ``defaults`` over dataclass defaults. Raises ConfigError on bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = dict(defaults or {})
+    source = "defaults"
+    where = "command line"
+    if args.config:
+        yaml_values = load_yaml(args.config)
+        check_unknown(yaml_values, all_keys(), args.config)
+        values.update(yaml_values)
+        source = args.config
+        where = f"{args.config} / command line"
+    cli = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    values.update(cli)
+    return config_from_values(values, where=where, source=source)
+
+
+def config_from_values(values: dict[str, Any], *, where: str = "config", source: str = "values") -> RunConfig:
+    check_unknown(values, all_keys(), where)
+    secs = sections()
+    built = {name: build(cls, values, where) for name, cls in secs.items()}
+    core = {name: built.pop(name) for name in _CORE}
+    return RunConfig(**core, extensions=built, source=source)

@@ -1,0 +1,131 @@
+"""Process group and megatron-core parallel state, built from the run config and the Layout."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config.run import ParallelConfig
+from megatron_ext.runtime.layout import Coord, Layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class DistContext:
+    """Who this process is in the job. Passed around explicitly (no module globals)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    layout: Layout
+    vpp: int | None = None
+
+    @property
+    def coord(self) -> Coord:
+        return self.layout.coord(self.rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord.pp == self.layout.pp - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that prints and writes TensorBoard: last stage (it has the loss), tp 0, dp 0."""
+        c = self.coord
+        return c.pp == self.layout.pp - 1 and c.tp == 0 and c.dp == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(parallel: ParallelConfig) -> tuple[torch.device, str]:
+    want = parallel.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda requested but CUDA is not available")
+    backend = parallel.distributed_backend
+    if backend == "auto":
+        backend = "nccl" if want == "cuda" else "gloo"
+    if backend == "nccl" and want != "cuda":
+        raise RuntimeError("--distributed-backend nccl needs --device cuda")
+    if want == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), backend
+    return torch.device("cpu"), backend
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun / Slurm variables; a lone process is rank 0 of 1."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    return 0, 1, 0
+
+
+def init_process_group(parallel: ParallelConfig, *, timeout_s: float = 600.0) -> tuple[int, int, int, torch.device, str]:
+    rank, world, local_rank = world_from_env()
+    device, backend = resolve_device(parallel)
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, local_rank, device, backend
+
+
+def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: int) -> None:
+    """megatron-core parallel state for ``layout`` (same rank order as Layout), then RNG seeding."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        order="tp-cp-ep-dp-pp",
+    )
+    c = layout.coord(rank)
+    got = Coord(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                dp=ps.get_data_parallel_rank())
+    if got != c:  # the Layout function and megatron disagree: groups would be wrong
+        raise RuntimeError(f"rank {rank}: megatron parallel state {got} != layout {c} ({layout.name})")
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def setup(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> DistContext:
+    rank, world, local_rank, device, backend = init_process_group(parallel, timeout_s=timeout_s)
+    if device.type == "cpu":
+        from megatron_ext.compat import megatron_cpu
+
+        megatron_cpu.apply()
+    layout = Layout.from_world(world, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    build_parallel_state(layout, rank, vpp=vpp, seed=seed)
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
+                       layout=layout, vpp=vpp if vpp and vpp > 1 else None)
+
+
+def teardown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,270 @@
+"""The training loop: megatron-core's pipeline schedule over this rank's micro-batches.
+
+``Trainer`` owns the runtime objects (model, optimizer, scheduler, data streams) as attributes, so
+extensions reach them through the trainer and a relayout can replace them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config.run import RunConfig
+from megatron_ext.data.dataset import MicroBatchStream, build_splits, split_sizes
+from megatron_ext.runtime import checkpoint as ckpt
+from megatron_ext.runtime.distributed import DistContext
+from megatron_ext.runtime.extension import Extension, IterationMetrics
+from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, stage_loss_func
+from megatron_ext.runtime.optimizer import build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def format_eta(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, extensions: Iterable[Extension] = ()) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.extensions = list(extensions)
+        self.iteration = 0
+        self.history: list[dict[str, Any]] = []
+        self._tb = None
+        self._metrics_fh = None
+        self.forward_backward_func = None
+
+    # --- setup -----------------------------------------------------------------------------
+    def setup(self) -> "Trainer":
+        cfg, ctx = self.cfg, self.ctx
+        t, d, lg = cfg.training, cfg.data, cfg.logging
+        self.splits = build_splits(
+            data_path=d.data_path, tokenizer_file=d.tokenizer_file, split=d.split,
+            seq_length=cfg.model.seq_length, seed=t.seed,
+            sizes=split_sizes(t.train_iters, t.global_batch_size, lg.eval_interval, lg.eval_iters),
+            cache=d.data_cache_dir)
+        self.model: ModelBundle = build_model(cfg, ctx, self.splits.tokenizer.vocab_size)
+        params = list(self.model.parameters())
+        self.optimizer = build_optimizer(params, t, ctx.device.type == "cuda", self.model.chunks)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        coord = ctx.coord
+        self.train_stream = MicroBatchStream(self.splits.train, global_batch=t.global_batch_size,
+                                             micro_batch=t.micro_batch_size, dp_rank=coord.dp,
+                                             dp_size=ctx.layout.dp, eod=self.splits.tokenizer.eod)
+        self.valid_stream = None
+        if self.splits.valid is not None and len(self.splits.valid) > 0 and lg.eval_iters > 0:
+            self.valid_stream = MicroBatchStream(self.splits.valid, global_batch=t.global_batch_size,
+                                                 micro_batch=t.micro_batch_size, dp_rank=coord.dp,
+                                                 dp_size=ctx.layout.dp, eod=self.splits.tokenizer.eod)
+        if cfg.checkpoint.load:
+            self.load_checkpoint(cfg.checkpoint.load)
+        else:
+            self.scheduler.step(0)
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.forward_backward_func = get_forward_backward_func()
+        n_params = count_parameters(self.model.chunks)
+        if ctx.rank == 0:
+            logger.info("layout %s (world %d) on %s/%s; %d parameters on rank 0; data %s; %d micro-batches "
+                        "of %d per iteration", ctx.layout.name, ctx.world_size, ctx.device, ctx.backend, n_params,
+                        self.splits.prefix, self.train_stream.num_microbatches, t.micro_batch_size)
+        if ctx.is_logging_rank:
+            if lg.tensorboard_dir:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=lg.tensorboard_dir)
+            if lg.metrics_file:
+                os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
+                self._metrics_fh = open(lg.metrics_file, "a", encoding="utf-8")
+        for ext in self.extensions:
+            ext.setup(self)
+        return self
+
+    # --- one iteration ---------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        dev = self.ctx.device
+        tokens = batch["tokens"].to(dev, non_blocking=True)
+        labels = batch["labels"].to(dev, non_blocking=True)
+        position_ids = batch["position_ids"].to(dev, non_blocking=True)
+        output = model(tokens, position_ids, None, labels=labels)
+        return output, stage_loss_func(batch["loss_mask"].to(dev))
+
+    def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool) -> list[dict[str, Any]]:
+        chunks = self.model.chunks
+        iters = [iter(batches) for _ in chunks]
+        return self.forward_backward_func(
+            forward_step_func=self._forward_step,
+            data_iterator=iters if len(chunks) > 1 else iters[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(batches),
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def _reduce_loss(self, losses: list[dict[str, Any]]) -> float | None:
+        """Mean lm loss over micro-batches and data-parallel ranks; None off the last stage."""
+        from megatron.core import parallel_state as ps
+
+        if not self.ctx.is_last_stage:
+            return None
+        value = torch.stack([d["lm loss"].float().cpu() for d in losses]).mean() if losses else torch.tensor(0.0)
+        if self.ctx.layout.dp > 1:
+            value = value.to(self.ctx.device)
+            dist.all_reduce(value, group=ps.get_data_parallel_group())
+            value = value / self.ctx.layout.dp
+        return float(value)
+
+    def _sync(self) -> None:
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def train_step(self) -> IterationMetrics:
+        it = self.iteration + 1
+        for ext in self.extensions:
+            ext.before_iteration(self, it)
+        start = time.perf_counter()
+        batches = self.train_stream.next_iteration()
+        self.model.train()
+        self.model.zero_grad_buffer()
+        losses = self._run_schedule(batches, forward_only=False)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
+        applied, grad_norm = self._optimizer_step()
+        self.scheduler.step(1)
+        self._sync()
+        elapsed = time.perf_counter() - start
+        self.iteration = it
+        t = self.cfg.training
+        metrics = IterationMetrics(
+            iteration=it, loss=self._reduce_loss(losses), lr=lr,
+            grad_norm=grad_norm, iter_time_s=elapsed,
+            tokens_per_s=t.global_batch_size * self.cfg.model.seq_length / max(elapsed, 1e-9),
+            consumed_samples=self.train_stream.consumed_samples, skipped=not applied)
+        for ext in self.extensions:
+            ext.after_iteration(self, metrics)
+        return metrics
+
+    def _optimizer_step(self) -> tuple[bool, float | None]:
+        out = self.optimizer.step()
+        if isinstance(out, tuple):
+            return bool(out[0]), (None if out[1] is None else float(out[1]))
+        return bool(out), None
+
+    def evaluate(self) -> float | None:
+        if self.valid_stream is None:
+            return None
+        self.model.eval()
+        losses = []
+        with torch.no_grad():
+            for i in range(self.cfg.logging.eval_iters):
+                batches = self.valid_stream.iteration(start=i * self.cfg.training.global_batch_size)
+                out = self._run_schedule(batches, forward_only=True)
+                loss = self._reduce_loss(out)
+                if loss is not None:
+                    losses.append(loss)
+        self.model.train()
+        return sum(losses) / len(losses) if losses else None
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def layout_dict(self) -> dict[str, int]:
+        lay = self.ctx.layout
+        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vpp": self.ctx.vpp or 1}
+
+    def save_checkpoint(self) -> str:
+        state = ckpt.TrainState(iteration=self.iteration, consumed_samples=self.train_stream.consumed_samples,
+                                scheduler=self.scheduler.state_dict())
+        return ckpt.save(self.cfg.checkpoint.save, model=self.model, optimizer=self.optimizer, state=state,
+                         config=self.cfg.flat(), layout=self.layout_dict(), keep_last=self.cfg.checkpoint.keep_last)
+
+    def load_checkpoint(self, path: str) -> None:
+        state = ckpt.load(path, model=self.model, optimizer=self.optimizer, layout=self.layout_dict())
+        self.iteration = state.iteration
+        self.train_stream.consumed_samples = state.consumed_samples
+        self.scheduler.load_state_dict(state.scheduler)
+        self.scheduler.step(0)  # re-applies lr/wd of the restored step to the param groups
+        if self.ctx.rank == 0:
+            logger.info("resumed from %s at iteration %d (%d samples consumed)", path, state.iteration,
+                        state.consumed_samples)
+
+    # --- logging ---------------------------------------------------------------------------
+    def _record(self, kind: str, payload: dict[str, Any]) -> None:
+        row = {"kind": kind, **payload}
+        self.history.append(row)
+        if self._metrics_fh is not None:
+            self._metrics_fh.write(json.dumps(row) + "\n")
+            self._metrics_fh.flush()
+
+    def _log(self, m: IterationMetrics, avg_time: float) -> None:
+        if not self.ctx.is_logging_rank:
+            return
+        t = self.cfg.training
+        self._record("train", {"iteration": m.iteration, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,
+                               "iter_time_s": m.iter_time_s, "tokens_per_s": m.tokens_per_s,
+                               "consumed_samples": m.consumed_samples, **m.extra})
+        if self._tb is not None:
+            self._tb.add_scalar("train/lm_loss", m.loss, m.iteration)
+            self._tb.add_scalar("train/lr", m.lr, m.iteration)
+            self._tb.add_scalar("train/tokens_per_s", m.tokens_per_s, m.iteration)
+            if m.grad_norm is not None:
+                self._tb.add_scalar("train/grad_norm", m.grad_norm, m.iteration)
+            for k, v in m.extra.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"train/{k}", v, m.iteration)
+        if self.cfg.logging.progress and m.iteration % self.cfg.logging.log_interval == 0:
+            eta = format_eta(avg_time * (t.train_iters - m.iteration))
+            gn = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "n/a"
+            extra = "".join(f" | {k}: {v:.3g}" if isinstance(v, float) else f" | {k}: {v}"
+                            for k, v in m.extra.items())
+            print(f" iteration {m.iteration:6d}/{t.train_iters:6d} | loss {m.loss:.4f} | lr {m.lr:.3e} | "
+                  f"grad norm {gn} | {m.iter_time_s * 1000:7.1f} ms | {m.tokens_per_s:8.0f} tokens/s | "
+                  f"ETA {eta}{' | skipped' if m.skipped else ''}{extra}", flush=True)
+
+    def _log_eval(self, loss: float | None) -> None:
+        if not self.ctx.is_logging_rank or loss is None:
+            return
+        ppl = math.exp(min(loss, 50.0))
+        self._record("valid", {"iteration": self.iteration, "loss": loss, "ppl": ppl})
+        if self._tb is not None:
+            self._tb.add_scalar("valid/lm_loss", loss, self.iteration)
+            self._tb.add_scalar("valid/ppl", ppl, self.iteration)
+        if self.cfg.logging.progress:
+            print(f" validation at iteration {self.iteration:6d} | loss {loss:.4f} | ppl {ppl:.2f}", flush=True)
+
+    # --- the run ---------------------------------------------------------------------------
+    def run(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        t, lg, ck = cfg.training, cfg.logging, cfg.checkpoint
+        times: list[float] = []
+        try:
+            while self.iteration < t.train_iters:
+                m = self.train_step()
+                times.append(m.iter_time_s)
+                recent = times[-20:]
+                self._log(m, sum(recent) / len(recent))
+                if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.iteration < t.train_iters:
+                    self._log_eval(self.evaluate())
+                if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
+                    self.save_checkpoint()
+            if lg.eval_iters > 0:
+                self._log_eval(self.evaluate())
+            if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
+                self.save_checkpoint()
+        finally:
+            for ext in self.extensions:
+                ext.teardown(self)
+            if self._tb is not None:
+                self._tb.flush()
+                self._tb.close()
+            if self._metrics_fh is not None:
+                self._metrics_fh.close()
+        return self.history

@@ -1,0 +1,228 @@
+"""GPTModel on megatron-core, wrapped in megatron DistributedDataParallel.
+
+Weights are initialised *by global name*: every parameter shard is cut from a full tensor drawn
+from a generator seeded with (seed, checkpoint key, global layer). The same seed therefore gives the
+same model in every TP/PP/DP layout, which the parity tests and live relayout rely on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+
+from megatron_ext.config.run import RunConfig
+from megatron_ext.runtime.distributed import DistContext
+
+logger = logging.getLogger(__name__)
+
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Round up to a multiple of 128 — layout-independent, so TP1 and TP2 models match exactly."""
+    padded = -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if padded % tp:
+        raise ValueError(f"padded vocabulary {padded} is not divisible by --tensor-model-parallel-size {tp}")
+    return padded
+
+
+@dataclasses.dataclass
+class ModelBundle:
+    """The model chunks of this rank (one per virtual stage) and their shared TransformerConfig."""
+
+    chunks: list[torch.nn.Module]
+    config: Any  # megatron.core.transformer.TransformerConfig
+    vocab_size: int
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
+    def train(self) -> None:
+        for c in self.chunks:
+            c.train()
+
+    def eval(self) -> None:
+        for c in self.chunks:
+            c.eval()
+
+    def zero_grad_buffer(self) -> None:
+        for c in self.chunks:
+            c.zero_grad_buffer()
+
+    def sharded_state_dicts(self) -> list[dict[str, Any]]:
+        return [unwrap(c).sharded_state_dict() for c in self.chunks]
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    on_gpu = ctx.device.type == "cuda"
+    dtype = torch.bfloat16 if (t.bf16 and on_gpu) else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=ctx.vpp,
+        sequence_parallel=p.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        # CPU: no fused CUDA kernels, no cuda.synchronize after batched p2p (FEASIBILITY.md).
+        batch_p2p_sync=on_gpu,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=on_gpu,
+    )
+
+
+def layer_spec(on_gpu: bool) -> Any:
+    """Transformer Engine spec on GPUs where TE imports; the plain-torch local spec otherwise."""
+    if on_gpu:
+        try:
+            import transformer_engine  # noqa: F401
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            logger.warning("transformer_engine not importable: using the local (plain torch) layer spec")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec()
+
+
+def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
+                wrap_ddp: bool = True) -> ModelBundle:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+
+    tconfig = transformer_config(cfg, ctx)
+    spec = layer_spec(ctx.device.type == "cuda")
+    vocab = padded_vocab_size(vocab_size, ctx.layout.tp)
+    chunks = []
+    n_chunks = ctx.vpp or 1
+    for vp in range(n_chunks):
+        vp_stage = vp if ctx.vpp else None
+        model = GPTModel(
+            config=tconfig,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=cfg.model.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+            position_embedding_type=cfg.model.position_embedding_type,
+            vp_stage=vp_stage,
+        )
+        model.to(ctx.device)
+        chunks.append(model)
+    init_by_name(chunks, seed=cfg.training.seed, std=cfg.model.init_method_std, num_layers=cfg.model.num_layers)
+    if wrap_ddp:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+            use_distributed_optimizer=False,
+        )
+        chunks = [
+            DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
+                                    disable_bucketing=(i > 0))
+            for i, c in enumerate(chunks)
+        ]
+        tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        tconfig.finalize_model_grads_func = finalize_model_grads
+    return ModelBundle(chunks=chunks, config=tconfig, vocab_size=vocab)
+
+
+# --- initialisation by global name -------------------------------------------------------------
+
+_OUTPUT_SCALED = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def _seed_for(seed: int, key: str, index: tuple[int, ...]) -> int:
+    digest = hashlib.sha256(f"{seed}:{key}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _full_value(key: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
+    """What the unsharded tensor named ``key`` is initialised to (megatron's init rules)."""
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf.endswith("bias"):
+        return torch.zeros(shape)
+    # Norm gains: "final_layernorm.weight", or fused into a linear as "...layer_norm_weight".
+    if "norm" in leaf or ("norm" in key and leaf == "weight"):
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed)
+    scale = std / math.sqrt(2.0 * num_layers) if key.endswith(_OUTPUT_SCALED) else std
+    return torch.randn(shape, generator=gen) * scale
+
+
+def iter_sharded_tensors(sharded: dict[str, Any]) -> Iterator[Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for value in sharded.values():
+        if isinstance(value, ShardedTensor):
+            yield value
+
+
+def shard_slices(st: Any) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+    """(indices into the prepended axes, slices into the unsharded tensor) of a ShardedTensor."""
+    pre = st.prepend_axis_num
+    index = tuple(st.global_offset[:pre])
+    local = st.data.shape
+    slices = tuple(slice(off, off + n) for off, n in zip(st.global_offset[pre:], local))
+    return index, slices
+
+
+def init_by_name(chunks: list[torch.nn.Module], *, seed: int, std: float, num_layers: int) -> None:
+    """Overwrite every parameter with its slice of a layout-independent full tensor."""
+    seen: set[int] = set()
+    with torch.no_grad():
+        for chunk in chunks:
+            for st in iter_sharded_tensors(unwrap(chunk).sharded_state_dict()):
+                if id(st.data) in seen or not isinstance(st.data, torch.Tensor) or not st.data.is_floating_point():
+                    continue
+                seen.add(id(st.data))
+                index, slices = shard_slices(st)
+                full_shape = tuple(st.global_shape[st.prepend_axis_num:])
+                full = _full_value(st.key, full_shape, _seed_for(seed, st.key, index), std, num_layers)
+                st.data.copy_(full[slices].to(st.data.dtype))
+
+
+def count_parameters(chunks: list[torch.nn.Module]) -> int:
+    return sum(p.numel() for c in chunks for p in c.parameters())
+
+
+def stage_loss_func(loss_mask: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]:
+    """Mean token loss of one micro-batch (every micro-batch has the same token count, so the mean
+    over micro-batches and data-parallel ranks is the global mean)."""
+
+    def loss_func(output_tensor: torch.Tensor):
+        losses = output_tensor.float().view(-1)
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return loss_func
