@@ -22,8 +22,8 @@ class ResiHPConfig:
                                   1.25)
     resihp_zscore: float = doc("...and the deviation is at least this many robust standard deviations of "
                                "the rank's healthy noise.", 5.0)
-    resihp_window: int = doc("Persistence: a verdict needs the median of the last N iterations past both "
-                             "bounds, the current one included.", 7)
+    resihp_window: int = doc("Persistence: a verdict needs all but one of a rank's last N iterations past "
+                             "both bounds, the current one included.", 8)
     resihp_warmup: int = doc("Iterations used to calibrate throughput before any fail-slow verdict.", 20)
     resihp_calibration_window: int = doc("Healthy iterations kept for the rolling calibration.", 100)
     resihp_refit_every: int = doc("Refit the throughput model every N iterations after warm-up.", 25)

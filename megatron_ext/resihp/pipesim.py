@@ -48,6 +48,21 @@ class SimPlan:
     last: np.ndarray         # (p,) last op of each stage
     levels: tuple[np.ndarray, ...]
 
+    @functools.cached_property
+    def level_data(self) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]:
+        """Per level: op indices, row of the previous op's finish, row of the input's output time
+        and the cross-stage mask, as rows of ``simulate``'s (start; finish) table."""
+        n = self.num_ops
+        fin = n + 1
+        out = []
+        for idx in self.levels:
+            prev_pos = fin + self.prev[idx]  # prev == n -> the finish sentinel (2n + 1)
+            o = self.out_idx[idx]
+            out_pos = np.where(self.out_from_start[idx], o, fin + o)  # o == n -> a sentinel
+            cross = (self.cross[idx] & (self.prod[idx] != n)).astype(float)
+            out.append((idx, prev_pos, out_pos, cross))
+        return tuple(out)
+
     @property
     def num_ops(self) -> int:
         return int(self.stage.shape[0])
@@ -261,19 +276,15 @@ def simulate(plan: SimPlan, fwd_s: np.ndarray, bwd_s: np.ndarray, *, p2p_latency
     if (dur < 0).any() or not np.isfinite(dur).all():
         raise ValueError("durations must be finite and >= 0")
     batch, n = dur.shape
-    start = np.zeros((batch, n + 1))
-    finish = np.zeros((batch, n + 1))
-    lat = np.where(plan.cross, p2p_latency_s, 0.0)
-    for idx in plan.levels:
-        after_prev = finish[:, plan.prev[idx]]
-        o = plan.out_idx[idx]
-        from_start = plan.out_from_start[idx]
-        out = np.where(from_start[None, :], start[:, o], finish[:, o])
-        has_input = plan.prod[idx] != n
-        ready = np.where(has_input[None, :], out + lat[idx][None, :], 0.0)
-        s = np.maximum(after_prev, ready)
-        start[:, idx] = s
-        finish[:, idx] = s + dur[:, idx]
+    # One (2n + 2, B) table: rows 0..n are start times, rows n+1..2n+1 finish times, row n and
+    # row 2n+1 the zero sentinels. Each level is then two gathers and two scatters.
+    times = np.zeros((2 * n + 2, batch))
+    dur_t = np.ascontiguousarray(dur.T)
+    for idx, prev_pos, out_pos, cross in plan.level_data:
+        s = np.maximum(times[prev_pos], times[out_pos] + (p2p_latency_s * cross)[:, None])
+        times[idx] = s
+        times[idx + n + 1] = s + dur_t[idx]
+    start, finish = times[:n].T, times[n + 1:2 * n + 1].T
     tail = np.broadcast_to(np.asarray(tail_s, dtype=float), (batch, plan.order.num_stages)).copy()
-    return SimResult(plan=plan, start=start[:, :n], finish=finish[:, :n], tail_s=tail,
+    return SimResult(plan=plan, start=np.ascontiguousarray(start), finish=np.ascontiguousarray(finish), tail_s=tail,
                      p2p_latency_s=float(p2p_latency_s))

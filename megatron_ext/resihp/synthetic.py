@@ -66,9 +66,10 @@ class SyntheticSpec:
     p2p_latency_s: float = 1e-4
     tail_s: float = 0.05
     faults: tuple[SlowFault, ...] = ()
-    # Iteration spans [first, last] whose sequences each hold one single document (a shard of long
-    # texts): heavier attention, healthy hardware. The raw baseline sees a slowdown here.
+    # Iteration spans [first, last] drawn from a long-document corpus (books, code files: data-mix
+    # shifts): more attention work on healthy hardware, which raw time mistakes for a slowdown.
     long_document_spans: tuple[tuple[int, int], ...] = ()
+    long_document_median: float = 8192.0
     seed: int = 0
 
     @property
@@ -127,11 +128,11 @@ def generate(spec: SyntheticSpec) -> list[IterationRecord]:
     burst_mult = np.ones(world)
     for k in range(n):
         it = spec.first_iteration + k
-        if any(a <= it <= b for a, b in spec.long_document_spans):
-            docs = [[[spec.seq_length] * spec.micro_batch_size for _ in range(m)] for _ in range(dp)]
-        else:
-            docs = [[pack_documents(rng, spec.seq_length, spec.micro_batch_size, spec.doc_length_median,
-                                    spec.doc_length_sigma) for _ in range(m)] for _ in range(dp)]
+        long = any(a <= it <= b for a, b in spec.long_document_spans)
+        median, sigma = ((spec.long_document_median, 1.0) if long
+                         else (spec.doc_length_median, spec.doc_length_sigma))
+        docs = [[pack_documents(rng, spec.seq_length, spec.micro_batch_size, median, sigma) for _ in range(m)]
+                for _ in range(dp)]
         documents.append(docs)
         tokens = np.array([[sum(x) for x in row] for row in docs], dtype=float)          # (dp, m)
         sq = np.array([[float(np.square(np.asarray(x, dtype=float)).sum()) for x in row] for row in docs])
@@ -179,10 +180,11 @@ def generate(spec: SyntheticSpec) -> list[IterationRecord]:
 
 def random_spec(rng: np.random.Generator, *, iterations: int, fault_prob: float = 0.5,
                 factor_range: tuple[float, float] = (1.1, 3.0), warmup: int = 20, seed: int = 0,
-                stages_choices: tuple[int, ...] = (8, 16, 32, 64)) -> SyntheticSpec:
-    """A random job for the benchmark: 8-64 stages, 1F1B or interleaved, TP/DP 1-2, and with
+                long_doc_prob: float = 0.5, stages_choices: tuple[int, ...] = (8, 16, 32, 64)) -> SyntheticSpec:
+    """A random job for the benchmark: 8-64 stages, 1F1B or interleaved, TP/DP 1-2; with
     probability ``fault_prob`` one fail-slow fault of a random factor at a random rank, starting
-    at a random iteration after warm-up and lasting to the end."""
+    at a random iteration after warm-up and lasting to the end; with probability
+    ``long_doc_prob`` one or two spans of 10-40 iterations from the long-document corpus."""
     stages = int(rng.choice(stages_choices))
     interleaved = bool(rng.random() < 0.5)
     chunks = 2 if interleaved else 1
@@ -195,6 +197,12 @@ def random_spec(rng: np.random.Generator, *, iterations: int, fault_prob: float 
         since = int(rng.integers(warmup + 10, max(warmup + 11, iterations - 20)))
         faults = (SlowFault(rank=int(rng.integers(world)), since=since,
                             factor=float(np.round(rng.uniform(*factor_range), 3))),)
+    spans = []
+    if rng.random() < long_doc_prob:
+        for _ in range(int(rng.integers(1, 3))):
+            first = int(rng.integers(warmup + 1, max(warmup + 2, iterations - 10)))
+            spans.append((first, first + int(rng.integers(10, 41))))
     return SyntheticSpec(stages=stages, microbatches=microbatches, chunks=chunks,
                          schedule="interleaved" if interleaved else "1f1b", tp=tp, dp=dp, iterations=iterations,
-                         layers_per_chunk=1 if interleaved else 2, faults=faults, seed=seed)
+                         layers_per_chunk=1 if interleaved else 2, faults=faults,
+                         long_document_spans=tuple(spans), seed=seed)

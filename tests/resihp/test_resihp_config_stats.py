@@ -70,17 +70,20 @@ def test_robust_scale_is_normal_sigma_and_ignores_outliers():
     assert x.std() > 1e5
 
 
-def test_persistence_needs_a_window_median_and_releases():
+def test_persistence_needs_all_but_one_of_the_window_and_releases():
     p = Persistence(1, threshold=1.25, zscore=5.0, window=5)
     sig = np.array([0.02])
     feed = lambda s: p.update(np.array([s]), sig)  # noqa: E731
-    assert [feed(s) for s in [1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0]] == [[]] * 7   # 2 of 5 slow: median healthy
-    (d,) = feed(2.0)                                                               # 3 of 5: median slow
+    # Two bursts (2 + 1 slow iterations) inside five: 3 of 5 flagged, not enough.
+    assert [feed(s) for s in [1.0, 1.0, 2.0, 2.0, 1.0, 2.0, 1.0]] == [[]] * 7
+    assert [feed(s) for s in [2.0, 2.0, 1.01, 2.2]] == [[]] * 4  # never more than 3 of the last 5
+    (d,) = feed(2.0)                                          # 2 2 1.01 2.2 2: 4 of 5, convicted
     assert (d.kind, d.factor) == ("fail_slow", 2.0) and d.confidence == pytest.approx(1.0)
-    assert feed(1.01) == [] and feed(2.0) == []                                    # convicted: no repeat
+    assert feed(1.01) == [] and feed(2.0) == []               # convicted: no repeat
     out = [feed(1.0) for _ in range(5)]
     assert out[:4] == [[]] * 4 and out[4][0].kind == "recovered"
     # Past the threshold but within the noise: not flagged (z too small).
     q = Persistence(1, threshold=1.25, zscore=5.0, window=1)
     assert q.update(np.array([1.3]), np.array([0.1])) == []
     assert q.update(np.array([np.nan]), np.array([0.1])) == []
+    assert q.update(np.array([1.6]), np.array([0.1]))[0].factor == 1.6

@@ -64,7 +64,7 @@ def test_short_bursts_are_not_faults():
 
 
 def test_long_documents_are_not_faults_but_fool_raw_time():
-    # Iterations 50-70 carry one document per sequence: attention grows with the square of the
+    # Iterations 50-70 come from a long-document corpus: attention grows with the square of the
     # length, so everybody is slower. Hardware is fine.
     spec = dataclasses.replace(SMALL, doc_length_median=256, long_document_spans=((50, 70),), seed=5)
     records = generate(spec)
