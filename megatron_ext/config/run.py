@@ -88,7 +88,6 @@ class ParallelConfig:
     distributed_backend: str = doc("torch.distributed backend; auto = nccl on GPU, gloo on CPU.", "auto",
                                    choices=("auto", "gloo", "nccl"))
     device: str = doc("Where to train; auto = cuda when available.", "auto", choices=("auto", "cpu", "cuda"))
-    engine: str = doc("Training engine.", "megatron", choices=("megatron", "deepspeed"))
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -149,7 +148,6 @@ class DataConfig:
     tokenizer_file: str | None = doc("tokenizers JSON file; default: <data-path>.tokenizer.json.", None)
     data_cache_dir: str | None = doc("Where the default corpus and dataset index caches live; default "
                                      "$MEGATRON_EXT_CACHE or ~/.cache/megatron_ext.", None)
-    num_workers: int = doc("DataLoader workers (0 = in the training process).", 0)
 
     def __post_init__(self) -> None:
         parts = self.split.replace("/", ",").split(",")

@@ -129,3 +129,18 @@ def teardown() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int) -> DistContext:
+    """Rebuild megatron's parallel state for a new layout over the same processes.
+
+    The default process group stays; megatron's groups are rebuilt from ``Layout``. (gloo groups of
+    the old layout are not destroyed by megatron: a known leak, bounded by the number of relayouts.)
+    """
+    from megatron.core import parallel_state as ps
+
+    layout = Layout.from_world(ctx.world_size, tp, pp)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    build_parallel_state(layout, ctx.rank, vpp=vpp, seed=seed)
+    return dataclasses.replace(ctx, layout=layout, vpp=vpp if vpp and vpp > 1 else None)

@@ -1,0 +1,130 @@
+"""Flags, strict YAML and every bad-input message of the run configuration."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_ext.config.base import ConfigError
+from megatron_ext.config.run import all_keys, build_parser, parse_run_config
+
+CORE_FLAGS = [
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+    "max_position_embeddings", "hidden_dropout", "attention_dropout", "init_method_std",
+    "position_embedding_type", "untie_embeddings_and_output_weights",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "sequence_parallel", "overlap_grad_reduce", "distributed_backend", "device",
+    "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
+    "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+    "seed", "bf16",
+    "data_path", "split", "tokenizer_file", "data_cache_dir",
+    "log_interval", "eval_interval", "eval_iters", "tensorboard_dir", "metrics_file", "progress",
+    "save", "load", "save_interval", "keep_last",
+]
+
+
+def test_core_flag_list_is_pinned():
+    keys = all_keys()
+    assert keys[:len(CORE_FLAGS)] == CORE_FLAGS
+    assert len(set(keys)) == len(keys), "two sections share a flag name"
+    parser_flags = {o for a in build_parser()._actions for o in a.option_strings}
+    for key in keys:
+        assert "--" + key.replace("_", "-") in parser_flags
+
+
+def write(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_then_flags_override(tmp_path):
+    path = write(tmp_path, "num-layers: 6\nhidden_size: 96\nlr: 3.0e-4\nsequence_parallel: false\n")
+    cfg = parse_run_config(["--config", path, "--hidden-size", "128"])
+    assert cfg.model.num_layers == 6
+    assert cfg.model.hidden_size == 128  # flag wins
+    assert cfg.training.lr == 3e-4
+    assert cfg.model.ffn_hidden_size == 4 * 128  # derived after the override
+    assert cfg.source == path
+
+
+def test_bool_flags_forms():
+    assert parse_run_config(["--bf16"]).training.bf16 is True
+    assert parse_run_config(["--bf16", "false"]).training.bf16 is False
+    assert parse_run_config(["--no-progress"]).logging.progress is False
+
+
+def test_unknown_yaml_key_names_key_and_file(tmp_path):
+    path = write(tmp_path, "num_layers: 4\nhiden_size: 64\n")
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(["--config", path])
+    assert str(err.value) == f"{path}: unknown key 'hiden_size' (did you mean 'hidden_size'?)"
+
+
+def test_yaml_type_error_names_key_and_file(tmp_path):
+    path = write(tmp_path, "num_layers: four\n")
+    with pytest.raises(ConfigError, match=r"run.yaml / command line: key 'num_layers' expects int, got 'four'"):
+        parse_run_config(["--config", path])
+
+
+def test_yaml_not_a_mapping(tmp_path):
+    path = write(tmp_path, "- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        parse_run_config(["--config", path])
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_run_config(["--config", str(tmp_path / "nope.yaml")])
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6,
+     "world size 6 is not divisible by --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2) = 4"),
+    (["--num-layers", "5", "--pipeline-model-parallel-size", "2"], 4,
+     "--num-layers (5) is not divisible by --pipeline-model-parallel-size (2)"),
+    (["--global-batch-size", "6", "--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"], 4,
+     "--global-batch-size (6) is not divisible by --micro-batch-size (2) x data-parallel size "
+     "(2 = world size 4 / (TP 1 x PP 2)) = 4"),
+    (["--num-attention-heads", "3", "--hidden-size", "48", "--tensor-model-parallel-size", "2"], 2,
+     "--num-attention-heads (3) is not divisible by --tensor-model-parallel-size (2)"),
+])
+def test_layout_errors(argv, world, message):
+    cfg = parse_run_config(argv)
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(world)
+    assert str(err.value) == message
+
+
+def test_missing_data_path(tmp_path):
+    prefix = str(tmp_path / "corpus")
+    cfg = parse_run_config(["--data-path", prefix])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(1)
+    assert str(err.value).startswith(f"--data-path {prefix}: missing {prefix}.bin and {prefix}.idx")
+
+
+def test_field_checks():
+    with pytest.raises(ConfigError, match=r"--hidden-size \(66\) is not divisible by --num-attention-heads \(4\)"):
+        parse_run_config(["--hidden-size", "66"])
+    with pytest.raises(ConfigError, match="need 0 <= --min-lr <= --lr"):
+        parse_run_config(["--lr", "1e-4", "--min-lr", "1e-3"])
+    with pytest.raises(ConfigError, match="--split must be comma-separated numbers"):
+        parse_run_config(["--split", "a,b"])
+    with pytest.raises(ConfigError, match="--sequence-parallel needs --tensor-model-parallel-size > 1"):
+        parse_run_config(["--sequence-parallel"])
+
+
+def test_bad_flag_value_exits(capsys):
+    with pytest.raises(SystemExit):
+        parse_run_config(["--lr-decay-style", "zigzag"])
+    assert "invalid choice: 'zigzag'" in capsys.readouterr().err
+
+
+def test_pretrain_reports_config_errors_before_building(tmp_path, monkeypatch, capsys):
+    import pretrain_gpt
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    path = write(tmp_path, "num_layers: 3\npipeline_model_parallel_size: 2\n")
+    assert pretrain_gpt.main(["--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "pretrain_gpt.py: error: --num-layers (3) is not divisible by --pipeline-model-parallel-size (2)" in err

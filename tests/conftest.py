@@ -1,0 +1,42 @@
+"""Shared test setup: one corpus/index cache per test session, and the torchrun launcher."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    # Respect a cache the caller set up (CI keeps one across steps); else one per session.
+    if "MEGATRON_EXT_CACHE" not in os.environ:
+        os.environ["MEGATRON_EXT_CACHE"] = str(tmp_path_factory.mktemp("megatron_ext_cache"))
+    yield
+
+
+def run_torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 900, env: dict | None = None
+                 ) -> subprocess.CompletedProcess:
+    """Launch ``script`` on ``nproc`` gloo ranks; fails the test with the output tail on error."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           script, *args]
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
+    return proc
+
+
+def run_python(*args: str, timeout: int = 600, env: dict | None = None, check: bool = True
+               ) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        pytest.fail(f"python {' '.join(args)} exited {proc.returncode}:\n{tail}")
+    return proc
