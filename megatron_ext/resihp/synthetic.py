@@ -206,3 +206,56 @@ def random_spec(rng: np.random.Generator, *, iterations: int, fault_prob: float 
                          schedule="interleaved" if interleaved else "1f1b", tp=tp, dp=dp, iterations=iterations,
                          layers_per_chunk=1 if interleaved else 2, faults=faults,
                          long_document_spans=tuple(spans), seed=seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write a synthetic trace: ``python -m megatron_ext.resihp.synthetic OUT.jsonl [options]``."""
+    import argparse
+
+    from megatron_ext.resihp.trace import write_trace
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_ext.resihp.synthetic",
+                                     description="Write a labelled synthetic ResiHP trace (format v1).")
+    parser.add_argument("out")
+    parser.add_argument("--stages", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--chunks", type=int, default=1, help="model chunks per stage (>1: interleaved)")
+    parser.add_argument("--schedule", default=None, help="1f1b / interleaved / deepspeed (default from --chunks)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--slow", action="append", default=[], metavar="RANK:ITER:FACTOR[:UNTIL]",
+                        help="a fail-slow fault (repeatable)")
+    parser.add_argument("--long-docs", action="append", default=[], metavar="FIRST:LAST",
+                        help="iterations drawn from the long-document corpus (repeatable)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        faults = []
+        for text in args.slow:
+            parts = text.split(":")
+            if len(parts) not in (3, 4):
+                raise ValueError
+            faults.append(SlowFault(rank=int(parts[0]), since=int(parts[1]), factor=float(parts[2]),
+                                    until=int(parts[3]) if len(parts) == 4 else None))
+    except ValueError:
+        parser.error(f"--slow expects RANK:ITER:FACTOR[:UNTIL], got {args.slow}")
+    try:
+        spans = tuple(tuple(int(x) for x in t.split(":")) for t in args.long_docs)
+        if any(len(s) != 2 for s in spans):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--long-docs expects FIRST:LAST, got {args.long_docs}")
+    schedule = args.schedule or ("interleaved" if args.chunks > 1 else "1f1b")
+    spec = SyntheticSpec(stages=args.stages, microbatches=args.microbatches, chunks=args.chunks, schedule=schedule,
+                         tp=args.tp, dp=args.dp, iterations=args.iterations, faults=tuple(faults),
+                         long_document_spans=spans, layers_per_chunk=1 if args.chunks > 1 else 2, seed=args.seed)
+    write_trace(args.out, generate(spec))
+    print(f"wrote {args.iterations} iterations to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,7 +1,6 @@
 """Scoring verdicts against labels, and the replay command end to end."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest

@@ -91,3 +91,14 @@ def test_extension_keys_and_explicit_rank_order(tmp_path):
     with TraceWriter(tmp_path / "sub" / "o.jsonl") as w:
         w.write(rec)
     assert (tmp_path / "sub" / "o.jsonl").exists()
+
+
+def test_documented_example_parses(tmp_path):
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "resihp_trace_format.md").read_text()
+    block = doc.split("## Example")[1].split("```json")[1].split("```")[0]
+    line = "".join(part.strip() for part in block.strip().splitlines())
+    (rec,) = read_trace(write_lines(tmp_path, line))
+    assert rec.iteration == 57 and rec.layout.world_size == 2 and rec.faults[0].factor == 2.0
+    assert rec.doc_stats[1].tolist() == [[40 ** 2 + 17 ** 2 + 7 ** 2, 64 ** 2]]
