@@ -87,3 +87,20 @@ def test_persistence_needs_all_but_one_of_the_window_and_releases():
     assert q.update(np.array([1.3]), np.array([0.1])) == []
     assert q.update(np.array([np.nan]), np.array([0.1])) == []
     assert q.update(np.array([1.6]), np.array([0.1]))[0].factor == 1.6
+
+
+def test_nanmedian_matches_numpy():
+    import warnings
+
+    from megatron_ext.resihp.stats import nanmedian
+
+    rng = np.random.default_rng(0)
+    for shape in [(7,), (5, 6), (3, 4, 9)]:
+        x = rng.normal(size=shape)
+        x[rng.random(shape) < 0.3] = np.nan
+        x.flat[0:shape[-1]] = np.nan  # an all-NaN slice along the last axis
+        for axis in [None, *range(len(shape))]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                want = np.nanmedian(x, axis=axis)
+            np.testing.assert_allclose(nanmedian(x, axis=axis), want, equal_nan=True)

@@ -24,7 +24,8 @@ SMALL = SyntheticSpec(stages=4, microbatches=8, iterations=90, burst_prob=0.0, s
     SMALL,
     dataclasses.replace(SMALL, tp=2, dp=2, seed=12, burst_prob=0.01),
     dataclasses.replace(SMALL, schedule="interleaved", chunks=2, layers_per_chunk=1, seed=13),
-], ids=["pp4", "tp2dp2-bursts", "interleaved"])
+    dataclasses.replace(SMALL, schedule="deepspeed", dp=2, seed=14),
+], ids=["pp4", "tp2dp2-bursts", "interleaved", "deepspeed"])
 def test_healthy_runs_get_no_verdict(spec):
     reports, verdicts = run(ResiHPDetector(), generate(spec))
     assert verdicts == []
