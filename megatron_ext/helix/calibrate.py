@@ -146,10 +146,48 @@ def _materialize(v: Any, device: torch.device) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
     # Integer/bool tensors become zeros: valid indices for gathers and embeddings.
-    storage = max((s - 1) * st for s, st in zip(v.shape, v.stride())) + 1 if v.numel() else 0
+    storage = sum((s - 1) * st for s, st in zip(v.shape, v.stride())) + 1 if v.numel() else 0
     base = torch.zeros(storage, dtype=v.dtype, device=device) if not v.is_floating_point() \
         else torch.randn(storage, device=device).to(v.dtype)
     return base.as_strided(tuple(v.shape), tuple(v.stride()))
+
+
+def compute_only_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of an AOT graph whose collectives are local copies and whose waits are no-ops:
+    its run time is the graph's computation alone."""
+    import copy
+
+    g = copy.deepcopy(gm)
+    for n in list(g.graph.nodes):
+        if collective_kind(n) is not None:
+            n.target = torch.ops.aten.clone.default
+            n.args, n.kwargs = (n.args[0],), {}
+        elif is_wait(n):
+            n.replace_all_uses_with(n.args[0])
+            g.graph.erase_node(n)
+    g.graph.lint()
+    g.recompile()
+    return g
+
+
+def time_graphs(graphs: Iterable[fx.GraphModule], device: torch.device | str = "cpu", reps: int = 5) -> float:
+    """Median seconds to run the computation of ``graphs`` once each, on inputs built from their
+    placeholders' recorded shapes (a whole-graph micro-benchmark: it sees cache effects and the
+    machine's current load, which per-operator timings miss)."""
+    device = torch.device(device)
+    runs = []
+    for gm in graphs:
+        g = compute_only_copy(gm)
+        args = [_materialize(value_of(n), device) for n in g.graph.nodes if n.op == "placeholder"]
+        runs.append((g, args))
+
+    def once() -> None:
+        with torch.no_grad():
+            for g, args in runs:
+                g(*args)
+
+    once()  # first runs pay for page faults and allocator growth
+    return time_call(once, device, reps=reps, min_total_s=0.0)
 
 
 def _benchmarkable(node: fx.Node) -> bool:

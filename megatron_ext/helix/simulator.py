@@ -139,6 +139,14 @@ def _op_from_ir(n: IRNode, cost: CostModel, offset: int) -> SimOp:
     return op
 
 
+def _hold_collective_inputs(ops: list[SimOp]) -> None:
+    """A collective in flight holds its input buffer until its wait returns (the process group's
+    work object keeps a reference), so the wait counts as a use of the collective's inputs."""
+    for op in ops:
+        if op.kind == Kind.WAIT and op.wait_of is not None:
+            op.inputs = tuple(dict.fromkeys((*op.inputs, *ops[op.wait_of].inputs)))
+
+
 def _outputs(ir: GraphIR) -> list[int | None]:
     out = [n for n in ir.nodes if n.node.op == "output"]
     if not out:
@@ -152,6 +160,7 @@ def graph_ops(ir: GraphIR, cost: CostModel, keep_outputs: bool = True) -> list[S
     """Ops of one graph; inputs count as pre-existing, outputs are kept."""
     ops = [SimOp(name="<enter>", kind=Kind.OTHER, compute_s=cost.device.graph_overhead_s)]
     ops += [_op_from_ir(n, cost, 1) for n in ir.nodes]
+    _hold_collective_inputs(ops)
     if keep_outputs:
         for j in _outputs(ir):
             if j is not None:
@@ -182,6 +191,9 @@ def step_ops(fw: GraphIR, bw: GraphIR | None, cost: CostModel) -> list[SimOp]:
     offset = len(ops) + 1
     ops.append(SimOp(name="<backward>", kind=Kind.OTHER, compute_s=cost.device.graph_overhead_s))
     bw_ops = [_op_from_ir(n, cost, offset) for n in bw.nodes]
+    for op in bw_ops:
+        if op.kind == Kind.WAIT and op.wait_of is not None:
+            op.inputs = tuple(dict.fromkeys((*op.inputs, *bw_ops[op.wait_of - offset].inputs)))
     for k, n in enumerate(bw_inputs[:n_saved]):
         j = saved_out[k]
         if j is not None:

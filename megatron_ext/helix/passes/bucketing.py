@@ -112,6 +112,7 @@ def merged_ops(ops: Sequence[SimOp], merges: Sequence[Candidate], cost: CostMode
     new: list[SimOp] = []
     remap: dict[int, int] = {}
     bucket_coll: dict[int, int] = {}
+    bucket_cat: dict[int, int] = {}
 
     def add(op: SimOp) -> int:
         new.append(op)
@@ -124,7 +125,8 @@ def merged_ops(ops: Sequence[SimOp], merges: Sequence[Candidate], cost: CostMode
         if i in at_wait:
             c = at_wait[i]
             w = add(SimOp(name=f"bucket_wait:{c.name}", kind=Kind.WAIT, wait_of=bucket_coll[id(c)],
-                          inputs=(bucket_coll[id(c)],), alias_of=bucket_coll[id(c)], compute_s=dev.op_overhead_s,
+                          inputs=(bucket_coll[id(c)], bucket_cat[id(c)]), alias_of=bucket_coll[id(c)],
+                          compute_s=dev.op_overhead_s,
                           label="wait_tensor"))
             for wi in c.wait_index:
                 out_bytes = c.info.out_bytes
@@ -146,6 +148,7 @@ def merged_ops(ops: Sequence[SimOp], merges: Sequence[Candidate], cost: CostMode
                             inputs=tuple(remap[j] for j in c.input_index), alloc_bytes=total,
                             compute_s=dev.op_overhead_s * (1 + len(c.colls)) + 2 * total / dev.mem_bandwidth_Bps,
                             label="cat"))
+            bucket_cat[id(c)] = cat
             info = _merged_info(c)
             bucket_coll[id(c)] = add(SimOp(name=f"bucket:{c.name}", kind=Kind.COLLECTIVE, inputs=(cat,),
                                            alloc_bytes=info.out_bytes, compute_s=dev.op_overhead_s,

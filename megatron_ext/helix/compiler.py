@@ -23,6 +23,7 @@ every process group in the graph (all-reduce max), so all ranks compile the same
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Sequence
@@ -30,10 +31,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from megatron_ext.helix.calibrate import CostCache, benchmark_graph_ops, calibrate_device
+from megatron_ext.helix.calibrate import CostCache, benchmark_graph_ops, calibrate_device, time_graphs
 from megatron_ext.helix.cost import (DEFAULT_CPU, AnalyticalCostModel, CostModel, DeviceSpec, Interconnect,
                                      InterconnectPreset, MeasuredCostModel, resolve_interconnect)
-from megatron_ext.helix.ir import GraphIR, collective_kind, iter_subgraph_modules
+from megatron_ext.helix.ir import GraphIR, Kind, collective_kind, iter_subgraph_modules
 from megatron_ext.helix.passes.bucketing import BucketingReport, bucket_graphs
 from megatron_ext.helix.passes.reorder import ReorderReport, reorder_graph
 from megatron_ext.helix.passes.tiling import TilingReport, tile_graph
@@ -88,6 +89,7 @@ class _Variant:
     bw: fx.GraphModule | None = None
     sim: SimResult | None = None
     emulate: bool = False
+    scale: float | None = None  # whole-graph calibration factor shared by the variants
     reorder: dict[str, ReorderReport] = dataclasses.field(default_factory=dict)
     bucketing: BucketingReport | None = None
     error: str = ""
@@ -101,6 +103,16 @@ def _count_collectives(gm: fx.GraphModule) -> int:
         for sub in iter_subgraph_modules(gm, node):
             n += _count_collectives(sub)
     return n
+
+
+@contextlib.contextmanager
+def _real_tensors():
+    """Leave the tracer's fake/functional modes and its Python dispatcher: calibration must run
+    (and time) the real kernels and collectives."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C._DisablePythonDispatcher():
+        yield
 
 
 def _dist_ready() -> bool:
@@ -161,6 +173,7 @@ class HelixBackend:
         self.mode = mode
         self.summaries: list[GraphSummary] = []
         self._cost: AnalyticalCostModel | MeasuredCostModel | CostModel | None = None
+        self._scale: float | None = None
         self.link: Interconnect | None = None
 
     # -- setup -------------------------------------------------------------------------------------
@@ -168,6 +181,10 @@ class HelixBackend:
     def _setup(self) -> None:
         if self._cost is not None:
             return
+        with _real_tensors():
+            self._setup_cost()
+
+    def _setup_cost(self) -> None:
         if not isinstance(self.cost_model_spec, str):
             self._cost = self.cost_model_spec
             self.link = getattr(self._cost, "interconnect", None)
@@ -200,25 +217,39 @@ class HelixBackend:
     def _group_size(self) -> Callable[[str], int] | None:
         return group_size_of if _dist_ready() else None
 
-    def _cost_for(self, graphs: list[fx.GraphModule]) -> CostModel:
+    def _cost_for(self, graphs: list[fx.GraphModule], scale: float | None = None) -> tuple[CostModel, float]:
+        """The cost model for ``graphs``: analytical, or per-operator micro-benchmarks scaled by a
+        whole-graph run (``scale``, measured once per Dynamo graph and reused for its variants so
+        that they are compared under the same conditions). Agreed across ranks."""
         if self.cost_model_spec != "calibrated":
-            return self._cost
-        cache = CostCache(self.cost_cache)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        table = benchmark_graph_ops(graphs, device, cache)
-        cache.save()
-        groups = sorted({n.collective.group for g in graphs for n in GraphIR(g, self._group_size()).collectives()})
-        keys = sorted(table)
-        agreed = agree_max([table[k] for k in keys], groups)
-        return MeasuredCostModel(dict(zip(keys, agreed)), self._cost)
+            return self._cost, 1.0
+        with _real_tensors():
+            cache = CostCache(self.cost_cache)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            table = benchmark_graph_ops(graphs, device, cache)
+            cache.save()
+            gs = self._group_size()
+            irs = [GraphIR(g, gs) for g in graphs]
+            groups = sorted({n.collective.group for ir in irs for n in ir.collectives()})
+            keys = sorted(table)
+            unscaled = MeasuredCostModel(table, self._cost)
+            if scale is None:
+                predicted = sum(unscaled.compute_s(n) for ir in irs for n in ir.nodes
+                                if n.kind not in (Kind.COLLECTIVE, Kind.WAIT))
+                measured = time_graphs(graphs, device)
+                scale = max(measured / predicted, 1.0) if predicted > 0 else 1.0
+            agreed = agree_max([table[k] for k in keys] + [scale], groups)
+            return MeasuredCostModel(dict(zip(keys, agreed[:-1])), self._cost, scale=agreed[-1]), agreed[-1]
 
     # -- compile -----------------------------------------------------------------------------------
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         self._setup()
+        self._scale = None  # measured again for every Dynamo graph
         summary = GraphSummary(index=len(self.summaries), collectives=_count_collectives(gm), tiled=False)
         self.summaries.append(summary)
         base = self._trace(gm, example_inputs, tiled=False)
+        self._scale = base.scale
         summary.baseline = base.sim
         chosen = base
         if self.mode == "baseline":
@@ -249,6 +280,10 @@ class HelixBackend:
                     summary.decisions.insert(0, f"tiling into {self.tiles} streams + round-robin ({why})")
                 else:
                     summary.refused.insert(0, f"tiled schedule: {why}")
+        if chosen is base and summary.helix is not None:
+            # aot_autograd keeps per-compile state in the tracing context; the tiled trace came
+            # after the baseline's, so trace the baseline again to return a consistent function.
+            chosen = self._trace(gm, example_inputs, tiled=False)
         if chosen.compiled is None:
             raise RuntimeError(f"helix: compiling graph {summary.index} failed: {chosen.error}")
         chosen.emulate = self.emulating
@@ -274,7 +309,7 @@ class HelixBackend:
         from functorch.compile import default_partition
         from torch._dynamo.backends.common import aot_autograd
 
-        v = _Variant(tiled=tiled)
+        v = _Variant(tiled=tiled, scale=self._scale)
 
         def partition(joint, joint_inputs, **kwargs):
             fw, bw = default_partition(joint, joint_inputs, **kwargs)
@@ -328,7 +363,7 @@ class HelixBackend:
                 except Exception as exc:  # the competitor may not run on this device
                     v.error = f"{type(exc).__name__}: {exc}"
                     logger.warning("helix: Inductor overlap scheduling failed: %s", v.error)
-        cost = self._cost_for(graphs)
+        cost, v.scale = self._cost_for(graphs, v.scale)
         fw_ir = GraphIR(v.fw, gs)
         bw_ir = GraphIR(v.bw, gs) if v.bw is not None else None
         ops = step_ops(fw_ir, bw_ir, cost)
@@ -337,7 +372,7 @@ class HelixBackend:
             tagged = {"fw": v.fw} | ({"bw": v.bw} if v.bw is not None else {})
             v.bucketing = bucket_graphs(tagged, ops, offsets, cost, self.memory_budget_bytes, gs)
             if v.bucketing.taken:
-                cost = self._cost_for(graphs)
+                cost, _ = self._cost_for(graphs, v.scale)
                 fw_ir = GraphIR(v.fw, gs)
                 bw_ir = GraphIR(v.bw, gs) if v.bw is not None else None
                 ops = step_ops(fw_ir, bw_ir, cost)
@@ -346,8 +381,14 @@ class HelixBackend:
 
 def _inductor_overlap(g: fx.GraphModule, cost: CostModel, group_size: Callable[[str], int] | None) -> None:
     """Inductor's own overlap scheduler (fx_passes/overlap_scheduling.py) on an untiled AOT graph,
-    fed with Helix's cost model so that it sees the same link -- the comparison point."""
-    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
+    fed with Helix's cost model so that it sees the same link -- the comparison point.
+
+    Its roofline estimator needs triton (GPU builds only); on CPU it is replaced, for the duration
+    of the call, by the same cost model.
+    """
+    from unittest import mock
+
+    from torch._inductor.fx_passes import overlap_scheduling
 
     ir = GraphIR(g, group_size)
     by_node = {n.node: n for n in ir.nodes}
@@ -360,8 +401,9 @@ def _inductor_overlap(g: fx.GraphModule, cost: CostModel, group_size: Callable[[
             return cost.collective_s(n.collective) * 1e3
         return cost.compute_s(n) * 1e3
 
-    schedule_overlap_bucketing(g, custom_runtime_estimation=estimate, collective_bucketing=True,
-                               max_memory_increase_gb=None, max_memory_increase_ratio=None)
+    with mock.patch.object(overlap_scheduling, "estimate_roofline_runtime_ms", lambda n: estimate(n) or 0.0):
+        overlap_scheduling.schedule_overlap_bucketing(
+            g, custom_runtime_estimation=estimate, collective_bucketing=True, compute_estimator="analytical")
     g.graph.lint()
     g.recompile()
 
