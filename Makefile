@@ -1,0 +1,33 @@
+# make demo  - install into .venv if needed, then train the tiny GPT on 4 CPU ranks (TP2 x PP2)
+# make test  - install into .venv if needed, then run the test suite
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+NPROC  ?= 4
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench clean-demo
+
+setup: $(STAMP)
+
+# Re-installs only when setup.py changes; torch==2.13.0 is pinned so pip takes the CPU wheel
+# where one is provided locally instead of pulling a CUDA build.
+$(STAMP): setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: setup
+	PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone \
+		--nproc_per_node $(NPROC) pretrain_gpt.py --config configs/demo.yaml $(ARGS)
+
+test: setup
+	PYTHONWARNINGS=ignore $(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) tools/bench_parallel.py
+
+clean-demo:
+	rm -rf runs/demo

@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Tokens/s of the tiny GPT per layout on 4 CPU ranks, and the runtime's overhead over a bare loop.
+
+    python tools/bench_parallel.py [--iters 12] [--rounds 5]
+
+Layouts: TP1 (x DP4), TP2xPP2, PP2xDP2, PP4, each trained from the same initialisation; its loss curve
+is compared with a single-rank run of the same model and data (parity_max_rel_diff). Overhead: in
+TP2xPP2, blocks of ``Trainer.train_step`` and of a bare loop that calls megatron-core's schedule
+and the optimizer directly on pre-fetched batches are interleaved; overhead = median ratio - 1.
+Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUTS = {"tp1": (1, 1), "tp2pp2": (2, 2), "pp2dp2": (1, 2), "pp4": (1, 4)}
+BASE = {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
+        "micro_batch_size": 2, "global_batch_size": 16, "lr": 1e-3, "lr_decay_style": "constant",
+        "eval_iters": 0, "progress": False}
+
+
+def worker(out_path: str, iters: int, rounds: int) -> None:
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    from megatron_ext.config.run import config_from_values
+    from megatron_ext.runtime import distributed
+    from megatron_ext.runtime.loop import Trainer
+
+    cfg = config_from_values({**BASE, "train_iters": iters})
+    ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
+    result: dict = {"layouts": {}}
+
+    def trainer_for(name: str, train_iters: int) -> Trainer:
+        nonlocal ctx
+        tp, pp = LAYOUTS[name]
+        c = config_from_values({**BASE, "train_iters": train_iters, "tensor_model_parallel_size": tp,
+                                "pipeline_model_parallel_size": pp})
+        ctx = distributed.relayout(ctx, tp=tp, pp=pp, vpp=None, seed=c.training.seed)
+        return Trainer(c, ctx).setup()
+
+    for name in LAYOUTS:
+        tr = trainer_for(name, iters)
+        losses, times = [], []
+        for _ in range(iters):
+            m = tr.train_step()
+            losses.append(m.loss)
+            times.append(m.iter_time_s)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, losses if ctx.is_last_stage else None)
+        curve = next(g for g in gathered if g is not None)
+        steady = statistics.median(times[2:])
+        tokens = BASE["global_batch_size"] * BASE["seq_length"]
+        result["layouts"][name] = {"tokens_per_s": tokens / steady, "iter_ms": steady * 1000, "losses": curve}
+
+    # Overhead: the runtime's train_step against the bare schedule + optimizer on the same objects.
+    tr = trainer_for("tp2pp2", 10**6)
+    batches = tr.train_stream.iteration()
+    block = 4
+    ratios = []
+    for _ in range(2):  # warm-up of both paths
+        tr.train_step()
+    for r in range(rounds):
+        def runtime_block() -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                tr.train_step()
+            dist.barrier()
+            return time.perf_counter() - t0
+
+        def bare_block() -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                tr.model.zero_grad_buffer()
+                tr.forward_backward_func(forward_step_func=tr._forward_step, data_iterator=iter(batches),
+                                         model=tr.model.chunks[0], num_microbatches=len(batches),
+                                         seq_length=BASE["seq_length"], micro_batch_size=BASE["micro_batch_size"],
+                                         forward_only=False)
+                tr.optimizer.step()
+                tr.scheduler.step(1)
+            dist.barrier()
+            return time.perf_counter() - t0
+
+        # Alternate which path goes first so drift in machine load cancels.
+        if r % 2:
+            b, a = bare_block(), runtime_block()
+        else:
+            a, b = runtime_block(), bare_block()
+        ratios.append(a / b)
+    result["overhead_vs_bare"] = statistics.median(ratios) - 1.0
+    result["overhead_ratios"] = ratios
+    if ctx.rank == 0:
+        with open(out_path, "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+    distributed.teardown()
+
+
+def single_rank_curve(iters: int, tmp: str) -> list[float]:
+    metrics = os.path.join(tmp, "single.jsonl")
+    args = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--metrics-file", metrics,
+            "--train-iters", str(iters)]
+    for k, v in BASE.items():
+        args += [f"--{k.replace('_', '-')}", str(v).lower() if isinstance(v, bool) else str(v)]
+    subprocess.run(args, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return [json.loads(line)["loss"] for line in open(metrics, encoding="utf-8")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.iters, args.rounds)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                        os.path.abspath(__file__), "--worker", out, "--iters", str(args.iters),
+                        "--rounds", str(args.rounds)],
+                       cwd=ROOT, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        result = json.load(open(out, encoding="utf-8"))
+        reference = single_rank_curve(args.iters, tmp)
+    print(f"{'layout':<8} {'tokens/s':>10} {'iter ms':>9} {'parity max rel diff':>20}")
+    figures = {"layouts": {}, "overhead_vs_bare": result["overhead_vs_bare"]}
+    for name, row in result["layouts"].items():
+        diff = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
+        figures["layouts"][name] = {"tokens_per_s": round(row["tokens_per_s"], 1), "parity_max_rel_diff": diff}
+        print(f"{name:<8} {row['tokens_per_s']:>10.0f} {row['iter_ms']:>9.1f} {diff:>20.2e}")
+    print(f"runtime overhead vs bare megatron schedule loop (TP2xPP2, median of {len(result['overhead_ratios'])} "
+          f"interleaved rounds): {result['overhead_vs_bare'] * 100:+.2f} %")
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
