@@ -34,7 +34,7 @@ from megatron_ext.resihp.config import ResiHPConfig
 from megatron_ext.resihp.flops import stage_costs
 from megatron_ext.resihp.pipesim import compile_plan, simulate
 from megatron_ext.resihp.stats import Persistence, huber_fit, nanmedian, robust_scale
-from megatron_ext.resihp.trace import IterationRecord
+from megatron_ext.resihp.trace import TraceRecord
 from megatron_ext.resihp.verdicts import Verdict
 
 logger = logging.getLogger(__name__)
@@ -71,10 +71,10 @@ class IterationReport:
 class Detector(Protocol):
     name: str
 
-    def observe(self, record: IterationRecord) -> IterationReport: ...
+    def observe(self, record: TraceRecord) -> IterationReport: ...
 
 
-def _layout_key(rec: IterationRecord) -> Any:
+def _layout_key(rec: TraceRecord) -> Any:
     layers = None if rec.layers is None else tuple(map(tuple, rec.layers))
     return rec.layout, rec.model, layers
 
@@ -89,19 +89,19 @@ class _Base:
         self._key: Any = None
 
     # subclasses fill these in
-    def _setup(self, rec: IterationRecord) -> None:
+    def _setup(self, rec: TraceRecord) -> None:
         raise NotImplementedError
 
-    def _sample(self, rec: IterationRecord) -> dict[str, Any]:
+    def _sample(self, rec: TraceRecord) -> dict[str, Any]:
         raise NotImplementedError
 
     def _fit(self) -> None:
         raise NotImplementedError
 
-    def _score(self, rec: IterationRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
+    def _score(self, rec: TraceRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
         raise NotImplementedError
 
-    def _reset(self, rec: IterationRecord) -> None:
+    def _reset(self, rec: TraceRecord) -> None:
         if self._key is not None:
             logger.info("resihp[%s]: layout changed at iteration %d; calibrating again", self.name, rec.iteration)
         self._key = _layout_key(rec)
@@ -117,7 +117,7 @@ class _Base:
                                    window=self.cfg.resihp_window)
         self._setup(rec)
 
-    def observe(self, record: IterationRecord) -> IterationReport:
+    def observe(self, record: TraceRecord) -> IterationReport:
         if _layout_key(record) != self._key:
             self._reset(record)
         self.seen += 1
@@ -172,7 +172,7 @@ class ResiHPDetector(_Base):
 
     name = "resihp"
 
-    def _setup(self, rec: IterationRecord) -> None:
+    def _setup(self, rec: TraceRecord) -> None:
         lay = rec.layout
         order = schedule_order(lay.schedule, lay.pp, lay.num_microbatches, lay.vp, lay.microbatch_group_size)
         self.plan = compile_plan(order)
@@ -185,7 +185,7 @@ class ResiHPDetector(_Base):
         self.overhead_s = 0.0
         self._starved: set[int] = set()
 
-    def _sample(self, rec: IterationRecord) -> dict[str, Any]:
+    def _sample(self, rec: TraceRecord) -> dict[str, Any]:
         tokens, sq = rec.doc_stats
         # (world, phase, vp, m) FLOPs of each op of each rank.
         pt = self.per_token[self.stage_of].transpose(0, 2, 1)[..., None]
@@ -256,7 +256,7 @@ class ResiHPDetector(_Base):
                        p2p_latency_s=self.cfg.resihp_p2p_latency_s)
         return res.makespan_s.reshape(n, self.dp).max(axis=1)
 
-    def _score(self, rec: IterationRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
+    def _score(self, rec: TraceRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
         obs = sample["obs"]
         exp = self._predict(sample["lin"], sample["att"]) * self.bias[:, None, None, None]
         with np.errstate(all="ignore"):
@@ -278,11 +278,11 @@ class RawTimeDetector(_Base):
 
     name = "raw"
 
-    def _setup(self, rec: IterationRecord) -> None:
+    def _setup(self, rec: TraceRecord) -> None:
         self.center = np.ones(self.world)
         self.iter_center = 0.0
 
-    def _sample(self, rec: IterationRecord) -> dict[str, Any]:
+    def _sample(self, rec: TraceRecord) -> dict[str, Any]:
         busy = np.nansum(rec.fwd_s, axis=(1, 2)) + np.nansum(rec.bwd_s, axis=(1, 2))
         return {"busy": np.where(rec.present, busy, np.nan)}
 
@@ -294,7 +294,7 @@ class RawTimeDetector(_Base):
         self._set_sigma(busy / self.center, healthy)
         self.iter_center = float(np.median([b["iteration_s"] for b in self.buffer]))
 
-    def _score(self, rec: IterationRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
+    def _score(self, rec: TraceRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
         scores = sample["busy"] / self.center
         stage_scores = np.full((self.pp, self.dp), np.nan)
         for s in range(self.pp):

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from megatron_ext.resihp.trace import FaultLabel, IterationRecord
+from megatron_ext.resihp.trace import FaultLabel, TraceRecord
 from megatron_ext.resihp.verdicts import Verdict
 
 _KIND_OF = {"fail_slow": "slow", "fail_stop": "stop"}
@@ -131,5 +131,5 @@ def score(labels: Sequence[tuple[int, Sequence[FaultLabel]]], verdicts: Iterable
     return out
 
 
-def labels_of(records: Iterable[IterationRecord]) -> list[tuple[int, tuple[FaultLabel, ...]]]:
+def labels_of(records: Iterable[TraceRecord]) -> list[tuple[int, tuple[FaultLabel, ...]]]:
     return [(r.iteration, r.faults) for r in records]

@@ -288,3 +288,32 @@ def simulate(plan: SimPlan, fwd_s: np.ndarray, bwd_s: np.ndarray, *, p2p_latency
     tail = np.broadcast_to(np.asarray(tail_s, dtype=float), (batch, plan.order.num_stages)).copy()
     return SimResult(plan=plan, start=np.ascontiguousarray(start), finish=np.ascontiguousarray(finish), tail_s=tail,
                      p2p_latency_s=float(p2p_latency_s))
+
+
+def timeline_error(result: SimResult, observed: dict[tuple[int, str, int, int], tuple[float, float]],
+                   b: int = 0) -> dict[str, float]:
+    """How far a recorded timeline is from the simulation of its own durations.
+
+    ``observed`` maps ``(stage, phase, microbatch, chunk)`` to the op's ``(start_s, end_s)``,
+    relative to the iteration's start (the pipeline events of a real run). Feed ``simulate`` the
+    observed durations (end - start) and compare: what is left is what the dataflow model does not
+    capture (blocking sends, launch gaps). Returns the relative makespan error, the mean absolute
+    start error, and the largest per-stage idle-time error, in seconds.
+    """
+    plan = result.plan
+    missing = [(int(plan.stage[j]),) + plan.op(j).key for j in range(plan.num_ops)
+               if (int(plan.stage[j]),) + plan.op(j).key not in observed]
+    if missing:
+        raise KeyError(f"observed timeline lacks {len(missing)} op(s), e.g. stage {missing[0][0]} "
+                       f"{missing[0][1]}{missing[0][2]} chunk {missing[0][3]}")
+    obs = np.array([observed[(int(plan.stage[j]),) + plan.op(j).key] for j in range(plan.num_ops)])
+    obs_end = float(obs[:, 1].max())
+    sim_end = float(result.finish[b].max())
+    busy = np.zeros(plan.order.num_stages)
+    np.add.at(busy, plan.stage, obs[:, 1] - obs[:, 0])
+    obs_idle = obs_end - busy
+    return {
+        "makespan_rel_error": (sim_end - obs_end) / obs_end if obs_end > 0 else float("nan"),
+        "start_mae_s": float(np.abs(result.start[b] - obs[:, 0]).mean()),
+        "idle_max_abs_error_s": float(np.abs(result.idle_s[b] - obs_idle).max()),
+    }

@@ -24,7 +24,7 @@ from megatron_ext.resihp.config import ResiHPConfig
 from megatron_ext.resihp.detector import IterationReport, make_detector
 from megatron_ext.resihp.heartbeat import HeartbeatTracker
 from megatron_ext.resihp.metrics import DetectionMetrics, labels_of, score
-from megatron_ext.resihp.trace import IterationRecord, TraceError, read_trace
+from megatron_ext.resihp.trace import TraceRecord, TraceError, read_trace
 from megatron_ext.resihp.verdicts import Verdict, VerdictLog
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class ReplayResult:
     metrics: DetectionMetrics | None
 
 
-def replay(records: Sequence[IterationRecord], config: ResiHPConfig, detector: str,
+def replay(records: Sequence[TraceRecord], config: ResiHPConfig, detector: str,
            keep_reports: bool = False) -> ReplayResult:
     """Run one detector (and the heartbeat tracker) over records."""
     det = make_detector(config, detector)
@@ -80,7 +80,7 @@ def metrics_table(results: Iterable[ReplayResult]) -> str:
     return "\n".join(rows)
 
 
-def plot(records: Sequence[IterationRecord], result: ReplayResult, path: str, title: str) -> None:
+def plot(records: Sequence[TraceRecord], result: ReplayResult, path: str, title: str) -> None:
     """Observed vs expected iteration time, fault onsets and verdicts marked; iterations drawn
     from the long-document corpus are not labelled in traces, so they are not marked."""
     import matplotlib

@@ -20,7 +20,7 @@ import numpy as np
 from megatron_ext.pipeline.schedule_orders import schedule_order
 from megatron_ext.resihp.flops import ModelSpec, stage_costs
 from megatron_ext.resihp.pipesim import compile_plan, simulate
-from megatron_ext.resihp.trace import FaultLabel, IterationRecord, Layout
+from megatron_ext.resihp.trace import FaultLabel, TraceRecord, Layout
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def pack_documents(rng: np.random.Generator, seq_length: int, sequences: int, me
     return out
 
 
-def generate(spec: SyntheticSpec) -> list[IterationRecord]:
+def generate(spec: SyntheticSpec) -> list[TraceRecord]:
     """The records of one synthetic job, fault labels included."""
     rng = np.random.default_rng(spec.seed)
     layout, model = spec.layout(), spec.model()
@@ -172,7 +172,7 @@ def generate(spec: SyntheticSpec) -> list[IterationRecord]:
         clock += float(iteration_s[k])
         labels = tuple(FaultLabel(kind="slow", rank=f.rank, since=f.since, factor=f.factor) for f in spec.faults
                        if f.since <= it and (f.until is None or it <= f.until))
-        records.append(IterationRecord(iteration=it, iteration_s=float(iteration_s[k]), layout=layout, model=model,
+        records.append(TraceRecord(iteration=it, iteration_s=float(iteration_s[k]), layout=layout, model=model,
                                        documents=documents[k], fwd_s=fwd[k], bwd_s=bwd[k], time_s=round(clock, 6),
                                        faults=labels))
     return records

@@ -103,7 +103,7 @@ class FaultLabel:
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
-class IterationRecord:
+class TraceRecord:
     """One iteration as the detector sees it. Durations are seconds of a rank's own compute for
     each (chunk, micro-batch), shaped ``(world_size, vp, num_microbatches)``; NaN marks a rank
     that reported nothing (stopped)."""
@@ -154,7 +154,7 @@ class IterationRecord:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: Any, where: str) -> "IterationRecord":
+    def from_dict(cls, data: Any, where: str) -> "TraceRecord":
         return _parse(data, where)
 
 
@@ -194,7 +194,7 @@ def _durations(value: Any, key: str, world: int, vp: int, m: int, where: str) ->
     return out
 
 
-def _parse(data: Any, where: str) -> IterationRecord:
+def _parse(data: Any, where: str) -> TraceRecord:
     if not isinstance(data, dict):
         raise TraceError(f"{where}: a record must be a JSON object, got {type(data).__name__}")
     fmt = data.get("format")
@@ -260,13 +260,13 @@ def _parse(data: Any, where: str) -> IterationRecord:
         if not 0 <= label.rank < world:
             raise TraceError(f"{where}: key 'faults' [{k}]: rank {label.rank} outside 0..{world - 1}")
         faults.append(label)
-    return IterationRecord(iteration=iteration, iteration_s=iteration_s, layout=layout, model=model,
+    return TraceRecord(iteration=iteration, iteration_s=iteration_s, layout=layout, model=model,
                            documents=docs, fwd_s=fwd, bwd_s=bwd,
                            time_s=None if time_s is None else float(time_s), layers=layers, faults=tuple(faults))
 
 
 # ------------------------------------------------------------------------------------ files
-def read_trace(path: str | os.PathLike) -> Iterator[IterationRecord]:
+def read_trace(path: str | os.PathLike) -> Iterator[TraceRecord]:
     """Yield the records of a trace file; errors name the file and line."""
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -295,7 +295,7 @@ class TraceWriter:
                 os.makedirs(parent, exist_ok=True)
             self._fh, self._owned = open(path, "w", encoding="utf-8"), True
 
-    def write(self, record: IterationRecord) -> None:
+    def write(self, record: TraceRecord) -> None:
         self._fh.write(record.to_json() + "\n")
         self._fh.flush()
 
@@ -310,7 +310,7 @@ class TraceWriter:
         self.close()
 
 
-def write_trace(path: str | os.PathLike, records: Sequence[IterationRecord]) -> None:
+def write_trace(path: str | os.PathLike, records: Sequence[TraceRecord]) -> None:
     with TraceWriter(path) as w:
         for rec in records:
             w.write(rec)

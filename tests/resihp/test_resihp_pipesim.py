@@ -180,3 +180,28 @@ def test_shape_errors():
         simulate(plan, np.ones((2, 3)), np.ones((2, 1, 3)))
     with pytest.raises(ValueError, match="durations must be finite and >= 0"):
         simulate(plan, -np.ones((2, 1, 3)), np.ones((2, 1, 3)))
+
+
+def test_timeline_error_is_zero_on_own_output_and_sees_blocking_waits():
+    from megatron_ext.resihp.pipesim import timeline_error
+
+    rng = np.random.default_rng(5)
+    p, m = 3, 4
+    plan = compile_plan(schedule_order("1f1b", p, m))
+    fwd, bwd = rng.uniform(1, 2, (p, 1, m)), rng.uniform(2, 3, (p, 1, m))
+    res = simulate(plan, fwd, bwd)
+    timeline = {(int(plan.stage[j]),) + plan.op(j).key: (res.start[0, j], res.finish[0, j])
+                for j in range(plan.num_ops)}
+    assert timeline_error(res, timeline) == {"makespan_rel_error": 0.0, "start_mae_s": 0.0,
+                                             "idle_max_abs_error_s": 0.0}
+    # A real run that stalls 0.5 s (a blocking send) before everything that starts after t = 6.
+    late = {k: ((t0 + 0.5, t1 + 0.5) if t0 >= 6.0 else (t0, t1)) for k, (t0, t1) in timeline.items()}
+    shifted = sum(t0 >= 6.0 for t0, _ in timeline.values())
+    err = timeline_error(res, late)
+    end = max(t1 for _, t1 in timeline.values())
+    assert err["makespan_rel_error"] == pytest.approx(-0.5 / (end + 0.5))
+    assert err["start_mae_s"] == pytest.approx(0.5 * shifted / (2 * m * p))
+    assert err["idle_max_abs_error_s"] == pytest.approx(0.5)
+    del late[(0, "B", 3, 0)]
+    with pytest.raises(KeyError, match="observed timeline lacks 1 op"):
+        timeline_error(res, late)

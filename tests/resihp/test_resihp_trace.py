@@ -9,7 +9,7 @@ import pytest
 
 from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.resihp.trace import (
-    FaultLabel, IterationRecord, Layout, TraceError, TraceWriter, read_trace, write_trace)
+    FaultLabel, TraceRecord, Layout, TraceError, TraceWriter, read_trace, write_trace)
 
 
 def record(iteration=1, **kw):
@@ -20,7 +20,7 @@ def record(iteration=1, **kw):
                 documents=[[[3, 5], [8], [1, 1, 6]]], fwd_s=fwd, bwd_s=2 * fwd, time_s=10.0,
                 faults=(FaultLabel(kind="slow", rank=3, since=1, factor=1.5),))
     base.update(kw)
-    return IterationRecord(**base)
+    return TraceRecord(**base)
 
 
 def test_round_trip(tmp_path):
