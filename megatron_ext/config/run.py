@@ -18,7 +18,7 @@ _SECTIONS: dict[str, type] = {}
 # Core sections are attributes of RunConfig; the rest are extension sections.
 _CORE = ("model", "parallel", "training", "data", "logging", "checkpoint")
 # Extension config modules imported by the parser so their sections register themselves.
-EXTENSION_MODULES: list[str] = []
+EXTENSION_MODULES: list[str] = ["megatron_ext.pipeline.extension"]
 
 
 def section(name: str):
@@ -88,6 +88,8 @@ class ParallelConfig:
     distributed_backend: str = doc("torch.distributed backend; auto = nccl on GPU, gloo on CPU.", "auto",
                                    choices=("auto", "gloo", "nccl"))
     device: str = doc("Where to train; auto = cuda when available.", "auto", choices=("auto", "cpu", "cuda"))
+    engine: str = doc("Training engine: megatron-core schedules, or DeepSpeed's PipelineEngine (PP x DP).",
+                      "megatron", choices=("megatron", "deepspeed"))
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -99,6 +101,9 @@ class ParallelConfig:
                               f"and a value >= 1, got {vpp}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.engine == "deepspeed" and (self.tensor_model_parallel_size > 1 or (vpp or 1) > 1):
+            raise ConfigError("--engine deepspeed trains PP x DP: it needs --tensor-model-parallel-size 1 "
+                              "and no --virtual-pipeline-model-parallel-size")
 
 
 @section("training")

@@ -123,8 +123,25 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _local_entries(model: ModelBundle, optimizer: Any, *, main_only: bool) -> list[dict[str, Any]]:
-    """This rank's sharded tensors with their geometry, and the optimizer tensors of each."""
+@dataclasses.dataclass
+class ShardEntry:
+    """One local tensor and where it sits in its unsharded tensor.
+
+    ``key`` + ``index`` name the unsharded tensor (``index``: positions along stacked axes such as
+    the global layer); ``offset``/``shape`` locate this shard in it; ``main`` marks the one replica
+    that is written (DP and TP replicas of the same slice are not)."""
+
+    key: str
+    index: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    param: torch.Tensor
+    main: bool
+
+
+def megatron_shard_entries(model: ModelBundle) -> list[ShardEntry]:
+    """Shard entries of megatron model chunks, from their ``sharded_state_dict()`` geometry."""
     entries = []
     seen: set[int] = set()
     for chunk in model.chunks:
@@ -132,14 +149,18 @@ def _local_entries(model: ModelBundle, optimizer: Any, *, main_only: bool) -> li
             if not isinstance(st.data, torch.Tensor) or id(st.data) in seen:
                 continue
             seen.add(id(st.data))
-            if main_only and not _is_main_replica(st):
-                continue
             index, slices = shard_slices(st)
-            entry = {"key": st.key, "index": index, "offset": tuple(s.start for s in slices),
-                     "shape": tuple(st.data.shape), "global_shape": tuple(st.global_shape[st.prepend_axis_num:]),
-                     "param": st.data}
-            entries.append(entry)
+            entries.append(ShardEntry(key=st.key, index=index, offset=tuple(s.start for s in slices),
+                                      shape=tuple(st.data.shape),
+                                      global_shape=tuple(st.global_shape[st.prepend_axis_num:]),
+                                      param=st.data, main=_is_main_replica(st)))
     return entries
+
+
+def _local_entries(model: Any, *, main_only: bool) -> list[ShardEntry]:
+    """``model`` is a megatron ModelBundle or anything with ``shard_entries()`` (the DeepSpeed engine)."""
+    entries = model.shard_entries() if hasattr(model, "shard_entries") else megatron_shard_entries(model)
+    return [e for e in entries if e.main or not main_only]
 
 
 def _optimizer_state(optimizer: Any, param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -147,7 +168,7 @@ def _optimizer_state(optimizer: Any, param: torch.Tensor) -> dict[str, torch.Ten
     return inner.state.get(param, {}) if hasattr(inner, "state") else {}
 
 
-def save(save_dir: str, *, model: ModelBundle, optimizer: Any, state: TrainState, config: dict[str, Any],
+def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config: dict[str, Any],
          layout: dict[str, int], keep_last: int = 0) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory."""
     rank, world = _rank_world()
@@ -161,11 +182,11 @@ def save(save_dir: str, *, model: ModelBundle, optimizer: Any, state: TrainState
         os.makedirs(partial)
     _barrier()
     payload = []
-    for e in _local_entries(model, optimizer, main_only=True):
-        ostate = _optimizer_state(optimizer, e["param"])
+    for e in _local_entries(model, main_only=True):
+        ostate = _optimizer_state(optimizer, e.param)
         payload.append({
-            **{k: v for k, v in e.items() if k != "param"},
-            "tensor": e["param"].detach().cpu().clone(),
+            "key": e.key, "index": e.index, "offset": e.offset, "shape": e.shape, "global_shape": e.global_shape,
+            "tensor": e.param.detach().cpu().clone(),
             "optim": {k: ostate[k].detach().cpu().clone() for k in OPT_KEYS if k in ostate},
             "step": float(ostate["step"]) if "step" in ostate else None,
         })
@@ -274,36 +295,36 @@ def _overlap(a_off, a_shape, b_off, b_shape):
     return lo, hi
 
 
-def load(load_dir: str, *, model: ModelBundle, optimizer: Any, layout: dict[str, int],
+def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
          load_optim: bool = True, load_rng: bool = True) -> TrainState:
     """Collective. Verifies, assembles every needed tensor, then copies into model and optimizer."""
     rank, world = _rank_world()
     ckpt = resolve(load_dir)
     meta = read_meta(ckpt)
-    entries = _local_entries(model, optimizer, main_only=False)
+    entries = _local_entries(model, main_only=False)
     by_key: dict[tuple, list[dict[str, Any]]] = {}
     for s in meta["shards"]:
         by_key.setdefault((s["key"], tuple(s["index"])), []).append(s)
     plan = []
     needed_files: set[str] = set()
     for e in entries:
-        saved = by_key.get((e["key"], tuple(e["index"])))
+        saved = by_key.get((e.key, tuple(e.index)))
         if not saved:
-            raise CheckpointError(f"{ckpt}: no tensor {e['key']}{list(e['index']) or ''} in the checkpoint "
+            raise CheckpointError(f"{ckpt}: no tensor {e.key}{list(e.index) or ''} in the checkpoint "
                                   "(model shape differs from the saved run?)")
-        if tuple(saved[0]["global_shape"]) != tuple(e["global_shape"]):
-            raise CheckpointError(f"{ckpt}: {e['key']} has shape {saved[0]['global_shape']} in the checkpoint, "
-                                  f"{list(e['global_shape'])} in this model")
+        if tuple(saved[0]["global_shape"]) != tuple(e.global_shape):
+            raise CheckpointError(f"{ckpt}: {e.key} has shape {saved[0]['global_shape']} in the checkpoint, "
+                                  f"{list(e.global_shape)} in this model")
         parts = []
         covered = 0
         for s in saved:
-            ov = _overlap(e["offset"], e["shape"], s["offset"], s["shape"])
+            ov = _overlap(e.offset, e.shape, s["offset"], s["shape"])
             if ov is not None:
                 parts.append((s, ov))
                 covered += int(np.prod([h - l for l, h in zip(*ov)]))
                 needed_files.add(s["file"])
-        if covered != int(np.prod(e["shape"])):
-            raise CheckpointError(f"{ckpt}: saved shards of {e['key']} do not cover this rank's slice")
+        if covered != int(np.prod(e.shape)):
+            raise CheckpointError(f"{ckpt}: saved shards of {e.key} do not cover this rank's slice")
         plan.append((e, parts))
     rng_file = f"rng_rank{rank:05d}.pt"
     same_layout = meta["layout"] == layout and meta["world_size"] == world
@@ -317,13 +338,13 @@ def load(load_dir: str, *, model: ModelBundle, optimizer: Any, layout: dict[str,
             lookup[(f, p["key"], tuple(p["index"]), tuple(p["offset"]))] = p
     staged = []
     for e, parts in plan:
-        value = torch.empty(e["shape"], dtype=e["param"].dtype)
-        optim = {k: torch.empty(e["shape"], dtype=torch.float32) for k in OPT_KEYS}
+        value = torch.empty(e.shape, dtype=e.param.dtype)
+        optim = {k: torch.empty(e.shape, dtype=torch.float32) for k in OPT_KEYS}
         step = None
         have_optim = True
         for s, (lo, hi) in parts:
             p = lookup[(s["file"], s["key"], tuple(s["index"]), tuple(s["offset"]))]
-            dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, e["offset"]))
+            dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, e.offset))
             src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, s["offset"]))
             value[dst] = p["tensor"][src]
             if all(k in p["optim"] for k in OPT_KEYS):
@@ -339,7 +360,7 @@ def load(load_dir: str, *, model: ModelBundle, optimizer: Any, layout: dict[str,
     inner = getattr(optimizer, "optimizer", optimizer)
     with torch.no_grad():
         for e, value, optim, step in staged:
-            param = e["param"]
+            param = e.param
             param.copy_(value.to(param.device))
             if load_optim and optim is not None and step is not None and hasattr(inner, "state"):
                 inner.state[param] = {"step": torch.tensor(float(step)),

@@ -42,6 +42,7 @@ class Trainer:
         self._tb = None
         self._metrics_fh = None
         self.forward_backward_func = None
+        self.last_batches: list[dict[str, Any]] = []
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> "Trainer":
@@ -135,6 +136,7 @@ class Trainer:
             ext.before_iteration(self, it)
         start = time.perf_counter()
         batches = self.train_stream.next_iteration()
+        self.last_batches = batches
         self.model.train()
         self.model.zero_grad_buffer()
         losses = self._run_schedule(batches, forward_only=False)

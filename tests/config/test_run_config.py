@@ -11,7 +11,7 @@ CORE_FLAGS = [
     "max_position_embeddings", "hidden_dropout", "attention_dropout", "init_method_std",
     "position_embedding_type", "untie_embeddings_and_output_weights",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "sequence_parallel", "overlap_grad_reduce", "distributed_backend", "device",
+    "sequence_parallel", "overlap_grad_reduce", "distributed_backend", "device", "engine",
     "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
     "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "bf16",

@@ -1,0 +1,118 @@
+"""``--timeline`` / ``--timeline-out``: pipeline events in the training loop.
+
+Installs the megatron-core hooks, resets the recorder each iteration, puts each stage's bubble
+fraction into the log line and TensorBoard at every log interval, and writes Chrome-trace timelines
+of the chosen iterations. Other extensions (ResiHP, the Bubble Squeezer) read ``recorder`` and call
+``record()`` for the joined IterationRecord.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from megatron_ext.config.base import ConfigError, doc
+from megatron_ext.config.run import section
+from megatron_ext.runtime.extension import Extension, IterationMetrics, register_extension
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_ext.pipeline.timeline import IterationRecord
+    from megatron_ext.runtime.loop import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+@section("timeline")
+@dataclasses.dataclass(kw_only=True)
+class TimelineConfig:
+    """Pipeline events, bubble fractions and Chrome-trace timelines."""
+
+    timeline: bool = doc("Record pipeline events: per-stage bubble fraction in log lines and TensorBoard.", False)
+    timeline_out: str | None = doc("Write Chrome-trace JSON timelines (Perfetto) into this directory; "
+                                   "implies --timeline.", None)
+    timeline_iters: list[int] | None = doc("Iterations to write with --timeline-out; default: the last one.", None)
+    timeline_capacity: int = doc("Events kept per rank per iteration (more are dropped and counted).", 16384)
+
+    def __post_init__(self) -> None:
+        if self.timeline_out:
+            self.timeline = True
+        if self.timeline_capacity < 16:
+            raise ConfigError(f"--timeline-capacity must be >= 16, got {self.timeline_capacity}")
+        if self.timeline_iters is not None and any(i < 1 for i in self.timeline_iters):
+            raise ConfigError(f"--timeline-iters must be iteration numbers >= 1, got {self.timeline_iters}")
+
+
+class TimelineExtension(Extension):
+    name = "timeline"
+
+    def __init__(self, cfg: TimelineConfig) -> None:
+        self.cfg = cfg
+        self.recorder = None
+        self.hooks = None
+        self.offset_s = 0.0
+
+    def setup(self, trainer: "Trainer") -> None:
+        from megatron_ext.pipeline.collect import clock_offsets
+        from megatron_ext.pipeline.events import EventRecorder, Phase
+        from megatron_ext.pipeline.megatron_hooks import MegatronPipelineHooks, wrap_phase
+
+        self.recorder = EventRecorder(self.cfg.timeline_capacity)
+        self.hooks = MegatronPipelineHooks(self.recorder, trainer.model.chunks).install()
+        trainer.optimizer.step = wrap_phase(self.recorder, trainer.optimizer.step, Phase.OPTIMIZER)
+        tconf = trainer.model.config
+        tconf.finalize_model_grads_func = wrap_phase(self.recorder, tconf.finalize_model_grads_func,
+                                                     Phase.GRAD_REDUCE)
+        self.offset_s = clock_offsets(self.recorder.clock)
+        self.schedule = "interleaved" if trainer.ctx.vpp else "1f1b"
+        last = trainer.cfg.training.train_iters
+        self.export = set(self.cfg.timeline_iters or [last])
+
+    def before_iteration(self, trainer: "Trainer", iteration: int) -> None:
+        self.recorder.reset()
+        self.hooks.new_iteration()
+
+    def record(self, trainer: "Trainer", iteration: int, dst: int | None = None) -> "IterationRecord | None":
+        """Collective: the joined record of the iteration just run (on ``dst``, or every rank)."""
+        from megatron_ext.pipeline.collect import gather_record
+
+        c = trainer.ctx.coord
+        return gather_record(
+            self.recorder, rank=trainer.ctx.rank, stage=c.pp, tp=c.tp, dp=c.dp, offset_s=self.offset_s,
+            iteration=iteration, schedule=self.schedule, num_stages=trainer.ctx.layout.pp,
+            num_microbatches=trainer.train_stream.num_microbatches, num_chunks=trainer.ctx.vpp or 1,
+            doc_lengths=[b["doc_lengths"] for b in trainer.last_batches], dst=dst)
+
+    def after_iteration(self, trainer: "Trainer", metrics: IterationMetrics) -> None:
+        from megatron_ext.pipeline.collect import stage_bubble_fractions
+
+        it = metrics.iteration
+        last = trainer.cfg.training.train_iters
+        if it % trainer.cfg.logging.log_interval == 0 or it == last:
+            c = trainer.ctx.coord
+            fractions = stage_bubble_fractions(self.recorder, stage=c.pp, num_stages=trainer.ctx.layout.pp,
+                                               is_representative=(c.tp == 0 and c.dp == 0), offset_s=self.offset_s)
+            metrics.extra.update({f"bubble_s{s}": round(f, 4) for s, f in enumerate(fractions)})
+        if self.cfg.timeline_out and it in self.export:
+            from megatron_ext.pipeline.trace import write_chrome_trace
+
+            record = self.record(trainer, it, dst=0)
+            if record is not None:
+                path = os.path.join(self.cfg.timeline_out, f"timeline_iter{it:07d}.json")
+                write_chrome_trace(record, path)
+                logger.info("wrote %s (bubble fraction per stage %s)", path,
+                            [round(f, 3) for f in record.stage_bubble_fractions()])
+        if self.recorder.dropped:
+            logger.warning("timeline: %d events dropped in iteration %d; raise --timeline-capacity",
+                           self.recorder.dropped, it)
+
+    def teardown(self, trainer: "Trainer") -> None:
+        if self.hooks is not None:
+            self.hooks.uninstall()
+        trainer.optimizer.__dict__.pop("step", None)
+
+
+@register_extension("timeline")
+def _factory(cfg) -> TimelineExtension | None:
+    tl = cfg.ext("timeline")
+    return TimelineExtension(tl) if tl is not None and tl.timeline else None
