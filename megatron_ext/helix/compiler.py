@@ -64,6 +64,7 @@ class GraphSummary:
     decisions: list[str] = dataclasses.field(default_factory=list)
     refused: list[str] = dataclasses.field(default_factory=list)
     order: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # collective order per graph
+    graphs: dict[str, fx.GraphModule] = dataclasses.field(default_factory=dict, repr=False)  # as compiled
 
     @property
     def chosen(self) -> SimResult | None:
@@ -149,7 +150,7 @@ class HelixBackend:
                  seq_tiling: bool = False, bucketing: bool = True, min_gain: float = 0.02,
                  cost_model: str | CostModel = "analytical", cost_cache: str | None = None,
                  device: DeviceSpec | None = None, input_dims: Mapping[str, int] | None = None,
-                 emulate: bool | None = None, mode: str = "auto") -> None:
+                 batch_size: int | None = None, emulate: bool | None = None, mode: str = "auto") -> None:
         if tiles < 1:
             raise ValueError(f"helix backend: tiles must be >= 1, got {tiles}")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -169,6 +170,7 @@ class HelixBackend:
         self.cost_cache = cost_cache
         self.device_spec = device
         self.input_dims = input_dims
+        self.batch_size = batch_size
         self.emulate_spec = emulate
         self.mode = mode
         self.summaries: list[GraphSummary] = []
@@ -262,7 +264,7 @@ class HelixBackend:
         elif summary.collectives == 0:
             summary.refused.append("tiling: no collectives to overlap")
         else:
-            tgm, trep = tile_graph(gm, self.tiles, self.input_dims, self.seq_tiling)
+            tgm, trep = tile_graph(gm, self.tiles, self.input_dims, self.seq_tiling, self.batch_size)
             summary.tiling = trep
             summary.refused += [f"tile join before {node} ({op}): {why}" for node, op, why in trep.joins]
             if not trep.applied:
@@ -270,14 +272,14 @@ class HelixBackend:
             else:
                 helix = self._trace(tgm, example_inputs, tiled=True)
                 summary.helix, summary.reorder, summary.bucketing = helix.sim, helix.reorder, helix.bucketing
-                if helix.bucketing is not None:
-                    summary.decisions += [f"bucket {c}" for c in helix.bucketing.taken]
-                    summary.refused += [f"bucket {c}: {why}" for c, why in helix.bucketing.refused]
                 ok, why = self._accept(base.sim, helix.sim)
                 if ok:
                     chosen = helix
                     summary.tiled = True
-                    summary.decisions.insert(0, f"tiling into {self.tiles} streams + round-robin ({why})")
+                    summary.decisions.append(f"tiling into {self.tiles} streams + round-robin ({why})")
+                    if helix.bucketing is not None:
+                        summary.decisions += [f"bucket {c}" for c in helix.bucketing.taken]
+                        summary.refused += [f"bucket {c}: {r}" for c, r in helix.bucketing.refused]
                 else:
                     summary.refused.insert(0, f"tiled schedule: {why}")
         if chosen is base and summary.helix is not None:
@@ -289,6 +291,7 @@ class HelixBackend:
         chosen.emulate = self.emulating
         for tag, g in (("fw", chosen.fw), ("bw", chosen.bw)):
             if g is not None:
+                summary.graphs[tag] = g
                 summary.order[tag] = [f"{collective_kind(n)}:{n.args[-1]}" for n in g.graph.nodes
                                       if collective_kind(n) is not None]
         logger.info("%s", summary.line())
@@ -419,9 +422,10 @@ def backend(tiles: int = 2, memory_budget_bytes: int | None = None,
     return HelixBackend(tiles=tiles, memory_budget_bytes=memory_budget_bytes, interconnect=interconnect)
 
 
-def backend_from_config(cfg: Any) -> HelixBackend:
-    """Build the backend from a :class:`megatron_ext.helix.config.HelixConfig`."""
+def backend_from_config(cfg: Any, batch_size: int | None = None) -> HelixBackend:
+    """Build the backend from a :class:`megatron_ext.helix.config.HelixConfig`; ``batch_size``
+    (the micro-batch size) lets graphs after a graph break find their batch dim."""
     link = None if cfg.helix_interconnect == "none" else cfg.helix_interconnect
     return HelixBackend(tiles=cfg.helix_tiles, memory_budget_bytes=cfg.memory_budget_bytes, interconnect=link,
                         seq_tiling=cfg.helix_seq_tiling, bucketing=cfg.helix_bucketing, min_gain=cfg.helix_min_gain,
-                        cost_model=cfg.helix_cost_model, cost_cache=cfg.helix_cost_cache)
+                        cost_model=cfg.helix_cost_model, cost_cache=cfg.helix_cost_cache, batch_size=batch_size)

@@ -215,10 +215,9 @@ def choose_merges(ops: Sequence[SimOp], cands: Sequence[Candidate], cost: CostMo
 # -- the FX rewrite --------------------------------------------------------------------------------
 
 def _fake_call(target, *args):
-    vals = [value_of(a) if isinstance(a, fx.Node) else
-            ([value_of(x) for x in a] if isinstance(a, list) else a) for a in args]
-    fake = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)] +
-                                          [x for v in vals if isinstance(v, list) for x in v])
+    vals = fx.node.map_arg(args, value_of)
+    fake = torch._guards.detect_fake_mode([v for v in torch.utils._pytree.tree_leaves(vals)
+                                           if isinstance(v, torch.Tensor)])
     if fake is None:
         return None
     with fake:
@@ -241,15 +240,18 @@ def apply_merge(gm: fx.GraphModule, c: Candidate) -> None:
     first_wait = min(c.waits, key=pos.__getitem__)
     ins = [coll.args[0] for coll in c.colls]
     dim0 = c.info.kind in _DIM0
-    with g.inserting_after(last):
-        flats = []
-        for x in ins:
-            shape = [value_of(x).shape[0], -1] if dim0 else [-1]
-            flats.append(_call(g, _aten.reshape.default, x, shape))
-        cat = _call(g, _aten.cat.default, flats, 1 if dim0 else 0)
-    with g.inserting_after(cat):
-        args = (cat, *last.args[1:])
-        coll = _call(g, last.target, *args)
+    cursor = last
+
+    def after(target, *args) -> fx.Node:
+        # inserting_after() puts every new node right after the same anchor: chain the anchor.
+        nonlocal cursor
+        with g.inserting_after(cursor):
+            cursor = _call(g, target, *args)
+        return cursor
+
+    flats = [after(_aten.reshape.default, x, [value_of(x).shape[0], -1] if dim0 else [-1]) for x in ins]
+    cat = after(_aten.cat.default, flats, 1 if dim0 else 0)
+    coll = after(last.target, cat, *last.args[1:])
     with g.inserting_before(first_wait):
         wait = _call(g, first_wait.target, coll)
         offset = 0

@@ -68,16 +68,20 @@ def _is_model_state(ph: fx.Node) -> bool:
         name = name() if callable(name) else str(name)
         if "_parameters" in name or "_buffers" in name:
             return True
+        if name and not name.startswith("L["):
+            return True  # globals and other non-argument tensors are weights, not activations
     return isinstance(value_of(ph), torch.nn.Parameter)
 
 
 def choose_input_dims(gm: fx.GraphModule, tiles: int, input_dims: Mapping[str, int] | None = None,
-                      seq_tiling: bool = False) -> tuple[dict[str, int], str]:
+                      seq_tiling: bool = False, batch_size: int | None = None) -> tuple[dict[str, int], str]:
     """Which placeholders to tile along which dim, or an empty dict and the reason.
 
-    Default: dim 0 (batch) of every non-parameter input whose dim 0 has the most common size
-    (> 1) among inputs; inputs of batch size 1 (e.g. shared position ids) are broadcast.
-    With ``seq_tiling``, dim 1 is used when the batch cannot be split into ``tiles``.
+    ``batch_size`` known: the first dim of that size of every non-parameter input (so sequence-
+    first hidden states ``[s, b, h]`` after a graph break are tiled along ``b``). Otherwise dim 0
+    of every non-parameter input whose dim 0 has the most common size (> 1) among inputs; inputs
+    of batch size 1 (e.g. shared position ids) are broadcast. With ``seq_tiling``, dim 1 is used
+    when the batch cannot be split into ``tiles``.
     """
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if input_dims is not None:
@@ -93,13 +97,21 @@ def choose_input_dims(gm: fx.GraphModule, tiles: int, input_dims: Mapping[str, i
              and not _is_model_state(n)]
     if not cands:
         return {}, "no activation inputs"
+    if batch_size is not None and batch_size % tiles == 0:
+        out = {}
+        for n in cands:
+            dims = [d for d, size in enumerate(value_of(n).shape) if size == batch_size]
+            if dims:
+                out[n.name] = dims[0]
+        if out:
+            return out, ""
     reason = "inputs have no dim to tile"
     for dim in ((0, 1) if seq_tiling else (0,)):
         sizes = collections.Counter(int(value_of(n).shape[dim]) for n in cands
                                     if value_of(n).dim() > dim and value_of(n).shape[dim] > 1)
         if not sizes:
             continue
-        size = max(sizes, key=lambda s: (sizes[s], s))
+        size = max(sizes, key=lambda s: (sizes[s], -s))  # ties: the smaller size (batch <= sequence)
         if size % tiles == 0:
             return {n.name: dim for n in cands if value_of(n).dim() > dim and value_of(n).shape[dim] == size}, ""
         reason = f"{'batch' if dim == 0 else 'sequence'} size {size} is not divisible by {tiles} tiles"
@@ -107,7 +119,7 @@ def choose_input_dims(gm: fx.GraphModule, tiles: int, input_dims: Mapping[str, i
 
 
 def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int] | None = None,
-               seq_tiling: bool = False) -> tuple[fx.GraphModule, TilingReport]:
+               seq_tiling: bool = False, batch_size: int | None = None) -> tuple[fx.GraphModule, TilingReport]:
     """Return a tiled copy of ``gm`` (or ``gm`` itself when nothing can be tiled) and a report."""
     report = TilingReport(tiles=tiles)
     if tiles < 2:
@@ -119,7 +131,7 @@ def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int]
                 for s in v.shape):
             report.reason = "dynamic shapes (compile with dynamic=False)"
             return gm, report
-    dims, why = choose_input_dims(gm, tiles, input_dims, seq_tiling)
+    dims, why = choose_input_dims(gm, tiles, input_dims, seq_tiling, batch_size)
     if not dims:
         report.reason = why
         return gm, report
@@ -163,6 +175,8 @@ def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int]
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             ph = g.node_copy(n)
+            if hasattr(n, "_dynamo_source"):  # aot_autograd reads it to map inputs to their sources
+                ph._dynamo_source = n._dynamo_source
             env[n] = ph
             if n.name in dims:
                 d = dims[n.name]
@@ -203,7 +217,7 @@ def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int]
             env[n] = g.node_copy(n, full)
             continue
         outs = []
-        for k in range(tiles):
+        for k in range(1 if plan.single else tiles):
             def arg_k(a: fx.Node, k: int = k) -> Any:
                 st = env[a]
                 if isinstance(st, (_Tiled, _TiledTuple)):
@@ -219,6 +233,10 @@ def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int]
             node = g.create_node(plan.op or n.op, plan.target if plan.target is not None else n.target,
                                  tuple(args), dict(kwargs))
             outs.append(tag(node, n, k))
+        if plan.single:
+            set_tile(outs[0], None)
+            env[n] = outs[0]
+            continue
         report.tiled_calls += 1
         env[n] = _TiledTuple(tuple(plan.out_dim), outs) if isinstance(plan.out_dim, tuple) else _Tiled(plan.out_dim, outs)
 

@@ -37,6 +37,7 @@ class Plan:
 
     out_dim: Any
     split: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
+    single: bool = False  # the result is the same for every tile (metadata): compute it once
     rewrite: Callable[[int, tuple, dict], tuple[tuple, dict]] | None = None
     op: str | None = None
     target: Any = None
@@ -505,6 +506,37 @@ def _getitem(ctx: RuleCtx) -> Plan:
         if isinstance(it, slice):
             out_dim += 1
     raise Refuse("index parse failed")
+
+
+@rule(torch.gather, ("method", "gather"))
+def _gather(ctx: RuleCtx) -> Plan:
+    x = ctx.node.args[0]
+    dim = _norm(ctx.arg(1, "dim"), len(ctx.out_shape()))
+    index = ctx.arg(2, "index")
+    if not isinstance(index, fx.Node) or len(ctx.shape(index)) != len(ctx.shape(x)):
+        raise Refuse("index of another rank")
+    plan = broadcast_plan(ctx, [x, index])  # same rank: tiles align dim for dim
+    if plan.out_dim == dim:
+        raise Refuse("gathers along the tile dim")
+    if x not in ctx.dims and x not in plan.split:
+        raise Refuse("source is neither tiled nor split")
+    return plan
+
+
+_SAME_FOR_ALL_TILES = frozenset({"dtype", "device", "requires_grad", "ndim", "is_cuda", "layout", "is_leaf"})
+
+
+@rule(getattr)
+def _getattr(ctx: RuleCtx) -> Plan:
+    name = ctx.node.args[1]
+    if name not in _SAME_FOR_ALL_TILES:
+        raise Refuse(f"attribute {name!r} differs between a tile and the whole tensor")
+    return Plan(out_dim=None, single=True)
+
+
+@rule(("method", "dim"), ("method", "is_contiguous"), ("method", "get_device"), ("method", "is_floating_point"))
+def _same_metadata(ctx: RuleCtx) -> Plan:
+    return Plan(out_dim=None, single=True)
 
 
 @rule(torch.split, torch.chunk, torch.tensor_split, torch.unbind, ("method", "split"), ("method", "chunk"),
