@@ -23,6 +23,8 @@ class PauseGate:
         self._go = threading.Event()
         self._go.set()
         self._parked = threading.Event()
+        self._cond = threading.Condition()
+        self.parks = 0              # how many times the bundle parked
         self.on_checkpoint = on_checkpoint
         self.checkpoints = 0        # how many checkpoints were passed (for tests and statistics)
         self.parked_at: str | None = None
@@ -38,17 +40,35 @@ class PauseGate:
         t0 = time.perf_counter()
         self.parked_at = where
         self._go.clear()
-        self._parked.set()
+        with self._cond:
+            self.parks += 1
+            self._parked.set()
+            self._cond.notify_all()
         self._go.wait()
         self._parked.clear()
         self.parked_at = None
         self.parked_s += time.perf_counter() - t0
+
+    def request_pause(self) -> None:
+        """Ask for a pause without waiting (the bundle parks at its next pause point)."""
+        self._want_pause.set()
 
     def pause(self, timeout_s: float | None = None) -> bool:
         """Ask the bundle to stop at its next checkpoint; True once it is parked there. A bundle that
         is between steps (not running) never reaches a checkpoint: use ``is_parked`` or a timeout."""
         self._want_pause.set()
         return self._parked.wait(timeout_s)
+
+    def advance(self, timeout_s: float | None = None) -> bool:
+        """Let a parked bundle run to its next pause point and park there again (single-stepping a
+        bundle layer by layer, e.g. to fill a bubble exactly). True once it parked again; False on
+        timeout (or when the step ended first: a bundle between steps has no next point)."""
+        with self._cond:
+            seen = self.parks
+            self._want_pause.set()
+            self._parked.clear()
+            self._go.set()
+            return self._cond.wait_for(lambda: self.parks > seen, timeout_s)
 
     def resume(self) -> None:
         self._want_pause.clear()

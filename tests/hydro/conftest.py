@@ -1,5 +1,11 @@
+import os
+import sys
+
 import pytest
 import torch
+
+# pytest runs with --import-mode=importlib (no test dir on sys.path): make hydro_helpers importable.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
