@@ -54,8 +54,9 @@ class GraphSummary:
     """What Helix did with one compiled graph (also logged as one line)."""
 
     index: int
-    collectives: int
+    collectives: int          # in Dynamo's graph, autograd.Function bodies included
     tiled: bool
+    step_collectives: dict[str, int] = dataclasses.field(default_factory=dict)  # untiled fw/bw graphs
     baseline: SimResult | None = None
     helix: SimResult | None = None       # the tiled candidate, whether taken or not
     tiling: TilingReport | None = None
@@ -72,7 +73,9 @@ class GraphSummary:
 
     def line(self) -> str:
         b, c = self.baseline, self.chosen
-        parts = [f"helix graph {self.index}: {self.collectives} collectives"]
+        counts = "+".join(str(self.step_collectives[k]) for k in ("fw", "bw") if k in self.step_collectives)
+        parts = [f"helix graph {self.index}: {counts or self.collectives} collectives"
+                 + (" (fw+bw)" if "bw" in self.step_collectives else "")]
         if b is not None and c is not None:
             parts.append(f"exposed comm {b.exposed_comm_s * 1e3:.2f} -> {c.exposed_comm_s * 1e3:.2f} ms (simulated)")
             parts.append(f"makespan {b.makespan_s * 1e3:.2f} -> {c.makespan_s * 1e3:.2f} ms")
@@ -253,6 +256,9 @@ class HelixBackend:
         base = self._trace(gm, example_inputs, tiled=False)
         self._scale = base.scale
         summary.baseline = base.sim
+        for tag, g in (("fw", base.fw), ("bw", base.bw)):
+            if g is not None:
+                summary.step_collectives[tag] = sum(1 for n in g.graph.nodes if collective_kind(n) is not None)
         chosen = base
         if self.mode == "baseline":
             summary.decisions.append("baseline requested (no passes)")

@@ -98,8 +98,20 @@ def collective_kind(node: fx.Node) -> str | None:
     return _COLLECTIVES.get(name.removesuffix("_coalesced"))
 
 
+def _emulation_helper(node: fx.Node) -> str | None:
+    """``emulated_issue``/``emulated_wait`` of the CPU interconnect emulation (interconnect.py)."""
+    t = node.target
+    if node.op == "call_function" and getattr(t, "__module__", "") == "megatron_ext.helix.interconnect":
+        return getattr(t, "__name__", None)
+    return None
+
+
 def is_wait(node: fx.Node) -> bool:
-    return _funcol_name(node) in _WAITS
+    return _funcol_name(node) in _WAITS or _emulation_helper(node) == "emulated_wait"
+
+
+def is_emulated_issue(node: fx.Node) -> bool:
+    return _emulation_helper(node) == "emulated_issue"
 
 
 def group_name_of(node: fx.Node) -> str | None:
@@ -188,6 +200,8 @@ def classify(node: fx.Node) -> Kind:
         return Kind.WAIT
     t = node.target
     if node.op == "call_function" and t is operator.getitem:
+        return Kind.OTHER
+    if is_emulated_issue(node):
         return Kind.OTHER
     if t in _METADATA:
         return Kind.OTHER

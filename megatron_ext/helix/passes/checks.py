@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
-from megatron_ext.helix.ir import check_topological, collective_kind, is_wait
+from megatron_ext.helix.ir import check_topological, collective_kind, is_emulated_issue, is_wait
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ def check_graph(graph: fx.Graph) -> list[str]:
         # A collective's buffer may only be read through its wait: anything else would read
         # data that is still in flight.
         if collective_kind(n) is not None:
-            early = [u.name for u in n.users if not is_wait(u) and u.target is not operator.getitem]
+            early = [u.name for u in n.users
+                     if not is_wait(u) and u.target is not operator.getitem and not is_emulated_issue(u)]
             if early:
                 problems.append(f"{', '.join(early)} read {n.name} before its wait")
     nodes = list(graph.nodes)

@@ -1,0 +1,121 @@
+"""Cost models, presets, micro-benchmark cache and the Helix config."""
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.fx as fx
+
+from megatron_ext.config.base import ConfigError, build, field_names
+from megatron_ext.helix.calibrate import CostCache, benchmark_graph_ops, device_key
+from megatron_ext.helix.config import HelixConfig
+from megatron_ext.helix.cost import (PRESETS, AnalyticalCostModel, DeviceSpec, Interconnect, MeasuredCostModel,
+                                     op_signature, resolve_interconnect)
+from megatron_ext.helix.ir import CollectiveInfo, GraphIR
+
+DEV = DeviceSpec(name="t", peak_flops_per_s=1e9, mem_bandwidth_Bps=1e9, op_overhead_s=1e-6)
+
+
+def _info(kind, n_bytes, group_size):
+    return CollectiveInfo(kind=kind, group="0", group_size=group_size, dtype=torch.float32, in_bytes=n_bytes,
+                          out_bytes=n_bytes, reduce_op="sum")
+
+
+def test_link_time_uses_ring_algorithm_bytes_per_group_size():
+    link = Interconnect("l", latency_s=1e-5, bandwidth_Bps=1e9)
+    mb = 1_000_000
+    assert link.time_of(_info("all_reduce", mb, 2)) == pytest.approx(1e-5 + 1e-3)        # 2(n-1)/n = 1
+    assert link.time_of(_info("all_reduce", mb, 4)) == pytest.approx(1e-5 + 1.5e-3)      # 2*3/4
+    assert link.time_of(_info("all_to_all", mb, 4)) == pytest.approx(1e-5 + 0.75e-3)     # 3/4
+    assert link.time_of(_info("all_reduce", mb, 1)) == 0.0
+
+
+def test_presets_scale_with_the_device_and_keep_their_ratio():
+    fast = dataclasses.replace(DEV, peak_flops_per_s=4e9)
+    intra, cross = (PRESETS[k].resolve(DEV) for k in ("intra_node", "cross_node"))
+    assert intra.bandwidth_Bps / cross.bandwidth_Bps == pytest.approx(480 / 80)
+    assert PRESETS["cross_node"].resolve(fast).bandwidth_Bps == pytest.approx(4 * cross.bandwidth_Bps)
+    assert resolve_interconnect(None, DEV) is None and resolve_interconnect("none", DEV) is None
+    with pytest.raises(ValueError, match="unknown interconnect 'infiniband'"):
+        resolve_interconnect("infiniband", DEV)
+
+
+def _mm_graph(n=64):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(lambda a, b: torch.mm(a, b).relu())(torch.randn(n, n), torch.randn(n, n))
+
+
+def test_analytical_compute_is_a_roofline_plus_overhead():
+    gm = _mm_graph(64)
+    ir = GraphIR(gm)
+    model = AnalyticalCostModel(DEV)
+    mm = next(n for n in ir.nodes if n.op == "aten::mm.default")
+    relu = next(n for n in ir.nodes if n.op == "aten::relu.default")
+    assert model.compute_s(mm) == pytest.approx(1e-6 + 2 * 64 ** 3 / 1e9)             # compute-bound
+    assert model.compute_s(relu) == pytest.approx(1e-6 + 2 * 64 * 64 * 4 / 1e9)        # memory-bound
+    assert model.collective_s(_info("all_reduce", 10, 2)) == 0.0                        # no link: free
+
+
+def test_measured_model_uses_the_table_scaled_and_falls_back_to_the_roofline():
+    gm = _mm_graph(32)
+    ir = GraphIR(gm)
+    mm = next(n for n in ir.nodes if n.op == "aten::mm.default")
+    relu = next(n for n in ir.nodes if n.op == "aten::relu.default")
+    fallback = AnalyticalCostModel(DEV)
+    model = MeasuredCostModel({op_signature(mm.node): 0.5}, fallback, scale=2.0)
+    assert model.compute_s(mm) == pytest.approx(1.0)
+    assert model.compute_s(relu) == pytest.approx(2 * fallback.compute_s(relu))
+    assert model.misses == 1
+
+
+def test_micro_benchmarks_fill_and_reuse_the_cache(tmp_path):
+    gm = _mm_graph(32)
+    path = tmp_path / "costs.json"
+    cache = CostCache(str(path))
+    table = benchmark_graph_ops([gm], "cpu", cache, reps=1)
+    cache.save()
+    sigs = {op_signature(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert set(table) == sigs and all(t > 0 for t in table.values())
+    stored = json.loads(path.read_text())[device_key("cpu")]["ops"]
+    assert set(stored) == sigs
+    # A second run measures nothing: cached values come back unchanged.
+    again = benchmark_graph_ops([gm], "cpu", CostCache(str(path)))
+    assert again == {k: stored[k] for k in again}
+
+
+def test_op_signature_names_shapes_strides_and_literals():
+    gm = _mm_graph(8)
+    mm = next(n for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target))
+    assert op_signature(mm) == "aten::mm.default(T(8, 8)s(8, 1)float32,T(8, 8)s(8, 1)float32;)"
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+def test_flags_are_pinned():
+    assert field_names(HelixConfig) == ["helix", "helix_tiles", "helix_memory_budget_gb", "helix_seq_tiling",
+                                        "helix_bucketing", "helix_min_gain", "helix_cost_model", "helix_cost_cache",
+                                        "helix_interconnect"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"helix_tiles": 0}, "--helix-tiles must be >= 1, got 0"),
+    ({"helix_memory_budget_gb": -1}, "--helix-memory-budget-gb must be > 0, got -1.0"),
+    ({"helix_min_gain": 1.5}, "--helix-min-gain must be in [0, 1), got 1.5"),
+    ({"helix_interconnect": "ib"}, "--helix-interconnect must be one of none, intra_node, cross_node, got 'ib'"),
+    ({"helix_tiles": "two"}, "run.yaml: key 'helix_tiles' expects int, got 'two'"),
+])
+def test_bad_values_are_named(values, message):
+    with pytest.raises(ConfigError) as exc:
+        build(HelixConfig, values, "run.yaml")
+    assert str(exc.value) == message
+
+
+def test_budget_in_bytes_and_backend_from_config():
+    from megatron_ext.helix import backend_from_config
+
+    cfg = build(HelixConfig, {"helix": True, "helix_tiles": 4, "helix_memory_budget_gb": 0.5,
+                              "helix_interconnect": "cross_node", "helix_cost_model": "analytical"}, "run.yaml")
+    assert cfg.memory_budget_bytes == 1 << 29
+    be = backend_from_config(cfg, batch_size=8)
+    assert (be.tiles, be.memory_budget_bytes, be.interconnect_spec, be.batch_size) == (4, 1 << 29, "cross_node", 8)
