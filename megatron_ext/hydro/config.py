@@ -116,8 +116,8 @@ def key_lines(path: str) -> dict[str, int]:
 
 def _with_line(exc: ConfigError, lines: Mapping[str, int], path: str) -> ConfigError:
     m = re.search(r"key '(\w+)'", str(exc))
-    if m and m.group(1) in lines and f"{path}:" not in str(exc).split(" ")[0]:
-        msg = str(exc).replace(f"{path}: ", "", 1)
+    if m and m.group(1) in lines and str(exc).startswith(f"{path}: "):
+        msg = str(exc)[len(path) + 2:]
         return ConfigError(f"{path}:{lines[m.group(1)]}: {msg}")
     return exc
 
@@ -163,7 +163,7 @@ def default_hparams(cfg: HydroTuneConfig, where: str, lines: Mapping[str, int]) 
                               (f" (did you mean '{close[0]}'?)" if close else ""))
         kind, valid = SEARCHABLE[name]
         spec = {"type": "categorical", "choices": [v]}
-        parsed = parse_search_space({name: spec}, where, {name: lines[name]} if name in lines else {})
+        parsed = parse_search_space({name: spec}, where, {name: lines[name]} if name in lines else {}, section="defaults")
         value = parsed[name].choices[0]
         if kind != "categorical" and not valid[0] <= value <= valid[1]:
             raise ConfigError(f"{loc}: defaults.{name}: {value} is outside [{valid[0]}, {valid[1]}]")

@@ -75,8 +75,8 @@ def _num(v: Any, kind: str, err) -> float | int:
     return x
 
 
-def parse_search_space(spec: Any, where: str = "search_space", lines: Mapping[str, int] | None = None
-                       ) -> dict[str, Param]:
+def parse_search_space(spec: Any, where: str = "search_space", lines: Mapping[str, int] | None = None,
+                       section: str = "search_space") -> dict[str, Param]:
     """Validate ``spec`` (the YAML mapping) into ``{name: Param}``. Errors name file:line and key."""
     lines = lines or {}
     if spec is None or spec == {}:
@@ -90,7 +90,7 @@ def parse_search_space(spec: Any, where: str = "search_space", lines: Mapping[st
         loc = f"{where}:{lines[name]}" if name in lines else where
 
         def err(msg: str, name=name, loc=loc) -> None:
-            raise ConfigError(f"{loc}: search_space.{name}: {msg}")
+            raise ConfigError(f"{loc}: {section}.{name}: {msg}")
 
         if name in NOT_FUSABLE:
             err("cannot be searched: the trials of one fused bundle share shapes, the batch and the optimizer "
@@ -121,7 +121,7 @@ def parse_search_space(spec: Any, where: str = "search_space", lines: Mapping[st
                 choices = [_num(c, want_kind, err) for c in choices]
                 for c in choices:
                     if not valid[0] <= c <= valid[1]:
-                        err(f"choice {c} is outside [{valid[0]}, {valid[1]}]")
+                        err(f"{'value' if section == 'defaults' else 'choice'} {c} is outside [{valid[0]}, {valid[1]}]")
             if any(k in body for k in ("low", "high", "log", "step")):
                 err("categorical takes only 'choices' (no low/high/log/step)")
             out[name] = Param(name, "categorical", choices=tuple(choices))

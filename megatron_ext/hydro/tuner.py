@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 
 class SimulatedCrash(RuntimeError):
-    """Raised by ``crash_after`` (tests): leaves the study exactly as a killed process would."""
+    """Raised by ``crash_after`` (tests): after that many trials finished, the tuner stops dead with
+    its refilled bundle mid-training, leaving the study exactly as a killed process would."""
 
 
 @dataclasses.dataclass
@@ -238,6 +239,8 @@ class HydroTuner:
                     f"#{s.trial_id} " + _fmt_params(s, self.space) for s in new_specs))
             if not active:
                 break
+            if self.crash_after is not None and finished_here >= self.crash_after:
+                raise SimulatedCrash(f"simulated crash after {finished_here} finished trials")
             x, y = self.data.train_batch()
             losses = bundle.train_step(x, y)
             due = [tid for tid in bundle.trial_ids
@@ -272,8 +275,6 @@ class HydroTuner:
             for tid in leaving:
                 del active[tid]
                 finished_here += 1
-                if self.crash_after is not None and finished_here >= self.crash_after:
-                    raise SimulatedCrash(f"simulated crash after {finished_here} finished trials")
             if leaving:
                 keep = [t for t in bundle.trial_ids if t not in leaving]
                 if keep:

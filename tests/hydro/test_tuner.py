@@ -1,0 +1,107 @@
+"""The tuner: fused trials, pruning with slot refill, resume after a crash, transfer to full width."""
+import math
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from megatron_ext.hydro.bundle import TrialBundle
+from megatron_ext.hydro.config import HydroTuneConfig, hparams_from
+from megatron_ext.hydro.data import TokenBatches, synthetic_tokens
+from megatron_ext.hydro.parametrization import mup_multipliers
+from megatron_ext.hydro.search_space import parse_search_space
+from megatron_ext.hydro.tuner import HydroTuner, SimulatedCrash, results_table
+
+VOCAB = 32
+SPACE = parse_search_space({"lr": {"type": "float", "low": 1e-4, "high": 3e-2, "log": True},
+                            "warmup_steps": {"type": "int", "low": 0, "high": 4}})
+
+
+def cfg_for(tmp_path, **kw):
+    base = dict(study_name="t", output_dir=str(tmp_path), n_trials=6, fusion=2, trial_steps=12, eval_interval=4,
+                min_resource=4, reduction_factor=2, hidden_size=32, num_attention_heads=4, num_layers=1,
+                seq_length=8, micro_batch_size=4, eval_iters=2, shrink_ratio=0.5, target_steps=0, seed=3,
+                data_path="synthetic", optimizer="adam")
+    base.update(kw)
+    return HydroTuneConfig(**base)
+
+
+def data():
+    return TokenBatches(synthetic_tokens(20_000, VOCAB, seed=1), 8, 4, seed=0)
+
+
+def tuner(cfg, **kw):
+    return HydroTuner(cfg, SPACE, hparams_from({}, cfg.trial_steps), data=data(), vocab_size=VOCAB,
+                      log=lambda s: None, **kw)
+
+
+def test_pruned_and_finished_trials_free_slots_for_new_ones(tmp_path, monkeypatch):
+    sizes, ids_seen = [], []
+    orig = TrialBundle.train_step
+
+    def spy(self, x, y):
+        sizes.append(self.num_trials)
+        ids_seen.append(tuple(self.trial_ids))
+        return orig(self, x, y)
+
+    monkeypatch.setattr(TrialBundle, "train_step", spy)
+    res = tuner(cfg_for(tmp_path)).run()
+    assert res.n_complete + res.n_pruned == 6 and res.n_failed == 0
+    assert res.n_pruned >= 1 and res.fusion == 2
+    assert max(sizes) == 2
+    # slot refill: some step ran a pair of trials that were not started together
+    assert any(ids[1] - ids[0] > 1 for ids in ids_seen if len(ids) == 2)
+    study = optuna.load_study(study_name="t", storage=cfg_for(tmp_path).resolved_storage())
+    for t in study.get_trials(states=(TrialState.PRUNED,)):
+        assert t.last_step < 12        # pruned trials stopped early ...
+    for t in study.get_trials(states=(TrialState.COMPLETE,)):
+        assert t.last_step == 12 and t.value == t.intermediate_values[12]
+    assert res.best_proxy_loss == min(t.value for t in study.get_trials(states=(TrialState.COMPLETE,)))
+    table = results_table(res, SPACE)
+    assert table.splitlines()[0].split() == ["trial", "state", "steps", "val_loss", "lr", "warmup_steps"]
+
+
+def test_killed_study_resumes_where_it_stopped(tmp_path):
+    cfg = cfg_for(tmp_path, pruner="none", n_trials=5)
+    with pytest.raises(SimulatedCrash):
+        tuner(cfg, crash_after=2).run()
+    study = optuna.load_study(study_name="t", storage=cfg.resolved_storage())
+    before = {t.number: t.value for t in study.get_trials(states=(TrialState.COMPLETE,))}
+    running = {t.number: t.params for t in study.get_trials(states=(TrialState.RUNNING,))}
+    assert len(before) == 2 and len(running) >= 1
+
+    res = tuner(cfg).run()
+    study = optuna.load_study(study_name="t", storage=cfg.resolved_storage())
+    complete = {t.number: t for t in study.get_trials(states=(TrialState.COMPLETE,))}
+    assert len(complete) == 5 and res.n_complete == 5
+    for n, v in before.items():            # finished work is kept, not redone
+        assert complete[n].value == v
+    failed = {t.number for t in study.get_trials(states=(TrialState.FAIL,))}
+    assert failed == set(running)          # interrupted trials are marked failed ...
+    retries = {t.user_attrs["retry_of"]: t.params for t in complete.values() if "retry_of" in t.user_attrs}
+    assert retries == running              # ... and re-run with the same parameters
+
+
+def test_resume_with_a_different_search_space_is_refused(tmp_path):
+    cfg = cfg_for(tmp_path, n_trials=1, trial_steps=4, pruner="none")
+    tuner(cfg).run()
+    other = HydroTuner(cfg, parse_search_space({"lr": {"type": "float", "low": 1e-3, "high": 1e-1}}),
+                       data=data(), vocab_size=VOCAB, log=lambda s: None)
+    with pytest.raises(RuntimeError, match="was created with different search_space"):
+        other.run()
+
+
+def test_best_config_transfers_to_the_full_width_target(tmp_path):
+    cfg = cfg_for(tmp_path, n_trials=3, pruner="hyperband", target_steps=16, parametrization="mup",
+                  optimizer="adamw")
+    t = tuner(cfg)
+    res = t.run()
+    assert res.best_trial is not None and res.n_complete + res.n_pruned == 3
+    assert res.target_loss is not None and math.isfinite(res.target_loss)
+    assert res.target_loss < math.log(VOCAB) - 0.5           # the target learned with the transferred config
+    target = t.target_factory(0)
+    assert target.blocks[0].mlp.fc1.in_features == 32       # trained at full width ...
+    assert t.proxy_template.get_submodule("blocks.0.mlp.fc1").in_features == 16   # ... tuned at half width
+    mults = mup_multipliers(target, "adamw")
+    assert mults["blocks.0.mlp.fc1.weight"][0] == 0.5        # muP: hidden LRs scale 1/width_mult
+    assert mup_multipliers(t.proxy_factory(0), "adamw")["blocks.0.mlp.fc1.weight"][0] == 1.0
