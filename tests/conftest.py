@@ -18,12 +18,22 @@ def _session_cache(tmp_path_factory):
     yield
 
 
+def _child_env(extra: dict) -> dict:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **extra}
+    # An in-process single-rank test (tests/runtime/test_checkpoint.py) leaves the MASTER_ADDR/PORT
+    # it picked in os.environ, and its store may still hold that port: a child picks its own.
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
 def run_torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 900, env: dict | None = None
                  ) -> subprocess.CompletedProcess:
     """Launch ``script`` on ``nproc`` gloo ranks; fails the test with the output tail on error."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            script, *args]
-    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = _child_env({"OMP_NUM_THREADS": "1", **(env or {})})
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
@@ -33,7 +43,7 @@ def run_torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 900, en
 
 def run_python(*args: str, timeout: int = 600, env: dict | None = None, check: bool = True
                ) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    full_env = _child_env(env or {})
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:

@@ -118,7 +118,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    if state["tracker"]:  # empty when saved by an engine without megatron's tracker (--engine deepspeed)
+        get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 

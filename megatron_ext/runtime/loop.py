@@ -53,10 +53,7 @@ class Trainer:
             seq_length=cfg.model.seq_length, seed=t.seed,
             sizes=split_sizes(t.train_iters, t.global_batch_size, lg.eval_interval, lg.eval_iters),
             cache=d.data_cache_dir)
-        self.model: ModelBundle = build_model(cfg, ctx, self.splits.tokenizer.vocab_size)
-        params = list(self.model.parameters())
-        self.optimizer = build_optimizer(params, t, ctx.device.type == "cuda", self.model.chunks)
-        self.scheduler = build_scheduler(self.optimizer, t)
+        self._build_model()
         coord = ctx.coord
         self.train_stream = MicroBatchStream(self.splits.train, global_batch=t.global_batch_size,
                                              micro_batch=t.micro_batch_size, dp_rank=coord.dp,
@@ -70,14 +67,12 @@ class Trainer:
             self.load_checkpoint(cfg.checkpoint.load)
         else:
             self.scheduler.step(0)
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        self.forward_backward_func = get_forward_backward_func()
-        n_params = count_parameters(self.model.chunks)
+        self._prepare_schedule()
         if ctx.rank == 0:
             logger.info("layout %s (world %d) on %s/%s; %d parameters on rank 0; data %s; %d micro-batches "
-                        "of %d per iteration", ctx.layout.name, ctx.world_size, ctx.device, ctx.backend, n_params,
-                        self.splits.prefix, self.train_stream.num_microbatches, t.micro_batch_size)
+                        "of %d per iteration", self.layout_name(), ctx.world_size, ctx.device, ctx.backend,
+                        self._num_parameters(), self.splits.prefix, self.train_stream.num_microbatches,
+                        t.micro_batch_size)
         if ctx.is_logging_rank:
             if lg.tensorboard_dir:
                 from torch.utils.tensorboard import SummaryWriter
@@ -89,6 +84,26 @@ class Trainer:
         for ext in self.extensions:
             ext.setup(self)
         return self
+
+    # Engine hooks: a subclass for another engine (deepspeed_patches/trainer.py) overrides these and
+    # keeps data, LR schedule, checkpoints, logging and extensions.
+    def _build_model(self) -> None:
+        """Set ``self.model``, ``self.optimizer`` and ``self.scheduler``."""
+        self.model: ModelBundle = build_model(self.cfg, self.ctx, self.splits.tokenizer.vocab_size)
+        params = list(self.model.parameters())
+        self.optimizer = build_optimizer(params, self.cfg.training, self.ctx.device.type == "cuda", self.model.chunks)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.training)
+
+    def _prepare_schedule(self) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.forward_backward_func = get_forward_backward_func()
+
+    def _num_parameters(self) -> int:
+        return count_parameters(self.model.chunks)
+
+    def layout_name(self) -> str:
+        return self.ctx.layout.name
 
     # --- one iteration ---------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
@@ -130,6 +145,18 @@ class Trainer:
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def _train_batches(self, batches: list[dict[str, Any]]) -> tuple[Any, bool, float | None]:
+        """Forward/backward over the micro-batches and the optimizer step: (losses for
+        ``_reduce_loss``, update applied, gradient norm)."""
+        self.model.train()
+        self.model.zero_grad_buffer()
+        losses = self._run_schedule(batches, forward_only=False)
+        applied, grad_norm = self._optimizer_step()
+        return losses, applied, grad_norm
+
+    def _eval_batches(self, batches: list[dict[str, Any]]) -> Any:
+        return self._run_schedule(batches, forward_only=True)
+
     def train_step(self) -> IterationMetrics:
         it = self.iteration + 1
         for ext in self.extensions:
@@ -137,11 +164,8 @@ class Trainer:
         start = time.perf_counter()
         batches = self.train_stream.next_iteration()
         self.last_batches = batches
-        self.model.train()
-        self.model.zero_grad_buffer()
-        losses = self._run_schedule(batches, forward_only=False)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
-        applied, grad_norm = self._optimizer_step()
+        losses, applied, grad_norm = self._train_batches(batches)
         self.scheduler.step(1)
         self._sync()
         elapsed = time.perf_counter() - start
@@ -170,8 +194,7 @@ class Trainer:
         with torch.no_grad():
             for i in range(self.cfg.logging.eval_iters):
                 batches = self.valid_stream.iteration(start=i * self.cfg.training.global_batch_size)
-                out = self._run_schedule(batches, forward_only=True)
-                loss = self._reduce_loss(out)
+                loss = self._reduce_loss(self._eval_batches(batches))
                 if loss is not None:
                     losses.append(loss)
         self.model.train()
