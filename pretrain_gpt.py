@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""GPT pretraining on megatron-core with the megatron-ext extensions.
+"""GPT pretraining on megatron-core (or DeepSpeed's pipeline engine) with the megatron-ext extensions.
 
     torchrun --nproc_per_node 4 pretrain_gpt.py --config configs/demo_tp2pp2.yaml [--flag value ...]
 
@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_run_config(argv)
         cfg.validate(world)
+        if cfg.parallel.engine == "deepspeed":
+            from deepspeed_patches.trainer import check_config
+
+            check_config(cfg)
     except ConfigError as exc:
         if rank == 0:
             print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
@@ -39,14 +43,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_ext.runtime import distributed
     from megatron_ext.runtime.extension import build_extensions
-    from megatron_ext.runtime.loop import Trainer
 
-    ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
+    if cfg.parallel.engine == "deepspeed":
+        from deepspeed_patches import trainer as ds
+
+        ctx = ds.setup_distributed(cfg.parallel, seed=cfg.training.seed)
+        trainer_cls, teardown = ds.DeepSpeedTrainer, ds.teardown
+    else:
+        from megatron_ext.runtime.loop import Trainer
+
+        ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
+        trainer_cls, teardown = Trainer, distributed.teardown
     try:
-        trainer = Trainer(cfg, ctx, build_extensions(cfg)).setup()
+        trainer = trainer_cls(cfg, ctx, build_extensions(cfg)).setup()
         trainer.run()
     finally:
-        distributed.teardown()
+        teardown()
     return 0
 
 

@@ -115,4 +115,10 @@ class TimelineExtension(Extension):
 @register_extension("timeline")
 def _factory(cfg) -> TimelineExtension | None:
     tl = cfg.ext("timeline")
-    return TimelineExtension(tl) if tl is not None and tl.timeline else None
+    if tl is None or not tl.timeline:
+        return None
+    if cfg.parallel.engine == "deepspeed":  # the engine records its own instructions
+        from deepspeed_patches.timeline import DeepSpeedTimelineExtension
+
+        return DeepSpeedTimelineExtension(tl)
+    return TimelineExtension(tl)

@@ -1,0 +1,268 @@
+"""The GPT of ``runtime/model.py`` as a DeepSpeed ``PipelineModule`` (PP x DP, TP = 1).
+
+Plain torch modules whose math and parameter layout follow megatron-core's local-spec GPT
+(``get_gpt_layer_local_spec``) op for op: learned word + position embeddings transposed to
+[sequence, batch, hidden], pre-LayerNorm transformer layers with a fused QKV weight laid out per head
+(``[q_h; k_h; v_h]`` for each head h, as megatron's ``get_query_key_value_tensors`` splits it), causal
+softmax attention scaled by 1/sqrt(head dim) with masked scores set to -10000, exact GELU MLP, biases
+added after the matmul (megatron's ``skip_bias_add`` + bias-dropout-add), a final LayerNorm and an
+output head tied to the word embedding (``TiedLayerSpec``), the vocabulary padded to a multiple of 128,
+and megatron's per-token cross entropy averaged over the loss mask.
+
+Every parameter is named by its megatron ``sharded_state_dict`` key and global layer
+(``shard_entries``), so weights are initialised by the same (seed, key, layer) rule as the megatron
+engine (same seed, same model) and checkpoints use the same files: a checkpoint moves between engines.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_ext.runtime.checkpoint import ShardEntry
+from megatron_ext.runtime.model import _full_value, _seed_for
+
+logger = logging.getLogger(__name__)
+
+TIED_KEY = "embed"
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+# megatron's local spec publishes its norms under the Transformer Engine names (fused into the next
+# linear), so checkpoints are interchangeable between specs; we use the same names.
+LAYER_KEYS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "linear_qkv.weight": "self_attention.linear_qkv.weight",
+    "linear_qkv.bias": "self_attention.linear_qkv.bias",
+    "linear_proj.weight": "self_attention.linear_proj.weight",
+    "linear_proj.bias": "self_attention.linear_proj.bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "linear_fc1.weight": "mlp.linear_fc1.weight",
+    "linear_fc1.bias": "mlp.linear_fc1.bias",
+    "linear_fc2.weight": "mlp.linear_fc2.weight",
+    "linear_fc2.bias": "mlp.linear_fc2.bias",
+}
+# megatron's attention_mask_func fills masked scores with this (not -inf): kept for bitwise-close parity.
+MASKED_SCORE = -10000.0
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # megatron's linear layers run matmul(x, W^T) and add the bias separately; F.linear fuses the
+    # bias into addmm, which rounds differently.
+    out = torch.matmul(x, weight.t())
+    return out if bias is None else out + bias
+
+
+class EmbeddingPipe(nn.Module):
+    """Word (+ learned position) embeddings; also the tied output head on the last stage."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, max_positions: int, dropout: float,
+                 with_positions: bool) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab_size, hidden_size)
+        # Only the stage that embeds needs positions; the last stage builds this module for its
+        # tied head only, and an unused parameter would have no gradient.
+        self.position_embeddings = nn.Embedding(max_positions, hidden_size) if with_positions else None
+        self.dropout = dropout
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens, position_ids = inputs
+        x = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
+        x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h], megatron's activation layout
+        return F.dropout(x, self.dropout, self.training)
+
+    def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
+        yield WORD_EMBEDDINGS, (), self.word_embeddings.weight
+        if self.position_embeddings is not None:
+            yield "embedding.position_embeddings.weight", (), self.position_embeddings.weight
+
+
+def output_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """The tied output head: [s, b, h] -> logits [s, b, padded vocab]."""
+    return _linear(hidden, embedding.word_embeddings.weight)
+
+
+class TransformerLayerPipe(nn.Module):
+    """One pre-LN transformer layer; ``layer_number`` is its global index (0-based)."""
+
+    def __init__(self, layer_number: int, hidden_size: int, num_heads: int, ffn_hidden_size: int, eps: float,
+                 hidden_dropout: float, attention_dropout: float) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.hidden_dropout = hidden_dropout
+        self.attention_dropout = attention_dropout
+        self.input_layernorm = nn.LayerNorm(hidden_size, eps=eps)
+        self.linear_qkv = nn.Linear(hidden_size, 3 * hidden_size)
+        self.linear_proj = nn.Linear(hidden_size, hidden_size)
+        self.pre_mlp_layernorm = nn.LayerNorm(hidden_size, eps=eps)
+        self.linear_fc1 = nn.Linear(hidden_size, ffn_hidden_size)
+        self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        n, d = self.num_heads, self.head_dim
+        qkv = _linear(x, self.linear_qkv.weight, self.linear_qkv.bias)
+        # per head: [q_h; k_h; v_h] (megatron with num_query_groups == num_heads)
+        q, k, v = torch.split(qkv.view(s, b, n, 3 * d), [d, d, d], dim=3)
+        q = q.reshape(s, b * n, d).transpose(0, 1)                  # [b n, s, d]
+        k = k.reshape(s, b * n, d).transpose(0, 1).transpose(1, 2)  # [b n, d, s]
+        scores = torch.baddbmm(torch.empty(b * n, s, s, dtype=x.dtype, device=x.device), q, k,
+                               beta=0.0, alpha=1.0 / math.sqrt(d)).view(b, n, s, s)
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=x.device), diagonal=1)
+        probs = torch.softmax(scores.masked_fill(causal, MASKED_SCORE), dim=-1)
+        probs = F.dropout(probs, self.attention_dropout, self.training)
+        ctx = torch.bmm(probs.view(b * n, s, s), v.reshape(s, b * n, d).transpose(0, 1))
+        return ctx.view(b, n, s, d).permute(2, 0, 1, 3).contiguous().view(s, b, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bias-dropout-add: residual + dropout(out + bias), as megatron's bias_dropout_add
+        attn = _linear(self._attention(self.input_layernorm(x)), self.linear_proj.weight)
+        x = x + F.dropout(attn + self.linear_proj.bias, self.hidden_dropout, self.training)
+        hidden = F.gelu(_linear(self.pre_mlp_layernorm(x), self.linear_fc1.weight) + self.linear_fc1.bias)
+        mlp = _linear(hidden, self.linear_fc2.weight)
+        return x + F.dropout(mlp + self.linear_fc2.bias, self.hidden_dropout, self.training)
+
+    def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
+        for name, param in self.named_parameters():
+            yield "decoder.layers." + LAYER_KEYS[name], (self.layer_number,), param
+
+
+class FinalNormPipe(nn.LayerNorm):
+    def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
+        yield "decoder.final_layernorm.weight", (), self.weight
+        yield "decoder.final_layernorm.bias", (), self.bias
+
+
+class OutputHeadPipe(nn.Module):
+    """Untied output head (``--untie-embeddings-and-output-weights``)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _linear(hidden, self.weight)
+
+    def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
+        yield "output_layer.weight", (), self.weight
+
+
+def lm_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean token cross entropy over the loss mask of one micro-batch (megatron's loss_func)."""
+    target, loss_mask = labels
+    s, b, v = logits.shape
+    # logits are [s, b, v]; megatron transposes labels to [s, b] and the loss back to [b, s]
+    per_token = F.cross_entropy(logits.float().view(s * b, v), target.transpose(0, 1).reshape(s * b),
+                                reduction="none").view(s, b).transpose(0, 1)
+    mask = loss_mask.float()
+    return torch.sum(per_token.reshape(-1) * mask.reshape(-1)) / mask.sum().clamp(min=1.0)
+
+
+def layer_specs(model_cfg: Any, vocab_size: int) -> list[Any]:
+    """Embedding, the transformer layers, final norm and output head as DeepSpeed layer specs."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    m = model_cfg
+    eps = 1e-5  # megatron TransformerConfig.layernorm_epsilon default
+    embed = dict(vocab_size=vocab_size, hidden_size=m.hidden_size, max_positions=m.max_position_embeddings,
+                 dropout=m.hidden_dropout)
+    specs: list[Any] = [TiedLayerSpec(TIED_KEY, EmbeddingPipe, **embed, with_positions=True,
+                                      tied_weight_attr="word_embeddings.weight")]
+    specs += [LayerSpec(TransformerLayerPipe, i, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, eps,
+                        m.hidden_dropout, m.attention_dropout) for i in range(m.num_layers)]
+    specs.append(LayerSpec(FinalNormPipe, m.hidden_size, eps=eps))
+    if m.untie_embeddings_and_output_weights:
+        specs.append(LayerSpec(OutputHeadPipe, m.hidden_size, vocab_size))
+    else:
+        # The first occurrence of the key on a stage builds the module: on the last stage (PP > 1)
+        # that is this head, built without position embeddings.
+        specs.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, **embed, with_positions=False, forward_fn=output_logits,
+                                   tied_weight_attr="word_embeddings.weight"))
+    return specs
+
+
+def stage_parts(num_layers: int, num_stages: int) -> list[int]:
+    """Spec boundaries per stage, megatron's split: stage s holds layers [s L/p, (s+1) L/p), the first
+    stage also the embedding, the last also the final norm and the head."""
+    if num_layers % num_stages:
+        raise ValueError(f"num-layers ({num_layers}) is not divisible by pipeline-model-parallel-size "
+                         f"({num_stages})")
+    per = num_layers // num_stages
+    return [0] + [1 + per * (s + 1) for s in range(num_stages - 1)] + [num_layers + 3]
+
+
+def build_gpt_pipeline(model_cfg: Any, *, vocab_size: int, num_stages: int, seed: int, std: float,
+                       quiet: bool = True) -> Any:
+    """The GPT ``PipelineModule`` of this rank's stage, initialised by global name."""
+    from deepspeed.pipe import PipelineModule
+
+    class GPTPipelineModule(PipelineModule):
+        """PipelineModule with megatron's layer split and megatron-keyed shard entries."""
+
+        def _partition_layers(self, method: str = "uniform") -> None:
+            # DeepSpeed's balanced partitioners may move the zero-weight embedding / head to a
+            # neighbouring stage; fix the split to megatron's so layouts and checkpoints agree.
+            self.parts = stage_parts(model_cfg.num_layers, self.num_stages)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def shard_entries(self) -> list[ShardEntry]:
+            return gpt_shard_entries(self)
+
+    # PipelineModule prints its seed and partition to stdout on rank 0; keep progress output clean.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext():
+        module = GPTPipelineModule(layers=layer_specs(model_cfg, vocab_size), num_stages=num_stages,
+                                   loss_fn=lm_loss, partition_method="uniform")
+    init_entries(module.shard_entries(), seed=seed, std=std, num_layers=model_cfg.num_layers)
+    return module
+
+
+def _stage_modules(module: Any) -> Iterator[nn.Module]:
+    for child in module.children():
+        if hasattr(child, "shard_params"):
+            yield child
+    yield from module.tied_modules.values()
+
+
+def gpt_shard_entries(module: Any) -> list[ShardEntry]:
+    """Shard entries with megatron's keys and global layer indices (TP = 1: every shard is whole).
+
+    ``main`` (the replica that is written) is data-parallel rank 0, and for the tied word embedding
+    the first stage (the last stage's copy is the output head, as in megatron's checkpoints)."""
+    grid = module._grid
+    dp_main = grid.get_data_parallel_rank() == 0
+    first_stage = grid.get_stage_id() == 0
+    entries = []
+    for sub in _stage_modules(module):
+        for key, index, param in sub.shard_params():
+            main = dp_main and (first_stage or key != WORD_EMBEDDINGS)
+            shape = tuple(param.shape)
+            entries.append(ShardEntry(key=key, index=index, offset=(0,) * len(shape), shape=shape,
+                                      global_shape=shape, param=param, main=main))
+    return entries
+
+
+def init_entries(entries: list[ShardEntry], *, seed: int, std: float, num_layers: int) -> None:
+    """megatron_ext's initialisation by global name (runtime/model.py) applied to shard entries."""
+    with torch.no_grad():
+        for e in entries:
+            full = _full_value(e.key, e.global_shape, _seed_for(seed, e.key, e.index), std, num_layers)
+            region = tuple(slice(o, o + n) for o, n in zip(e.offset, e.shape))
+            e.param.copy_(full[region].to(e.param.dtype))
+
+
+def norm_params(module: Any) -> list[nn.Parameter]:
+    """Parameters counted in the global gradient norm: each once per pipeline (the last stage's
+    copy of the tied embedding is not counted, like megatron's ``param_is_not_shared``)."""
+    first_stage = module._grid.get_stage_id() == 0
+    return [param for sub in _stage_modules(module) for key, _, param in sub.shard_params()
+            if first_stage or key != WORD_EMBEDDINGS]

@@ -1,0 +1,191 @@
+"""``pretrain_gpt.py --engine deepspeed``: the runtime Trainer over DeepSpeed's PipelineEngine.
+
+``DeepSpeedTrainer`` subclasses ``megatron_ext.runtime.loop.Trainer`` and replaces only the engine
+hooks: the model is the GPT ``PipelineModule`` of ``deepspeed_patches/gpt.py`` inside
+``deepspeed.initialize`` (our ``EventPipelineEngine``), and an iteration is ``engine.train_batch``.
+Data (``MicroBatchStream``), the LR schedule (megatron-core's ``OptimizerParamScheduler``), progress
+lines, TensorBoard, the metrics file, checkpoints and extensions are the base Trainer's.
+
+The optimizer is ``torch.optim.AdamW`` (fp32) with megatron's clipping: DeepSpeed's own
+``gradient_clipping`` sums the norm over the tensor-parallel group only and counts the tied embedding
+on two stages, so it is switched off and ``ClippedAdamW`` clips by the global norm over the pipeline,
+each parameter counted once, as the megatron engine does.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config.base import ConfigError
+from megatron_ext.config.run import ParallelConfig, RunConfig
+from megatron_ext.runtime import distributed
+from megatron_ext.runtime.distributed import DistContext
+from megatron_ext.runtime.layout import Layout
+from megatron_ext.runtime.loop import Trainer
+from megatron_ext.runtime.model import padded_vocab_size
+from megatron_ext.runtime.optimizer import _param_groups, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def check_config(cfg: RunConfig) -> None:
+    """What ``--engine deepspeed`` does not support beyond RunConfig's own checks (TP = 1, no vpp)."""
+    if cfg.model.position_embedding_type != "learned_absolute":
+        raise ConfigError(f"--engine deepspeed supports --position-embedding-type learned_absolute only, "
+                          f"got {cfg.model.position_embedding_type}")
+    if cfg.training.bf16:
+        raise ConfigError("--engine deepspeed trains in fp32: drop --bf16 or use --engine megatron")
+    if cfg.parallel.overlap_grad_reduce:
+        raise ConfigError("--overlap-grad-reduce is a megatron DDP option; DeepSpeed's pipeline engine "
+                          "reduces gradients after the schedule: drop it with --engine deepspeed")
+
+
+def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> DistContext:
+    """Process group, DeepSpeed's comm backend (patched) and this rank's place in the PP x DP grid.
+
+    DeepSpeed's grid orders ranks as megatron does with TP = 1 (data-parallel index fastest), so
+    ``Layout(tp=1, pp, dp)`` describes it; ``DeepSpeedTrainer`` checks that against the engine's grid.
+    May be called again in the same processes for another pipeline size.
+    """
+    os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a lone process has no launcher
+    rank, world, local_rank, device, backend = distributed.init_process_group(parallel, timeout_s=timeout_s)
+    if device.type == "cpu":
+        # Name the accelerator: DeepSpeed's auto-detection warns on every rank when it falls back to CPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed_patches
+
+    deepspeed_patches.apply()
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    # DeepSpeed logs every engine's configuration at INFO through its own "DeepSpeed" logger.
+    ds_logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    torch.manual_seed(seed)
+    layout = Layout.from_world(world, 1, parallel.pipeline_model_parallel_size)
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
+                       layout=layout, vpp=None)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW that clips by the global gradient norm over the pipeline and skips non-finite updates.
+
+    DeepSpeed calls ``step()`` at ``OptimizerStep``, after the tied and data-parallel reduces, reads
+    ``overflow`` (a skipped step) and ``_global_grad_norm``, and zeroes the gradients itself.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], *, norm_params: list[torch.nn.Parameter],
+                 norm_group: Any, clip_grad: float, **adamw: Any) -> None:
+        super().__init__(_param_groups(params), **adamw)
+        self.norm_params = norm_params
+        self.norm_group = norm_group
+        self.clip_grad = clip_grad
+        self.overflow = False
+        self.last_grad_norm: float | None = None
+        self._global_grad_norm: float | None = None
+
+    def grad_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.norm_params:
+            if p.grad is not None:
+                sq += p.grad.double().pow(2).sum()
+        if dist.is_initialized() and self.norm_group is not None:
+            dist.all_reduce(sq, group=self.norm_group)
+        return float(sq.sqrt())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        norm = self.grad_norm()
+        self.last_grad_norm = self._global_grad_norm = norm
+        self.overflow = not torch.isfinite(torch.tensor(norm))
+        if self.overflow:
+            logger.warning("non-finite gradient norm %s: skipping this update", norm)
+            return None
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            coef = self.clip_grad / (norm + 1e-6)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return super().step(closure)
+
+
+def deepspeed_config(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
+    t = cfg.training
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * layout.dp),
+        "gradient_clipping": 0.0,  # ClippedAdamW clips (see the module docstring)
+        "steps_per_print": 2**62,  # progress lines are the Trainer's
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": 0},
+    }
+
+
+def pipe_items(batches: list[dict[str, Any]]) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """Micro-batches as DeepSpeed's (inputs for the first stage, labels for the last stage)."""
+    return [((b["tokens"], b["position_ids"]), (b["labels"], b["loss_mask"])) for b in batches]
+
+
+class DeepSpeedTrainer(Trainer):
+    """The runtime Trainer with DeepSpeed's PipelineEngine running each iteration."""
+
+    engine: Any = None
+
+    def _build_model(self) -> None:
+        import deepspeed
+
+        from deepspeed_patches.engine import EventPipelineEngine
+        from deepspeed_patches.gpt import build_gpt_pipeline, norm_params
+
+        cfg, ctx, t = self.cfg, self.ctx, self.cfg.training
+        vocab = padded_vocab_size(self.splits.tokenizer.vocab_size, 1)
+        self.model = build_gpt_pipeline(cfg.model, vocab_size=vocab, num_stages=ctx.layout.pp, seed=t.seed,
+                                        std=cfg.model.init_method_std)
+        grid = self.model._grid
+        got = (grid.get_stage_id(), grid.get_data_parallel_rank())
+        if got != (ctx.coord.pp, ctx.coord.dp):  # DeepSpeed's grid and the Layout disagree: groups would be wrong
+            raise RuntimeError(f"rank {ctx.rank}: DeepSpeed grid (stage, dp) {got} != layout {ctx.coord}")
+        self.optimizer = ClippedAdamW(list(self.model.parameters()), norm_params=norm_params(self.model),
+                                      norm_group=grid.get_pipe_parallel_group(), clip_grad=t.clip_grad, lr=t.lr,
+                                      betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                      weight_decay=t.weight_decay)
+        self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer,
+                                                    config=deepspeed_config(cfg, ctx.layout))
+        if not isinstance(self.engine, EventPipelineEngine):
+            raise RuntimeError(f"deepspeed.initialize built {type(self.engine).__name__}, not EventPipelineEngine: "
+                               "call deepspeed_patches.apply() first")
+        self.scheduler = build_scheduler(self.optimizer, t)
+
+    def _prepare_schedule(self) -> None:
+        pass  # the engine builds its TrainSchedule every iteration
+
+    def _num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def layout_name(self) -> str:
+        return f"deepspeed pp{self.ctx.layout.pp}dp{self.ctx.layout.dp}"
+
+    def _train_batches(self, batches: list[dict[str, Any]]) -> tuple[Any, bool, float | None]:
+        loss = self.engine.train_batch(data_iter=iter(pipe_items(batches)))
+        return loss, not self.optimizer.overflow, self.optimizer.last_grad_norm
+
+    def _eval_batches(self, batches: list[dict[str, Any]]) -> Any:
+        return self.engine.eval_batch(iter(pipe_items(batches)), compute_loss=True, reduce_output="avg",
+                                      bcast_loss=False, num_micro_batches=len(batches))
+
+    def _reduce_loss(self, loss: Any) -> float | None:
+        """The engine already averaged over micro-batches and data-parallel ranks; None off the last stage."""
+        if not self.ctx.is_last_stage or loss is None:
+            return None
+        return float(loss)

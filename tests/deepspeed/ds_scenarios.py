@@ -1,0 +1,105 @@
+"""DeepSpeed-engine scenarios for tests/deepspeed, run under ``torchrun --nproc_per_node 4``.
+
+One launch (imports cost 10-20 s per rank on 2 cores) runs, in the same 4 processes:
+timelines (PP2xDP2 m4, PP4 m4, PP4 m8: the joined IterationRecord of the last iteration, pickled),
+loss curves for parity with the megatron engine (PP2xDP2, PP4), resume (20 straight against 10 + 10),
+and checkpoints moved between engines (DeepSpeed PP2xDP2 -> megatron PP2xDP2 and back).
+Rank 0 writes ``results.json`` and the pickles into the output directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch.distributed as dist  # noqa: E402
+
+from deepspeed_patches import trainer as ds  # noqa: E402
+from megatron_ext.config.run import config_from_values  # noqa: E402
+from megatron_ext.runtime import distributed  # noqa: E402
+from megatron_ext.runtime.extension import build_extensions  # noqa: E402
+from megatron_ext.runtime.loop import Trainer  # noqa: E402
+
+# The curve settings of tests/runtime (the single-rank megatron reference uses them too).
+BASE = {"train_iters": 10, "eval_iters": 0, "progress": False, "global_batch_size": 8, "micro_batch_size": 2,
+        "lr_decay_style": "constant", "lr": 2e-3}
+TIMELINE = {"train_iters": 3, "eval_iters": 0, "progress": False, "micro_batch_size": 1, "num_layers": 8,
+            "hidden_size": 64, "seq_length": 64, "timeline": True}
+TIMELINES = {
+    "pp2dp2_m4": {"pipeline_model_parallel_size": 2, "global_batch_size": 8},
+    "pp4_m4": {"pipeline_model_parallel_size": 4, "global_batch_size": 4},
+    "pp4_m8": {"pipeline_model_parallel_size": 4, "global_batch_size": 8},
+}
+PP2DP2 = {"pipeline_model_parallel_size": 2}
+PP4 = {"pipeline_model_parallel_size": 4}
+
+
+def curve(trainer: Trainer) -> list[float]:
+    mine = [h["loss"] for h in trainer.history if h["kind"] == "train"] if trainer.ctx.is_logging_rank else None
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return next(c for c in out if c is not None)
+
+
+def run_deepspeed(base: dict, values: dict, *, load: str | None = None) -> tuple[Trainer, list]:
+    cfg = config_from_values({**base, **values, "engine": "deepspeed", **({"load": load} if load else {})})
+    cfg.validate(int(os.environ["WORLD_SIZE"]))
+    ds.check_config(cfg)
+    ctx = ds.setup_distributed(cfg.parallel, seed=cfg.training.seed)
+    exts = build_extensions(cfg)
+    trainer = ds.DeepSpeedTrainer(cfg, ctx, exts).setup()
+    trainer.run()
+    return trainer, exts
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    results: dict[str, list[float]] = {}
+    rank = int(os.environ["RANK"])
+
+    for name, values in TIMELINES.items():
+        trainer, exts = run_deepspeed(TIMELINE, {**values, "timeline_out": os.path.join(out_dir, name)})
+        record = exts[0].record(trainer, trainer.iteration, dst=0)
+        if trainer.ctx.is_logging_rank:  # what the progress line and TensorBoard got
+            extra = [k for k in trainer.history[-1] if k.startswith("bubble_s")]
+            with open(os.path.join(out_dir, f"{name}_logged.json"), "w", encoding="utf-8") as fh:
+                json.dump(extra, fh)
+        if record is not None:
+            with open(os.path.join(out_dir, f"{name}.pkl"), "wb") as fh:
+                pickle.dump(record, fh)
+
+    results["pp2dp2"] = curve(run_deepspeed(BASE, PP2DP2)[0])
+    results["pp4"] = curve(run_deepspeed(BASE, PP4)[0])
+
+    ckpt = os.path.join(out_dir, "ckpt_ds_pp2dp2")
+    results["straight20"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 20})[0])
+    results["first10"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 10, "save": ckpt})[0])
+    results["resumed10"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 20}, load=ckpt)[0])
+
+    # Checkpoints move between engines (same layout, PP2 x DP2): DeepSpeed's continued by megatron,
+    # and megatron's continued by DeepSpeed.
+    cfg = config_from_values({**BASE, **PP2DP2, "train_iters": 20, "load": ckpt})
+    cfg.validate(int(os.environ["WORLD_SIZE"]))
+    ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
+    trainer = Trainer(cfg, ctx).setup()
+    trainer.run()
+    results["megatron_from_ds10"] = curve(trainer)
+    megatron_ckpt = os.path.join(out_dir, "ckpt_megatron_pp2dp2")
+    cfg = config_from_values({**BASE, **PP2DP2, "train_iters": 10, "save": megatron_ckpt})
+    trainer = Trainer(cfg, ctx).setup()
+    trainer.run()
+    results["megatron_first10"] = curve(trainer)
+    results["ds_from_megatron10"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 20}, load=megatron_ckpt)[0])
+
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as fh:
+            json.dump(results, fh)
+    distributed.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""``--engine deepspeed`` on 4 gloo ranks: schedule order, p2p pairing, bubbles, parity, resume, and
+checkpoints moving between engines (one torchrun launch, see ds_scenarios.py)."""
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from megatron_ext.pipeline.events import COMPUTE, Phase, assign_p2p_microbatches
+from megatron_ext.pipeline.schedule_orders import deepspeed_train
+from tests.conftest import run_python, run_torchrun
+
+pytestmark = pytest.mark.multirank
+
+TIMELINES = {"pp2dp2_m4": (2, 4, 2), "pp4_m4": (4, 4, 1), "pp4_m8": (4, 8, 1)}  # (stages, micro-batches, dp)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed")
+    run_torchrun("tests/deepspeed/ds_scenarios.py", str(out))
+    results = json.loads((out / "results.json").read_text())
+    single = out / "single.jsonl"
+    # The megatron engine on one rank: the reference curve of tests/runtime.
+    run_python("pretrain_gpt.py", "--train-iters", "10", "--eval-iters", "0", "--progress", "false",
+               "--global-batch-size", "8", "--micro-batch-size", "2", "--lr-decay-style", "constant",
+               "--lr", "2e-3", "--metrics-file", str(single))
+    results["single"] = [json.loads(line)["loss"] for line in single.read_text().splitlines()]
+    records = {}
+    for name in TIMELINES:
+        with open(out / f"{name}.pkl", "rb") as fh:
+            records[name] = pickle.load(fh)
+    return {"results": results, "records": records, "dir": out}
+
+
+def max_rel(a, b):
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+# --- timelines -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(TIMELINES))
+def test_compute_order_is_deepspeed_train_schedule(runs, name):
+    rec = runs["records"][name]
+    p, m, dp = TIMELINES[name]
+    assert (rec.schedule, rec.num_stages, rec.num_microbatches, rec.num_chunks) == ("deepspeed", p, m, 1)
+    assert len(rec.ranks) == 4 and {r.dp for r in rec.ranks.values()} == set(range(dp))
+    order = deepspeed_train(p, m)
+    for rank, r in rec.ranks.items():
+        # keys: the recorded op carries no deferred-send flag (that is the schedule's timing annotation)
+        assert [op.key for op in rec.compute_order(rank)] == [op.key for op in order.stages[r.stage]], \
+            f"rank {rank} stage {r.stage}"
+
+
+@pytest.mark.parametrize("name", list(TIMELINES))
+def test_every_recv_pairs_with_a_send(runs, name):
+    rec = runs["records"][name]
+    p, m, dp = TIMELINES[name]
+    sends, recvs = rec.p2p_messages()
+    key = lambda msg: msg[:4]  # noqa: E731  (direction, from stage, to stage, micro-batch)
+    for dp_rank in range(dp):
+        ranks = {r.rank for r in rec.ranks.values() if r.dp == dp_rank}
+        s = sorted(key(x) for x in sends if x[4] in ranks)
+        r = sorted(key(x) for x in recvs if x[4] in ranks)
+        assert s == r
+        assert len(s) == 2 * m * (p - 1)  # one activation and one gradient per boundary and micro-batch
+
+
+@pytest.mark.parametrize("name", list(TIMELINES))
+def test_p2p_events_carry_the_step_microbatch(runs, name):
+    # The engine labels a Send/Recv with the micro-batch of DeepSpeed's step (previous step for
+    # sends); the framework-neutral rule (a send carries the previous compute op's output, a recv
+    # feeds the next one) must agree with it on every event.
+    rec = runs["records"][name]
+    for r in rec.ranks.values():
+        p2p = 0
+        for e, info in zip(r.events, assign_p2p_microbatches(r.events)):
+            if e["phase"] in (Phase.SEND, Phase.RECV):
+                p2p += 1
+                assert [v for k, v in info.items() if not k.endswith("_chunk")] == [int(e["microbatch"])]
+        assert p2p > 0
+
+
+@pytest.mark.parametrize("name", list(TIMELINES))
+def test_every_op_starts_after_its_producer(runs, name):
+    # Causality across ranks on one clock: an op's input exists only once its producer finished.
+    rec = runs["records"][name]
+    order = rec.order
+    for dp_rank in range(TIMELINES[name][2]):
+        times = {}
+        for r in rec.ranks.values():
+            if r.dp == dp_rank:
+                for e in r.compute():
+                    op = ("F" if e["phase"] == Phase.FORWARD else "B", int(e["microbatch"]), 0)
+                    times[(r.stage, op)] = (float(e["t0"]), float(e["t1"]))
+        for s, _, op in order.ops():
+            prod = order.producer(s, op)
+            if prod is not None and prod[0] != s:
+                assert times[(s, op.key)][0] >= times[(prod[0], prod[1].key)][1], (s, op, prod)
+
+
+@pytest.mark.parametrize("name", list(TIMELINES))
+def test_bubbles_where_the_schedule_puts_them(runs, name):
+    rec = runs["records"][name]
+    p = rec.num_stages
+    windows = rec.bubble_windows()
+    expected = rec.expected_bubbles()
+    assert "F0" not in expected[0]  # the first stage starts at once
+    # warm-up: stage s waits for micro-batch 0 through s upstream stages, longer the deeper it is
+    warmup = [expected[s]["F0"] for s in range(1, p)]
+    assert all(w > 0 for w in warmup) and warmup == sorted(warmup)
+    for r in rec.ranks.values():
+        mine = {w.ended_by: w for w in windows if w.rank == r.rank}
+        if r.stage > 0:
+            assert "F0" in mine and mine["F0"].duration_s > 0 and mine["F0"].expected_s > 0
+        if r.stage == p - 1:
+            # cool-down: the last stage is done while earlier stages still run backwards
+            assert "end" in mine and mine["end"].expected_s > 0
+        # every idle window the schedule predicts is observed on every replica
+        for op_name in expected[r.stage]:
+            assert op_name in mine and mine[op_name].duration_s > 0, (r.rank, op_name)
+    fractions = rec.stage_bubble_fractions()
+    assert len(fractions) == p and all(0 < f < 1 for f in fractions)
+
+
+def test_bubble_fraction_reaches_the_log_line(runs):
+    for name, (p, _, _) in TIMELINES.items():
+        logged = json.loads((runs["dir"] / f"{name}_logged.json").read_text())
+        assert logged == [f"bubble_s{s}" for s in range(p)]
+
+
+def test_chrome_trace_written_and_loadable(runs):
+    path = runs["dir"] / "pp4_m4" / "timeline_iter0000003.json"
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    assert {e["pid"] for e in events if e.get("name") == "process_name"} == {0, 1, 2, 3}
+    assert trace["metadata"]["megatron_ext"]["schedule"] == "deepspeed"
+    assert any(e.get("cat") == "bubble" for e in events)
+    fwd = [e for e in events if e.get("cat") == "forward"]
+    assert len(fwd) == 4 * 4 and all(sum(e["args"]["doc_lengths"][0]) == 64 for e in fwd)
+    cats = {e.get("cat") for e in events if e.get("ph") == "X"}
+    assert {"forward", "backward", "send", "recv", "grad-reduce", "optimizer", "other"} <= cats
+
+
+def test_no_event_left_open(runs):
+    for rec in runs["records"].values():
+        for r in rec.ranks.values():
+            ev = r.events
+            assert np.all(np.isfinite(ev["t1"])) and np.all(ev["t1"] >= ev["t0"])
+            # one event per instruction: each stage runs 2 m compute ops per iteration
+            assert int(np.isin(ev["phase"], [int(ph) for ph in COMPUTE]).sum()) == 2 * rec.num_microbatches
+
+
+# --- training ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["pp2dp2", "pp4"])
+def test_loss_matches_megatron_single_rank(runs, layout):
+    res = runs["results"]
+    assert len(res["single"]) == 10
+    assert res["single"][-1] < res["single"][0] - 0.3, "the reference run did not learn"
+    assert max_rel(res[layout], res["single"]) < 1e-3
+
+
+def test_resume_continues_exactly(runs):
+    res = runs["results"]
+    assert max_rel(res["first10"] + res["resumed10"], res["straight20"]) < 1e-6
+
+
+def test_checkpoint_moves_between_engines(runs):
+    res = runs["results"]
+    # saved by DeepSpeed at 10, continued by megatron; saved by megatron at 10, continued by DeepSpeed
+    assert max_rel(res["megatron_from_ds10"], res["straight20"][10:]) < 1e-3
+    assert max_rel(res["megatron_first10"], res["first10"]) < 1e-3
+    assert max_rel(res["ds_from_megatron10"], res["straight20"][10:]) < 1e-3
