@@ -26,7 +26,8 @@ class HydroTuneConfig:
     """Hydro tuning study: shrink the target GPT, tune fused trials with Optuna, transfer the best."""
     # study
     study_name: str = doc("Optuna study name (resuming uses the same name and storage).", "hydro")
-    storage: str = doc("Optuna storage URL; empty = sqlite:///<output-dir>/<study-name>.db.", "")
+    storage: str = doc("Optuna storage URL; empty = sqlite:///<output-dir>/<study-name>.db; 'memory' = "
+                       "not persisted (cannot resume).", "")
     output_dir: str = doc("Where the study database and results.json go.", "runs/hydro")
     n_trials: int = doc("Trials to finish (complete or pruned), counting those of earlier runs.", 16)
     sampler: str = doc("Optuna sampler.", "tpe", choices=("tpe", "random"))

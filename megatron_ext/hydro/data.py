@@ -41,7 +41,10 @@ def read_indexed_dataset(prefix: str, max_tokens: int = 0) -> np.ndarray:
         if not os.path.isfile(prefix + ext):
             raise DataError(f"data_path {prefix!r}: {prefix + ext} does not exist (expected a Megatron "
                             "indexed dataset prefix, '' for the default corpus, or 'synthetic')")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    import warnings
+    with warnings.catch_warnings():  # megatron warns about missing GPU extras on import; irrelevant here
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prefix)
     parts, total = [], 0
@@ -72,7 +75,10 @@ def load_tokens(data_path: str, cache_dir: str | None = None, max_tokens: int = 
     vocab = 0
     if not prefix:
         try:
-            from megatron_ext.data.corpus import default_corpus, load_tokenizer
+            import warnings
+            with warnings.catch_warnings():  # megatron's "no GPU extras" import warnings
+                warnings.simplefilter("ignore", UserWarning)
+                from megatron_ext.data.corpus import default_corpus, load_tokenizer
         except ImportError as exc:
             raise DataError("data_path is empty (the default corpus) but megatron_ext.data.corpus is not "
                             f"available ({exc}); set data_path to an indexed dataset prefix or 'synthetic'") from None

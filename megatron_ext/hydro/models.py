@@ -144,9 +144,11 @@ class SmallCNN(nn.Module):
 
     def __init__(self, in_channels: int = 3, channels: int = 16, num_classes: int = 10) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, channels, 3, padding=1)
+        # No conv biases before BatchNorm: BN removes them, so their gradient is analytically zero
+        # and Adam would turn its float32 rounding noise into full-size (and order-dependent) steps.
+        self.conv1 = nn.Conv2d(in_channels, channels, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(2 * channels)
         self.act = nn.ReLU()
         self.pool = nn.AdaptiveAvgPool2d(1)

@@ -171,7 +171,9 @@ class HydroTuner:
     def _study(self) -> optuna.Study:
         c = self.cfg
         storage = c.resolved_storage()
-        if storage.startswith("sqlite:///"):
+        if storage == "memory":   # no persistence (benchmarks); cannot resume
+            storage = None
+        elif storage.startswith("sqlite:///"):
             os.makedirs(os.path.dirname(os.path.abspath(storage[len("sqlite:///"):])), exist_ok=True)
         study = optuna.create_study(study_name=c.study_name, storage=storage, sampler=_make_sampler(c),
                                     pruner=_make_pruner(c), direction="minimize", load_if_exists=True)
@@ -182,7 +184,7 @@ class HydroTuner:
             study.set_user_attr("hydro", sig)
         elif old != sig:
             diff = sorted(k for k in sig if old.get(k) != sig[k])
-            raise RuntimeError(f"study '{c.study_name}' in {storage} was created with different {', '.join(diff)}; "
+            raise RuntimeError(f"study '{c.study_name}' in {c.resolved_storage()} was created with different {', '.join(diff)}; "
                                "use another study_name or the original settings to resume")
         stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         for t in stale:
@@ -311,26 +313,69 @@ class HydroTuner:
         return res
 
     def transfer(self, params: dict[str, Any], steps: int | None = None, seed: int | None = None) -> float:
-        """Train the full-width target with ``params`` (muP-scaled) and return its validation loss."""
+        """Train the full-width target with ``params`` and return its validation loss.
+
+        The target is trained the way the real job would be: a plain (unfused) model with
+        ``mup.MuAdam`` / ``MuAdamW`` / ``MuSGD`` (torch optimizers for SP), the trial's LR schedule
+        as ``LambdaLR`` and its gradient clipping, so the transferred config is used exactly as found.
+        """
         c = self.cfg
         steps = steps or c.target_steps
         hp = hparams_from(params, steps, base=self.defaults)
         dropout = float(params.get("dropout", self.default_dropout))
-        mults = mup_multipliers(self.target_factory(0), c.optimizer) if self.mup else None
-        spec = TrialSpec("target", seed=c.seed if seed is None else seed, hparams=hp, dropout=dropout)
-        bundle = self._bundle(self.target_factory, [spec], mults)
+        model = self.target_factory(c.seed if seed is None else seed).to(self.device)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = dropout
+        opt = _plain_optimizer(model, c.optimizer, hp, self.mup)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, hp.schedule.factor)
         val = self.data.val_batches(c.eval_iters)
         t0 = time.perf_counter()
+        every = max(c.eval_interval, steps // 4)
         for k in range(1, steps + 1):
-            loss = bundle.train_step(*self.data.train_batch())[0]
-            if not math.isfinite(loss):
+            x, y = (t.to(self.device) for t in self.data.train_batch())
+            opt.zero_grad()
+            out = model(x)
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            loss.backward()
+            if hp.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), hp.grad_clip)
+            opt.step()
+            sched.step()
+            if not math.isfinite(float(loss)):
                 self.log(f"transfer: target diverged at step {k}")
                 return math.inf
-            if k % max(c.eval_interval, steps // 10) == 0 or k == steps:
-                v = bundle.evaluate(val)[0]
+            if k % every == 0 and k < steps:
                 self.log(f"[transfer {time.perf_counter() - t0:6.1f}s] target width {c.hidden_size} step {k}/{steps} "
-                         f"val {v:.4f}")
-        return bundle.evaluate(val)[0]
+                         f"val {_plain_eval(model, val, self.device):.4f}")
+        v = _plain_eval(model, val, self.device)
+        self.log(f"[transfer {time.perf_counter() - t0:6.1f}s] target width {c.hidden_size} step {steps}/{steps} val {v:.4f}")
+        return v
+
+
+def _plain_optimizer(model: torch.nn.Module, kind: str, hp: TrialHParams, mup_on: bool) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        kw = dict(lr=hp.lr, momentum=hp.momentum, dampening=hp.dampening, weight_decay=hp.weight_decay)
+    else:
+        kw = dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
+    if mup_on:
+        import mup
+        cls = {"adam": mup.MuAdam, "adamw": mup.MuAdamW, "sgd": mup.MuSGD}[kind]
+    else:
+        cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
+    return cls(model.parameters(), **kw)
+
+
+@torch.no_grad()
+def _plain_eval(model: torch.nn.Module, batches, device: torch.device) -> float:
+    was = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        out = model(x.to(device))
+        total += float(torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.to(device).reshape(-1)))
+    model.train(was)
+    return total / max(1, len(batches))
 
 
 def _fmt_params(spec: TrialSpec, space: dict[str, Param]) -> str:
