@@ -13,9 +13,13 @@ Variants, measured side by side (round-robin per step, same process, same weight
 Helix gets a memory budget of the baseline's measured peak + 5 %.
 
 Figures: median step time, median exposed communication (time the compute thread spent in
-waits), peak memory (profiler allocator events); simulator error = |predicted - measured| /
-measured for the schedule Helix chose. ALL TIMES ARE EMULATED: collectives really run on gloo,
-but their waits complete at latency + bytes / bandwidth of the emulated link.
+waits), peak memory (median of 3 profiled steps, allocator events). Simulator: "sim ms"/"sim exp"
+are the simulated step and exposed communication of the graphs as compiled, with the compute
+scale re-calibrated from the computation alone of those graphs timed between the measured steps
+(the host's load drifts; "compile" is the prediction made at compile time); "sim MiB" is the
+compile-time memory prediction. Simulator error = |predicted - measured| / measured for the
+schedule Helix chose. ALL TIMES ARE EMULATED: collectives really run on gloo, but their waits
+complete at latency + bytes / bandwidth of the emulated link.
 
 Prints a table, then one JSON line:
   {"cases": {"tp_xnode": {"exposed_comm_reduction": ..., "speedup": ..., "sim_makespan_err": ...,
@@ -44,7 +48,7 @@ from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
 from megatron_ext.helix.blocks import MoELayer, TPEPLayer, TPTransformerLayer, capacity_for  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
-from megatron_ext.helix.measure import step_peak_bytes, timed_step, train_step  # noqa: E402
+from megatron_ext.helix.measure import ComputeTimer, step_peak_bytes, timed_step, train_step  # noqa: E402
 
 LINKS = {"intra": "intra_node", "xnode": "cross_node"}
 VARIANTS = ("baseline", "inductor", "helix")
@@ -110,10 +114,14 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef) -> dic
     for _ in range(args.warmup):
         step("helix")()
     samples = {name: [] for name in VARIANTS}
+    timers = {name: ComputeTimer([backends[name].summaries[0].graphs[k] for k in ("fw", "bw")]) for name in VARIANTS}
     for _ in range(args.steps):
         for name in VARIANTS:
             samples[name].append(timed_step(step(name), dist.barrier))
-    peaks = {name: step_peak_bytes(fns[name], x, gy, models[name].parameters()) for name in VARIANTS}
+            timers[name].run()
+    # Peak memory: median of three profiled steps (gloo frees some buffers from its own threads).
+    peaks = {name: statistics.median(step_peak_bytes(fns[name], x, gy, models[name].parameters())
+                                     for _ in range(3)) for name in VARIANTS}
     out = {"budget": budget, "link": {"latency_s": wire.latency_s, "bandwidth_Bps": wire.bandwidth_Bps,
                                        "layer_flops_per_s": rate}}
     for name in VARIANTS:
@@ -121,11 +129,12 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef) -> dic
         if len(summ) != 1:
             raise RuntimeError(f"{case}/{link}/{name}: expected one compiled graph, got {len(summ)}")
         chosen = summ[0].chosen
+        now = backends[name].simulate_compiled(0, statistics.median(timers[name].samples))
         out[name] = {"step_s": [s.step_s for s in samples[name]],
                      "exposed_s": [s.exposed_comm_s for s in samples[name]],
-                     "peak": peaks[name], "sim_makespan_s": chosen.makespan_s, "sim_peak": chosen.peak_bytes,
-                     "sim_exposed_s": chosen.exposed_comm_s, "tiled": summ[0].tiled,
-                     "decision": summ[0].line()}
+                     "peak": peaks[name], "sim_makespan_s": now.makespan_s, "sim_peak": chosen.peak_bytes,
+                     "sim_compile_s": chosen.makespan_s, "sim_exposed_s": now.exposed_comm_s,
+                     "tiled": summ[0].tiled, "decision": summ[0].line()}
         if name == "helix" and case == "tp" and link == "xnode":
             out["timeline"] = {"baseline": summ[0].baseline, "helix": summ[0].helix}
     return out
@@ -172,7 +181,7 @@ def plot_timeline(tl: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(12, 4.6), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(12, 5.0), sharex=True)
     colors = {None: "#999999", 0: "#1f77b4", 1: "#ff7f0e", 2: "#2ca02c", 3: "#d62728"}
     for ax, (title, sim) in zip(axes, (("before: captured graph", tl["baseline"]),
                                         ("after: Helix (K=2 tiles, segmented round-robin)", tl["helix"]))):
@@ -182,14 +191,19 @@ def plot_timeline(tl: dict, path: str) -> None:
             color = "#d62728" if ev.stream == "wait" else colors.get(ev.tile, "#7f7f7f")
             ax.barh(row, (ev.end_s - ev.start_s) * 1e3, left=ev.start_s * 1e3, height=0.7, color=color,
                     edgecolor="black" if ev.stream.startswith("comm") else "none", linewidth=0.3)
+        for ev in sim.events:
+            if ev.name == "<backward>":
+                ax.axvline(ev.start_s * 1e3, color="black", linestyle="--", linewidth=0.8)
+                ax.text(ev.start_s * 1e3, 2.45, " backward", fontsize=8, va="bottom")
         ax.set_yticks([0, 1, 2], ["link (collectives)", "compute blocked\nin wait", "compute"])
+        ax.set_ylim(-0.5, 2.9)
         ax.set_title(f"{title}: step {sim.makespan_s * 1e3:.1f} ms, exposed communication "
                      f"{sim.exposed_comm_s * 1e3:.1f} ms", fontsize=10, loc="left")
     axes[-1].set_xlabel("simulated time (ms); TP=2 transformer layer forward+backward, emulated cross-node link")
     from matplotlib.patches import Patch
-    axes[0].legend(handles=[Patch(color=colors[None], label="untiled"), Patch(color=colors[0], label="tile 0"),
-                            Patch(color=colors[1], label="tile 1"), Patch(color="#d62728", label="blocked")],
-                   loc="upper right", fontsize=8, ncol=4)
+    fig.legend(handles=[Patch(color=colors[None], label="untiled"), Patch(color=colors[0], label="tile 0"),
+                        Patch(color=colors[1], label="tile 1"), Patch(color="#d62728", label="blocked in a wait")],
+               loc="upper right", fontsize=8, ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -223,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Helix benchmark: 2 CPU ranks (gloo), b={args.batch} s={args.seq} h={args.hidden}, K={args.tiles}, "
           f"{args.steps} steps, medians. EMULATED interconnect: every time below is emulated.")
     hdr = f"{'case':<11}{'variant':<10}{'step ms':>9}{'exposed ms':>11}{'peak MiB':>10}{'sim ms':>8}" \
-          f"{'sim MiB':>9}{'tiled':>7}"
+          f"{'sim exp':>8}{'sim MiB':>9}{'compile':>9}{'tiled':>7}"
     print(hdr)
     print("-" * len(hdr))
     out = {}
@@ -231,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in VARIANTS:
             r = res[name]
             print(f"{key:<11}{name:<10}{med(r['step_s']) * 1e3:>9.2f}{med(r['exposed_s']) * 1e3:>11.2f}"
-                  f"{r['peak'] / 2**20:>10.2f}{r['sim_makespan_s'] * 1e3:>8.2f}{r['sim_peak'] / 2**20:>9.2f}"
-                  f"{'yes' if r['tiled'] else 'no':>7}")
+                  f"{r['peak'] / 2**20:>10.2f}{r['sim_makespan_s'] * 1e3:>8.2f}{r['sim_exposed_s'] * 1e3:>8.2f}"
+                  f"{r['sim_peak'] / 2**20:>9.2f}{r['sim_compile_s'] * 1e3:>9.2f}{'yes' if r['tiled'] else 'no':>7}")
         b, h = res["baseline"], res["helix"]
         exp_b, exp_h = med(b["exposed_s"]), med(h["exposed_s"])
         t_b, t_h = med(b["step_s"]), med(h["step_s"])

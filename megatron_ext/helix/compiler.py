@@ -246,6 +246,27 @@ class HelixBackend:
             agreed = agree_max([table[k] for k in keys] + [scale], groups)
             return MeasuredCostModel(dict(zip(keys, agreed[:-1])), self._cost, scale=agreed[-1]), agreed[-1]
 
+    def simulate_compiled(self, index: int = 0, measured_compute_s: float | None = None) -> SimResult:
+        """Simulate graph ``index`` exactly as compiled. With ``measured_compute_s`` (the computation
+        alone of its forward + backward, timed now), the compute scale is re-calibrated to it --
+        isolating the simulator's schedule model from drift of the host's load since compile."""
+        s = self.summaries[index]
+        graphs = [s.graphs[k] for k in ("fw", "bw") if k in s.graphs]
+        gs = self._group_size()
+        cost, _ = self._cost_for(graphs, 1.0)
+        table = cost.table if isinstance(cost, MeasuredCostModel) else {}
+        unscaled = MeasuredCostModel(table, self._cost)
+        irs = [GraphIR(g, gs) for g in graphs]
+        scale = 1.0
+        if measured_compute_s is not None:
+            predicted = sum(unscaled.compute_s(n) for ir in irs for n in ir.nodes
+                            if n.kind not in (Kind.COLLECTIVE, Kind.WAIT))
+            scale = measured_compute_s / predicted if predicted > 0 else 1.0
+        elif isinstance(cost, MeasuredCostModel):
+            scale = self._scale or 1.0
+        model = MeasuredCostModel(table, self._cost, scale=scale)
+        return simulate(step_ops(irs[0], irs[1] if len(irs) > 1 else None, model), record=True)
+
     # -- compile -----------------------------------------------------------------------------------
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

@@ -73,3 +73,29 @@ def timed_step(step: Callable[[], None], barrier: Callable[[], None] | None = No
     dt = time.perf_counter() - t0
     st = emulation_stats()
     return StepSample(step_s=dt, exposed_comm_s=st.exposed_s, collectives=st.collectives)
+
+
+class ComputeTimer:
+    """Times the computation alone of compiled graphs (collectives and waits removed) on inputs
+    built from their recorded shapes -- for re-calibrating the simulator's compute scale at the
+    moment a measurement is taken (a shared host's load drifts between compile and measure)."""
+
+    def __init__(self, graphs: Iterable[torch.fx.GraphModule], device: torch.device | str = "cpu") -> None:
+        from megatron_ext.helix.calibrate import _materialize, compute_only_copy
+        from megatron_ext.helix.ir import value_of
+
+        self.runs = []
+        for gm in graphs:
+            g = compute_only_copy(gm)
+            args = [_materialize(value_of(n), torch.device(device)) for n in g.graph.nodes if n.op == "placeholder"]
+            self.runs.append((g, args))
+        self.samples: list[float] = []
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for g, args in self.runs:
+                g(*args)
+        dt = time.perf_counter() - t0
+        self.samples.append(dt)
+        return dt
