@@ -153,6 +153,9 @@ class DataConfig:
     tokenizer_file: str | None = doc("tokenizers JSON file; default: <data-path>.tokenizer.json.", None)
     data_cache_dir: str | None = doc("Where the default corpus and dataset index caches live; default "
                                      "$MEGATRON_EXT_CACHE or ~/.cache/megatron_ext.", None)
+    doc_length_dist: str | None = doc("Pack each sequence from documents with lengths drawn from this "
+                                      "distribution (fixed:N, uniform:LO,HI, lognormal:MU,SIGMA, pareto:ALPHA,XMIN); "
+                                      "attention stays within a document, so compute follows the lengths.", None)
 
     def __post_init__(self) -> None:
         parts = self.split.replace("/", ",").split(",")
@@ -162,6 +165,13 @@ class DataConfig:
             raise ConfigError(f"--split must be comma-separated numbers such as 949,50,1, got {self.split!r}") from None
         if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"--split needs up to three non-negative weights, got {self.split!r}")
+        if self.doc_length_dist is not None:
+            from megatron_ext.data.packing import LengthDistribution
+
+            try:
+                LengthDistribution.parse(self.doc_length_dist)
+            except ValueError as exc:
+                raise ConfigError(f"--doc-length-dist: {exc}") from None
 
 
 @section("logging")

@@ -91,7 +91,7 @@ class MicroBatchStream:
     """Yields this data-parallel rank's micro-batches of one iteration at a time."""
 
     def __init__(self, dataset: Any, *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 eod: int, consumed_samples: int = 0) -> None:
+                 eod: int, consumed_samples: int = 0, packing: Any = None, seed: int = 0) -> None:
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global batch {global_batch} not divisible by micro batch {micro_batch} x dp {dp_size}")
         self.dataset = dataset
@@ -101,6 +101,8 @@ class MicroBatchStream:
         self.dp_size = dp_size
         self.eod = eod
         self.consumed_samples = consumed_samples
+        self.packing = packing  # a packing.LengthDistribution, or None for the corpus's own documents
+        self.seed = seed
 
     @property
     def num_microbatches(self) -> int:
@@ -118,7 +120,12 @@ class MicroBatchStream:
         for m in range(self.num_microbatches):
             samples = [self._sample(first + m * self.micro_batch + j) for j in range(self.micro_batch)]
             batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-            batch["doc_lengths"] = document_lengths(batch["tokens"], self.eod)
+            if self.packing is not None:
+                from megatron_ext.data.packing import pack
+
+                pack(batch, self.packing, self.seed, first + m * self.micro_batch)
+            else:
+                batch["doc_lengths"] = document_lengths(batch["tokens"], self.eod)
             batches.append(batch)
         return batches
 

@@ -55,14 +55,17 @@ class Trainer:
             cache=d.data_cache_dir)
         self._build_model()
         coord = ctx.coord
-        self.train_stream = MicroBatchStream(self.splits.train, global_batch=t.global_batch_size,
-                                             micro_batch=t.micro_batch_size, dp_rank=coord.dp,
-                                             dp_size=ctx.layout.dp, eod=self.splits.tokenizer.eod)
+        packing = None
+        if d.doc_length_dist:
+            from megatron_ext.data.packing import LengthDistribution
+
+            packing = LengthDistribution.parse(d.doc_length_dist)
+        stream = dict(global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_rank=coord.dp,
+                      dp_size=ctx.layout.dp, eod=self.splits.tokenizer.eod, packing=packing, seed=t.seed)
+        self.train_stream = MicroBatchStream(self.splits.train, **stream)
         self.valid_stream = None
         if self.splits.valid is not None and len(self.splits.valid) > 0 and lg.eval_iters > 0:
-            self.valid_stream = MicroBatchStream(self.splits.valid, global_batch=t.global_batch_size,
-                                                 micro_batch=t.micro_batch_size, dp_rank=coord.dp,
-                                                 dp_size=ctx.layout.dp, eod=self.splits.tokenizer.eod)
+            self.valid_stream = MicroBatchStream(self.splits.valid, **stream)
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load)
         else:
@@ -112,7 +115,8 @@ class Trainer:
         tokens = batch["tokens"].to(dev, non_blocking=True)
         labels = batch["labels"].to(dev, non_blocking=True)
         position_ids = batch["position_ids"].to(dev, non_blocking=True)
-        output = model(tokens, position_ids, None, labels=labels)
+        mask = batch.get("attention_mask")
+        output = model(tokens, position_ids, None if mask is None else mask.to(dev), labels=labels)
         return output, stage_loss_func(batch["loss_mask"].to(dev))
 
     def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool) -> list[dict[str, Any]]:

@@ -97,9 +97,12 @@ def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
     )
 
 
-def layer_spec(on_gpu: bool) -> Any:
-    """Transformer Engine spec on GPUs where TE imports; the plain-torch local spec otherwise."""
-    if on_gpu:
+def layer_spec(on_gpu: bool, *, per_document_attention: bool = False) -> Any:
+    """Transformer Engine spec on GPUs where TE imports; the plain-torch local spec otherwise.
+
+    ``per_document_attention``: packed sequences on CPU attend within each document only
+    (``runtime.attention.DocumentAttention``); the TE spec handles packing with its own kernels."""
+    if on_gpu and not per_document_attention:
         try:
             import transformer_engine  # noqa: F401
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -109,7 +112,12 @@ def layer_spec(on_gpu: bool) -> Any:
             logger.warning("transformer_engine not importable: using the local (plain torch) layer spec")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec()
+    if per_document_attention:
+        from megatron_ext.runtime.attention import DocumentAttention
+
+        spec.submodules.self_attention.submodules.core_attention = DocumentAttention
+    return spec
 
 
 def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
@@ -120,7 +128,7 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
     from megatron.core.models.gpt import GPTModel
 
     tconfig = transformer_config(cfg, ctx)
-    spec = layer_spec(ctx.device.type == "cuda")
+    spec = layer_spec(ctx.device.type == "cuda", per_document_attention=bool(cfg.data.doc_length_dist))
     vocab = padded_vocab_size(vocab_size, ctx.layout.tp)
     chunks = []
     n_chunks = ctx.vpp or 1

@@ -15,7 +15,7 @@ CORE_FLAGS = [
     "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
     "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "bf16",
-    "data_path", "split", "tokenizer_file", "data_cache_dir",
+    "data_path", "split", "tokenizer_file", "data_cache_dir", "doc_length_dist",
     "log_interval", "eval_interval", "eval_iters", "tensorboard_dir", "metrics_file", "progress",
     "save", "load", "save_interval", "keep_last",
 ]
