@@ -342,7 +342,7 @@ class HydroTuner:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), hp.grad_clip)
             opt.step()
             sched.step()
-            if not math.isfinite(float(loss)):
+            if not math.isfinite(loss.item()):
                 self.log(f"transfer: target diverged at step {k}")
                 return math.inf
             if k % every == 0 and k < steps:
