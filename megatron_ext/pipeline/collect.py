@@ -37,7 +37,7 @@ def gather_record(recorder: EventRecorder, *, rank: int, stage: int, tp: int, dp
     events = recorder.events()
     events["t0"] -= offset_s
     events["t1"] -= offset_s
-    mine = (rank, stage, tp, dp, events)
+    mine = (rank, stage, tp, dp, events, doc_lengths)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         parts = [mine]
@@ -50,9 +50,13 @@ def gather_record(recorder: EventRecorder, *, rank: int, stage: int, tp: int, dp
         if rank != dst:
             return None
     ranks = {p[0]: RankEvents(rank=p[0], stage=p[1], tp=p[2], dp=p[3], events=p[4]) for p in parts}
+    # Every rank of a data-parallel replica runs the same micro-batches: keep one list per replica.
+    replicas: dict[int, list] = {}
+    for p in sorted(parts, key=lambda p: p[0]):
+        replicas.setdefault(p[3], p[5])
     return IterationRecord(iteration=iteration, schedule=schedule, num_stages=num_stages,
                            num_microbatches=num_microbatches, num_chunks=num_chunks, ranks=ranks,
-                           doc_lengths=doc_lengths)
+                           doc_lengths=doc_lengths, replica_doc_lengths=replicas)
 
 
 def stage_bubble_fractions(recorder: EventRecorder, *, stage: int, num_stages: int, is_representative: bool,

@@ -115,7 +115,9 @@ class TimelineExtension(Extension):
 @register_extension("timeline")
 def _factory(cfg) -> TimelineExtension | None:
     tl = cfg.ext("timeline")
-    if tl is None or not tl.timeline:
+    resihp = cfg.ext("resihp")
+    # ResiHP reads the pipeline events, so --resihp switches them on.
+    if tl is None or not (tl.timeline or (resihp is not None and resihp.resihp)):
         return None
     if cfg.parallel.engine == "deepspeed":  # the engine records its own instructions
         from deepspeed_patches.timeline import DeepSpeedTimelineExtension

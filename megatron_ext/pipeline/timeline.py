@@ -54,6 +54,7 @@ class IterationRecord:
     num_chunks: int
     ranks: dict[int, RankEvents]
     doc_lengths: list[list[list[int]]] = dataclasses.field(default_factory=list)  # [microbatch][sequence]
+    replica_doc_lengths: dict[int, list] = dataclasses.field(default_factory=dict)  # dp -> like doc_lengths
 
     # --- structure ---------------------------------------------------------------------------
     @property

@@ -38,6 +38,8 @@ class ResiHPConfig:
     resihp_trace_out: str = doc("Write the detector's input, one JSON record per iteration, to this "
                                 "file (trace format v1, docs/resihp_trace_format.md).", "")
     resihp_verdicts_out: str = doc("Append verdicts as JSON lines to this file.", "")
+    resihp_on_stop: str = doc("On a fail-stop verdict: 'abort' the job at once (naming the rank; the last "
+                              "checkpoint stays) or only 'report' it.", "abort", choices=("abort", "report"))
 
     def __post_init__(self) -> None:
         if self.resihp_detector not in DETECTORS:

@@ -1,0 +1,163 @@
+"""Fault injection: a slow rank really computes slower, a stopped rank really dies.
+
+``--inject-slow RANK:ITER:FACTOR`` — from iteration ITER on, rank RANK burns ``(FACTOR - 1)`` times
+the real duration of each forward and backward of its model chunks on extra real work (matrix
+multiplies on the same cores), inside the op, so every clock that times the op sees a slower device;
+no timestamp is edited. ``--inject-stop RANK:ITER`` — at the start of iteration ITER rank RANK
+kills itself with SIGKILL (no cleanup, as a lost device or node would).
+
+``fail_at`` / ``slow_from`` build the same specs for tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from megatron_ext.config.base import ConfigError, doc
+from megatron_ext.config.run import section
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowFault:
+    rank: int
+    since: int
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StopFault:
+    rank: int
+    at: int
+
+
+def parse_slow(spec: str, where: str = "--inject-slow") -> SlowFault:
+    parts = spec.split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        fault = SlowFault(int(parts[0]), int(parts[1]), float(parts[2]))
+    except ValueError:
+        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER:FACTOR, e.g. 2:30:1.5") from None
+    if fault.rank < 0 or fault.since < 1 or not fault.factor > 1.0:
+        raise ConfigError(f"{where} {spec!r}: need RANK >= 0, ITER >= 1 and FACTOR > 1")
+    return fault
+
+
+def parse_stop(spec: str, where: str = "--inject-stop") -> StopFault:
+    parts = spec.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        fault = StopFault(int(parts[0]), int(parts[1]))
+    except ValueError:
+        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER, e.g. 3:40") from None
+    if fault.rank < 0 or fault.at < 1:
+        raise ConfigError(f"{where} {spec!r}: need RANK >= 0 and ITER >= 1")
+    return fault
+
+
+def slow_from(rank: int, iteration: int, factor: float) -> str:
+    return f"{rank}:{iteration}:{factor}"
+
+
+def fail_at(rank: int, iteration: int) -> str:
+    return f"{rank}:{iteration}"
+
+
+@section("faults")
+@dataclasses.dataclass(kw_only=True)
+class FaultInjectionConfig:
+    """Fault injection for testing detection (real extra work, real process death)."""
+
+    inject_slow: list[str] | None = doc("RANK:ITER:FACTOR — from ITER on, RANK computes FACTOR times slower "
+                                        "(repeatable).", None)
+    inject_stop: list[str] | None = doc("RANK:ITER — RANK dies (SIGKILL) at the start of ITER (repeatable).", None)
+
+    def __post_init__(self) -> None:
+        self.slow = [parse_slow(s) for s in self.inject_slow or []]
+        self.stop = [parse_stop(s) for s in self.inject_stop or []]
+        ranks = [f.rank for f in self.slow]
+        if len(ranks) != len(set(ranks)):
+            raise ConfigError(f"--inject-slow names rank(s) more than once: {self.inject_slow}")
+
+    def check_world(self, world_size: int) -> None:
+        for f in [*self.slow, *self.stop]:
+            if f.rank >= world_size:
+                raise ConfigError(f"fault injection names rank {f.rank}, but the world has {world_size} ranks")
+
+    @property
+    def any(self) -> bool:
+        return bool(self.slow or self.stop)
+
+
+def burn(seconds: float, *, size: int = 96) -> None:
+    """Spend ``seconds`` on real floating-point work (small matmuls) on this process's cores."""
+    if seconds <= 0:
+        return
+    a = torch.ones(size, size) / size
+    end = time.perf_counter() + seconds
+    with torch.no_grad():
+        while time.perf_counter() < end:
+            a = a @ a
+
+
+class Throttle:
+    """Makes one rank's model chunks slower by ``factor`` once ``active`` is set."""
+
+    def __init__(self, chunks: list[torch.nn.Module], factor: float) -> None:
+        self.factor = factor
+        self.active = False
+        self._handles: list[Any] = []
+        for chunk in chunks:
+            self._instrument(chunk)
+
+    def _instrument(self, chunk: torch.nn.Module) -> None:
+        state: dict[str, float] = {}
+        params = [p for p in chunk.parameters() if p.requires_grad]
+
+        def pre_forward(module, args):
+            state["fwd"] = time.perf_counter()
+
+        def post_forward(module, args, output):
+            if not self.active:
+                return output
+            burn((self.factor - 1.0) * (time.perf_counter() - state["fwd"]))
+            if torch.is_grad_enabled():
+                out = output[0] if isinstance(output, (tuple, list)) else output
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(on_grad_of_output)
+            return output
+
+        def on_grad_of_output(grad):
+            state["bwd"] = time.perf_counter()
+            return grad
+
+        def after_backward(grads):
+            if self.active and "bwd" in state:
+                burn((self.factor - 1.0) * (time.perf_counter() - state.pop("bwd")))
+
+        self._handles.append(chunk.register_forward_pre_hook(pre_forward))
+        self._handles.append(chunk.register_forward_hook(post_forward))
+        if params:
+            self._handles.append(torch.autograd.graph.register_multi_grad_hook(params, after_backward, mode="all"))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def die_now(rank: int, iteration: int) -> None:
+    """The injected fail-stop: a message, then SIGKILL (nothing is flushed or cleaned up after)."""
+    print(f"[fault injection] rank {rank}: stopping at iteration {iteration} (SIGKILL)", file=sys.stderr,
+          flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,210 @@
+"""ResiHP in the training loop: ``--resihp`` and the fault-injection flags.
+
+Each iteration the pipeline events of all ranks are joined on the logging rank (last stage, tp 0,
+dp 0), turned into a trace record (per rank / chunk / micro-batch compute durations and the
+micro-batches' document lengths) and fed to the detector; verdicts go to the log, the verdict JSONL
+file and TensorBoard, and the record to ``--resihp-trace-out``. Fail-stop runs on every rank over the
+rendezvous store (``heartbeat_store``). Fault injection (``injection``) works with or without
+``--resihp``, so the raw-time baseline can be measured on the same faults.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from megatron_ext.pipeline.events import Phase
+from megatron_ext.resihp import config as _config  # noqa: F401  (registers the "resihp" section)
+from megatron_ext.resihp.injection import FaultInjectionConfig, Throttle, die_now
+from megatron_ext.resihp.trace import FaultLabel, Layout, TraceRecord
+from megatron_ext.runtime.extension import Extension, IterationMetrics, register_extension
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_ext.pipeline.timeline import IterationRecord
+    from megatron_ext.resihp.config import ResiHPConfig
+    from megatron_ext.resihp.verdicts import Verdict
+    from megatron_ext.runtime.loop import Trainer
+
+logger = logging.getLogger(__name__)
+
+ABORT_EXIT_CODE = 75
+
+
+def model_spec(trainer: "Trainer"):
+    from megatron_ext.resihp.flops import ModelSpec
+
+    m = trainer.cfg.model
+    return ModelSpec(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                     vocab_size=trainer.model.vocab_size, ffn_hidden_size=m.ffn_hidden_size)
+
+
+def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults: tuple[FaultLabel, ...] = (),
+                    time_s: float | None = None) -> TraceRecord:
+    """The detector's view of a joined pipeline iteration."""
+    world = len(rec.ranks)
+    vp, m = rec.num_chunks, rec.num_microbatches
+    fwd = np.full((world, vp, m), np.nan)
+    bwd = np.full((world, vp, m), np.nan)
+    for r, events in rec.ranks.items():
+        comp = events.compute()
+        f = comp[comp["phase"] == Phase.FORWARD]
+        b = comp[comp["phase"] == Phase.BACKWARD]
+        fwd[r, f["chunk"], f["microbatch"]] = f["t1"] - f["t0"]
+        bwd[r, b["chunk"], b["microbatch"]] = b["t1"] - b["t0"]
+    dps = sorted({e.dp for e in rec.ranks.values()})
+    tps = sorted({e.tp for e in rec.ranks.values()})
+    layout = Layout(tp=len(tps), pp=rec.num_stages, dp=len(dps), vp=vp, schedule=rec.schedule, num_microbatches=m,
+                    ranks=tuple((rec.ranks[r].stage, rec.ranks[r].dp, rec.ranks[r].tp) for r in range(world)))
+    documents = []
+    for d in dps:
+        per_mb = rec.replica_doc_lengths.get(d, rec.doc_lengths)
+        documents.append([[int(n) for seq in per_mb[i] for n in seq] for i in range(m)])
+    return TraceRecord(iteration=rec.iteration, iteration_s=iteration_s, layout=layout, model=model,
+                       documents=documents, fwd_s=fwd, bwd_s=bwd, time_s=time_s, faults=faults)
+
+
+class ResiHPExtension(Extension):
+    name = "resihp"
+
+    def __init__(self, cfg: "ResiHPConfig | None", faults: FaultInjectionConfig | None) -> None:
+        self.cfg = cfg
+        self.faults = faults
+        self.detect = bool(cfg is not None and cfg.resihp)
+        self.throttle: Throttle | None = None
+        self.heartbeat = None
+        self.detector = None
+        self.trace_writer = None
+        self.verdict_log = None
+        self.timeline = None
+        self.verdicts: list[Verdict] = []
+
+    # --- setup -----------------------------------------------------------------------------
+    def setup(self, trainer: "Trainer") -> None:
+        rank = trainer.ctx.rank
+        if self.faults is not None:
+            self.faults.check_world(trainer.ctx.world_size)
+            mine = [f for f in self.faults.slow if f.rank == rank]
+            if mine:
+                self.throttle = Throttle(trainer.model.chunks, mine[0].factor)
+        if not self.detect:
+            return
+        self.timeline = next((e for e in trainer.extensions if e.name == "timeline"), None)
+        if self.timeline is None:
+            raise RuntimeError("--resihp needs the pipeline timeline extension (it is enabled with --resihp)")
+        self.spec = model_spec(trainer)
+        self.detector_rank = next(r for r, c in trainer.ctx.layout.coords()
+                                  if c.pp == trainer.ctx.layout.pp - 1 and c.tp == 0 and c.dp == 0)
+        if rank == self.detector_rank:
+            from megatron_ext.resihp.detector import make_detector
+            from megatron_ext.resihp.trace import TraceWriter
+            from megatron_ext.resihp.verdicts import VerdictLog
+
+            self.detector = make_detector(self.cfg)
+            if self.cfg.resihp_trace_out:
+                self.trace_writer = TraceWriter(self.cfg.resihp_trace_out)
+            if self.cfg.resihp_verdicts_out:
+                self.verdict_log = VerdictLog(self.cfg.resihp_verdicts_out)
+        self._start_heartbeat(trainer)
+
+    def _start_heartbeat(self, trainer: "Trainer") -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        from megatron_ext.resihp.heartbeat_store import StoreHeartbeat
+
+        stage_of = {r: c.pp for r, c in trainer.ctx.layout.coords()}
+        self.heartbeat = StoreHeartbeat(
+            _get_default_store(), rank=trainer.ctx.rank, world_size=trainer.ctx.world_size,
+            interval_s=self.cfg.resihp_heartbeat_interval_s, timeout_s=self.cfg.resihp_heartbeat_timeout_s,
+            stage_of=stage_of, on_verdict=self._on_stop_verdict).start()
+
+    def _on_stop_verdict(self, verdict: "Verdict", reporter: bool) -> None:
+        # Runs on the monitor thread: the main thread may be stuck in a collective with the dead rank.
+        if reporter:
+            logger.error(verdict.describe())
+            print(f"resihp: {verdict.describe()}", file=sys.stderr, flush=True)
+            if self.cfg.resihp_verdicts_out:
+                with open(self.cfg.resihp_verdicts_out, "a", encoding="utf-8") as fh:
+                    fh.write(verdict.to_json() + "\n")
+        if self.cfg.resihp_on_stop == "abort":
+            if reporter:
+                print(f"resihp: aborting the job: rank {verdict.rank} is gone; resume from the last checkpoint",
+                      file=sys.stderr, flush=True)
+            os._exit(ABORT_EXIT_CODE)
+
+    # --- per iteration ---------------------------------------------------------------------
+    def _active_faults(self, iteration: int) -> tuple[FaultLabel, ...]:
+        if self.faults is None:
+            return ()
+        out = [FaultLabel(kind="slow", rank=f.rank, since=f.since, factor=f.factor)
+               for f in self.faults.slow if iteration >= f.since]
+        out += [FaultLabel(kind="stop", rank=f.rank, since=f.at) for f in self.faults.stop if iteration >= f.at]
+        return tuple(out)
+
+    def before_iteration(self, trainer: "Trainer", iteration: int) -> None:
+        rank = trainer.ctx.rank
+        if self.faults is not None:
+            for f in self.faults.stop:
+                if f.rank == rank and f.at == iteration:
+                    die_now(rank, iteration)
+            if self.throttle is not None:
+                since = next(f.since for f in self.faults.slow if f.rank == rank)
+                self.throttle.active = iteration >= since
+        if self.heartbeat is not None:
+            self.heartbeat.set_iteration(iteration)
+
+    def after_iteration(self, trainer: "Trainer", metrics: IterationMetrics) -> None:
+        if not self.detect:
+            return
+        record = self.timeline.record(trainer, metrics.iteration, dst=self.detector_rank)
+        if record is None or self.detector is None:
+            return
+        trace = to_trace_record(record, model=self.spec, iteration_s=metrics.iter_time_s,
+                                faults=self._active_faults(metrics.iteration), time_s=time.time())
+        if self.trace_writer is not None:
+            self.trace_writer.write(trace)
+        report = self.detector.observe(trace)
+        scalars = report.scalars()
+        if "expected_s" in scalars:
+            metrics.extra["resihp_expected_ms"] = round(scalars["expected_s"] * 1e3, 1)
+        if "max_rank_score" in scalars:
+            metrics.extra["resihp_max_score"] = round(scalars["max_rank_score"], 3)
+        tb = getattr(trainer, "_tb", None)
+        if tb is not None:
+            for k, v in scalars.items():
+                if np.isfinite(v):
+                    tb.add_scalar(f"resihp/{k}", v, metrics.iteration)
+        for v in report.verdicts:
+            self.verdicts.append(v)
+            print(f" {v.describe()}", flush=True)
+            if self.verdict_log is not None:
+                self.verdict_log.write(v)
+            if tb is not None and v.kind == "fail_slow":
+                tb.add_scalar(f"resihp/fail_slow_rank{v.rank}", v.factor, metrics.iteration)
+
+    def teardown(self, trainer: "Trainer") -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.throttle is not None:
+            self.throttle.remove()
+        for f in (self.trace_writer, self.verdict_log):
+            if f is not None:
+                f.close()
+
+
+@register_extension("resihp")
+def _factory(cfg) -> ResiHPExtension | None:
+    resihp = cfg.ext("resihp")
+    faults = cfg.ext("faults")
+    if (resihp is not None and resihp.resihp) or (faults is not None and faults.any):
+        return ResiHPExtension(resihp, faults)
+    return None
+
+
