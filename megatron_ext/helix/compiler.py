@@ -179,6 +179,8 @@ class HelixBackend:
         self.summaries: list[GraphSummary] = []
         self._cost: AnalyticalCostModel | MeasuredCostModel | CostModel | None = None
         self._scale: float | None = None
+        self._base: _Variant | None = None
+        self._decision_cost: CostModel | None = None
         self.link: Interconnect | None = None
 
     # -- setup -------------------------------------------------------------------------------------
@@ -222,10 +224,12 @@ class HelixBackend:
     def _group_size(self) -> Callable[[str], int] | None:
         return group_size_of if _dist_ready() else None
 
-    def _cost_for(self, graphs: list[fx.GraphModule], scale: float | None = None) -> tuple[CostModel, float]:
-        """The cost model for ``graphs``: analytical, or per-operator micro-benchmarks scaled by a
-        whole-graph run (``scale``, measured once per Dynamo graph and reused for its variants so
-        that they are compared under the same conditions). Agreed across ranks."""
+    def _cost_for(self, graphs: list[fx.GraphModule], scale: float | None = None,
+                  scale_graphs: list[fx.GraphModule] | None = None) -> tuple[CostModel, float]:
+        """The cost model for ``graphs``: analytical, or per-operator micro-benchmarks (all of
+        ``graphs`` measured in one interleaved session) times a whole-graph ``scale``: the
+        computation of ``scale_graphs`` (default ``graphs``) timed as a whole over the sum of its
+        operators. Agreed across ranks."""
         if self.cost_model_spec != "calibrated":
             return self._cost, 1.0
         with _real_tensors():
@@ -239,9 +243,10 @@ class HelixBackend:
             keys = sorted(table)
             unscaled = MeasuredCostModel(table, self._cost)
             if scale is None:
-                predicted = sum(unscaled.compute_s(n) for ir in irs for n in ir.nodes
+                scale_graphs = scale_graphs or graphs
+                predicted = sum(unscaled.compute_s(n) for g in scale_graphs for n in GraphIR(g, gs).nodes
                                 if n.kind not in (Kind.COLLECTIVE, Kind.WAIT))
-                measured = time_graphs(graphs, device)
+                measured = time_graphs(scale_graphs, device)
                 scale = max(measured / predicted, 1.0) if predicted > 0 else 1.0
             agreed = agree_max([table[k] for k in keys] + [scale], groups)
             return MeasuredCostModel(dict(zip(keys, agreed[:-1])), self._cost, scale=agreed[-1]), agreed[-1]
@@ -274,7 +279,9 @@ class HelixBackend:
         self._scale = None  # measured again for every Dynamo graph
         summary = GraphSummary(index=len(self.summaries), collectives=_count_collectives(gm), tiled=False)
         self.summaries.append(summary)
+        self._base, self._decision_cost = None, None
         base = self._trace(gm, example_inputs, tiled=False)
+        self._base = base
         self._scale = base.scale
         summary.baseline = base.sim
         for tag, g in (("fw", base.fw), ("bw", base.bw)):
@@ -298,6 +305,12 @@ class HelixBackend:
                 summary.refused.append(f"tiling: {trep.reason}")
             else:
                 helix = self._trace(tgm, example_inputs, tiled=True)
+                if self._decision_cost is not None:  # re-price the baseline with the same table
+                    gs = self._group_size()
+                    base.sim = simulate(step_ops(GraphIR(base.fw, gs), GraphIR(base.bw, gs) if base.bw is not None
+                                                 else None, self._decision_cost), record=True)
+                    summary.baseline = base.sim
+                    self._scale = helix.scale
                 summary.helix, summary.reorder, summary.bucketing = helix.sim, helix.reorder, helix.bucketing
                 ok, why = self._accept(base.sim, helix.sim)
                 if ok:
@@ -393,7 +406,14 @@ class HelixBackend:
                 except Exception as exc:  # the competitor may not run on this device
                     v.error = f"{type(exc).__name__}: {exc}"
                     logger.warning("helix: Inductor overlap scheduling failed: %s", v.error)
-        cost, v.scale = self._cost_for(graphs, v.scale)
+        if v.tiled and self._base is not None:
+            # Measure the untiled and tiled operators in one session, so the comparison that
+            # decides between them is not skewed by the host's load changing in between.
+            base = [g for g in (self._base.fw, self._base.bw) if g is not None]
+            cost, v.scale = self._cost_for(base + graphs, None, scale_graphs=base)
+            self._decision_cost = cost
+        else:
+            cost, v.scale = self._cost_for(graphs, v.scale)
         fw_ir = GraphIR(v.fw, gs)
         bw_ir = GraphIR(v.bw, gs) if v.bw is not None else None
         ops = step_ops(fw_ir, bw_ir, cost)
