@@ -32,7 +32,7 @@ from megatron_ext.cluster.trace import Job, Trace, VCSpec, jobs_by_vc
 logger = logging.getLogger(__name__)
 
 PENDING, RUNNING, GUEST, DONE = 0, 1, 2, 3
-_FINISH, _TIMER, _LEASE = 0, 1, 2
+_FINISH, _TIMER, _LEASE, _WAKE = 0, 1, 2, 3
 _INF = math.inf
 
 
@@ -41,7 +41,7 @@ class JobState:
 
     __slots__ = ("job", "seq", "submit", "gpus", "rem", "rate", "t_upd", "seg_start", "start", "end",
                  "wait_s", "t_wait", "preemptions", "attained", "run_s", "alloc", "slot", "state", "ver",
-                 "est", "bubble_s", "key", "rank", "hold")
+                 "est", "bubble_s", "key", "rank", "hold", "restart_s", "protect_until")
 
     def __init__(self, job: Job, seq: int):
         self.job = job
@@ -68,6 +68,8 @@ class JobState:
         self.key: tuple = ()      # its key in the pending queue
         self.rank: tuple = ()     # its rank among running jobs (preemptive policies)
         self.hold = -1.0          # preempted at this instant: may not preempt others in the same pass
+        self.restart_s = 0.0      # restart work charged so far (preemptions, displacements, migrations)
+        self.protect_until = -1.0 # a restarted job is not preempted before this (see _start_exclusive)
 
     def remaining(self, now: float) -> float:
         if self.state == RUNNING or self.state == GUEST:
@@ -131,6 +133,8 @@ class VCSimulator:
         self.bubble_gpu_s = 0.0
         self.events = 0
         self.lease_armed = False
+        self.wake_at = -_INF
+        self.now = 0.0
         self.record = record
         self.segments: list[tuple] = []
         kinds = {j.kind for j in jobs}
@@ -184,17 +188,26 @@ class VCSimulator:
             self._close_segment(js, now)
             self.bubbles.release(js.slot)
             js.slot = None
-            js.rem += self.cfg.restart_cost(js.gpus, self.pool.gpus_per_node)
+            self._charge_restart(js)
         js.alloc = alloc
         slow = self.cfg.spread_slowdown if len(alloc) > self.pool.min_nodes(js.gpus) else 1.0
         self._begin(js, now, 1.0 / slow)
         js.state = RUNNING
         self.run_set.add(js)
         if self.preemptive:
+            # A restarted job must first earn back its restart cost: preempting it sooner can
+            # livelock (e.g. Tiresias with a threshold crossed faster than the restart cost).
+            if js.restart_s > 0:
+                js.protect_until = now + self.cfg.restart_cost(js.gpus, self.pool.gpus_per_node) / js.rate + 1.0
             js.rank = self.policy.run_rank(js, now)
             _insort(self.running, (js.rank, js))
         if self.bubbles is not None and js.job.kind == "pipeline":
             self.bubbles.add_host(js)
+
+    def _charge_restart(self, js: JobState) -> None:
+        cost = self.cfg.restart_cost(js.gpus, self.pool.gpus_per_node)
+        js.rem += cost
+        js.restart_s += cost
 
     def _start_guest(self, js: JobState, now: float) -> bool:
         slot = self.bubbles.acquire(js, js.job.mem_gb)
@@ -219,7 +232,10 @@ class VCSimulator:
             guest.state = PENDING  # it never left the pending queue
             guest.t_wait = now
             guest.preemptions += 1
-            guest.rem += self.cfg.restart_cost(guest.gpus, self.pool.gpus_per_node)
+            self._charge_restart(guest)
+            if self.preemptive:  # its key may depend on the work it has left
+                self._dequeue(guest)
+                self._enqueue(guest, now)
 
     def _stop_exclusive(self, js: JobState, now: float, released: bool) -> None:
         self._close_segment(js, now)
@@ -251,7 +267,7 @@ class VCSimulator:
         js.t_wait = now
         js.hold = now
         js.preemptions += 1
-        js.rem += self.cfg.restart_cost(js.gpus, self.pool.gpus_per_node)
+        self._charge_restart(js)
         self._enqueue(js, now)
 
     def _retime(self, js: JobState, now: float) -> None:
@@ -335,14 +351,28 @@ class VCSimulator:
         need = js.gpus - self.pool.free_total
         victims, got = [], 0
         run_key = self.policy.run_key
+        wake = _INF
         for _, r in reversed(self.running):
             if run_key(r, now) <= js.key:
-                return None
+                break
+            if r.seg_start == now:
+                continue  # started in this very pass: keys of waiting and running jobs may disagree
+            if now < r.protect_until:  # (e.g. a spread job runs slower than its key assumed)
+                wake = min(wake, r.protect_until)
+                continue
             victims.append(r)
             got += r.gpus
             if got >= need:
                 return victims
+        if wake < _INF:
+            self._wake(wake)
         return None
+
+    def _wake(self, t: float) -> None:
+        """Re-run the scheduler at ``t`` (when a protected victim becomes preemptible)."""
+        if t < self.wake_at or self.wake_at <= self.now:
+            self.wake_at = t
+            heapq.heappush(self.heap, (t, next(self.tick), _WAKE, None, 0))
 
     def _schedule_preemptive(self, now: float, allow_preempt: bool) -> None:
         pol = self.policy
@@ -352,7 +382,7 @@ class VCSimulator:
                 return
             for _, js in self.pending:
                 js.key = pol.pend_key(js, now)
-            self.pending.sort(key=lambda e: e[0])
+            self.pending[:] = sorted((js.key, js) for _, js in self.pending)
         for js in pol.promote(self.pending, now):
             self._dequeue(js)
             self._enqueue(js, now)
@@ -414,6 +444,7 @@ class VCSimulator:
                 now = t_arr
             else:
                 break
+            self.now = now
             changed = lease = False
             while heap and heap[0][0] <= now:
                 _, _, kind, js, ver = pop(heap)
@@ -421,6 +452,8 @@ class VCSimulator:
                 if kind == _LEASE:
                     self.lease_armed = False
                     lease = changed = True
+                elif kind == _WAKE:
+                    changed = True
                 elif ver == js.ver:
                     if kind == _FINISH:
                         self._finish(js, now)

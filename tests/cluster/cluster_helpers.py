@@ -1,4 +1,4 @@
-"""Shared helpers of the cluster-simulator tests (imported by name; pytest puts this folder on sys.path)."""
+"""Shared helpers of the cluster-simulator tests."""
 from __future__ import annotations
 
 import os

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from cluster_helpers import data
+from tests.cluster.cluster_helpers import data
 from megatron_ext.cluster.trace import TraceError, read_trace, read_vc_config
 
 
