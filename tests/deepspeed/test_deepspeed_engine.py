@@ -10,7 +10,7 @@ import pytest
 
 from megatron_ext.pipeline.events import COMPUTE, Phase, assign_p2p_microbatches
 from megatron_ext.pipeline.schedule_orders import deepspeed_train
-from tests.conftest import run_python, run_torchrun
+from tests.conftest import ROOT, run_python, run_torchrun
 
 pytestmark = pytest.mark.multirank
 
@@ -175,3 +175,18 @@ def test_checkpoint_moves_between_engines(runs):
     assert max_rel(res["megatron_from_ds10"], res["straight20"][10:]) < 1e-3
     assert max_rel(res["megatron_first10"], res["first10"]) < 1e-3
     assert max_rel(res["ds_from_megatron10"], res["straight20"][10:]) < 1e-3
+
+
+def test_plot_timeline_renders_a_gantt_png(runs, tmp_path):
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("plot_timeline", os.path.join(ROOT, "tools", "plot_timeline.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "gantt.png"
+    assert tool.main([str(runs["dir"] / "pp4_m8" / "timeline_iter0000003.json"), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert tool.main([str(bad), "-o", str(out)]) == 2

@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""Pipeline-event instrumentation overhead and measured bubble fractions, per engine (issue #3).
+
+    python tools/bench_timeline.py [--iters 8] [--rounds 15] [--block 1]
+
+PP4 on 4 CPU ranks (gloo), the tiny GPT below, m = 4 and 8 micro-batches of one sequence, for the
+megatron-core engine (1F1B) and the DeepSpeed engine (TrainSchedule):
+
+* bubble: per stage, the median over ``--iters`` recorded iterations (after 2 warm-up ones) of the
+  idle share of [first event, end of the last forward/backward], from the joined IterationRecord,
+  against (p - 1) / (m + p - 1);
+* overhead (m = 8): blocks of ``--block`` iterations with events on and off, interleaved (the order
+  alternates every round so drift in machine load cancels); overhead = median(on / off) - 1 of the
+  CPU time of the block summed over the ranks (on a shared 2-core box the wall-clock ratio, also
+  printed, swings by tens of percent from round to round: other processes' load, not ours). The
+  table also gives a floor from first principles: events per iteration x the measured cost of one
+  event through the engine's wrapper / iteration time.
+  "Off" is the engine as shipped upstream: megatron with the schedule hooks uninstalled, DeepSpeed
+  with the stock instruction map and train schedule set on the engine instance. "On" records every
+  event (the extension's per-log-interval bubble all-reduce and trace writing are not included).
+
+Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PP = 4
+MICROBATCHES = (4, 8)
+OVERHEAD_M = 8
+BASE = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 128, "micro_batch_size": 1,
+        "pipeline_model_parallel_size": PP, "lr": 1e-3, "lr_decay_style": "constant", "eval_iters": 0,
+        "progress": False, "timeline": True}
+
+
+def _megatron_trainer(values: dict, state: dict):
+    from megatron_ext.runtime import distributed
+    from megatron_ext.runtime.extension import build_extensions
+    from megatron_ext.runtime.loop import Trainer
+
+    from megatron_ext.config.run import config_from_values
+
+    cfg = config_from_values(values)
+    ctx = state.get("ctx")
+    ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed) if ctx is None else distributed.relayout(
+        ctx, tp=1, pp=PP, vpp=None, seed=cfg.training.seed)
+    state["ctx"] = ctx
+    exts = build_extensions(cfg)
+    return Trainer(cfg, ctx, exts).setup(), exts[0]
+
+
+def _deepspeed_trainer(values: dict, state: dict):
+    from deepspeed_patches import trainer as ds
+    from megatron_ext.config.run import config_from_values
+    from megatron_ext.runtime.extension import build_extensions
+
+    cfg = config_from_values({**values, "engine": "deepspeed"})
+    ctx = ds.setup_distributed(cfg.parallel, seed=cfg.training.seed)
+    exts = build_extensions(cfg)
+    return ds.DeepSpeedTrainer(cfg, ctx, exts).setup(), exts[0]
+
+
+def _switch(engine: str, trainer, ext, on: bool) -> None:
+    """Events on (as ``--timeline`` runs) or off (upstream code paths)."""
+    if engine == "megatron":
+        installed = type(ext.hooks)._active is ext.hooks
+        if on and not installed:
+            ext.hooks.install()
+        elif not on and installed:
+            ext.hooks.uninstall()
+        ext.recorder.enabled = on  # the optimizer / grad-reduce wrappers then record nothing
+        return
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    eng = trainer.engine
+    if on:
+        eng.__dict__.pop("_INSTRUCTION_MAP", None)
+        eng.__dict__.pop("_train_schedule", None)
+    else:  # instance attributes shadow the subclass: DeepSpeed's own map and schedule
+        eng._INSTRUCTION_MAP = PipelineEngine._INSTRUCTION_MAP
+        eng._train_schedule = types.MethodType(PipelineEngine._train_schedule, eng)
+
+
+def _event_cost_us(engine: str, ext) -> float:
+    """Cost of recording one event through this engine's wrapper around a no-op, in microseconds
+    (a floor for the overhead that the noisy on/off timing cannot resolve)."""
+    from megatron_ext.pipeline.events import EventRecorder, Phase
+
+    rec = EventRecorder(capacity=20000)
+    if engine == "deepspeed":
+        from deepspeed_patches import engine as ds_engine
+
+        wrapped = ds_engine._compute(lambda self, **kw: None, Phase.FORWARD)
+        holder = types.SimpleNamespace(event_recorder=rec, _recording=True, _step_microbatch=0)
+        call = lambda: wrapped(holder, buffer_id=0)  # noqa: E731
+    else:
+        from megatron_ext.pipeline.megatron_hooks import wrap_phase
+
+        wrapped = wrap_phase(rec, lambda: None, Phase.FORWARD)
+        call = wrapped
+    n = 10000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    with_events = time.perf_counter() - t0
+    rec.enabled = False
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    return max(with_events - (time.perf_counter() - t0), 0.0) / n * 1e6
+
+
+def worker(out_path: str, iters: int, rounds: int, block: int) -> None:
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    result: dict = {}
+    state: dict = {}
+    for engine, build in (("megatron", _megatron_trainer), ("deepspeed", _deepspeed_trainer)):
+        row: dict = {"bubble": {}, "iter_ms": {}}
+        for m in MICROBATCHES:
+            trainer, ext = build({**BASE, "global_batch_size": m, "train_iters": 10**6}, state)
+            per_iter, times = [], []
+            for i in range(iters + 2):
+                metrics = trainer.train_step()
+                record = ext.record(trainer, trainer.iteration, dst=0)
+                if i >= 2 and record is not None:
+                    per_iter.append(record.stage_bubble_fractions())
+                    times.append(metrics.iter_time_s)
+            if per_iter:
+                row["bubble"][f"m{m}"] = [statistics.median(f[s] for f in per_iter) for s in range(PP)]
+                row["iter_ms"][f"m{m}"] = statistics.median(times) * 1000
+            if m == OVERHEAD_M:
+                trainer.extensions = []  # time the events alone, not the extension's logging work
+                row["events_per_iter"] = len(ext.recorder)
+
+                def timed_block(on: bool) -> tuple[float, float]:
+                    """(wall s on rank 0, CPU s summed over ranks) of ``block`` iterations."""
+                    _switch(engine, trainer, ext, on)
+                    dist.barrier()
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    for _ in range(block):
+                        ext.before_iteration(trainer, trainer.iteration + 1)  # what --timeline does per step
+                        trainer.train_step()
+                    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+                    dist.barrier()
+                    wall = time.perf_counter() - t0
+                    dist.all_reduce(cpu)
+                    return wall, float(cpu)
+
+                wall_ratios, cpu_ratios = [], []
+                for r in range(rounds):
+                    if r % 2:
+                        off, on = timed_block(False), timed_block(True)
+                    else:
+                        on, off = timed_block(True), timed_block(False)
+                    wall_ratios.append(on[0] / off[0])
+                    cpu_ratios.append(on[1] / off[1])
+                row["overhead"] = statistics.median(cpu_ratios) - 1.0
+                row["overhead_wall"] = statistics.median(wall_ratios) - 1.0
+                row["cpu_ratios"], row["wall_ratios"] = cpu_ratios, wall_ratios
+                row["event_cost_us"] = _event_cost_us(engine, ext)
+                _switch(engine, trainer, ext, True)
+            ext.teardown(trainer)
+        result[engine] = row
+    if dist.get_rank() == 0:
+        with open(out_path, "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=8, help="recorded iterations per (engine, m)")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved on/off rounds for the overhead")
+    parser.add_argument("--block", type=int, default=1, help="iterations per timed block")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.iters, args.rounds, args.block)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={PP}",
+                        os.path.abspath(__file__), "--worker", out, "--iters", str(args.iters),
+                        "--rounds", str(args.rounds), "--block", str(args.block)],
+                       cwd=ROOT, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        result = json.load(open(out, encoding="utf-8"))
+    theory = {f"m{m}": (PP - 1) / (m + PP - 1) for m in MICROBATCHES}
+    print(f"PP{PP} on {PP} CPU ranks; bubble = median per-stage idle share over {args.iters} iterations; "
+          f"overhead at m={OVERHEAD_M} = median(on/off) - 1 of CPU time summed over ranks (wall in brackets)")
+    print(f"{'engine':<10} {'m':>2} {'theory':>7} " + " ".join(f"{f'stage {s}':>8}" for s in range(PP))
+          + f" {'iter ms':>8} {'overhead':>9} {'(wall)':>9} {'events':>7} {'us/event':>9} {'est.':>8}")
+    figures: dict = {}
+    for engine, row in result.items():
+        figures[engine] = {"overhead": round(row["overhead"], 4),
+                           "bubble": {k: [round(f, 3) for f in v] for k, v in row["bubble"].items()}}
+        for m in MICROBATCHES:
+            key = f"m{m}"
+            extra = ""
+            if m == OVERHEAD_M:
+                # per-event cost x events per iteration (one rank) / iteration time
+                est = row["events_per_iter"] * row["event_cost_us"] * 1e-3 / row["iter_ms"][key]
+                extra = (f" {row['overhead'] * 100:+8.2f}% {row['overhead_wall'] * 100:+8.2f}% "
+                         f"{row['events_per_iter']:>7d} {row['event_cost_us']:>9.2f} {est * 100:>7.3f}%")
+            print(f"{engine:<10} {m:>2} {theory[key]:>7.3f} " + " ".join(f"{f:>8.3f}" for f in row["bubble"][key])
+                  + f" {row['iter_ms'][key]:>8.1f}{extra}")
+    for engine, row in result.items():
+        print(f"{engine} on/off ratios, CPU: " + " ".join(f"{r:.3f}" for r in row["cpu_ratios"])
+              + " | wall: " + " ".join(f"{r:.3f}" for r in row["wall_ratios"]))
+    figures["theory"] = {k: round(v, 4) for k, v in theory.items()}
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
