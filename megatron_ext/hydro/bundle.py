@@ -61,6 +61,7 @@ class TrialBundle:
         self._hooks: list[Any] = []
         self._install_hooks()
         self.last_activation_bytes = 0
+        self._measure = True   # activation bytes are measured on the first step after a (re)build
 
     # ---- introspection ------------------------------------------------------------------------
     @property
@@ -129,12 +130,18 @@ class TrialBundle:
                 pass
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if self._measure:
+            # A python callback per saved tensor costs per-op overhead; measure once per shape.
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = self.model(self._inputs(inputs))
+                losses = self.loss_fn(out, target.to(self.device), self.num_trials)
+            self.last_activation_bytes = sum(saved.values())
+            self._measure = False
+        else:
             out = self.model(self._inputs(inputs))
             losses = self.loss_fn(out, target.to(self.device), self.num_trials)
         losses.sum().backward()
         self.optimizer.step()
-        self.last_activation_bytes = sum(saved.values())
         return [float(v) for v in losses.detach()]
 
     @torch.no_grad()
@@ -167,6 +174,7 @@ class TrialBundle:
         self.optimizer.resize(keep, [s.hparams for s in new_specs])
         self.specs = [self.specs[i] for i in keep] + list(new_specs)
         self._apply_dropout()
+        self._measure = True
         logger.debug("bundle resized to %d trials: %s", self.num_trials, self.trial_ids)
 
     def remove(self, trial_ids: Iterable[Hashable]) -> None:
@@ -187,14 +195,14 @@ class TrialBundle:
     def _apply_dropout(self) -> None:
         for m in self.model.modules():
             if isinstance(m, FusedDropout):
-                for i, s in enumerate(self.specs):
-                    if s.dropout is not None:
-                        m.p[i] = float(s.dropout)
+                current = m.p.tolist()
+                m.set_p([s.dropout if s.dropout is not None else current[i] for i, s in enumerate(self.specs)])
 
     # ---- memory -------------------------------------------------------------------------------
     def memory_footprint(self) -> dict[str, int]:
         """Bytes held by the bundle: parameters, gradients (as of the last step), optimizer state,
-        activations saved for backward in the last ``train_step`` (0 before the first), and the
+        activations saved for backward (measured in the first ``train_step`` after building or
+        resizing; 0 before it; the batch shape is assumed fixed), and the
         per-trial share of their sum (the unit a scheduler multiplies by the fusion count)."""
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters())  # allocated each step

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .fx_common import (EXTRA_LEAVES, PassError, as_tuple, first_tensor, leaf_problems, reinitialize,
+from .fx_common import (EXTRA_LEAVES, PassError, first_tensor, leaf_problems, reinitialize,
                         replicate, run_nodes, state_snapshot, tensors_close, trace)
 from .models import SelfAttention
 from .nn import (FusedBatchNorm, FusedConv2d, FusedDropout, FusedEmbedding, FusedLayerNorm, FusedLinear,

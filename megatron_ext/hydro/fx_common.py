@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -114,7 +114,3 @@ def first_tensor(x: Any) -> torch.Tensor | None:
     if isinstance(x, (tuple, list)) and x:
         return first_tensor(x[0])
     return None
-
-
-def as_tuple(x: Any) -> Sequence[Any]:
-    return x if isinstance(x, tuple) else (x,)

@@ -111,64 +111,75 @@ class FusedOptimizer:
         lrs = self.current_lrs()
         for k in range(self.num_trials):
             self.steps[k] += 1
+        # Per-trial scalars once per step (float64, as torch's python-float math), then one cast per
+        # (dtype, ndim): tiny trials are dominated by per-op overhead, not by these B-vectors.
+        like = self.slots[0].param
+        hp = self.hparams
+        v64 = {name: self._vec(vals, like) for name, vals in (
+            ("lr", lrs), ("wd", [h.weight_decay for h in hp]), ("b1", [h.beta1 for h in hp]),
+            ("b2", [h.beta2 for h in hp]), ("eps", [h.eps for h in hp]), ("step", self.steps),
+            ("mom", [h.momentum for h in hp]), ("damp", [h.dampening for h in hp]))}
+        v64["step_size"] = v64["lr"] / (1 - v64["b1"] ** v64["step"])
+        v64["bc2_sqrt"] = (1 - v64["b2"] ** v64["step"]).sqrt()
+        v64["lr_wd"] = v64["lr"] * v64["wd"]
+        flags = {"wd": any(h.weight_decay != 0 for h in hp), "mom": any(h.momentum != 0 for h in hp)}
+        cache: dict[tuple, dict[str, torch.Tensor]] = {}
         for s in self.slots:
             g = s.param.grad
             if g is None:
                 continue
+            key = (s.param.dtype, s.param.dim(), s.param.device, s.lr_mult, s.wd_mult)
+            if key not in cache:
+                dt, nd = s.param.dtype, s.param.dim()
+                lm, wm = s.lr_mult, s.wd_mult
+                cache[key] = {k: per_trial(v.to(s.param.device).to(dt), nd) for k, v in (
+                    ("step_size", v64["step_size"] * lm), ("lr", v64["lr"] * lm), ("wd", v64["wd"] * wm),
+                    ("decay", 1 - v64["lr_wd"] * (lm * wm)),
+                    ("1-b1", 1 - v64["b1"]), ("b2", v64["b2"]), ("1-b2", 1 - v64["b2"]), ("eps", v64["eps"]),
+                    ("bc2_sqrt", v64["bc2_sqrt"]), ("mom", v64["mom"]), ("1-damp", 1 - v64["damp"]),
+                    ("first", (v64["step"] == 1).to(torch.float64)), ("mom!=0", (v64["mom"] != 0).to(torch.float64)))}
+                if coefs is not None:
+                    cache[key]["clip"] = per_trial(coefs.to(dt), nd)
+            c = cache[key]
             if coefs is not None:
-                g = g * per_trial(coefs.to(g.dtype), g.dim())
+                g = g * c["clip"]
             if self.kind == "sgd":
-                self._sgd(s, g, lrs)
+                self._sgd(s, g, v64, c, flags)
             else:
-                self._adam(s, g, lrs)
+                self._adam(s, g, v64, c, flags)
 
-    def _adam(self, s: ParamSlot, g: torch.Tensor, lrs: list[float]) -> None:
-        p, nd, dt = s.param, s.param.dim(), s.param.dtype
-        hp = self.hparams
+    def _adam(self, s: ParamSlot, g: torch.Tensor, v64: dict, c: dict, flags: dict) -> None:
+        p = s.param
         if not s.state:
             s.state["exp_avg"] = torch.zeros_like(p)
             s.state["exp_avg_sq"] = torch.zeros_like(p)
-        lr = self._vec(lrs, p) * s.lr_mult
-        wd = self._vec([h.weight_decay for h in hp], p) * s.wd_mult
-        b1 = self._vec([h.beta1 for h in hp], p)
-        b2 = self._vec([h.beta2 for h in hp], p)
-        eps = self._vec([h.eps for h in hp], p)
-        step = self._vec(self.steps, p)
         if self.kind == "adamw":
-            p.mul_(per_trial((1 - lr * wd).to(dt), nd))
-        elif bool((wd != 0).any()):
-            g = g + p * per_trial(wd.to(dt), nd)
+            if flags["wd"]:
+                p.mul_(c["decay"])
+        elif flags["wd"]:
+            g = g + p * c["wd"]
         m, v = s.state["exp_avg"], s.state["exp_avg_sq"]
-        m.lerp_(g, per_trial((1 - b1).to(dt), nd))
-        v.mul_(per_trial(b2.to(dt), nd)).addcmul_(g, g * per_trial((1 - b2).to(dt), nd))
-        bc1 = 1 - b1 ** step
-        bc2_sqrt = (1 - b2 ** step).sqrt()
-        step_size = lr / bc1
-        denom = (v.sqrt() / per_trial(bc2_sqrt.to(dt), nd)).add_(per_trial(eps.to(dt), nd))
-        p.sub_(per_trial(step_size.to(dt), nd) * m / denom)
+        m.lerp_(g, c["1-b1"])
+        v.mul_(c["b2"]).addcmul_(g, g * c["1-b2"])
+        denom = (v.sqrt() / c["bc2_sqrt"]).add_(c["eps"])
+        p.addcdiv_(m * c["step_size"], denom, value=-1.0)
 
-    def _sgd(self, s: ParamSlot, g: torch.Tensor, lrs: list[float]) -> None:
-        p, nd, dt = s.param, s.param.dim(), s.param.dtype
-        hp = self.hparams
-        lr = self._vec(lrs, p) * s.lr_mult
-        wd = self._vec([h.weight_decay for h in hp], p) * s.wd_mult
-        if bool((wd != 0).any()):
-            g = g + p * per_trial(wd.to(dt), nd)
-        mom = self._vec([h.momentum for h in hp], p)
-        if bool((mom != 0).any()):
-            damp = self._vec([h.dampening for h in hp], p)
-            first = per_trial(self._vec([k == 1 for k in self.steps], p) > 0, nd)
+    def _sgd(self, s: ParamSlot, g: torch.Tensor, v64: dict, c: dict, flags: dict) -> None:
+        p = s.param
+        if flags["wd"]:
+            g = g + p * c["wd"]
+        if flags["mom"]:
             buf = s.state.get("momentum_buffer")
             if buf is None:
                 buf = g.clone()
             else:
                 # torch starts the buffer at the first gradient (no dampening on step 1).
-                upd = buf * per_trial(mom.to(dt), nd) + g * per_trial((1 - damp).to(dt), nd)
-                buf = torch.where(first, g, upd)
+                upd = buf * c["mom"] + g * c["1-damp"]
+                buf = torch.where(c["first"] > 0, g, upd)
             s.state["momentum_buffer"] = buf
-            use = g + buf * per_trial(mom.to(dt), nd) if self.nesterov else buf
-            g = torch.where(per_trial(mom != 0, nd), use, g)
-        p.sub_(per_trial(lr.to(dt), nd) * g)
+            use = g + buf * c["mom"] if self.nesterov else buf
+            g = torch.where(c["mom!=0"] > 0, use, g)
+        p.sub_(c["lr"] * g)
 
     # ---- elasticity -------------------------------------------------------------------------
     def resize(self, keep: Sequence[int], new_hparams: Sequence[TrialHParams] = ()) -> None:

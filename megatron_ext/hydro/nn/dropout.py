@@ -20,18 +20,22 @@ class FusedDropout(FusedModule):
         super().__init__()
         # Not persistent: plain nn.Dropout keeps p as an attribute, not state; stacking skips it.
         self.register_buffer("p", torch.full((num_trials,), float(p), device=device), persistent=False)
+        self._any_p = p > 0   # a python flag: checking the buffer would cost a sync per forward
 
     @classmethod
     def from_plain(cls, plains: Sequence[nn.Dropout]) -> "FusedDropout":
         fused = cls(len(plains), 0.0)
-        fused.p.copy_(torch.tensor([float(m.p) for m in plains]))
+        fused.set_p([m.p for m in plains])
         return fused
 
     def set_p(self, values: Sequence[float]) -> None:
-        self.p.copy_(torch.as_tensor(list(values), dtype=self.p.dtype))
+        """Set every trial's probability (after ``resize_trials``, pass the full new vector)."""
+        values = [float(v) for v in values]
+        self.p = torch.tensor(values, dtype=self.p.dtype, device=self.p.device)
+        self._any_p = any(v > 0 for v in values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or not bool((self.p > 0).any()):
+        if not self.training or not self._any_p:
             return x
         B = self.p.shape[0]
         xb = trial_view(x, B)
