@@ -39,6 +39,11 @@ def check_config(cfg: RunConfig) -> None:
                           f"got {cfg.model.position_embedding_type}")
     if cfg.training.bf16:
         raise ConfigError("--engine deepspeed trains in fp32: drop --bf16 or use --engine megatron")
+    if cfg.data.doc_length_dist:
+        # Packed documents need their block-causal mask on every stage and per-document attention;
+        # the PipelineModule passes hidden states only.
+        raise ConfigError("--doc-length-dist (packed documents) is not supported by --engine deepspeed yet: "
+                          "use --engine megatron")
     if cfg.parallel.overlap_grad_reduce:
         raise ConfigError("--overlap-grad-reduce is a megatron DDP option; DeepSpeed's pipeline engine "
                           "reduces gradients after the schedule: drop it with --engine deepspeed")
