@@ -377,9 +377,9 @@ class VCSimulator:
     def _schedule_preemptive(self, now: float, allow_preempt: bool) -> None:
         pol = self.policy
         pool = self.pool
-        if pol.dynamic_pending:
-            if not allow_preempt and self._no_room():
-                return
+        if pol.dynamic_pending and allow_preempt:
+            # Waiting keys drift with time: re-rank them at each preemption round only; between
+            # rounds freed GPUs go by the last round's order (new arrivals by their key at arrival).
             for _, js in self.pending:
                 js.key = pol.pend_key(js, now)
             self.pending[:] = sorted((js.key, js) for _, js in self.pending)
@@ -388,6 +388,9 @@ class VCSimulator:
             self._enqueue(js, now)
         q = self.pending
         running = self.running
+        # A later (lower-priority) job can only preempt a subset of what an earlier one could, so
+        # once a job of g GPUs fails to preempt its way in, no later job of >= g GPUs will either.
+        stuck = _INF
         i = 0
         while i < len(q):
             key, js = q[i]
@@ -397,15 +400,18 @@ class VCSimulator:
                     continue
                 i += 1  # a guest
                 continue
-            if allow_preempt and js.state == PENDING and js.hold != now:
+            if allow_preempt and js.state == PENDING and js.hold != now and js.gpus < stuck:
                 victims = self._victims(js, now)
-                if victims:
+                if not victims:
+                    stuck = js.gpus
+                else:
                     for v in victims:  # tentatively free their GPUs
                         pool.release(v.alloc)
                     alloc = pool.place(js.gpus, self.cfg.placement)
                     if alloc is None:  # consolidation still fails: leave everything as it was
                         for v in victims:
                             pool.take(v.alloc)
+                        stuck = js.gpus
                     else:
                         del q[i]
                         for v in victims:

@@ -169,8 +169,9 @@ class Tiresias(Policy):
 @register("ftf")
 class FinishTimeFairness(Policy):
     """Finish-time fairness (Themis' rho): rho = (time in system + remaining time) / exclusive run
-    time. The job treated most unfairly (largest rho) runs first; preemption happens only at lease
-    rounds (``ftf_lease_s``) so that jobs are not thrashed. A waiting job's rho grows with time; a
+    time. The job treated most unfairly (largest rho) runs first. As in Themis' lease rounds,
+    priorities are re-ranked and preemption happens only every ``ftf_lease_s``; between rounds
+    freed GPUs go to waiting jobs in the last round's order. A waiting job's rho grows with time; a
     running job's is fixed (its finish time is)."""
 
     preemptive = True

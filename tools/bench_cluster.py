@@ -1,0 +1,119 @@
+"""Benchmark of the cluster scheduler simulator (megatron_ext.cluster).
+
+For every policy, the whole Philly trace (82k jobs) at load scales 1 and 5: wall time of parsing the
+CSV plus simulating (median over --repeats, policies interleaved round-robin so that machine load
+hits them alike), simulated events per second, average JCT and queueing delay; then the built-in
+bubble tuning scenario's makespan ratio. Prints a table, then one JSON line:
+
+    {"policies": {"fifo": {"avg_jct_s": ..., "avg_queue_s": ..., "wall_s": ..., ...,
+                           "load_5": {...}}, ...},
+     "bubble_scenario": {"makespan_ratio": ..., ...}}
+
+Usage: python tools/bench_cluster.py [--trace PATH --vc-config PATH] [--repeats 3]
+(default data: ../shared/data/cluster relative to the repository root).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_ext.cluster.bubbles import TuningScenario, run_tuning_scenario  # noqa: E402
+from megatron_ext.cluster.config import POLICIES, ClusterSimConfig  # noqa: E402
+from megatron_ext.cluster.engine import simulate  # noqa: E402
+from megatron_ext.cluster.metrics import format_table, summarize  # noqa: E402
+from megatron_ext.cluster.trace import read_trace, read_vc_config  # noqa: E402
+
+DATA = os.path.join(ROOT, "..", "shared", "data", "cluster")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default=os.path.join(DATA, "philly.csv"))
+    ap.add_argument("--vc-config", default=os.path.join(DATA, "philly_vc.csv"))
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--load-scales", nargs="+", type=float, default=[1.0, 5.0])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    for path in (args.trace, args.vc_config):
+        if not os.path.isfile(path):
+            print(f"error: {path} not found (pass --trace/--vc-config; see ../shared/data/cluster/README.md)",
+                  file=sys.stderr)
+            return 2
+
+    cells = [(p, s) for s in args.load_scales for p in args.policies]
+    walls: dict[tuple, list[float]] = {c: [] for c in cells}
+    cpus: dict[tuple, list[float]] = {c: [] for c in cells}
+    sims: dict[tuple, list[float]] = {c: [] for c in cells}
+    summaries: dict[tuple, dict] = {}
+    for _ in range(args.repeats):
+        for policy, scale in cells:
+            t0, c0 = time.perf_counter(), time.process_time()
+            vcs = read_vc_config(args.vc_config)
+            trace = read_trace(args.trace, vcs, load_scale=scale)
+            run = simulate(trace, ClusterSimConfig(policy=policy, load_scale=scale))
+            walls[(policy, scale)].append(time.perf_counter() - t0)
+            cpus[(policy, scale)].append(time.process_time() - c0)
+            sims[(policy, scale)].append(run.wall_s)
+            summaries[(policy, scale)] = summarize(run)  # deterministic: identical every repeat
+
+    rows = []
+    for policy, scale in cells:
+        s = summaries[(policy, scale)]
+        fifo = summaries.get(("fifo", scale))
+        rows.append({"policy": policy, "load": scale, "avg_jct_s": s["avg_jct_s"], "p99_jct_s": s["p99_jct_s"],
+                     "avg_queue_s": s["avg_queue_s"], "utilization": s["utilization"],
+                     "jct_vs_fifo": s["avg_jct_s"] / fifo["avg_jct_s"] if fifo else float("nan"),
+                     "preemptions": s["preemptions"], "events": s["events"],
+                     "events_per_s": s["events"] / statistics.median(sims[(policy, scale)]),
+                     "wall_s": statistics.median(walls[(policy, scale)]),
+                     "cpu_s": statistics.median(cpus[(policy, scale)])})
+    print(f"Philly trace: {summaries[cells[0]]['jobs']} jobs, {len(summaries[cells[0]]['per_vc'])} VCs; "
+          f"median of {args.repeats} runs; wall = CSV parsing + simulation (cpu: this process's CPU "
+          f"time, which a shared machine's load does not inflate)")
+    print(format_table(rows, [("policy", "policy", ""), ("load", "load", "g"), ("avg_jct_s", "avg JCT s", ".0f"),
+                              ("p99_jct_s", "p99 JCT s", ".0f"), ("avg_queue_s", "avg queue s", ".0f"),
+                              ("jct_vs_fifo", "JCT/FIFO", ".3f"), ("utilization", "util", ".3f"),
+                              ("preemptions", "preempt", "d"), ("events", "events", "d"),
+                              ("events_per_s", "events/s", ".0f"), ("wall_s", "wall s", ".2f"),
+                              ("cpu_s", "cpu s", ".2f")]))
+
+    t0 = time.perf_counter()
+    scenario = run_tuning_scenario(TuningScenario(), ClusterSimConfig())
+    scenario_wall = time.perf_counter() - t0
+    print()
+    print("Bubble scenario (1 exclusive GPU, 32-GPU 4-stage pipeline job holding the cluster):")
+    print(format_table([scenario], [("makespan_exclusive_s", "exclusive only s", ".0f"),
+                                    ("makespan_bubbles_s", "with bubbles s", ".0f"),
+                                    ("makespan_ratio", "ratio", ".3f"),
+                                    ("usable_bubble_slots", "usable slots", ".0f"),
+                                    ("guest_speed", "guest speed", ".3f")]))
+
+    out: dict = {"policies": {}, "load_scales": args.load_scales, "repeats": args.repeats}
+    for policy in args.policies:
+        entry: dict = {}
+        for i, scale in enumerate(args.load_scales):
+            row = next(r for r in rows if r["policy"] == policy and r["load"] == scale)
+            vals = {k: row[k] for k in ("avg_jct_s", "avg_queue_s", "p99_jct_s", "jct_vs_fifo", "wall_s",
+                                        "cpu_s", "events_per_s")}
+            if i == 0:
+                entry.update(vals)
+            else:
+                entry[f"load_{scale:g}"] = vals
+        out["policies"][policy] = entry
+    out["bubble_scenario"] = {k: scenario[k] for k in ("makespan_ratio", "makespan_exclusive_s", "makespan_bubbles_s",
+                                                       "usable_bubble_slots", "guest_speed")}
+    out["bubble_scenario"]["wall_s"] = scenario_wall
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
