@@ -51,7 +51,7 @@ class HydroTuneConfig:
     parametrization: str = doc("mup transfers LRs across width; sp is standard parametrization.", "mup",
                                choices=("mup", "sp"))
     # data
-    data_path: str = doc("Indexed dataset prefix; empty = the default corpus; 'synthetic[:tokens[:vocab]]' "
+    data_path: str = doc("Indexed dataset prefix; empty = the default corpus; 'synthetic[:tokens[:vocab[:order]]]' "
                          "= a generated bigram stream.", "")
     data_cache_dir: str | None = doc("Cache directory of the default corpus.", None)
     max_tokens: int = doc("Read at most this many tokens (0 = all).", 2_000_000)

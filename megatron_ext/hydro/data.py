@@ -2,8 +2,8 @@
 
 ``data_path`` selects the source: ``""`` is the project's default corpus
 (``megatron_ext.data.corpus.default_corpus``), a path prefix is a Megatron indexed dataset
-(``prefix.bin`` / ``prefix.idx``), and ``synthetic[:tokens[:vocab]]`` is a learnable random
-bigram stream (for tests and benchmarks that must not depend on a corpus).
+(``prefix.bin`` / ``prefix.idx``), and ``synthetic[:tokens[:vocab[:order]]]`` is a learnable
+random Markov stream (for tests and benchmarks that must not depend on a corpus).
 """
 from __future__ import annotations
 
@@ -20,18 +20,24 @@ class DataError(ValueError):
     """The data source named in the config cannot be read; the message says which and why."""
 
 
-def synthetic_tokens(n_tokens: int, vocab_size: int, seed: int = 0, branching: int = 3) -> np.ndarray:
-    """A bigram chain where each token has ``branching`` likely successors: its entropy
-    (about log(branching) nats) is far below log(vocab), so models of different quality differ."""
+def synthetic_tokens(n_tokens: int, vocab_size: int, seed: int = 0, branching: int = 3, order: int = 1
+                     ) -> np.ndarray:
+    """A Markov chain of ``order`` where each context has ``branching`` likely successors: its
+    entropy (about log(branching) nats) is far below log(vocab), so models of different quality
+    differ. ``order=2`` makes the next token depend on the two previous ones, so a model needs
+    attention (not just the embedding-to-readout path) to learn it."""
     rng = np.random.default_rng(seed)
-    succ = rng.integers(0, vocab_size, size=(vocab_size, branching))
-    out = np.empty(n_tokens, dtype=np.int64)
-    out[0] = 0
+    contexts = vocab_size ** order if vocab_size ** order <= 1 << 20 else 1 << 20
+    succ = rng.integers(0, vocab_size, size=(contexts, branching))
+    out = np.zeros(n_tokens, dtype=np.int64)
     choice = rng.integers(0, branching, size=n_tokens)
     noise = rng.random(n_tokens) < 0.05
     rand_tok = rng.integers(0, vocab_size, size=n_tokens)
-    for i in range(1, n_tokens):
-        out[i] = rand_tok[i] if noise[i] else succ[out[i - 1], choice[i]]
+    for i in range(order, n_tokens):
+        ctx = 0
+        for j in range(1, order + 1):
+            ctx = ctx * vocab_size + int(out[i - j])
+        out[i] = rand_tok[i] if noise[i] else succ[ctx % contexts, choice[i]]
     return out
 
 
@@ -68,9 +74,11 @@ def load_tokens(data_path: str, cache_dir: str | None = None, max_tokens: int = 
         try:
             n = int(parts[1]) if len(parts) > 1 and parts[1] else 200_000
             vocab = int(parts[2]) if len(parts) > 2 and parts[2] else 256
+            order = int(parts[3]) if len(parts) > 3 and parts[3] else 1
         except ValueError:
-            raise DataError(f"data_path {data_path!r}: expected synthetic[:tokens[:vocab]] with integers") from None
-        return synthetic_tokens(n, vocab, seed), vocab, f"synthetic bigram stream ({n} tokens, vocab {vocab})"
+            raise DataError(f"data_path {data_path!r}: expected synthetic[:tokens[:vocab[:order]]] with integers") from None
+        return (synthetic_tokens(n, vocab, seed, order=order), vocab,
+                f"synthetic order-{order} Markov stream ({n} tokens, vocab {vocab})")
     prefix = data_path
     vocab = 0
     if not prefix:

@@ -24,7 +24,7 @@ def test_indexed_dataset_is_read_in_document_order(tmp_path):
 def test_missing_dataset_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"data_path '.*nope': .*nope.bin does not exist"):
         load_tokens(str(tmp_path / "nope"))
-    with pytest.raises(DataError, match=r"expected synthetic\[:tokens\[:vocab\]\]"):
+    with pytest.raises(DataError, match=r"expected synthetic\[:tokens\[:vocab\[:order\]\]\]"):
         load_tokens("synthetic:lots")
 
 
