@@ -13,7 +13,8 @@ Variants, measured side by side (round-robin per step, same process, same weight
 Helix gets a memory budget of the baseline's measured peak + 5 %.
 
 Figures: median step time, median exposed communication (time the compute thread spent in
-waits), peak memory (median of 3 profiled steps, allocator events). Simulator: "sim ms"/"sim exp"
+waits: for the slower peer to reach the collective, then for the emulated link; "link ms" is the
+link's share), peak memory (median of 3 profiled steps, allocator events). Simulator: "sim ms"/"sim exp"
 are the simulated step and exposed communication of the graphs as compiled, with the compute
 scale re-calibrated from the computation alone of those graphs timed between the measured steps
 (the host's load drifts; "compile" is the prediction made at compile time); "sim MiB" is the
@@ -132,6 +133,7 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef) -> dic
         now = backends[name].simulate_compiled(0, statistics.median(timers[name].samples))
         out[name] = {"step_s": [s.step_s for s in samples[name]],
                      "exposed_s": [s.exposed_comm_s for s in samples[name]],
+                     "link_s": [s.link_s for s in samples[name]],
                      "peak": peaks[name], "sim_makespan_s": now.makespan_s, "sim_peak": chosen.peak_bytes,
                      "sim_compile_s": chosen.makespan_s, "sim_exposed_s": now.exposed_comm_s,
                      "tiled": summ[0].tiled, "decision": summ[0].line()}
@@ -158,7 +160,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
             gathered = [None] * world
             dist.all_gather_object(gathered, {k: v for k, v in res.items() if k not in ("timeline", "link")})
             for name in VARIANTS:
-                for key in ("step_s", "exposed_s"):
+                for key in ("step_s", "exposed_s", "link_s"):
                     res[name][key] = [max(r[name][key][i] for r in gathered) for i in range(args.steps)]
                 res[name]["peak"] = max(r[name]["peak"] for r in gathered)
             results[f"{case}_{link}"] = res
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median
     print(f"Helix benchmark: 2 CPU ranks (gloo), b={args.batch} s={args.seq} h={args.hidden}, K={args.tiles}, "
           f"{args.steps} steps, medians. EMULATED interconnect: every time below is emulated.")
-    hdr = f"{'case':<11}{'variant':<10}{'step ms':>9}{'exposed ms':>11}{'peak MiB':>10}{'sim ms':>8}" \
+    hdr = f"{'case':<11}{'variant':<10}{'step ms':>9}{'exposed ms':>11}{'link ms':>8}{'peak MiB':>10}{'sim ms':>8}" \
           f"{'sim exp':>8}{'sim MiB':>9}{'compile':>9}{'tiled':>7}"
     print(hdr)
     print("-" * len(hdr))
@@ -245,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in VARIANTS:
             r = res[name]
             print(f"{key:<11}{name:<10}{med(r['step_s']) * 1e3:>9.2f}{med(r['exposed_s']) * 1e3:>11.2f}"
+                  f"{med(r['link_s']) * 1e3:>8.2f}"
                   f"{r['peak'] / 2**20:>10.2f}{r['sim_makespan_s'] * 1e3:>8.2f}{r['sim_exposed_s'] * 1e3:>8.2f}"
                   f"{r['sim_peak'] / 2**20:>9.2f}{r['sim_compile_s'] * 1e3:>9.2f}{'yes' if r['tiled'] else 'no':>7}")
         b, h = res["baseline"], res["helix"]

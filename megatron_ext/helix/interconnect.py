@@ -36,11 +36,12 @@ class EmulationStats:
     collectives: int = 0
     comm_s: float = 0.0        # emulated transfer time issued
     exposed_s: float = 0.0     # time the compute thread sat in waits
+    link_s: float = 0.0        # the part of it spent on the emulated link (after the peers arrived)
     waits: int = 0
 
     def reset(self) -> None:
         self.collectives = 0
-        self.comm_s = self.exposed_s = 0.0
+        self.comm_s = self.exposed_s = self.link_s = 0.0
         self.waits = 0
 
 
@@ -85,10 +86,13 @@ def emulated_wait(issued: torch.Tensor, deadline: float) -> torch.Tensor:
     """Complete the real collective, then sleep until the emulated transfer is over."""
     t0 = time.perf_counter()
     out = torch.ops._c10d_functional.wait_tensor.default(issued)
-    remaining = deadline - time.perf_counter()
+    t1 = time.perf_counter()
+    remaining = deadline - t1
     if remaining > 0:
         time.sleep(remaining)
-    LINKS.stats.exposed_s += time.perf_counter() - t0
+    t2 = time.perf_counter()
+    LINKS.stats.exposed_s += t2 - t0
+    LINKS.stats.link_s += t2 - t1
     LINKS.stats.waits += 1
     return out
 

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class StepSample:
     step_s: float
-    exposed_comm_s: float
+    exposed_comm_s: float   # time in waits (the real collective, i.e. the slower peer, + the link)
+    link_s: float           # the emulated link's share of it
     collectives: int
 
 
@@ -72,7 +73,7 @@ def timed_step(step: Callable[[], None], barrier: Callable[[], None] | None = No
     step()
     dt = time.perf_counter() - t0
     st = emulation_stats()
-    return StepSample(step_s=dt, exposed_comm_s=st.exposed_s, collectives=st.collectives)
+    return StepSample(step_s=dt, exposed_comm_s=st.exposed_s, link_s=st.link_s, collectives=st.collectives)
 
 
 class ComputeTimer:

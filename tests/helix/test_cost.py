@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-import torch.fx as fx
 
 from megatron_ext.config.base import ConfigError, build, field_names
 from megatron_ext.helix.calibrate import CostCache, benchmark_graph_ops, device_key

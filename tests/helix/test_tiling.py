@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from helix_helpers import parity, tiling_backend
 
-from megatron_ext.helix.passes.tiling_rules import Refuse, reshape_tile_dim
+from megatron_ext.helix.passes.tiling_rules import Refuse
+from megatron_ext.helix.passes.tiling_shape_rules import reshape_tile_dim
 
 
 @pytest.mark.parametrize("src, dst, d, want", [

@@ -1,0 +1,1 @@
+"""Helix graph passes: tiling (tiling.py + rules), segmented round-robin reordering, bucketing, checks."""

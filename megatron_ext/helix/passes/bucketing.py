@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import operator
 from collections import defaultdict
 from typing import Callable, Sequence
 
@@ -26,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from megatron_ext.helix.cost import CostModel
-from megatron_ext.helix.ir import CollectiveInfo, GraphIR, Kind, is_wait, set_tile, value_of
+from megatron_ext.helix.ir import CollectiveInfo, GraphIR, Kind, set_tile, value_of
 from megatron_ext.helix.passes.checks import check_dependencies, impure_names
 from megatron_ext.helix.simulator import SimOp, SimResult, simulate
 
