@@ -56,6 +56,25 @@ def run_deepspeed(base: dict, values: dict, *, load: str | None = None) -> tuple
     return trainer, exts
 
 
+def same_initial_weights(cfg, ctx, vocab_size: int) -> list[int]:
+    """[tensors compared, tensors that differ] over all ranks: the fresh DeepSpeed stage against the
+    fresh megatron chunk of the same stage (PP2 x DP2), matched by megatron key and global layer."""
+    import torch
+
+    from deepspeed_patches.gpt import build_gpt_pipeline
+    from megatron_ext.runtime.model import build_model, iter_sharded_tensors, padded_vocab_size, shard_slices, unwrap
+
+    chunk = unwrap(build_model(cfg, ctx, vocab_size, wrap_ddp=False).chunks[0])
+    megatron = {(st.key, shard_slices(st)[0]): st.data for st in iter_sharded_tensors(chunk.sharded_state_dict())}
+    pipe = build_gpt_pipeline(cfg.model, vocab_size=padded_vocab_size(vocab_size, 1), num_stages=2,
+                              seed=cfg.training.seed, std=cfg.model.init_method_std)
+    entries = pipe.shard_entries()
+    differ = sum(not torch.equal(megatron[(e.key, e.index)], e.param.data) for e in entries)
+    counts = torch.tensor([len(entries) if len(entries) == len(megatron) else -1, differ])
+    dist.all_reduce(counts)
+    return counts.tolist()
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     results: dict[str, list[float]] = {}
@@ -88,6 +107,7 @@ def main() -> None:
     trainer = Trainer(cfg, ctx).setup()
     trainer.run()
     results["megatron_from_ds10"] = curve(trainer)
+    results["init"] = same_initial_weights(cfg, ctx, trainer.splits.tokenizer.vocab_size)
     megatron_ckpt = os.path.join(out_dir, "ckpt_megatron_pp2dp2")
     cfg = config_from_values({**BASE, **PP2DP2, "train_iters": 10, "save": megatron_ckpt})
     trainer = Trainer(cfg, ctx).setup()

@@ -164,6 +164,14 @@ def test_loss_matches_megatron_single_rank(runs, layout):
     assert max_rel(res[layout], res["single"]) < 1e-3
 
 
+def test_same_seed_same_weights_as_megatron(runs):
+    compared, differ = runs["results"]["init"]
+    # PP2 x DP2 with 4 layers: stage 0 has both embeddings + 2 layers x 12, stage 1 2 layers x 12 +
+    # final norm (2) + the tied head; every rank compares its whole stage
+    assert compared == 2 * (2 + 24) + 2 * (24 + 2 + 1)
+    assert differ == 0
+
+
 def test_resume_continues_exactly(runs):
     res = runs["results"]
     assert max_rel(res["first10"] + res["resumed10"], res["straight20"]) < 1e-6
