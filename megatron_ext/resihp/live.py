@@ -137,6 +137,9 @@ class ResiHPExtension(Extension):
             if reporter:
                 print(f"resihp: aborting the job: rank {verdict.rank} is gone; resume from the last checkpoint",
                       file=sys.stderr, flush=True)
+            # Linger a few polls: the store may live in this process (rank 0 without torchrun's
+            # agent), and the other survivors should reach their own verdict before it goes.
+            time.sleep(3 * self.heartbeat.poll_s)
             os._exit(ABORT_EXIT_CODE)
 
     # --- per iteration ---------------------------------------------------------------------
@@ -190,6 +193,16 @@ class ResiHPExtension(Extension):
                 tb.add_scalar(f"resihp/fail_slow_rank{v.rank}", v.factor, metrics.iteration)
 
     def teardown(self, trainer: "Trainer") -> None:
+        failure = sys.exc_info()[1]
+        if failure is not None and self.heartbeat is not None and isinstance(failure, RuntimeError):
+            # A collective failed (gloo sees a dead peer's closed socket at once, without saying
+            # which rank it was): give the heartbeat its timeout to name the lost rank first.
+            wait_s = self.cfg.resihp_heartbeat_timeout_s + 2 * self.heartbeat.poll_s
+            logger.error("collective failed (%s); waiting up to %.1f s for the heartbeat to name the lost rank",
+                         str(failure).splitlines()[0][:200], wait_s)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and not self.heartbeat.verdicts:
+                time.sleep(self.heartbeat.poll_s)
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self.throttle is not None:

@@ -1,0 +1,41 @@
+"""Live ResiHP scenarios for test_live.py, under torchrun --nproc_per_node 4 (PP2 x DP2).
+
+Scenario "healthy": no fault, the detector must stay silent. Scenario "slow": rank 2 (stage 1, dp 0)
+computes 2x slower from iteration 25. Verdicts and traces go to files under OUT.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+from megatron_ext.config.run import config_from_values  # noqa: E402
+from megatron_ext.runtime import distributed  # noqa: E402
+from megatron_ext.runtime.extension import build_extensions  # noqa: E402
+from megatron_ext.runtime.loop import Trainer  # noqa: E402
+
+BASE = {"pipeline_model_parallel_size": 2, "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+        "seq_length": 256, "micro_batch_size": 1, "global_batch_size": 8, "eval_iters": 0, "progress": False,
+        "doc_length_dist": "lognormal:3.5,1", "resihp": True, "resihp_warmup": 12, "lr_decay_style": "constant"}
+SCENARIOS = {
+    "healthy": {"train_iters": 45},
+    "slow": {"train_iters": 60, "inject_slow": ["2:25:2.0"]},
+}
+
+
+def main() -> None:
+    out = sys.argv[1]
+    ctx = distributed.setup(config_from_values(dict(BASE)).parallel, seed=1234)
+    for name, values in SCENARIOS.items():
+        cfg = config_from_values({**BASE, **values, "resihp_verdicts_out": os.path.join(out, f"{name}.verdicts.jsonl"),
+                                  "resihp_trace_out": os.path.join(out, f"{name}.trace.jsonl")})
+        ctx = distributed.relayout(ctx, tp=1, pp=2, vpp=None, seed=cfg.training.seed)
+        trainer = Trainer(cfg, ctx, build_extensions(cfg)).setup()
+        trainer.run()
+    distributed.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""ResiHP inside the training loop on 4 gloo ranks: silence when healthy, the right rank when slow,
+fail-stop by heartbeat when a rank dies, and offline replay of the recorded trace."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from megatron_ext.config.base import ConfigError
+from megatron_ext.config.run import config_from_values
+from megatron_ext.resihp.injection import burn, fail_at, parse_slow, parse_stop, slow_from
+from megatron_ext.resihp.trace import read_trace
+from tests.conftest import ROOT, run_python, run_torchrun
+
+
+def verdicts(path):
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resihp_live")
+    run_torchrun("tests/resihp/live_scenarios.py", str(out))
+    return out
+
+
+@pytest.mark.multirank
+def test_healthy_run_has_no_verdict(live):
+    assert verdicts(live / "healthy.verdicts.jsonl") == []
+    records = list(read_trace(str(live / "healthy.trace.jsonl")))
+    assert len(records) == 45 and all(not r.faults for r in records)
+
+
+@pytest.mark.multirank
+def test_slow_rank_is_named(live):
+    found = [v for v in verdicts(live / "slow.verdicts.jsonl") if v["kind"] == "fail_slow"]
+    assert found, "no fail-slow verdict"
+    first = found[0]
+    assert first["rank"] == 2 and first["stage"] == 1 and first["detail"]["dp"] == 0
+    assert first["iteration"] >= 25  # never before the fault (the delay is a benchmark figure)
+    assert first["factor"] > 1.25
+    assert {v["rank"] for v in found} == {2}, "a healthy rank was accused"
+    records = list(read_trace(str(live / "slow.trace.jsonl")))
+    labelled = [r for r in records if r.faults]
+    assert labelled[0].iteration == 25 and labelled[0].faults[0].rank == 2
+
+
+@pytest.mark.multirank
+def test_replay_of_live_trace_finds_the_same_rank(live):
+    proc = run_python("-m", "megatron_ext.resihp.replay", str(live / "slow.trace.jsonl"))
+    text = proc.stdout
+    assert "rank 2" in text and "fail-slow" in text
+    assert "precision" in text.lower() and "recall" in text.lower()
+
+
+@pytest.mark.multirank
+def test_fail_stop_is_named_by_heartbeat(tmp_path):
+    verdict_file = tmp_path / "stop.verdicts.jsonl"
+    # Ranks are started directly (as srun does), not under torchrun, whose agent would tear the job
+    # down on its own when a worker exits: here nothing but the heartbeat says which rank is gone.
+    from megatron_ext.runtime.distributed import free_port
+
+    args = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "2", "--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size",
+            "1", "--train-iters", "200", "--eval-iters", "0", "--resihp", "--resihp-heartbeat-interval-s", "0.5",
+            "--resihp-heartbeat-timeout-s", "3", "--inject-stop", fail_at(3, 6),
+            "--resihp-verdicts-out", str(verdict_file)]
+    port = str(free_port())
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    codes = [p.returncode for p in procs]
+    log = "\n".join(logs)
+    assert codes[3] == -9, log[-3000:]  # SIGKILL
+    assert "[fault injection] rank 3: stopping at iteration 6" in logs[3]
+    assert all(c == 75 for c in codes[:3]), (codes, log[-3000:])  # survivors abort after the verdict
+    stops = [v for v in verdicts(verdict_file) if v["kind"] == "fail_stop"]
+    assert len(stops) == 1, log[-3000:]
+    v = stops[0]
+    assert v["rank"] == 3 and v["stage"] == 1
+    assert v["detail"]["timeout_s"] == 3.0
+    # named within timeout + 1 s of the last heartbeat the survivors saw
+    assert v["detail"]["silent_s"] <= 3.0 + 1.0
+    assert "resihp: aborting the job: rank 3 is gone" in logs[0]
+
+
+def test_fault_flags():
+    assert parse_slow(slow_from(2, 30, 1.5)).factor == 1.5
+    assert parse_stop(fail_at(3, 40)).at == 40
+    with pytest.raises(ConfigError, match=r"--inject-slow '2:30': expected RANK:ITER:FACTOR"):
+        config_from_values({"inject_slow": ["2:30"]})
+    with pytest.raises(ConfigError, match=r"need RANK >= 0, ITER >= 1 and FACTOR > 1"):
+        config_from_values({"inject_slow": ["1:5:0.5"]})
+    with pytest.raises(ConfigError, match=r"--inject-stop 'x': expected RANK:ITER"):
+        config_from_values({"inject_stop": ["x"]})
+    cfg = config_from_values({"inject_stop": ["9:3"]})
+    with pytest.raises(ConfigError, match="names rank 9, but the world has 4 ranks"):
+        cfg.ext("faults").check_world(4)
+
+
+def test_throttle_makes_real_work_slower():
+    import torch
+
+    from megatron_ext.resihp.injection import Throttle
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+    throttle = Throttle([model], factor=3.0)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        model(x).sum().backward()
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        step()
+    ratios = []
+    for _ in range(5):  # side by side, median ratio
+        throttle.active = False
+        off = step()
+        throttle.active = True
+        on = step()
+        ratios.append(on / off)
+    throttle.remove()
+    assert np.median(ratios) > 2.0
+
+
+def test_burn_does_real_work():
+    import torch
+
+    calls = {"n": 0}
+    real = torch.Tensor.__matmul__
+
+    def counting(a, b):
+        calls["n"] += 1
+        return real(a, b)
+
+    torch.Tensor.__matmul__ = counting
+    try:
+        burn(0.02)
+    finally:
+        torch.Tensor.__matmul__ = real
+    assert calls["n"] > 0
