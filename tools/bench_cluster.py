@@ -15,7 +15,6 @@ Usage: python tools/bench_cluster.py [--trace PATH --vc-config PATH] [--repeats 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics

@@ -10,8 +10,10 @@ event loop per VC and merges the results. Within a VC:
 * A job holds ``rem``: seconds of exclusive work left at time ``t_upd``; it progresses at ``rate``
   (1, ``1/spread_slowdown`` when spread over more nodes than needed, or the bubble speed as a guest).
   A completion event carries the job's version number, so a preemption invalidates it lazily.
-* Preemption charges the restart cost as extra work. A running job chosen as a victim keeps its
-  GPUs (and pays nothing) if the higher-priority jobs did not end up needing them.
+* Preemptive policies: a waiting job preempts the lowest-priority running jobs that rank strictly
+  below it, lowest first, until it fits; if placement still fails, nothing changes. Preemption
+  charges the restart cost as extra work, and a job that has paid one is protected until it has
+  earned it back (a wake-up event re-runs the scheduler then), which rules out livelock.
 """
 from __future__ import annotations
 
@@ -512,7 +514,7 @@ def simulate(trace: Trace, cfg: ClusterSimConfig, *, use_bubbles: bool = True, r
         spec = trace.vcs[name]
         if cfg.helios_compat:
             from megatron_ext.cluster.helios import HeliosVCSimulator
-            sim = HeliosVCSimulator(spec, jobs, cfg)
+            sim = HeliosVCSimulator(spec, jobs, cfg, record=record)
         else:
             sim = VCSimulator(spec, jobs, cfg, use_bubbles=use_bubbles, record=record)
         runs.append(sim.run())

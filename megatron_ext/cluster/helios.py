@@ -54,7 +54,7 @@ def helios_ckpt_s(gpus: int) -> int:
 
 
 class HeliosVCSimulator:
-    def __init__(self, spec: VCSpec, jobs: list[Job], cfg: ClusterSimConfig):
+    def __init__(self, spec: VCSpec, jobs: list[Job], cfg: ClusterSimConfig, record: bool = False):
         if cfg.policy not in ("fifo", "sjf", "srtf", "qssf"):
             raise ValueError(f"the Helios simulator has no policy {cfg.policy!r}")
         self.spec = spec
@@ -66,6 +66,7 @@ class HeliosVCSimulator:
             js.rem = max(1, math.ceil(js.job.duration - 1e-9))
         self.busy_gpu_s = 0.0
         self.events = 0
+        self.record = record
         self.segments: list[tuple] = []
 
     def run(self) -> VCRun:
@@ -88,7 +89,8 @@ class HeliosVCSimulator:
     def _release(self, js: JobState, now: int) -> None:
         self.pool.release(js.alloc)
         self.busy_gpu_s += (now - js.t_upd) * js.gpus
-        self.segments.append((js.job.job_id, js.t_upd, now, js.alloc, None, 1.0))
+        if self.record:
+            self.segments.append((js.job.job_id, js.t_upd, now, js.alloc, None, 1.0))
         js.alloc = None
 
     # -- FIFO / SJF / QSSF ---------------------------------------------------------------------

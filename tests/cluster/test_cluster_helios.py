@@ -111,7 +111,11 @@ def test_full_trace_fifo_engine_equals_helios_and_every_job_finishes():
     vcs = read_vc_config(FULL_VC)
     trace = read_trace(FULL_TRACE, vcs)
     assert len(trace.jobs) == 82229 and trace.dropped_total == 18
-    a = summarize(simulate(trace, cfg(policy="fifo")))
-    b = summarize(simulate(trace, cfg(policy="fifo", helios_compat=True)))
+    ra = simulate(trace, cfg(policy="fifo"))
+    rb = simulate(trace, cfg(policy="fifo", helios_compat=True))
+    a, b = summarize(ra), summarize(rb)
     assert a["jobs"] == b["jobs"] == 82229
     assert a["avg_jct_s"] == b["avg_jct_s"] and a["per_vc"] == b["per_vc"]
+    jobs_a = [(js.job.job_id, js.start, js.end) for v in ra.vcs for js in v.states]
+    jobs_b = [(js.job.job_id, js.start, js.end) for v in rb.vcs for js in v.states]
+    assert jobs_a == jobs_b
