@@ -196,7 +196,8 @@ def time_graphs(graphs: Iterable[fx.GraphModule], device: torch.device | str = "
     return time_call(once, device, reps=reps, min_total_s=0.0)
 
 
-def _benchmarkable(node: fx.Node) -> bool:
+def benchmarkable(node: fx.Node) -> bool:
+    """Whether a node is an operator call that micro-benchmarks can time on made-up inputs."""
     if node.op not in ("call_function",) or not isinstance(node.target, torch._ops.OpOverload):
         return False
     if collective_kind(node) is not None or is_wait(node) or classify(node) == Kind.OTHER:
@@ -221,7 +222,7 @@ def benchmark_graph_ops(graphs: Iterable[fx.GraphModule | fx.Graph], device: tor
     for g in graphs:
         graph = g.graph if isinstance(g, fx.GraphModule) else g
         for node in graph.nodes:
-            if _benchmarkable(node):
+            if benchmarkable(node):
                 calls.setdefault(op_signature(node), node)
     if calls and all(sig in known for sig in calls):
         return {sig: known[sig] for sig in calls}
@@ -250,3 +251,49 @@ def benchmark_graph_ops(graphs: Iterable[fx.GraphModule | fx.Graph], device: tor
     if best:
         logger.info("helix: micro-benchmarked %d operator calls on %s (%d rounds)", len(best), device, rounds)
     return best
+
+
+_SYNC = 8  # floats all-reduced to line the ranks up before each timed collective
+
+
+def measure_collectives(group: str, group_size: int, kinds: Iterable[str], device: torch.device | str = "cpu",
+                        sizes: tuple[int, ...] = (1 << 16, 1 << 20), reps: int = 7) -> dict[str, list[tuple[int, float]]]:
+    """Time the real collectives of ``group`` (every rank of it must call this, in step):
+    for each kind and payload size, the median of ``reps`` runs, each started right after a small
+    all-reduce that lines the ranks up. Returns (payload bytes, seconds) samples per kind, for
+    :func:`megatron_ext.helix.cost.fit_link`. Uses the functional collectives only."""
+    device = torch.device(device)
+    ops = torch.ops._c10d_functional
+    sync = torch.zeros(_SYNC, device=device)
+    out: dict[str, list[tuple[int, float]]] = {}
+    for kind in sorted(set(kinds)):
+        samples = []
+        for size in sizes:
+            n = max(size // 4 // group_size, 1) * group_size
+            x = torch.ones(n, device=device)
+
+            def run() -> torch.Tensor:
+                if kind == "all_reduce":
+                    return ops.wait_tensor(ops.all_reduce(x, "sum", group))
+                if kind == "all_gather":
+                    return ops.wait_tensor(ops.all_gather_into_tensor(x, group_size, group))
+                if kind == "reduce_scatter":
+                    return ops.wait_tensor(ops.reduce_scatter_tensor(x, "sum", group_size, group))
+                if kind == "all_to_all":
+                    split = [n // group_size] * group_size
+                    return ops.wait_tensor(ops.all_to_all_single(x, split, split, group))
+                raise ValueError(f"cannot measure collective kind {kind!r}")
+
+            run()  # warm-up (connections, buffers)
+            times = []
+            for _ in range(reps):
+                ops.wait_tensor(ops.all_reduce(sync, "sum", group))
+                _sync(device)
+                t0 = time.perf_counter()
+                run()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            payload = n * 4 * (group_size if kind == "all_gather" else 1)
+            samples.append((payload, statistics.median(times)))
+        out[kind] = samples
+    return out

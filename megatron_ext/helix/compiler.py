@@ -31,9 +31,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from megatron_ext.helix.calibrate import CostCache, benchmark_graph_ops, calibrate_device, time_graphs
+from megatron_ext.helix.calibrate import (CostCache, benchmark_graph_ops, benchmarkable, calibrate_device,
+                                         measure_collectives, time_graphs)
 from megatron_ext.helix.cost import (DEFAULT_CPU, AnalyticalCostModel, CostModel, DeviceSpec, Interconnect,
-                                     InterconnectPreset, MeasuredCostModel, resolve_interconnect)
+                                     InterconnectPreset, MeasuredCostModel, fit_link, op_signature,
+                                     resolve_interconnect)
 from megatron_ext.helix.ir import GraphIR, Kind, collective_kind, iter_subgraph_modules
 from megatron_ext.helix.passes.bucketing import BucketingReport, bucket_graphs
 from megatron_ext.helix.passes.reorder import ReorderReport, reorder_graph
@@ -181,6 +183,7 @@ class HelixBackend:
         self._scale: float | None = None
         self._base: _Variant | None = None
         self._decision_cost: CostModel | None = None
+        self._links: dict[tuple[str, str], Interconnect] = {}  # measured real collectives
         self.link: Interconnect | None = None
 
     # -- setup -------------------------------------------------------------------------------------
@@ -240,16 +243,38 @@ class HelixBackend:
             gs = self._group_size()
             irs = [GraphIR(g, gs) for g in graphs]
             groups = sorted({n.collective.group for ir in irs for n in ir.collectives()})
-            keys = sorted(table)
-            unscaled = MeasuredCostModel(table, self._cost)
+            self._measure_links(irs, device)
+            # Agree over every benchmarkable call, measured here or not (-1): a call that failed to
+            # run on one rank must not make the ranks' vectors differ in length.
+            keys = sorted({op_signature(n) for g in graphs for n in g.graph.nodes if benchmarkable(n)} | set(table))
+            unscaled = MeasuredCostModel(table, self._fallback())
             if scale is None:
                 scale_graphs = scale_graphs or graphs
                 predicted = sum(unscaled.compute_s(n) for g in scale_graphs for n in GraphIR(g, gs).nodes
                                 if n.kind not in (Kind.COLLECTIVE, Kind.WAIT))
                 measured = time_graphs(scale_graphs, device)
                 scale = max(measured / predicted, 1.0) if predicted > 0 else 1.0
-            agreed = agree_max([table[k] for k in keys] + [scale], groups)
-            return MeasuredCostModel(dict(zip(keys, agreed[:-1])), self._cost, scale=agreed[-1]), agreed[-1]
+            agreed = agree_max([table.get(k, -1.0) for k in keys] + [scale], groups)
+            agreed_table = {k: v for k, v in zip(keys, agreed[:-1]) if v > 0}
+            return MeasuredCostModel(agreed_table, self._fallback(), scale=agreed[-1]), agreed[-1]
+
+    def _fallback(self) -> AnalyticalCostModel:
+        return AnalyticalCostModel(self.device_spec, self.link, self._links)
+
+    def _measure_links(self, irs: list[GraphIR], device: str) -> None:
+        """Fit ``latency + bytes / bandwidth`` to the real collectives of every (group, kind) in
+        the graphs, once per backend; agreed (slowest) across the group's ranks."""
+        if not _dist_ready():
+            return
+        todo = sorted({(n.collective.group, n.collective.kind, n.collective.group_size)
+                       for ir in irs for n in ir.collectives()})
+        todo = [(g, k, size) for g, k, size in todo if (g, k) not in self._links and k != "broadcast"]
+        for group, kind, size in todo:
+            samples = measure_collectives(group, size, [kind], device)[kind]
+            link = fit_link(f"measured:{group}:{kind}", kind, size, samples)
+            lat, inv_bw = agree_max([link.latency_s, 1.0 / link.bandwidth_Bps], [group])
+            self._links[(group, kind)] = Interconnect(link.name, latency_s=lat, bandwidth_Bps=1.0 / inv_bw)
+            logger.info("helix: measured %s on group %s: %.1f us + %.1f MB/s", kind, group, lat * 1e6, 1e-6 / inv_bw)
 
     def simulate_compiled(self, index: int = 0, measured_compute_s: float | None = None) -> SimResult:
         """Simulate graph ``index`` exactly as compiled. With ``measured_compute_s`` (the computation
@@ -260,7 +285,8 @@ class HelixBackend:
         gs = self._group_size()
         cost, _ = self._cost_for(graphs, 1.0)
         table = cost.table if isinstance(cost, MeasuredCostModel) else {}
-        unscaled = MeasuredCostModel(table, self._cost)
+        fallback = self._fallback() if self.cost_model_spec == "calibrated" else self._cost
+        unscaled = MeasuredCostModel(table, fallback)
         irs = [GraphIR(g, gs) for g in graphs]
         scale = 1.0
         if measured_compute_s is not None:
@@ -269,7 +295,7 @@ class HelixBackend:
             scale = measured_compute_s / predicted if predicted > 0 else 1.0
         elif isinstance(cost, MeasuredCostModel):
             scale = self._scale or 1.0
-        model = MeasuredCostModel(table, self._cost, scale=scale)
+        model = MeasuredCostModel(table, fallback, scale=scale)
         return simulate(step_ops(irs[0], irs[1] if len(irs) > 1 else None, model), record=True)
 
     # -- compile -----------------------------------------------------------------------------------

@@ -164,11 +164,20 @@ def moved_bytes(node: fx.Node) -> int:
 
 
 class AnalyticalCostModel:
-    """Roofline compute + link model for collectives. ``interconnect=None`` means free links."""
+    """Roofline compute + link model for collectives.
 
-    def __init__(self, device: DeviceSpec = DEFAULT_CPU, interconnect: Interconnect | None = None) -> None:
+    ``interconnect``: the link the collectives are priced on (an emulated one on CPU, or a
+    description of the real network). ``measured``: per (group name, collective kind), the link
+    fitted to micro-benchmarks of the *actual* process group (``calibrate.measure_collectives``). A
+    collective costs the larger of the two -- an emulated wait cannot end before the real
+    collective has. Neither given: links are free.
+    """
+
+    def __init__(self, device: DeviceSpec = DEFAULT_CPU, interconnect: Interconnect | None = None,
+                 measured: Mapping[tuple[str, str], Interconnect] | None = None) -> None:
         self.device = device
         self.interconnect = interconnect
+        self.measured = dict(measured or {})
 
     def compute_s(self, node: IRNode) -> float:
         d = self.device
@@ -180,9 +189,23 @@ class AnalyticalCostModel:
         return d.op_overhead_s + max(flops / d.peak_flops_per_s, moved_bytes(node.node) / d.mem_bandwidth_Bps)
 
     def collective_s(self, info: CollectiveInfo) -> float:
-        if self.interconnect is None:
-            return 0.0
-        return self.interconnect.time_of(info)
+        t = 0.0 if self.interconnect is None else self.interconnect.time_of(info)
+        real = self.measured.get((info.group, info.kind))
+        return max(t, real.time_of(info)) if real is not None else t
+
+
+def fit_link(name: str, kind: str, group_size: int, samples: list[tuple[int, float]]) -> Interconnect:
+    """Least-squares ``latency + algorithm bytes / bandwidth`` through (payload bytes, seconds)."""
+    factor = _algo_factor(kind, group_size) or 1.0
+    xs = [b * factor for b, _ in samples]
+    ys = [t for _, t in samples]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    slope = max(slope, 1e-15)  # time per byte; a flat or noisy fit still gets a finite bandwidth
+    latency = max(my - slope * mx, 0.0)
+    return Interconnect(name=name, latency_s=latency, bandwidth_Bps=1.0 / slope)
 
 
 def op_signature(node: fx.Node) -> str:

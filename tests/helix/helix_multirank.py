@@ -74,7 +74,14 @@ def _emulation(g) -> dict:
     y2 = emulated_wait(c2, d2)
     t2 = time.perf_counter() - t0
     st = emulation_stats()
-    return {"expected": expected, "issued": issued, "first": t1, "second": t2, "sum1": float(y1[0]), "sum2": float(y2[0]),
+    from megatron_ext.helix.calibrate import measure_collectives
+    from megatron_ext.helix.cost import fit_link
+
+    samples = measure_collectives(g.name, g.size, ["all_reduce", "all_to_all"], reps=3)
+    fitted = {k: fit_link(k, k, g.size, v) for k, v in samples.items()}
+    return {"fitted": {k: (f.latency_s, f.bandwidth_Bps) for k, f in fitted.items()},
+            "samples": {k: [b for b, _ in v] for k, v in samples.items()},
+            "expected": expected, "issued": issued, "first": t1, "second": t2, "sum1": float(y1[0]), "sum2": float(y2[0]),
             "collectives": st.collectives, "waits": st.waits, "exposed": st.exposed_s}
 
 

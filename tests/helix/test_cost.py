@@ -29,6 +29,28 @@ def test_link_time_uses_ring_algorithm_bytes_per_group_size():
     assert link.time_of(_info("all_reduce", mb, 1)) == 0.0
 
 
+def test_link_fit_recovers_latency_and_bandwidth():
+    from megatron_ext.helix.cost import fit_link
+
+    true = Interconnect("t", latency_s=2e-4, bandwidth_Bps=5e8)
+    samples = [(b, true.collective_time_s("all_to_all", b, 4)) for b in (1 << 16, 1 << 20, 1 << 22)]
+    link = fit_link("fit", "all_to_all", 4, samples)
+    assert link.latency_s == pytest.approx(2e-4) and link.bandwidth_Bps == pytest.approx(5e8)
+    flat = fit_link("flat", "all_reduce", 2, [(1000, 1e-3), (2000, 1e-3)])   # noise: no slope
+    assert flat.latency_s == pytest.approx(1e-3, rel=1e-6) and flat.bandwidth_Bps > 1e12
+
+
+def test_a_collective_costs_the_slower_of_the_emulated_link_and_the_measured_one():
+    emulated = Interconnect("emu", latency_s=0.0, bandwidth_Bps=1e9)
+    real = Interconnect("gloo", latency_s=5e-3, bandwidth_Bps=1e12)
+    model = AnalyticalCostModel(DEV, emulated, measured={("0", "all_reduce"): real})
+    small, big = _info("all_reduce", 1000, 2), _info("all_reduce", 100_000_000, 2)
+    assert model.collective_s(small) == pytest.approx(real.time_of(small))
+    assert model.collective_s(big) == pytest.approx(emulated.time_of(big))
+    a2a = _info("all_to_all", 1000, 2)  # no measurement for this kind: the emulated link alone
+    assert model.collective_s(a2a) == pytest.approx(emulated.time_of(a2a))
+
+
 def test_presets_scale_with_the_device_and_keep_their_ratio():
     fast = dataclasses.replace(DEV, peak_flops_per_s=4e9)
     intra, cross = (PRESETS[k].resolve(DEV) for k in ("intra_node", "cross_node"))

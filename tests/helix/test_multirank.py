@@ -76,6 +76,14 @@ def test_emulated_wait_completes_no_earlier_than_latency_plus_bytes_over_bandwid
     assert r["exposed"] >= 2 * r["expected"] - r["issued"]
 
 
+def test_real_collectives_are_measured_and_fitted(results):
+    r = _get(results, "emulation")
+    assert set(r["fitted"]) == {"all_reduce", "all_to_all"}
+    for latency, bandwidth in r["fitted"].values():
+        assert latency >= 0 and bandwidth > 0
+    assert r["samples"]["all_reduce"] == [1 << 16, 1 << 20]   # payload bytes per sample
+
+
 def test_sequence_parallel_regions_match_the_unsplit_computation(results):
     r = _get(results, "sp")
     for x in (r, r["rank1"]):
