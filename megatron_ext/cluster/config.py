@@ -30,7 +30,8 @@ class ClusterSimConfig:
     load_scale: float = doc("Divide every arrival's offset from the first submit by this factor "
                             "(2 = arrivals twice as dense).", 1.0)
     helios_compat: bool = doc("Follow the Helios artifact's simulator semantics exactly (integer "
-                              "seconds, consolidate placement, its FIFO/SJF/SRTF/QSSF).", False)
+                              "seconds, consolidate placement, its FIFO/SJF/SRTF, and QSSF with its "
+                              "Philly estimator).", False)
     skip_bad_rows: bool = doc("Drop malformed trace rows (each logged with line and reason) instead "
                               "of failing.", False)
     gpus_per_node: int = doc("GPUs per node when the VC file has no 'gpus_per_node' column.", 8)

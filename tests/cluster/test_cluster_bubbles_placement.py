@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ext.cluster.bubbles import TuningScenario, host_slots, run_tuning_scenario
+from megatron_ext.cluster.bubbles import (TuningScenario, bubble_fraction_from_timeline, host_slots,
+                                          run_tuning_scenario)
 from megatron_ext.cluster.cluster import NodePool
 from megatron_ext.cluster.engine import JobState, VCSimulator
 from megatron_ext.cluster.policies import noisy_estimates
@@ -21,6 +22,17 @@ def test_bubble_fraction_from_schedule_or_measurement():
     assert job("p", 0, 1, 8, kind="pipeline", pp_stages=8, micro_batches=1).bubble == pytest.approx(7 / 8)
     assert job("p", 0, 1, 8, kind="pipeline", pp_stages=4, micro_batches=8, bubble_fraction=0.1).bubble == 0.1
     assert job("t", 0, 1, 8, kind="train").bubble == 0.0
+
+
+def test_bubble_fraction_from_a_measured_timeline():
+    # stage busy 0-3, 2-6 (overlap counted once) and 8-9 in a 10 s window: 7 s busy
+    assert bubble_fraction_from_timeline([(0, 3), (2, 6), (8, 9)], 0, 10) == pytest.approx(0.3)
+    assert bubble_fraction_from_timeline([(-5, 20)], 0, 10) == 0.0
+    assert bubble_fraction_from_timeline([], 0, 10) == 1.0
+    # a 1F1B stage of p=4, m=8 with unit forward/backward: busy 2m of the 2(m+p-1) iteration
+    p, m = 4, 8
+    assert bubble_fraction_from_timeline([(3 + k, 4 + k) for k in range(2 * m)], 0, 2 * (m + p - 1)) == \
+        pytest.approx((p - 1) / (m + p - 1))
 
 
 def test_host_slots_memory_per_stage_and_speed_cap():
