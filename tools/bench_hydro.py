@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (same for both sides)")
     ap.add_argument("--data-path", default="synthetic:300000:256",
                     help="token source for (b) and (c): '' = default corpus, a prefix, or synthetic")
+    ap.add_argument("--mutransfer-data", default="synthetic:300000:32:2",
+                    help="token source for (b): an order-2 Markov stream needs attention to learn, so the hidden "
+                         "layers (where muP and SP differ) decide the best LR, and the optimum is sharp")
     ap.add_argument("--skip", nargs="*", default=[], choices=["fusion", "mutransfer", "tuning"])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -195,20 +198,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"|theta_alone| = {worst:.2e} (worst single tensor, max-abs: {worst_t:.2e})")
 
     tokens, vocab, desc = load_tokens(args.data_path, max_tokens=400_000)
-    vocab = min(vocab, 4096) if vocab > 4096 and tokens.max() < 4096 else vocab
 
     if "mutransfer" not in args.skip:
         width = 32
         lrs = [2.0 ** e for e in range(-12, -3)] if not q else [2.0 ** e for e in range(-11, -4, 2)]
-        steps = 40 if q else 150
-        data = TokenBatches(tokens, 32, 16, seed=0)
-        rows.append(f"(b) muTransfer on {desc}: Adam, {steps} steps, LR grid 2^{int(math.log2(lrs[0]))}..2^{int(math.log2(lrs[-1]))}")
+        steps = 60 if q else 400
+        mt_tokens, mt_vocab, mt_desc = load_tokens(args.mutransfer_data, max_tokens=400_000)
+        data = TokenBatches(mt_tokens, 32, 16, seed=0)
+        rows.append(f"(b) muTransfer on {mt_desc}: Adam, {steps} steps, LR grid 2^{int(math.log2(lrs[0]))}..2^{int(math.log2(lrs[-1]))}")
         rows.append(f"{'param':5} {'width':>5} " + " ".join(f"{'2^' + str(int(math.log2(lr))):>7}" for lr in lrs) + "   best")
         mt = {}
         for p in ("mup", "sp"):
             best_idx = []
             for w in (width, 4 * width):
-                losses = lr_sweep(data, vocab, w, width, p, lrs, steps, seed=1)
+                losses = lr_sweep(data, mt_vocab, w, width, p, lrs, steps, seed=1)
                 i = min(range(len(lrs)), key=lambda k: losses[k])
                 best_idx.append(i)
                 rows.append(f"{p:5} {w:>5} " + " ".join(f"{v:>7.3f}" for v in losses) + f"   2^{int(math.log2(lrs[i]))}")

@@ -216,9 +216,8 @@ class HydroTuner:
         fusion = self._fusion()
         val = self.data.val_batches(c.eval_iters)
 
-        def finished() -> int:
-            return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
-
+        # Counted locally: querying the storage on every step would cost a database read per step.
+        n_finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
         active: dict[int, optuna.Trial] = {}
         bundle: TrialBundle | None = None
         history: list[tuple[float, float]] = []
@@ -226,7 +225,7 @@ class HydroTuner:
         finished_here = 0
         while True:
             # Refill free slots: never ask for more than the trials still to finish.
-            want = min(fusion - len(active), c.n_trials - finished() - len(active))
+            want = min(fusion - len(active), c.n_trials - n_finished - len(active))
             new_specs = []
             for _ in range(max(0, want)):
                 trial = study.ask()
@@ -277,6 +276,7 @@ class HydroTuner:
             for tid in leaving:
                 del active[tid]
                 finished_here += 1
+                n_finished += 1
             if leaving:
                 keep = [t for t in bundle.trial_ids if t not in leaving]
                 if keep:
