@@ -76,3 +76,22 @@ def test_search_space_yaml_numbers_without_dot():
     # PyYAML reads 1e-4 as a string; the parser accepts it as a number.
     space = parse_search_space({"lr": {"type": "float", "low": "1e-4", "high": "1e-2", "log": True}})
     assert space["lr"].low == 1e-4
+
+
+def test_flag_list_is_pinned():
+    """Flags are public interface (and global across subsystems): changing one must be deliberate."""
+    import argparse
+
+    from megatron_ext.config.base import add_flags
+    from megatron_ext.hydro.config import HydroTuneConfig
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, HydroTuneConfig)
+    flags = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--") and not o.startswith("--no-"))
+    assert flags == sorted([
+        "--activation", "--data-cache-dir", "--data-path", "--defaults", "--device", "--eval-interval",
+        "--eval-iters", "--ffn-mult", "--fusion", "--hidden-size", "--max-fusion", "--max-tokens",
+        "--memory-budget-mb", "--micro-batch-size", "--min-resource", "--n-trials", "--norm", "--num-attention-heads",
+        "--num-layers", "--optimizer", "--output-dir", "--parametrization", "--pruner", "--reduction-factor",
+        "--sampler", "--search-space", "--seed", "--seq-length", "--shrink-mode", "--shrink-ratio", "--storage",
+        "--study-name", "--target-steps", "--threads", "--trial-steps", "--vocab-size", "--help"])
