@@ -27,7 +27,7 @@ import torch
 from optuna.trial import TrialState
 
 from .bundle import TrialBundle, TrialSpec
-from .config import HydroTuneConfig, hparams_dict, hparams_from
+from .config import HydroTuneConfig, default_hparams, hparams_dict, hparams_from
 from .data import TokenBatches, load_tokens
 from .fx_common import reinitialize
 from .memory import MemoryModel, available_bytes, fusion_count, probe_memory_model
@@ -91,7 +91,9 @@ class HydroTuner:
                  memory_model: MemoryModel | None = None, log: Callable[[str], None] | None = None,
                  crash_after: int | None = None) -> None:
         self.cfg, self.space = cfg, space
-        self.defaults = defaults or hparams_from({}, cfg.trial_steps)
+        if defaults is None:  # from cfg.defaults, validated like the YAML path does
+            defaults, default_dropout = default_hparams(cfg, "HydroTuneConfig", {})
+        self.defaults = defaults
         self.default_dropout = default_dropout
         self.data, self.vocab_size = data, vocab_size
         self.memory_model = memory_model

@@ -105,3 +105,10 @@ def test_best_config_transfers_to_the_full_width_target(tmp_path):
     mults = mup_multipliers(target, "adamw")
     assert mults["blocks.0.mlp.fc1.weight"][0] == 0.5        # muP: hidden LRs scale 1/width_mult
     assert mup_multipliers(t.proxy_factory(0), "adamw")["blocks.0.mlp.fc1.weight"][0] == 1.0
+
+
+def test_python_api_takes_defaults_from_the_config(tmp_path):
+    cfg = cfg_for(tmp_path, defaults={"schedule": "cosine", "beta2": 0.95, "grad_clip": 1.0})
+    t = HydroTuner(cfg, SPACE, data=data(), vocab_size=VOCAB, log=lambda s: None)
+    assert t.defaults.schedule.kind == "cosine" and t.defaults.beta2 == 0.95 and t.defaults.grad_clip == 1.0
+    assert t.defaults.schedule.total_steps == cfg.trial_steps
