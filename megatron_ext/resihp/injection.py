@@ -1,9 +1,11 @@
 """Fault injection: a slow rank really computes slower, a stopped rank really dies.
 
-``--inject-slow RANK:ITER:FACTOR`` — from iteration ITER on, rank RANK burns ``(FACTOR - 1)`` times
-the real duration of each forward and backward of its model chunks on extra real work (matrix
-multiplies on the same cores), inside the op, so every clock that times the op sees a slower device;
-no timestamp is edited. ``--inject-stop RANK:ITER`` — at the start of iteration ITER rank RANK
+``--inject-slow RANK:ITER:FACTOR`` — from iteration ITER on, each forward and backward of rank RANK's
+model chunks takes ``FACTOR`` times its real duration: inside the op, the rank is held for
+``(FACTOR - 1)`` times what the op took, so every clock that times the op sees a slower device; no
+timestamp is edited. ``--inject-slow-mode throttle`` (default) holds the rank idle, like a throttled
+device, which leaves the shared CPU cores to the other ranks; ``work`` burns the time on extra real
+matrix multiplies instead (on a box with fewer cores than ranks that also slows the neighbours). ``--inject-stop RANK:ITER`` — at the start of iteration ITER rank RANK
 kills itself with SIGKILL (no cleanup, as a lost device or node would).
 
 ``fail_at`` / ``slow_from`` build the same specs for tests.
@@ -81,6 +83,9 @@ class FaultInjectionConfig:
     inject_slow: list[str] | None = doc("RANK:ITER:FACTOR — from ITER on, RANK computes FACTOR times slower "
                                         "(repeatable).", None)
     inject_stop: list[str] | None = doc("RANK:ITER — RANK dies (SIGKILL) at the start of ITER (repeatable).", None)
+    inject_slow_mode: str = doc("How a slow rank is slowed: 'throttle' (held idle inside each op) or 'work' "
+                                "(extra real matrix multiplies inside each op).", "throttle",
+                                choices=("throttle", "work"))
 
     def __post_init__(self) -> None:
         self.slow = [parse_slow(s) for s in self.inject_slow or []]
@@ -113,8 +118,11 @@ def burn(seconds: float, *, size: int = 96) -> None:
 class Throttle:
     """Makes one rank's model chunks slower by ``factor`` once ``active`` is set."""
 
-    def __init__(self, chunks: list[torch.nn.Module], factor: float) -> None:
+    def __init__(self, chunks: list[torch.nn.Module], factor: float, mode: str = "throttle") -> None:
+        if mode not in ("throttle", "work"):
+            raise ValueError(f"Throttle mode must be 'throttle' or 'work', got {mode!r}")
         self.factor = factor
+        self._hold = time.sleep if mode == "throttle" else burn
         self.active = False
         self._handles: list[Any] = []
         for chunk in chunks:
@@ -130,7 +138,7 @@ class Throttle:
         def post_forward(module, args, output):
             if not self.active:
                 return output
-            burn((self.factor - 1.0) * (time.perf_counter() - state["fwd"]))
+            self._hold((self.factor - 1.0) * (time.perf_counter() - state["fwd"]))
             if torch.is_grad_enabled():
                 out = output[0] if isinstance(output, (tuple, list)) else output
                 if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -143,7 +151,7 @@ class Throttle:
 
         def after_backward(grads):
             if self.active and "bwd" in state:
-                burn((self.factor - 1.0) * (time.perf_counter() - state.pop("bwd")))
+                self._hold((self.factor - 1.0) * (time.perf_counter() - state.pop("bwd")))
 
         self._handles.append(chunk.register_forward_pre_hook(pre_forward))
         self._handles.append(chunk.register_forward_hook(post_forward))

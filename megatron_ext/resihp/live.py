@@ -36,10 +36,18 @@ ABORT_EXIT_CODE = 75
 
 def model_spec(trainer: "Trainer"):
     from megatron_ext.resihp.flops import ModelSpec
+    from megatron_ext.runtime.model import padded_vocab_size
 
     m = trainer.cfg.model
+    vocab = padded_vocab_size(trainer.splits.tokenizer.vocab_size, trainer.ctx.layout.tp)
     return ModelSpec(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                     vocab_size=trainer.model.vocab_size, ffn_hidden_size=m.ffn_hidden_size)
+                     vocab_size=vocab, ffn_hidden_size=m.ffn_hidden_size)
+
+
+def model_chunks(trainer: "Trainer") -> list:
+    """This rank's model chunks: megatron's per-virtual-stage chunks, or DeepSpeed's stage module."""
+    chunks = getattr(trainer.model, "chunks", None)
+    return list(chunks) if chunks is not None else [trainer.model]
 
 
 def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults: tuple[FaultLabel, ...] = (),
@@ -89,7 +97,7 @@ class ResiHPExtension(Extension):
             self.faults.check_world(trainer.ctx.world_size)
             mine = [f for f in self.faults.slow if f.rank == rank]
             if mine:
-                self.throttle = Throttle(trainer.model.chunks, mine[0].factor)
+                self.throttle = Throttle(model_chunks(trainer), mine[0].factor, self.faults.inject_slow_mode)
         if not self.detect:
             return
         self.timeline = next((e for e in trainer.extensions if e.name == "timeline"), None)

@@ -198,3 +198,11 @@ def test_plot_timeline_renders_a_gantt_png(runs, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert tool.main([str(bad), "-o", str(out)]) == 2
+
+
+@pytest.mark.multirank
+def test_resihp_names_the_slow_rank_on_this_engine(runs):
+    found = [v for v in runs["results"]["resihp_verdicts"] if v["kind"] == "fail_slow"]
+    assert found, "ResiHP issued no fail-slow verdict on the DeepSpeed engine"
+    assert {v["rank"] for v in found} == {2} and found[0]["stage"] == 1
+    assert found[0]["iteration"] >= 20

@@ -107,14 +107,15 @@ def test_fault_flags():
         cfg.ext("faults").check_world(4)
 
 
-def test_throttle_makes_real_work_slower():
+@pytest.mark.parametrize("mode", ["throttle", "work"])
+def test_throttle_makes_real_work_slower(mode):
     import torch
 
     from megatron_ext.resihp.injection import Throttle
 
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
     x = torch.randn(64, 256)
-    throttle = Throttle([model], factor=3.0)
+    throttle = Throttle([model], factor=3.0, mode=mode)
 
     def step() -> float:
         t0 = time.perf_counter()
