@@ -490,9 +490,11 @@ def backend(tiles: int = 2, memory_budget_bytes: int | None = None,
 
     ``memory_budget_bytes``: refuse schedules whose predicted step peak exceeds it.
     ``interconnect``: ``"intra_node"``/``"cross_node"`` presets or an :class:`Interconnect`; the
-    simulator prices collectives with it and, on CPU, collectives run over it (emulated).
+    simulator prices collectives with it and, on CPU, collectives run over it (emulated). Costs are
+    calibrated by micro-benchmarks on this device (cached); :class:`HelixBackend` has more knobs.
     """
-    return HelixBackend(tiles=tiles, memory_budget_bytes=memory_budget_bytes, interconnect=interconnect)
+    return HelixBackend(tiles=tiles, memory_budget_bytes=memory_budget_bytes, interconnect=interconnect,
+                        cost_model="calibrated")
 
 
 def backend_from_config(cfg: Any, batch_size: int | None = None) -> HelixBackend:
