@@ -7,11 +7,14 @@
     with the same settings (defaults of ResiHPConfig); the headline figures (JSON) are over the
     jobs whose fault is at least 1.3x (the target) plus the healthy jobs; the table also shows the
     1.1-1.3x faults.
-(b) Live: a 4-rank CPU run with an injected fail-slow and fail-stop. Not part of this tool yet:
-    ``"live": null``.
+(b) Live: pretrain_gpt.py on 4 CPU ranks (PP2 x DP2, packed documents) with --resihp: one run
+    with rank 2 made 2x slower from iteration 30 (throttled, --inject-slow), one where rank 3 dies
+    (SIGKILL, --inject-stop) with a 3 s heartbeat timeout; ranks are started directly so only the
+    heartbeat names the dead rank. stop_delay_s is the time from the last heartbeat the survivors saw
+    to the verdict (an upper bound of the time from the death). ``--no-live`` skips it.
 
 Prints a table, then one JSON line:
-  {"synthetic": {"resihp": {...}, "baseline": {...}}, "live": null}
+  {"synthetic": {"resihp": {...}, "baseline": {...}}, "live": {...}}
 """
 from __future__ import annotations
 
@@ -116,6 +119,44 @@ def run(args: argparse.Namespace) -> dict:
     return {"synthetic": headline, "live": None}
 
 
+def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
+    import tempfile
+
+    from megatron_ext.runtime.launch import launch_ranks
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    common = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
+              "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "1",
+              "--global-batch-size", "8", "--eval-iters", "0", "--lr-decay-style", "constant",
+              "--doc-length-dist", "lognormal:3.5,1", "--resihp", "--resihp-warmup", "15", "--log-interval", "10"]
+    with tempfile.TemporaryDirectory() as tmp:
+        slow_file = os.path.join(tmp, "slow.jsonl")
+        launch_ranks(common + ["--train-iters", str(slow_at + 30), "--inject-slow", f"2:{slow_at}:2.0",
+                               "--resihp-verdicts-out", slow_file], 4, cwd=root)
+        slow = [json.loads(x) for x in open(slow_file)] if os.path.exists(slow_file) else []
+        stop_file = os.path.join(tmp, "stop.jsonl")
+        launch_ranks(common + ["--train-iters", "200", "--inject-stop", f"3:{stop_at}",
+                               "--resihp-heartbeat-interval-s", "0.5", "--resihp-heartbeat-timeout-s", "3",
+                               "--resihp-verdicts-out", stop_file], 4, cwd=root)
+        stop = [json.loads(x) for x in open(stop_file)] if os.path.exists(stop_file) else []
+    slow_v = [v for v in slow if v["kind"] == "fail_slow"]
+    stop_v = [v for v in stop if v["kind"] == "fail_stop"]
+    first = slow_v[0] if slow_v else None
+    live = {
+        "slow_detected": bool(slow_v),
+        "slow_rank_ok": bool(first and first["rank"] == 2 and all(v["rank"] == 2 for v in slow_v)),
+        "slow_delay_iters": (first["iteration"] - slow_at) if first else None,
+        "stop_detected": bool(stop_v),
+        "stop_rank_ok": bool(stop_v and stop_v[0]["rank"] == 3),
+        "stop_delay_s": round(stop_v[0]["detail"]["silent_s"], 3) if stop_v else None,
+    }
+    print("\nlive (4 CPU ranks, PP2 x DP2): fail-slow x2.0 on rank 2 from iteration "
+          f"{slow_at}: detected {live['slow_detected']}, right rank {live['slow_rank_ok']}, delay "
+          f"{live['slow_delay_iters']} iterations; fail-stop of rank 3: detected {live['stop_detected']}, "
+          f"right rank {live['stop_rank_ok']}, {live['stop_delay_s']} s after its last heartbeat")
+    return live
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=80, help="synthetic jobs (default 80)")
@@ -123,9 +164,12 @@ def main() -> int:
     parser.add_argument("--fault-prob", type=float, default=0.5, help="share of jobs with a fault")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--no-live", action="store_true", help="skip part (b), the live 4-rank runs")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     result = run(args)
+    if not args.no_live:
+        result["live"] = run_live()
     print(json.dumps(result))
     return 0
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -63,22 +61,16 @@ def test_fail_stop_is_named_by_heartbeat(tmp_path):
     verdict_file = tmp_path / "stop.verdicts.jsonl"
     # Ranks are started directly (as srun does), not under torchrun, whose agent would tear the job
     # down on its own when a worker exits: here nothing but the heartbeat says which rank is gone.
-    from megatron_ext.runtime.distributed import free_port
+    from megatron_ext.runtime.launch import launch_ranks
 
     args = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
             "--num-attention-heads", "2", "--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size",
             "1", "--train-iters", "200", "--eval-iters", "0", "--resihp", "--resihp-heartbeat-interval-s", "0.5",
             "--resihp-heartbeat-timeout-s", "3", "--inject-stop", fail_at(3, 6),
             "--resihp-verdicts-out", str(verdict_file)]
-    port = str(free_port())
-    procs = []
-    for rank in range(4):
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    codes = [p.returncode for p in procs]
+    results = launch_ranks(args, 4, cwd=ROOT, timeout_s=600)
+    codes = [r.returncode for r in results]
+    logs = [r.output for r in results]
     log = "\n".join(logs)
     assert codes[3] == -9, log[-3000:]  # SIGKILL
     assert "[fault injection] rank 3: stopping at iteration 6" in logs[3]
