@@ -121,6 +121,17 @@ def _real_tensors():
         yield
 
 
+def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    from torch.utils._pytree import tree_leaves
+
+    for n in gm.graph.nodes:
+        for v in tree_leaves(n.meta.get("example_value", n.meta.get("val"))):
+            if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and
+                                               any(isinstance(d, torch.SymInt) for d in v.shape)):
+                return True
+    return False
+
+
 def _dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -305,6 +316,15 @@ class HelixBackend:
         self._scale = None  # measured again for every Dynamo graph
         summary = GraphSummary(index=len(self.summaries), collectives=_count_collectives(gm), tiled=False)
         self.summaries.append(summary)
+        if _has_symbolic_shapes(gm):
+            # The IR, the costs and the tiling rules need concrete shapes: run the graph as captured.
+            from torch._dynamo.backends.common import aot_autograd
+            from functorch.compile import make_boxed_func
+
+            summary.refused.append("all passes: dynamic shapes (compile with dynamic=False)")
+            logger.info("%s", summary.line())
+            return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward),
+                                bw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
         self._base, self._decision_cost = None, None
         base = self._trace(gm, example_inputs, tiled=False)
         self._base = base

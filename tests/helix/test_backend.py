@@ -164,3 +164,14 @@ def test_public_backend_signature():
     assert (be.tiles, be.memory_budget_bytes, be.interconnect_spec) == (3, 123, "intra_node")
     with pytest.raises(ValueError, match="helix backend: tiles must be >= 1, got 0"):
         backend(tiles=0)
+
+
+def test_dynamic_shapes_run_unchanged_with_a_refusal():
+    with fake_world(0) as g:
+        m = build_block("tp", g)
+        be = HelixBackend(2, interconnect="cross_node")
+        c = torch.compile(m, backend=be, dynamic=True)
+        x = torch.randn(B, S, H)
+        torch.testing.assert_close(c(x), m(x))
+    s = be.summaries[0]
+    assert s.refused == ["all passes: dynamic shapes (compile with dynamic=False)"] and not s.tiled
