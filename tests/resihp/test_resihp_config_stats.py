@@ -16,7 +16,7 @@ def test_flag_list_is_pinned():
         "resihp", "resihp_detector", "resihp_threshold", "resihp_zscore", "resihp_window", "resihp_warmup",
         "resihp_calibration_window", "resihp_refit_every", "resihp_rank_bias_max", "resihp_noise_floor",
         "resihp_p2p_latency_s", "resihp_heartbeat_interval_s", "resihp_heartbeat_timeout_s",
-        "resihp_trace_out", "resihp_verdicts_out"]
+        "resihp_trace_out", "resihp_verdicts_out", "resihp_on_stop"]
 
 
 def test_flags_and_yaml_values_build():
