@@ -160,6 +160,12 @@ def _make_cpu_tracker(base: type) -> type:
         def fork(self, name: str = "model-parallel-rng"):  # noqa: D401
             if name not in self.states_:
                 raise Exception(f"rng state {name} is not added")
+            if torch.compiler.is_compiling():
+                # Dynamo cannot trace get/set of the CPU generator state (a graph break at every
+                # layer). Under torch.compile the forked region draws from the default generator:
+                # identical when dropout is 0, a different random stream otherwise.
+                yield
+                return
             orig = torch.get_rng_state()
             orig_name = self._current_state_name
             if orig_name != "default-rng":

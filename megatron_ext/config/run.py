@@ -18,7 +18,8 @@ _SECTIONS: dict[str, type] = {}
 # Core sections are attributes of RunConfig; the rest are extension sections.
 _CORE = ("model", "parallel", "training", "data", "logging", "checkpoint")
 # Extension config modules imported by the parser so their sections register themselves.
-EXTENSION_MODULES: list[str] = ["megatron_ext.pipeline.extension", "megatron_ext.resihp.live"]
+EXTENSION_MODULES: list[str] = ["megatron_ext.pipeline.extension", "megatron_ext.resihp.live",
+                                  "megatron_ext.helix.extension"]
 
 
 def section(name: str):

@@ -1,0 +1,72 @@
+"""``pretrain_gpt.py --helix``: compile each model chunk with the Helix backend.
+
+The chunk's GPTModel is made traceable (``adapter.make_traceable``: its TP/SP regions become
+functional collectives + waits in the graph) and its ``forward`` is wrapped in ``torch.compile``
+with the backend built from the ``helix`` config section. Compilation happens at the first
+forward; every rank must compile (cost calibration is agreed over the world group).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from megatron_ext.config.base import ConfigError
+from megatron_ext.config.run import section
+from megatron_ext.helix.config import HelixConfig
+from megatron_ext.runtime.extension import Extension, register_extension
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_ext.runtime.loop import Trainer
+
+logger = logging.getLogger(__name__)
+
+section("helix")(HelixConfig)
+
+
+class HelixExtension(Extension):
+    name = "helix"
+
+    def __init__(self, cfg: HelixConfig) -> None:
+        self.cfg = cfg
+        self.models: list = []
+        self.backend = None
+
+    def setup(self, trainer: "Trainer") -> None:
+        import torch
+
+        from megatron_ext.helix.adapter import make_traceable
+        from megatron_ext.helix.compiler import backend_from_config
+        from megatron_ext.runtime.model import unwrap
+
+        chunks = getattr(trainer.model, "chunks", None)
+        if chunks is None:
+            raise ConfigError("--helix needs the megatron engine (--engine megatron)")
+        self.backend = backend_from_config(self.cfg, batch_size=trainer.cfg.training.micro_batch_size)
+        for chunk in chunks:
+            model = unwrap(chunk)
+            report = make_traceable(model)
+            model.forward = torch.compile(model.forward, backend=self.backend, dynamic=False)
+            self.models.append(model)
+            if trainer.ctx.rank == 0:
+                logger.info("helix: %d tensor-parallel regions made traceable; tiles=%d, memory budget %s, "
+                            "cost model %s", report.total, self.cfg.helix_tiles,
+                            f"{self.cfg.helix_memory_budget_gb} GiB" if self.cfg.helix_memory_budget_gb else "none",
+                            self.cfg.helix_cost_model)
+
+    def teardown(self, trainer: "Trainer") -> None:
+        from megatron_ext.helix.adapter import restore
+
+        for model in self.models:
+            model.__dict__.pop("forward", None)
+            restore(model)
+        self.models.clear()
+
+
+@register_extension("helix")
+def _factory(cfg) -> HelixExtension | None:
+    h = cfg.ext("helix")
+    if h is None or not h.helix:
+        return None
+    if cfg.parallel.engine != "megatron":
+        raise ConfigError("--helix compiles megatron-core's GPTModel: use it with --engine megatron")
+    return HelixExtension(h)
