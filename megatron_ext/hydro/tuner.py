@@ -225,19 +225,26 @@ class HydroTuner:
         history: list[tuple[float, float]] = []
         best = math.inf
         finished_here = 0
+        leaving: list[int] = []
         while True:
-            # Refill free slots: never ask for more than the trials still to finish.
+            # Refill free slots: never ask for more than the trials still to finish. Leavers and
+            # newcomers change the bundle in one resize (one copy of the survivors' state).
             want = min(fusion - len(active), c.n_trials - n_finished - len(active))
             new_specs = []
             for _ in range(max(0, want)):
                 trial = study.ask()
                 active[trial.number] = trial
                 new_specs.append(self._spec(trial))
-            if new_specs:
-                if bundle is None:
-                    bundle = self._bundle(self.proxy_factory, new_specs, self.proxy_multipliers)
+            if bundle is not None and (leaving or new_specs):
+                keep = [t for t in bundle.trial_ids if t not in leaving]
+                if keep or new_specs:
+                    bundle.resize(keep, new_specs)
                 else:
-                    bundle.add(new_specs)
+                    bundle = None  # every slot emptied and nothing left to ask: done
+            elif new_specs:
+                bundle = self._bundle(self.proxy_factory, new_specs, self.proxy_multipliers)
+            leaving = []
+            if new_specs:
                 self.log(f"[{time.perf_counter() - t0:7.1f}s] start " + ", ".join(
                     f"#{s.trial_id} " + _fmt_params(s, self.space) for s in new_specs))
             if not active:
@@ -252,7 +259,7 @@ class HydroTuner:
             if not due:
                 continue
             vals = dict(zip(bundle.trial_ids, bundle.evaluate(val)))
-            leaving, notes = [], []
+            notes = []
             for tid in due:
                 trial, step, v = active[tid], bundle.steps_of(tid), vals[tid]
                 if not math.isfinite(v):
@@ -279,12 +286,6 @@ class HydroTuner:
                 del active[tid]
                 finished_here += 1
                 n_finished += 1
-            if leaving:
-                keep = [t for t in bundle.trial_ids if t not in leaving]
-                if keep:
-                    bundle.resize(keep)
-                else:
-                    bundle = None  # every slot emptied: the next refill builds a fresh bundle
         tuning_s = time.perf_counter() - t0
         return self._finish(study, fusion, t0, tuning_s, history)
 
