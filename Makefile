@@ -24,7 +24,8 @@ demo: setup
 		--nproc_per_node $(NPROC) pretrain_gpt.py --config configs/demo.yaml $(ARGS)
 
 test: setup
-	PYTHONWARNINGS=ignore $(PY) -m pytest -q $(PYTEST_ARGS)
+	# One intra-op thread per process: tests launch several ranks on few cores.
+	PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) tools/bench_parallel.py
