@@ -60,12 +60,13 @@ def worker(out_path: str, iters: int, rounds: int) -> None:
         curve = next(g for g in gathered if g is not None)
         steady = statistics.median(times[2:])
         tokens = BASE["global_batch_size"] * BASE["seq_length"]
-        result["layouts"][name] = {"tokens_per_s": tokens / steady, "iter_ms": steady * 1000, "losses": curve}
+        result["layouts"][name] = {"tokens_per_s": tokens / steady, "iter_ms": steady * 1000, "losses": curve,
+                                   "times": times[2:]}
 
     # Overhead: the runtime's train_step against the bare schedule + optimizer on the same objects.
     tr = trainer_for("tp2pp2", 10**6)
     batches = tr.train_stream.iteration()
-    block = 4
+    block = 6
     ratios = []
     for _ in range(2):  # warm-up of both paths
         tr.train_step()
@@ -100,6 +101,15 @@ def worker(out_path: str, iters: int, rounds: int) -> None:
         ratios.append(a / b)
     result["overhead_vs_bare"] = statistics.median(ratios) - 1.0
     result["overhead_ratios"] = ratios
+    # What the runtime does besides the schedule and the optimizer, timed alone: fetching the
+    # iteration's micro-batches (the only per-iteration work of size > a few microseconds).
+    t0 = time.perf_counter()
+    for k in range(20):
+        tr.train_stream.iteration(start=k * BASE["global_batch_size"])
+    fetch_s = (time.perf_counter() - t0) / 20
+    step_s = statistics.median(result["layouts"]["tp2pp2"]["times"]) if "times" in result["layouts"]["tp2pp2"] else None
+    result["data_fetch_ms"] = fetch_s * 1000
+    result["data_fetch_share"] = fetch_s / step_s if step_s else None
     if ctx.rank == 0:
         with open(out_path, "w", encoding="utf-8") as fh:
             json.dump(result, fh)
@@ -119,7 +129,7 @@ def single_rank_curve(iters: int, tmp: str) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -141,7 +151,11 @@ def main() -> int:
         figures["layouts"][name] = {"tokens_per_s": round(row["tokens_per_s"], 1), "parity_max_rel_diff": diff}
         print(f"{name:<8} {row['tokens_per_s']:>10.0f} {row['iter_ms']:>9.1f} {diff:>20.2e}")
     print(f"runtime overhead vs bare megatron schedule loop (TP2xPP2, median of {len(result['overhead_ratios'])} "
-          f"interleaved rounds): {result['overhead_vs_bare'] * 100:+.2f} %")
+          f"interleaved rounds): {result['overhead_vs_bare'] * 100:+.2f} % (round ratios "
+          f"{min(result['overhead_ratios']):.3f}..{max(result['overhead_ratios']):.3f})")
+    print(f"runtime's own per-iteration work (data fetch) timed alone: {result['data_fetch_ms']:.2f} ms = "
+          f"{result['data_fetch_share'] * 100:.2f} % of a TP2xPP2 step")
+    figures["data_fetch_share"] = result["data_fetch_share"]
     print(json.dumps(figures))
     return 0
 
