@@ -128,3 +128,60 @@ def test_nothing_is_tiled_when_the_batch_does_not_split():
     torch.compile(lambda x: x * 2, backend=tiling_backend(2, reports))(torch.randn(3, 5))
     assert reports[0][1].reason == "batch size 3 is not divisible by 2 tiles"
     assert not reports[0][1].applied
+
+
+def _masked_scores(x, w, mask):
+    # The shape of megatron-core's attention softmax (core attention + attention_mask_func): scores
+    # are a view of a matmul result, updated in place, and read afterwards through the same name.
+    h = x @ w
+    h += 1                                        # operator.iadd on a tiled tensor
+    scores = h.view(x.shape[0], 2, 4)
+    scores.masked_fill_(mask, -10000.0)           # twin: masked_fill, per tile
+    F.relu(scores, inplace=True)                  # no twin: the update writes into the joined tiles
+    keep = (scores > 0) & (scores < 5)            # operator.and_ is not an in-place update
+    return torch.softmax(scores, dim=-1) * keep
+
+
+def test_in_place_updates_of_tiled_tensors_are_seen_by_later_readers():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    mask = torch.tensor([[True, False, False, True]])
+    reports = []
+    compiled = torch.compile(_masked_scores, backend=tiling_backend(2, reports))
+    err = parity(_masked_scores, compiled, [x, w, mask], [])
+    assert err["missing_grads"] == 0
+    assert err["out"] < 1e-6 and err["grad"] < 1e-5, err
+    _, report = reports[0]
+    assert report.applied
+    assert [(op, why) for _, op, why in report.joins] == [
+        ("torch.nn.functional.relu", "in-place update: no out-of-place twin with an elementwise rule")]
+
+
+def test_an_update_seen_through_an_older_view_leaves_the_graph_untiled():
+    def fn(x, w):
+        h = x @ w
+        v = h.view(4, 2, 4)
+        v.mul_(2)                                # h's storage changes; h itself is read below
+        return h.sum(-1)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    reports = []
+    compiled = torch.compile(fn, backend=tiling_backend(2, reports))
+    err = parity(fn, compiled, [x, w], [])
+    tiled, report = reports[0]
+    assert report.reason == "in-place method.mul_ at mul_: h views the updated storage and is read afterwards"
+    assert not report.applied and report.joins == []
+    assert err["out"] < 1e-6 and err["grad"] < 1e-5, err
+
+
+def test_an_update_of_a_graph_input_leaves_the_graph_untiled():
+    def fn(x):
+        x.add_(1)
+        return x * 2
+
+    x = torch.randn(4, 8)
+    reports = []
+    out = torch.compile(fn, backend=tiling_backend(2, reports))(x.clone())
+    assert reports[0][1].reason == "in-place method.add_ at add_: updates the graph input l_x_ in place"
+    torch.testing.assert_close(out, fn(x.clone()))

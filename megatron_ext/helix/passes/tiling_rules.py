@@ -142,7 +142,7 @@ def broadcast_plan(ctx: RuleCtx, operands: list[fx.Node] | None = None) -> Plan:
 _ELEMENTWISE_FUNCTIONS = [
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.neg,
     operator.pow, operator.and_, operator.or_, operator.xor, operator.invert, operator.eq, operator.ne,
-    operator.lt, operator.le, operator.gt, operator.ge, operator.mod, operator.iadd, operator.imul,
+    operator.lt, operator.le, operator.gt, operator.ge, operator.mod,
     torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.exp, torch.log, torch.sqrt,
     torch.rsqrt, torch.tanh, torch.sigmoid, torch.relu, torch.erf, torch.abs, torch.where, torch.clamp,
     torch.maximum, torch.minimum, torch.square, torch.logical_and, torch.logical_or, torch.logical_not,
@@ -160,6 +160,8 @@ _ELEMENTWISE_METHODS = [
 ]
 
 
+# In-place variants (``x.add_``, ``operator.iadd``) have no rule here: the tiling pass rewrites them
+# through these out-of-place twins, keeping every later reader of the updated tensor right.
 @rule(*_ELEMENTWISE_FUNCTIONS, *[("method", m) for m in _ELEMENTWISE_METHODS])
 def _elementwise(ctx: RuleCtx) -> Plan:
     return broadcast_plan(ctx)
