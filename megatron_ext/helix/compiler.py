@@ -521,6 +521,8 @@ def backend_from_config(cfg: Any, batch_size: int | None = None) -> HelixBackend
     """Build the backend from a :class:`megatron_ext.helix.config.HelixConfig`; ``batch_size``
     (the micro-batch size) lets graphs after a graph break find their batch dim."""
     link = None if cfg.helix_interconnect == "none" else cfg.helix_interconnect
+    mode = {"auto": "auto", "tiled": "helix", "baseline": "baseline"}[getattr(cfg, "helix_mode", "auto")]
     return HelixBackend(tiles=cfg.helix_tiles, memory_budget_bytes=cfg.memory_budget_bytes, interconnect=link,
                         seq_tiling=cfg.helix_seq_tiling, bucketing=cfg.helix_bucketing, min_gain=cfg.helix_min_gain,
-                        cost_model=cfg.helix_cost_model, cost_cache=cfg.helix_cost_cache, batch_size=batch_size)
+                        cost_model=cfg.helix_cost_model, cost_cache=cfg.helix_cost_cache, batch_size=batch_size,
+                        mode=mode)

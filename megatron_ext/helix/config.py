@@ -11,6 +11,7 @@ from megatron_ext.config.base import ConfigError, doc
 
 INTERCONNECTS = ("none", "intra_node", "cross_node")
 COST_MODELS = ("analytical", "calibrated")
+MODES = ("auto", "tiled", "baseline")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -38,6 +39,9 @@ class HelixConfig:
     helix_interconnect: str = doc("Emulate an interconnect for collectives (CPU measurement "
                                   "harness; every figure measured with it is emulated).", "none",
                                   choices=INTERCONNECTS)
+    helix_mode: str = doc("auto: keep the tiled schedule where the simulator predicts a gain; tiled: "
+                          "always keep it (parity checks, comparisons); baseline: compile without "
+                          "any pass.", "auto", choices=MODES)
 
     def __post_init__(self) -> None:
         if self.helix_tiles < 1:
@@ -49,6 +53,8 @@ class HelixConfig:
         if self.helix_interconnect not in INTERCONNECTS:
             raise ConfigError(f"--helix-interconnect must be one of {', '.join(INTERCONNECTS)}, "
                               f"got {self.helix_interconnect!r}")
+        if self.helix_mode not in MODES:
+            raise ConfigError(f"--helix-mode must be one of {', '.join(MODES)}, got {self.helix_mode!r}")
         if self.helix_cost_model not in COST_MODELS:
             raise ConfigError(f"--helix-cost-model must be one of {', '.join(COST_MODELS)}, "
                               f"got {self.helix_cost_model!r}")

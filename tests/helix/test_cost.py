@@ -120,7 +120,7 @@ def test_op_signature_names_shapes_strides_and_literals():
 def test_flags_are_pinned():
     assert field_names(HelixConfig) == ["helix", "helix_tiles", "helix_memory_budget_gb", "helix_seq_tiling",
                                         "helix_bucketing", "helix_min_gain", "helix_cost_model", "helix_cost_cache",
-                                        "helix_interconnect"]
+                                        "helix_interconnect", "helix_mode"]
 
 
 @pytest.mark.parametrize("values, message", [
@@ -128,6 +128,7 @@ def test_flags_are_pinned():
     ({"helix_memory_budget_gb": -1}, "--helix-memory-budget-gb must be > 0, got -1.0"),
     ({"helix_min_gain": 1.5}, "--helix-min-gain must be in [0, 1), got 1.5"),
     ({"helix_interconnect": "ib"}, "--helix-interconnect must be one of none, intra_node, cross_node, got 'ib'"),
+    ({"helix_mode": "always"}, "--helix-mode must be one of auto, tiled, baseline, got 'always'"),
     ({"helix_tiles": "two"}, "run.yaml: key 'helix_tiles' expects int, got 'two'"),
 ])
 def test_bad_values_are_named(values, message):
@@ -144,3 +145,6 @@ def test_budget_in_bytes_and_backend_from_config():
     assert cfg.memory_budget_bytes == 1 << 29
     be = backend_from_config(cfg, batch_size=8)
     assert (be.tiles, be.memory_budget_bytes, be.interconnect_spec, be.batch_size) == (4, 1 << 29, "cross_node", 8)
+    assert be.mode == "auto"
+    forced = build(HelixConfig, {"helix": True, "helix_mode": "tiled"}, "run.yaml")
+    assert backend_from_config(forced).mode == "helix"   # the tiled schedule whatever the simulator says

@@ -1,6 +1,7 @@
 """Real collectives on 2 gloo ranks: numerical parity of every transformed graph (TP, EP, TP+EP
-layers, bucketed graphs, megatron-core GPTModel through the adapter), measured vs simulated peak
-memory, and the emulated interconnect's timing contract. One launch for all scenarios."""
+layers, bucketed graphs, the runtime's megatron-core GPTModel compiled as ``--helix`` does), measured
+vs simulated peak memory, and the emulated interconnect's timing contract. One launch for all
+scenarios."""
 import socket
 
 import pytest
@@ -95,11 +96,16 @@ def test_sequence_parallel_regions_match_the_unsplit_computation(results):
     assert r["order"] == r["rank1"]["order"]
 
 
-def test_gpt_model_through_the_adapter_matches_megatron(results):
+def test_runtime_gpt_model_compiled_by_helix_matches_megatron(results):
+    # TP2, tiles=2, tiled schedule forced: loss and every gradient within 1e-5 of megatron's own
+    # modules (relative to the reference's largest magnitude); megatron updates the attention scores
+    # in place (causal mask), which the tiled graph must keep.
     r = _get(results, "gpt")
     for tp in (r["tp"], r["rank1"]["tp"]):
         assert tp["modules"] == 5 + 4 + 1 + 1   # qkv, fc1 x2 layers + output; proj, fc2; embedding; loss
         assert tp["eager_loss"] < 1e-5 and tp["eager_grad"] < 1e-5, tp
-        assert tp["compiled_loss"] < 1e-5 and tp["compiled_grad"] < 1e-4, tp
-        assert tp["tiled_graphs"] >= 1
-        assert tp["restored"] == tp["modules"]
+        assert tp["compiled_loss"] < 1e-5 and tp["compiled_grad"] < 1e-5, tp
+        assert tp["graphs"] == tp["tiled_graphs"] == 1     # one graph (no break per layer), tiled
+        assert tp["joins"] == []                           # tiled end to end, loss included
+        assert tp["restored"] == 0 and tp["after_teardown"] == 0.0
+    assert r["tp"]["order"] == r["rank1"]["tp"]["order"]
