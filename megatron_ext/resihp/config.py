@@ -21,7 +21,7 @@ class ResiHPConfig:
     resihp_threshold: float = doc("Fail-slow when a rank runs at least this many times slower than expected.",
                                   1.25)
     resihp_zscore: float = doc("...and the deviation is at least this many robust standard deviations of "
-                               "the rank's healthy noise.", 5.0)
+                               "the rank's healthy noise (so a noisy host needs a larger slowdown).", 2.0)
     resihp_window: int = doc("Persistence: a verdict needs all but one of a rank's last N iterations past "
                              "both bounds, the current one included.", 8)
     resihp_warmup: int = doc("Iterations used to calibrate throughput before any fail-slow verdict.", 20)
@@ -30,6 +30,10 @@ class ResiHPConfig:
     resihp_rank_bias_max: float = doc("Largest steady per-rank speed difference from its stage's peers that "
                                       "calibration accepts as normal (a rank slow from the start beyond "
                                       "this is still caught).", 1.1)
+    resihp_common_mode: bool = doc("Score each rank against the median of the other ranks of the same "
+                                   "iteration, so slowdowns all ranks share (host load, a data mix the "
+                                   "FLOPs model misses) cancel. A slowdown of half the ranks or more is "
+                                   "then not seen.", True)
     resihp_noise_floor: float = doc("Smallest relative noise assumed for a rank's score (keeps z-scores "
                                     "finite on very quiet runs).", 0.01)
     resihp_p2p_latency_s: float = doc("Point-to-point latency assumed by the pipeline simulation.", 0.0)

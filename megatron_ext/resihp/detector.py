@@ -33,7 +33,7 @@ from megatron_ext.pipeline.schedule_orders import schedule_order
 from megatron_ext.resihp.config import ResiHPConfig
 from megatron_ext.resihp.flops import stage_costs
 from megatron_ext.resihp.pipesim import compile_plan, simulate
-from megatron_ext.resihp.stats import Persistence, huber_fit, nanmedian, robust_scale
+from megatron_ext.resihp.stats import Persistence, huber_fit, loo_median, nanmedian, robust_scale
 from megatron_ext.resihp.trace import TraceRecord
 from megatron_ext.resihp.verdicts import Verdict
 
@@ -53,9 +53,16 @@ class IterationReport:
     calibrated: bool
     observed_s: float
     expected_s: float | None        # expected iteration time (None before calibration)
-    rank_scores: np.ndarray         # (world,) observed / expected compute; NaN if not scored
+    rank_scores: np.ndarray         # (world,) observed / expected compute, relative to the other
+                                    # ranks when common-mode normalisation is on; NaN if not scored
     stage_scores: np.ndarray        # (pp, dp) same for each stage of each replica (slowest TP rank)
     verdicts: list[Verdict]
+    # The iteration's shared slowdown: median over ranks of observed / expected before the
+    # common-mode normalisation (None when it is off or before calibration).
+    common_factor: float | None = None
+    # (world,) observed / expected compute against the rank's own calibration, before the
+    # common-mode normalisation (None before calibration).
+    raw_scores: np.ndarray | None = None
 
     def scalars(self) -> dict[str, float]:
         """Values for TensorBoard / progress lines."""
@@ -65,6 +72,8 @@ class IterationReport:
             out["observed_over_expected"] = self.observed_s / self.expected_s if self.expected_s > 0 else float("nan")
         if np.isfinite(self.rank_scores).any():
             out["max_rank_score"] = float(np.nanmax(self.rank_scores))
+        if self.common_factor is not None:
+            out["common_factor"] = self.common_factor
         return out
 
 
@@ -79,10 +88,60 @@ def _layout_key(rec: TraceRecord) -> Any:
     return rec.layout, rec.model, layers
 
 
+# Common-mode normalisation needs a majority that can outvote one slow rank: with two ranks,
+# "rank 0 is 2x slow" and "rank 1 is 2x fast" are the same observation.
+_MIN_PEERS = 3
+
+
+def common_mode(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-rank divisor ``(..., world)`` and the iteration's shared factor ``(...)`` of raw scores
+    (NaN: not scored): each rank against the median of the *other* ranks of the same iteration.
+
+    Why: what every rank of an iteration shares is not a device fault. On a shared host, other
+    jobs, CPU frequency, the allocator warming up or a busy file system slow all ranks at once,
+    by 2-5x for an iteration or 0.6x for minutes; on a cluster a data-mix shift the FLOPs model
+    under-predicts does the same. The median of the others cancels it and is not moved by the
+    rank under test, nor by a minority of slow ranks. Iterations with fewer than three scored
+    ranks are not normalised (divisor and factor 1).
+    """
+    raw = np.asarray(raw, dtype=float)
+    enough = np.isfinite(raw).sum(axis=-1) >= _MIN_PEERS
+    loo = loo_median(raw)
+    div = np.where(enough[..., None] & np.isfinite(loo) & (loo > 0), loo, 1.0)
+    shared = nanmedian(raw, axis=-1)
+    shared = np.where(enough & np.isfinite(shared) & (shared > 0), shared, 1.0)
+    return div, shared
+
+
+def relative_scores(raw: np.ndarray, by_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scores ``(..., world)`` made relative, and the shared factor ``(...)``.
+
+    A rank's relative score is the smaller of its score over the other ranks' median
+    (``common_mode``) and its score over its stage peers' median (the other TP and DP ranks of its
+    pipeline stage; ``by_stage`` lists each stage's ranks). A slow device is slow against both;
+    each reference alone is fooled by something the other is not: the stage peers run the same
+    layers on the same kind of data, so a shift between *stages* (one stage's ops losing CPU
+    share, a data mix that hits the last stage's vocabulary projection harder) cancels; the
+    whole job cancels what a stage's few peers share.
+    """
+    raw = np.asarray(raw, dtype=float)
+    div, shared = common_mode(raw)
+    rel = raw / div
+    if by_stage.shape[1] > 1:
+        peers = np.full(raw.shape, np.nan)
+        peers[..., by_stage] = loo_median(raw[..., by_stage])
+        with np.errstate(all="ignore"):
+            rel = np.fmin(rel, raw / peers)  # no peer scored: the job-wide reference alone
+    return rel, shared
+
+
 class _Base:
     """Layout bookkeeping, warm-up, calibration buffer and the persistence rule."""
 
     name = "base"
+    # Whether scores are divided by the other ranks' median of the same iteration (see
+    # ``common_mode``); the baseline keeps plain per-rank time so it stays the naive reference.
+    common_mode = False
 
     def __init__(self, config: ResiHPConfig | None = None):
         self.cfg = config if config is not None else ResiHPConfig()
@@ -109,6 +168,8 @@ class _Base:
         coords = lay.coord_array
         self.stage_of, self.dp_of, self.tp_of = coords[:, 0], coords[:, 1], coords[:, 2]
         self.world, self.pp, self.dp = lay.world_size, lay.pp, lay.dp
+        # Every stage has tp * dp ranks: (pp, tp * dp) rank indices.
+        self.by_stage = np.stack([np.flatnonzero(self.stage_of == s) for s in range(self.pp)])
         self.buffer: collections.deque = collections.deque(maxlen=self.cfg.resihp_calibration_window)
         self.seen = 0
         self.calibrated = False
@@ -124,9 +185,17 @@ class _Base:
         sample = self._sample(record)
         present = record.present
         verdicts: list[Verdict] = []
+        shared = 1.0
+        raw_scores = None
         if self.calibrated:
             scores, stage_scores, expected_s = self._score(record, sample)
             scores = np.where(present, scores, np.nan)
+            raw_scores = scores
+            if self.common_mode:
+                scores, shared_a = relative_scores(raw_scores, self.by_stage)
+                shared = float(shared_a)
+                stage_scores = stage_scores / shared
+                expected_s = expected_s * shared
             for d in self.persist.update(scores, self.sigma):
                 verdicts.append(Verdict(
                     kind=d.kind, rank=d.rank, stage=int(self.stage_of[d.rank]), iteration=record.iteration,
@@ -135,6 +204,7 @@ class _Base:
                     time_s=record.time_s,
                     detail={"dp": int(self.dp_of[d.rank]), "tp": int(self.tp_of[d.rank]),
                             "median_z": round(d.median_z, 2), "threshold": self.cfg.resihp_threshold,
+                            "common_factor": round(shared, 4),
                             "window": self.cfg.resihp_window,
                             "observed_s": record.iteration_s,
                             "expected_s": None if expected_s is None else round(expected_s, 6)}))
@@ -157,7 +227,8 @@ class _Base:
         for v in verdicts:
             logger.warning(v.describe())
         return IterationReport(record.iteration, self.name, expected_s is not None,
-                               record.iteration_s, expected_s, scores, stage_scores, verdicts)
+                               record.iteration_s, expected_s, scores, stage_scores, verdicts,
+                               shared if self.calibrated and self.common_mode else None, raw_scores)
 
     def _set_sigma(self, scores: np.ndarray, healthy: np.ndarray) -> None:
         """Per-rank healthy noise from calibration scores (n_it, world); a rank without healthy
@@ -173,6 +244,7 @@ class ResiHPDetector(_Base):
     name = "resihp"
 
     def _setup(self, rec: TraceRecord) -> None:
+        self.common_mode = self.cfg.resihp_common_mode
         lay = rec.layout
         order = schedule_order(lay.schedule, lay.pp, lay.num_microbatches, lay.vp, lay.microbatch_group_size)
         self.plan = compile_plan(order)
@@ -208,7 +280,7 @@ class ResiHPDetector(_Base):
         n = obs.shape[0]
         # Every stage has tp * dp ranks, so all (stage, phase) fits have the same shape and run
         # as one batched regression over the newest iterations that fit the point budget.
-        by_stage = np.stack([np.flatnonzero(self.stage_of == s) for s in range(self.pp)])  # (p, tp*dp)
+        by_stage = self.by_stage
         per_it = by_stage.shape[1] * obs.shape[3] * obs.shape[4]
         keep = max(1, min(n, _MAX_FIT_POINTS // per_it))
 
@@ -229,17 +301,27 @@ class ResiHPDetector(_Base):
         pred = self._predict(lin, att)
         with np.errstate(all="ignore"):
             ratio = np.nansum(obs, axis=(2, 3, 4)) / pred.sum(axis=(2, 3, 4))  # (n, world)
-            ratio = np.where(healthy & np.isfinite(ratio), ratio, np.nan)
-            bias = nanmedian(ratio, axis=0)
+            present = ~np.isnan(obs).all(axis=(2, 3, 4))
+            ratio = np.where(present & np.isfinite(ratio), ratio, np.nan)
+            # The bias is a rank's steady speed against its peers: taken, like the scores, after
+            # the shared factor of each iteration is divided out.
+            rel = relative_scores(ratio, self.by_stage)[0] if self.common_mode else ratio
+            bias = nanmedian(np.where(healthy, rel, np.nan), axis=0)
         bmax = self.cfg.resihp_rank_bias_max
         # A rank with no healthy iteration in the buffer (convicted) keeps what it had.
         self.bias = np.where(np.isfinite(bias), np.clip(bias, 1.0 / bmax, bmax), self.bias)
-        self._set_sigma(ratio / self.bias, healthy)
+        # The scores the detector would have given these iterations, for the noise estimate.
+        raw = ratio / self.bias
+        shared = np.ones(n)
+        if self.common_mode:
+            raw, shared = relative_scores(raw, self.by_stage)
+        self._set_sigma(raw, healthy)
         # The part of the iteration the pipeline simulation does not model (optimizer step, data
-        # loading, gradient all-reduce) as one robust constant.
+        # loading, gradient all-reduce) as one robust constant, in the same units as the
+        # expectation: scaled back by each iteration's shared factor.
         exp = pred * self.bias[None, :, None, None, None]
         sim = self._simulate(exp)
-        iters = np.array([b["iteration_s"] for b in self.buffer])
+        iters = np.array([b["iteration_s"] for b in self.buffer]) / shared
         all_healthy = healthy.all(axis=1)
         rest = (iters - sim)[all_healthy] if all_healthy.any() else iters - sim
         self.overhead_s = float(np.median(rest))

@@ -41,6 +41,31 @@ def nanmedian(x: np.ndarray, axis: int | None = None) -> np.ndarray:
     return out[()]  # a numpy scalar for 0-d results, an array otherwise
 
 
+def loo_median(x: np.ndarray) -> np.ndarray:
+    """For every element along the last axis, the median of the *other* finite elements of its
+    row (leave-one-out); NaN where a row has no other finite element.
+
+    Leaving the element out matters for small rows: with two ranks the plain median is the mean,
+    so a rank 2x slow would see itself at 1.33x; against the other rank alone it is at 2x. For a
+    NaN element the median of all finite elements of the row is returned.
+    """
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, axis=-1, kind="stable")  # NaNs sort last
+    srt = np.take_along_axis(x, order, axis=-1)
+    pos = np.empty_like(order)
+    np.put_along_axis(pos, order, np.arange(x.shape[-1]) + np.zeros_like(order), axis=-1)
+    valid = np.isfinite(x)
+    k = valid.sum(axis=-1, keepdims=True)
+    m = k - valid                    # how many others each element has
+    lo, hi = np.maximum(m - 1, 0) // 2, np.maximum(m, 0) // 2
+
+    def others(j: np.ndarray) -> np.ndarray:  # index into the row without the element itself
+        idx = j + (valid & (j >= pos))
+        return np.take_along_axis(srt, np.minimum(idx, x.shape[-1] - 1), axis=-1)
+
+    return np.where(m >= 1, 0.5 * (others(lo) + others(hi)), np.nan)
+
+
 def normal_cdf(z: float) -> float:
     return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
 

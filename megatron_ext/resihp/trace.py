@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import io
 import json
 import logging
@@ -267,11 +268,13 @@ def _parse(data: Any, where: str) -> TraceRecord:
 
 # ------------------------------------------------------------------------------------ files
 def read_trace(path: str | os.PathLike) -> Iterator[TraceRecord]:
-    """Yield the records of a trace file; errors name the file and line."""
+    """Yield the records of a trace file; errors name the file and line. A file whose name ends
+    in ``.gz`` is read through gzip (the format is unchanged; compression only stores it)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise TraceError(f"trace file {path} does not exist")
-    with open(path, encoding="utf-8") as fh:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue

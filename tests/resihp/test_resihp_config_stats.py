@@ -8,13 +8,14 @@ import pytest
 
 from megatron_ext.config.base import ConfigError, add_flags, build, field_names
 from megatron_ext.resihp.config import ResiHPConfig
-from megatron_ext.resihp.stats import Persistence, huber_fit, robust_scale
+from megatron_ext.resihp.stats import Persistence, huber_fit, loo_median, robust_scale
 
 
 def test_flag_list_is_pinned():
     assert field_names(ResiHPConfig) == [
         "resihp", "resihp_detector", "resihp_threshold", "resihp_zscore", "resihp_window", "resihp_warmup",
-        "resihp_calibration_window", "resihp_refit_every", "resihp_rank_bias_max", "resihp_noise_floor",
+        "resihp_calibration_window", "resihp_refit_every", "resihp_rank_bias_max", "resihp_common_mode",
+        "resihp_noise_floor",
         "resihp_p2p_latency_s", "resihp_heartbeat_interval_s", "resihp_heartbeat_timeout_s",
         "resihp_trace_out", "resihp_verdicts_out", "resihp_on_stop"]
 
@@ -104,3 +105,21 @@ def test_nanmedian_matches_numpy():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 want = np.nanmedian(x, axis=axis)
             np.testing.assert_allclose(nanmedian(x, axis=axis), want, equal_nan=True)
+
+
+def test_loo_median_is_the_median_of_the_others():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        x = rng.normal(size=(2, n))
+        x[rng.random((2, n)) < 0.3] = np.nan
+        out = loo_median(x)
+        for i in range(2):
+            for j in range(n):
+                others = np.delete(x[i], j)
+                others = others[np.isfinite(others)]
+                want = np.median(others) if len(others) else np.nan
+                np.testing.assert_equal(out[i, j], want)
+    # With two ranks, each is measured against the other, not against the mean of both.
+    np.testing.assert_equal(loo_median(np.array([1.0, 2.0])), [2.0, 1.0])
+    np.testing.assert_equal(loo_median(np.array([1.0, 1.0, 1.0, 3.0])), [1.0, 1.0, 1.0, 1.0])

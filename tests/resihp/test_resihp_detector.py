@@ -113,3 +113,41 @@ def test_report_scalars_and_factory():
     assert set(sc) == {"observed_s", "expected_s", "observed_over_expected", "max_rank_score"}
     with pytest.raises(ValueError, match="unknown detector 'x'; expected 'resihp' or 'raw'"):
         make_detector(ResiHPConfig(), "x")
+
+
+def shared_host(records, seed: int, phases=((45, 60, 1.8),)):
+    """Slow every rank of an iteration by the same factor, as other jobs on a shared host do: an
+    iteration-to-iteration jitter of 25 % plus phases (first, last, factor) of sustained load."""
+    rng = np.random.default_rng(seed)
+    for rec in records:
+        f = float(rng.lognormal(0.0, 0.25))
+        f *= np.prod([k for a, b, k in phases if a <= rec.iteration <= b])
+        rec.fwd_s *= f
+        rec.bwd_s *= f
+        rec.iteration_s *= f
+    return records
+
+
+def test_slowdowns_all_ranks_share_are_not_faults():
+    spec = dataclasses.replace(SMALL, dp=2, iterations=100, seed=21)
+    records = shared_host(generate(spec), seed=1)
+    reports, verdicts = run(ResiHPDetector(), records)
+    assert verdicts == []
+    # The shared factor is reported, and the expectation follows it.
+    loaded = [r.common_factor for r in reports if 45 <= r.iteration <= 60]
+    assert np.median(loaded) > 1.5
+    ratios = [r.observed_s / r.expected_s for r in reports if r.calibrated]
+    assert abs(np.median(ratios) - 1.0) < 0.1
+    # Without the common-mode normalisation the loaded phase is taken for slow ranks.
+    _, verdicts = run(ResiHPDetector(ResiHPConfig(resihp_common_mode=False)), records)
+    assert any(v.kind == "fail_slow" for v in verdicts)
+
+
+def test_slow_rank_is_found_through_shared_noise():
+    spec = dataclasses.replace(SMALL, dp=2, iterations=90, seed=22, faults=(SlowFault(rank=5, since=50, factor=1.5),))
+    reports, verdicts = run(ResiHPDetector(), shared_host(generate(spec), seed=2, phases=((48, 70, 0.6),)))
+    assert [(v.kind, v.rank) for v in verdicts] == [("fail_slow", 5)]
+    assert 50 <= verdicts[0].iteration < 50 + ResiHPConfig().resihp_window + 2
+    assert verdicts[0].factor == pytest.approx(1.5, rel=0.1)
+    rep = reports[verdicts[0].iteration - 1]
+    assert rep.raw_scores is not None and rep.raw_scores[5] < rep.rank_scores[5]  # the host got faster
