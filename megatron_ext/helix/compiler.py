@@ -287,9 +287,15 @@ class HelixBackend:
             self._links[(group, kind)] = Interconnect(link.name, latency_s=lat, bandwidth_Bps=1.0 / inv_bw)
             logger.info("helix: measured %s on group %s: %.1f us + %.1f MB/s", kind, group, lat * 1e6, 1e-6 / inv_bw)
 
+    def adopt_links(self, other: "HelixBackend") -> None:
+        """Price real collectives with the fits ``other`` measured (shared dict: later measurements of
+        either are seen by both). For comparing variants under one measurement of a noisy host."""
+        self._links = other._links
+
     def simulate_compiled(self, index: int = 0, measured_compute_s: float | None = None) -> SimResult:
-        """Simulate graph ``index`` exactly as compiled. With ``measured_compute_s`` (the computation
-        alone of its forward + backward, timed now), the compute scale is re-calibrated to it --
+        """Simulate graph ``index`` exactly as compiled. With ``measured_compute_s`` (the compute
+        time of one forward + backward measured now: the computation alone timed, or the compute
+        thread's busy time in measured steps), the compute scale is re-calibrated to it --
         isolating the simulator's schedule model from drift of the host's load since compile."""
         s = self.summaries[index]
         graphs = [s.graphs[k] for k in ("fw", "bw") if k in s.graphs]

@@ -36,6 +36,7 @@ class SimOp:
     keep: bool = False              # storage survives the simulated span
     tile: int | None = None
     label: str = ""
+    holds_inputs: bool = True       # collectives: the in-flight work reads its inputs until the wait
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,9 @@ def _op_from_ir(n: IRNode, cost: CostModel, offset: int) -> SimOp:
     if n.kind == Kind.COLLECTIVE:
         op.comm_s = cost.collective_s(n.collective)
         op.channel = n.collective.group
+        # The functional all-reduce reduces a clone of its input in place: the input may die at
+        # the issue. Gathers, scatters and all-to-alls read their input while in flight.
+        op.holds_inputs = n.collective.kind != "all_reduce"
     if n.kind == Kind.WAIT and n.wait_of is not None:
         op.wait_of = offset + n.wait_of
     return op
@@ -141,9 +145,10 @@ def _op_from_ir(n: IRNode, cost: CostModel, offset: int) -> SimOp:
 
 def _hold_collective_inputs(ops: list[SimOp]) -> None:
     """A collective in flight holds its input buffer until its wait returns (the process group's
-    work object keeps a reference), so the wait counts as a use of the collective's inputs."""
+    work object keeps a reference), so the wait counts as a use of the collective's inputs --
+    except for the all-reduce, whose work holds the clone it reduces (its output)."""
     for op in ops:
-        if op.kind == Kind.WAIT and op.wait_of is not None:
+        if op.kind == Kind.WAIT and op.wait_of is not None and ops[op.wait_of].holds_inputs:
             op.inputs = tuple(dict.fromkeys((*op.inputs, *ops[op.wait_of].inputs)))
 
 
@@ -192,7 +197,7 @@ def step_ops(fw: GraphIR, bw: GraphIR | None, cost: CostModel) -> list[SimOp]:
     ops.append(SimOp(name="<backward>", kind=Kind.OTHER, compute_s=cost.device.graph_overhead_s))
     bw_ops = [_op_from_ir(n, cost, offset) for n in bw.nodes]
     for op in bw_ops:
-        if op.kind == Kind.WAIT and op.wait_of is not None:
+        if op.kind == Kind.WAIT and op.wait_of is not None and bw_ops[op.wait_of - offset].holds_inputs:
             op.inputs = tuple(dict.fromkeys((*op.inputs, *bw_ops[op.wait_of - offset].inputs)))
     for k, n in enumerate(bw_inputs[:n_saved]):
         j = saved_out[k]

@@ -89,33 +89,71 @@ def test_round_robin_puts_the_other_streams_compute_under_each_collective(tpep_p
         assert hidden >= 2, f"{tag}: too few collectives overlap another stream's matmuls"
 
 
-def test_reordering_only_interleaves_streams():
-    """Within every stream the original order is kept; waits stay after their collectives."""
+def _needed_by(node: fx.Node, stream: int) -> set[str]:
+    """Names of the nodes of ``stream`` that ``node`` depends on, transitively within the stream."""
+    seen, todo = set(), [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if tile_of(a) == stream and a.name not in seen:
+                seen.add(a.name)
+                todo.append(a)
+    return seen
+
+
+def test_reordering_interleaves_streams_and_issues_each_collective_first():
+    """Per stream, what a collective needs keeps its original order and runs before the rest of its
+    segment (weight gradients, values saved for the backward), which then overlaps the collective
+    in flight; the streams alternate."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     from megatron_ext.helix.passes.tiling import tile_graph
 
-    graphs = []
+    graphs = {}
+
+    def keep(tag):
+        def compiler(g, _):
+            graphs[tag] = g
+            return make_boxed_func(g.forward)
+        return compiler
 
     def capture(gm, ex):
         tiled, _ = tile_graph(gm, 2)
-        return aot_autograd(fw_compiler=lambda g, _: (graphs.append(g), make_boxed_func(g.forward))[1],
-                            bw_compiler=lambda g, _: make_boxed_func(g.forward))(tiled, ex)
+        return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))(tiled, ex)
 
     with fake_world(0) as g:
         m = build_block("tp", g)
-        torch.compile(m, backend=capture)(torch.randn(B, S, H, requires_grad=True))
-        before = graphs[0]
+        torch.compile(m, backend=capture)(torch.randn(B, S, H, requires_grad=True)).sum().backward()
+    deferred = 0
+    for tag in ("fw", "bw"):
+        before = graphs[tag]
         after = copy.deepcopy(before)
         _, report = reorder_graph(after)
-    assert report.streams == 2 and report.moved > 0
-    stream_of = {n.name: tile_of(n) for n in after.graph.nodes}
-    for t in (0, 1):
-        orig = [n.name for n in before.graph.nodes if stream_of.get(n.name) == t]
-        new = [n.name for n in after.graph.nodes if stream_of.get(n.name) == t]
-        assert orig == new
-    assert [n.name for n in after.graph.nodes] != [n.name for n in before.graph.nodes]
+        assert report.streams == 2 and report.moved > 0
+        original = [n.name for n in before.graph.nodes]
+        new = list(after.graph.nodes)
+        assert [n.name for n in new] != original
+        for t in (0, 1):
+            mine = [n for n in new if tile_of(n) == t and n.op != "placeholder"]  # (saved activations)
+            colls = [n for n in mine if collective_kind(n) is not None]
+            assert colls
+            critical = set().union(*(_needed_by(c, t) | {c.name} for c in colls))
+            names = {n.name for n in mine}
+            assert [n.name for n in mine if n.name in critical] == [x for x in original if x in critical & names]
+            # Segments end at waits; in each, the collective comes before the work it does not need.
+            seg: list[fx.Node] = []
+            for n in mine + [None]:
+                if n is None or is_wait(n):
+                    for c in (x for x in seg if collective_kind(x) is not None):
+                        need = _needed_by(c, t)
+                        later = [x.name for x in seg[:seg.index(c)] if x.name not in need]
+                        assert later == [], (tag, c.name, later)
+                        moved = [x.name for x in seg[seg.index(c) + 1:] if original.index(x.name) < original.index(c.name)]
+                        deferred += len(moved)
+                    seg = []
+                if n is not None:
+                    seg.append(n)
+    assert deferred > 0  # e.g. weight gradients now run after the collective they used to delay
 
 
 def test_dependency_check_rejects_broken_orders():

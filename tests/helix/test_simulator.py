@@ -80,3 +80,31 @@ def test_invariants_of_random_programs(spec):
     assert r.exposed_comm_s <= r.comm_s + 1e-9
     allocs = [o.alloc_bytes for o in ops]
     assert max(allocs) <= r.peak_bytes <= sum(allocs)
+
+
+@pytest.mark.parametrize("kind, live_floats", [
+    ("all_reduce", 2 * 1024),     # reduces a clone: its input dies at the issue -> clone + t
+    ("all_gather", 4 * 1024),     # reads its input while in flight -> y + gathered (2x) + t
+])
+def test_a_collective_holds_its_input_until_the_wait_unless_it_reduces_a_clone(kind, live_floats):
+    import torch
+    from helix_helpers import fake_world
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from megatron_ext.helix.cost import DEFAULT_CPU, AnalyticalCostModel, resolve_interconnect
+    from megatron_ext.helix.ir import GraphIR
+    from megatron_ext.helix.simulator import graph_ops
+
+    ops = torch.ops._c10d_functional
+    with fake_world(0) as g:
+        def f(x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            c = ops.all_reduce(y, "sum", g.name) if kind == "all_reduce" else \
+                ops.all_gather_into_tensor(y, 2, g.name)
+            t = x * 3                                  # computed while the collective is in flight
+            return ops.wait_tensor(c).sum() + t.sum()
+
+        gm = make_fx(f)(torch.randn(1024))
+    cost = AnalyticalCostModel(DEFAULT_CPU, resolve_interconnect("intra_node", DEFAULT_CPU))
+    peak = peak_memory(graph_ops(GraphIR(gm, lambda name: 2), cost))
+    assert live_floats * 4 <= peak <= live_floats * 4 + 8, peak   # (+ the scalar sums)

@@ -3,9 +3,13 @@
 Within one tile stream, the consecutive non-blocking compute and collective-issue nodes between
 two waits form a segment; a wait opens the next segment of its stream. The schedule emits
 segment 0 of every stream (stream 0, 1, ...), then segment 1 of every stream, and so on, so the
-collective that ends one stream's segment is in flight while the other streams compute. The
-order is produced by list scheduling (a node runs only after all its inputs), so every original
-dependency holds by construction; waits stay the only synchronisation points.
+collective that ends one stream's segment is in flight while the other streams compute. Inside a
+round, each stream first runs what its collective needs and issues it; the work of the round that
+no collective needs (weight gradients, values saved for the backward) runs after every stream has
+issued, under the collectives just started -- without it, the last stream's collective of a
+backward would have nothing left to hide under. The order is produced by list scheduling (a node
+runs only after all its inputs), so every original dependency holds by construction; waits stay
+the only synchronisation points.
 
 Nodes that belong to no tile stream (weights, joins, untiled regions) are placed just before the
 earliest node that needs them, or -- when only untiled nodes need them -- as soon as they can
@@ -23,7 +27,7 @@ from typing import Iterable
 
 import torch.fx as fx
 
-from megatron_ext.helix.ir import is_wait, set_tile, tile_of
+from megatron_ext.helix.ir import collective_kind, is_wait, set_tile, tile_of
 from megatron_ext.helix.passes.checks import DependencyError, check_dependencies, check_graph, impure_names, is_impure
 
 logger = logging.getLogger(__name__)
@@ -52,40 +56,65 @@ def infer_tiles(graph: fx.Graph) -> dict[fx.Node, int | None]:
     return tiles
 
 
+def feeds_collective(graph: fx.Graph, tiles: dict[fx.Node, int | None], segment: dict[fx.Node, int]) -> set[fx.Node]:
+    """Nodes of a stream segment that its collective issue needs (the issue included): the
+    segment's critical path. The rest of the segment (weight gradients, values saved for the
+    backward) can run while the collective is in flight."""
+    crit: set[fx.Node] = set()
+    for n in reversed(list(graph.nodes)):
+        t = tiles.get(n)
+        if t is None or n.op in ("placeholder", "output"):
+            continue
+        if collective_kind(n) is not None or any(
+                u in crit and tiles.get(u) == t and segment.get(u) == segment[n] for u in n.users):
+            crit.add(n)
+    return crit
+
+
 def segment_priorities(graph: fx.Graph, tiles: dict[fx.Node, int | None]) -> dict[fx.Node, tuple]:
+    """Priority (segment, phase, stream, position, own position) of every node; smaller runs first.
+
+    Phase 0 is a segment's critical path (what its collective needs, the wait that opens it
+    included), phase 1 the rest: in each round the streams issue their collectives first, then do
+    the work nothing is waiting for -- so weight gradients hide the collectives just issued."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     seg: dict[int, int] = {}
-    prio: dict[fx.Node, tuple] = {}
+    segment: dict[fx.Node, int] = {}
     for n in nodes:
         t = tiles[n]
-        if n.op == "placeholder":
-            prio[n] = (-1, 0, pos[n], pos[n])
-        elif t is not None:
+        if t is not None and n.op not in ("placeholder", "output"):
             if is_wait(n):
                 seg[t] = seg.get(t, 0) + 1  # a wait opens its stream's next segment
-            prio[n] = (seg.get(t, 0), t, pos[n], pos[n])
+            segment[n] = seg.get(t, 0)
+    crit = feeds_collective(graph, tiles, segment)
+    prio: dict[fx.Node, tuple] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            prio[n] = (-1, 0, 0, pos[n], pos[n])
+        elif n in segment:
+            prio[n] = (segment[n], 0 if n in crit else 1, tiles[n], pos[n], pos[n])
     late: list[fx.Node] = []
     for n in reversed(nodes):
         if n in prio:
             continue
         if n.op == "output":
-            prio[n] = (_INF, _INF, pos[n], pos[n])
+            prio[n] = (_INF, _INF, _INF, pos[n], pos[n])
             continue
         # An untiled node needed by a stream runs just before its earliest consumer.
         users = [prio[u] for u in n.users if u in prio]
         p = min(users) if users else (_INF,)
         if p[0] == _INF:
             late.append(n)
-            prio[n] = (_INF, _INF, pos[n], pos[n])
+            prio[n] = (_INF, _INF, _INF, pos[n], pos[n])
         else:
-            prio[n] = (p[0], p[1], p[2], pos[n])
+            prio[n] = (*p[:4], pos[n])
     # Untiled nodes that only untiled nodes need (joins, weight-gradient sums, untiled regions)
     # run as soon as their inputs are there, which frees tile results early.
     for n in reversed(late):
         ins = [prio[a] for a in n.all_input_nodes]
-        p = max(ins) if ins else (-1, 0, pos[n], pos[n])
-        prio[n] = (p[0], p[1], p[2], pos[n])
+        p = max(ins) if ins else (-1, 0, 0, pos[n], pos[n])
+        prio[n] = (*p[:4], pos[n])
     return prio
 
 
