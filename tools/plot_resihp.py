@@ -10,6 +10,7 @@ one). Prints the verdicts, then where the figure went.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default=None)
     add_flags(parser, ResiHPConfig)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)  # the verdicts are printed below, once
     cfg = build(ResiHPConfig, vars(args), where="command line")
     records = list(read_trace(args.trace))
     res = replay(records, cfg, "resihp", keep_reports=True)

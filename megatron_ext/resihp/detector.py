@@ -204,10 +204,10 @@ class _Base:
                     time_s=record.time_s,
                     detail={"dp": int(self.dp_of[d.rank]), "tp": int(self.tp_of[d.rank]),
                             "median_z": round(d.median_z, 2), "threshold": self.cfg.resihp_threshold,
-                            "common_factor": round(shared, 4),
                             "window": self.cfg.resihp_window,
                             "observed_s": record.iteration_s,
-                            "expected_s": None if expected_s is None else round(expected_s, 6)}))
+                            "expected_s": None if expected_s is None else round(expected_s, 6),
+                            **({"common_factor": round(shared, 4)} if self.common_mode else {})}))
             # Only clearly healthy ranks teach the calibration: a rank on its way to a verdict
             # (or already convicted) must not pull the expectation towards its slowness.
             guard = 1.0 + 0.5 * (self.cfg.resihp_threshold - 1.0)
