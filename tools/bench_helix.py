@@ -27,7 +27,8 @@ run on gloo, but their waits complete at latency + bytes / bandwidth of the emul
 
 Prints a table, then one JSON line:
   {"cases": {"tp_xnode": {"exposed_comm_reduction": ..., "speedup": ..., "sim_makespan_err": ...,
-   "sim_peak_mem_err": ..., "peak_mem_bytes": {"baseline": ..., "helix": ...}}, ...}}
+   "sim_makespan_err_compile": ..., "sim_peak_mem_err": ..., "peak_mem_bytes": {"baseline": ..., "helix": ...}},
+   ...}}
 ``--timeline PNG`` also draws the simulated before/after timeline of tp_xnode.
 """
 from __future__ import annotations
