@@ -97,12 +97,13 @@ def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
     )
 
 
-def layer_spec(on_gpu: bool, *, per_document_attention: bool = False) -> Any:
+def layer_spec(on_gpu: bool, *, per_document_attention: bool = False, local: bool = False) -> Any:
     """Transformer Engine spec on GPUs where TE imports; the plain-torch local spec otherwise.
 
-    ``per_document_attention``: packed sequences on CPU attend within each document only
-    (``runtime.attention.DocumentAttention``); the TE spec handles packing with its own kernels."""
-    if on_gpu and not per_document_attention:
+    ``per_document_attention``: packed sequences attend within each document only
+    (``runtime.attention.DocumentAttention``, on the local spec). ``local``: the local spec even on a
+    GPU (``--helix`` rewrites megatron's own tensor-parallel layers, not TE's)."""
+    if on_gpu and not per_document_attention and not local:
         try:
             import transformer_engine  # noqa: F401
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -128,7 +129,9 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
     from megatron.core.models.gpt import GPTModel
 
     tconfig = transformer_config(cfg, ctx)
-    spec = layer_spec(ctx.device.type == "cuda", per_document_attention=bool(cfg.data.doc_length_dist))
+    helix = cfg.ext("helix")
+    spec = layer_spec(ctx.device.type == "cuda", per_document_attention=bool(cfg.data.doc_length_dist),
+                      local=bool(helix is not None and helix.helix))
     vocab = padded_vocab_size(vocab_size, ctx.layout.tp)
     chunks = []
     n_chunks = ctx.vpp or 1
