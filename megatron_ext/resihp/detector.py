@@ -11,11 +11,14 @@ lengths, and the pipeline schedule decides which stage's work is on the critical
    healthy iterations by a robust (Huber) regression pooled over the stage's TP and DP ranks, so
    one bad rank cannot teach the stage its slowness; a rank may keep a small steady bias
    (``resihp_rank_bias_max``);
-3. a rank's score is its observed compute time over its expected time in the iteration; its
-   healthy noise is the MAD of its recent scores;
-4. a verdict needs persistence (``stats.Persistence``);
-5. the expected iteration time is the pipeline simulation (``pipesim``) of the expected per-op
-   durations plus a calibrated fixed tail, reported next to the observed time.
+3. a rank's raw score is its observed compute time over its expected time in the iteration;
+4. its score is the raw score relative to the other ranks of the same iteration, job-wide and
+   within its stage (``relative_scores``): what all ranks share (host load, a data mix the model
+   misses) is not a device fault; its healthy noise is the MAD of its recent scores;
+5. a verdict needs persistence (``stats.Persistence``);
+6. the expected iteration time is the pipeline simulation (``pipesim``) of the expected per-op
+   durations plus a calibrated fixed tail, times the iteration's shared factor, reported next to
+   the observed time.
 
 The baseline sees only the same per-rank busy time, normalised by its own median (no FLOPs, no
 simulation), with the same persistence rule, so the two differ only in the normalisation.
