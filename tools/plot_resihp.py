@@ -39,7 +39,8 @@ def plot(records, result, rank: int, path: str, title: str, threshold: float) ->
     raw = np.array([r.raw_scores for r in reps])
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True, height_ratios=[2, 1, 2])
     ax1.plot(its, obs, lw=1.2, color="C0", label="observed iteration time")
-    ax1.plot(its, exp, lw=1.2, color="C1", label="expected: FLOPs / calibrated throughput, pipeline-simulated, x shared factor")
+    ax1.plot(its, exp, lw=1.2, color="C1",
+             label="expected: FLOPs / calibrated throughput, pipeline-simulated, x shared factor")
     ax1.plot(its, exp / shared, lw=0.8, ls="--", color="C1", alpha=0.6, label="expected without the shared factor")
     ax1.set_ylabel("ms")
     ax2.plot(its, shared, lw=1, color="C4", label="shared factor (median over ranks of observed / expected)")
@@ -51,7 +52,8 @@ def plot(records, result, rank: int, path: str, title: str, threshold: float) ->
                  label="other ranks, relative score" if k == 0 else None)
     ax3.plot(its, raw[:, rank], lw=1, color="C3", ls="--", alpha=0.7,
              label=f"rank {rank}: observed / expected (own calibration)")
-    ax3.plot(its, rel[:, rank], lw=1.6, color="C3", label=f"rank {rank}: relative score (after common-mode normalisation)")
+    ax3.plot(its, rel[:, rank], lw=1.6, color="C3",
+             label=f"rank {rank}: relative score (after common-mode normalisation)")
     ax3.axhline(threshold, color="black", lw=0.8, ls="-.", label=f"threshold {threshold:g}")
     ax3.axhline(1.0, color="grey", lw=0.5)
     ax3.set_ylabel("score")

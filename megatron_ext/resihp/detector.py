@@ -314,11 +314,11 @@ class ResiHPDetector(_Base):
         # A rank with no healthy iteration in the buffer (convicted) keeps what it had.
         self.bias = np.where(np.isfinite(bias), np.clip(bias, 1.0 / bmax, bmax), self.bias)
         # The scores the detector would have given these iterations, for the noise estimate.
-        raw = ratio / self.bias
+        scores = ratio / self.bias
         shared = np.ones(n)
         if self.common_mode:
-            raw, shared = relative_scores(raw, self.by_stage)
-        self._set_sigma(raw, healthy)
+            scores, shared = relative_scores(scores, self.by_stage)
+        self._set_sigma(scores, healthy)
         # The part of the iteration the pipeline simulation does not model (optimizer step, data
         # loading, gradient all-reduce) as one robust constant, in the same units as the
         # expectation: scaled back by each iteration's shared factor.
