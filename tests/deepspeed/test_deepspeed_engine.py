@@ -203,6 +203,7 @@ def test_plot_timeline_renders_a_gantt_png(runs, tmp_path):
 @pytest.mark.multirank
 def test_resihp_names_the_slow_rank_on_this_engine(runs):
     found = [v for v in runs["results"]["resihp_verdicts"] if v["kind"] == "fail_slow"]
-    assert found, "ResiHP issued no fail-slow verdict on the DeepSpeed engine"
+    assert found, ("ResiHP issued no fail-slow verdict on the DeepSpeed engine; trace: "
+                   f"{runs['dir'] / 'resihp.trace.jsonl'}")
     assert {v["rank"] for v in found} == {2} and found[0]["stage"] == 1
     assert found[0]["iteration"] >= 20
