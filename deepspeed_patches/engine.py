@@ -80,12 +80,15 @@ def unpatch_p2p() -> None:
 
 # --- timed instructions ------------------------------------------------------------------------
 
-def _compute(fn: Callable, phase: Phase) -> Callable:
+def _timed(fn: Callable, phase: Phase, *, per_microbatch: bool) -> Callable:
+    """``fn`` timed as one event; ``per_microbatch`` False for instructions about the whole batch
+    (gradient reduce, optimizer step), which carry no micro-batch."""
+
     def timed(self: "EventPipelineEngine", **kwargs: Any) -> None:
         rec = self.event_recorder
         if rec is None or not self._recording:
             return fn(self, **kwargs)
-        slot = rec.begin(phase, 0, self._step_microbatch)
+        slot = rec.begin(phase, 0, self._step_microbatch) if per_microbatch else rec.begin(phase)
         try:
             fn(self, **kwargs)
         finally:
@@ -93,23 +96,14 @@ def _compute(fn: Callable, phase: Phase) -> Callable:
 
     timed.__name__ = f"timed{fn.__name__}"
     return timed
+
+
+def _compute(fn: Callable, phase: Phase) -> Callable:
+    return _timed(fn, phase, per_microbatch=True)
 
 
 def _whole(fn: Callable, phase: Phase) -> Callable:
-    """An instruction about the whole batch (gradient reduce, optimizer step): no micro-batch."""
-
-    def timed(self: "EventPipelineEngine", **kwargs: Any) -> None:
-        rec = self.event_recorder
-        if rec is None or not self._recording:
-            return fn(self, **kwargs)
-        slot = rec.begin(phase)
-        try:
-            fn(self, **kwargs)
-        finally:
-            rec.end(slot)
-
-    timed.__name__ = f"timed{fn.__name__}"
-    return timed
+    return _timed(fn, phase, per_microbatch=False)
 
 
 def _p2p(fn: Callable, phase: Phase, call: Call, previous_step: bool) -> Callable:

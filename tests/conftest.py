@@ -10,6 +10,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # One intra-op thread per test process: deterministic, and on a shared box with few cores two
+    # threads make small models 20-100x slower (OpenMP workers spin while other processes hold
+    # the cores). Ranks the tests launch get OMP_NUM_THREADS=1 for the same reason.
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory):
     # Respect a cache the caller set up (CI keeps one across steps); else one per session.

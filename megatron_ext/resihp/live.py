@@ -139,8 +139,10 @@ class ResiHPExtension(Extension):
             logger.error(verdict.describe())
             print(f"resihp: {verdict.describe()}", file=sys.stderr, flush=True)
             if self.cfg.resihp_verdicts_out:
-                with open(self.cfg.resihp_verdicts_out, "a", encoding="utf-8") as fh:
-                    fh.write(verdict.to_json() + "\n")
+                from megatron_ext.resihp.verdicts import VerdictLog
+
+                with VerdictLog(self.cfg.resihp_verdicts_out) as log:
+                    log.write(verdict)
         if self.cfg.resihp_on_stop == "abort":
             if reporter:
                 print(f"resihp: aborting the job: rank {verdict.rank} is gone; resume from the last checkpoint",

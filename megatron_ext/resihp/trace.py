@@ -22,6 +22,7 @@ import numpy as np
 
 from megatron_ext.pipeline.schedule_orders import SCHEDULES
 from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.resihp.jsonl import JsonLinesWriter
 
 logger = logging.getLogger(__name__)
 
@@ -286,31 +287,11 @@ def read_trace(path: str | os.PathLike) -> Iterator[TraceRecord]:
             yield _parse(data, where)
 
 
-class TraceWriter:
+class TraceWriter(JsonLinesWriter):
     """Writes records, one line each, flushed per record so a crashed run keeps its trace."""
 
     def __init__(self, path: str | os.PathLike | io.TextIOBase):
-        if isinstance(path, io.TextIOBase):
-            self._fh, self._owned = path, False
-        else:
-            parent = os.path.dirname(os.fspath(path))
-            if parent:
-                os.makedirs(parent, exist_ok=True)
-            self._fh, self._owned = open(path, "w", encoding="utf-8"), True
-
-    def write(self, record: TraceRecord) -> None:
-        self._fh.write(record.to_json() + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        if self._owned:
-            self._fh.close()
-
-    def __enter__(self) -> "TraceWriter":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().__init__(path, "w")
 
 
 def write_trace(path: str | os.PathLike, records: Sequence[TraceRecord]) -> None:

@@ -9,6 +9,8 @@ import math
 import os
 from typing import Any
 
+from megatron_ext.resihp.jsonl import JsonLinesWriter
+
 logger = logging.getLogger(__name__)
 
 VERDICT_KINDS = ("fail_slow", "fail_stop", "recovered")
@@ -64,31 +66,11 @@ class Verdict:
                 f"confidence {self.confidence:.2f}")
 
 
-class VerdictLog:
+class VerdictLog(JsonLinesWriter):
     """Appends verdicts to a JSON-lines file, one object per line, flushed at once."""
 
     def __init__(self, path: str | os.PathLike | io.TextIOBase):
-        if isinstance(path, io.TextIOBase):
-            self._fh, self._owned = path, False
-        else:
-            parent = os.path.dirname(os.fspath(path))
-            if parent:
-                os.makedirs(parent, exist_ok=True)
-            self._fh, self._owned = open(path, "a", encoding="utf-8"), True
-
-    def write(self, verdict: Verdict) -> None:
-        self._fh.write(verdict.to_json() + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        if self._owned:
-            self._fh.close()
-
-    def __enter__(self) -> "VerdictLog":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().__init__(path, "a")
 
 
 def read_verdicts(path: str | os.PathLike) -> list[Verdict]:

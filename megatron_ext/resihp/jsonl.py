@@ -1,0 +1,34 @@
+"""JSON-lines writer shared by the trace and the verdict log: one object per line, flushed at once
+so a crashed run keeps everything written before the crash."""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+
+class JsonLinesWriter:
+    """Writes objects with a ``to_json()`` method. ``mode`` "w" starts the file, "a" appends."""
+
+    def __init__(self, path: str | os.PathLike | io.TextIOBase, mode: str = "w"):
+        if isinstance(path, io.TextIOBase):
+            self._fh, self._owned = path, False
+        else:
+            parent = os.path.dirname(os.fspath(path))
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            self._fh, self._owned = open(path, mode, encoding="utf-8"), True
+
+    def write(self, item: Any) -> None:
+        self._fh.write(item.to_json() + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._owned:
+            self._fh.close()
+
+    def __enter__(self) -> "JsonLinesWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
