@@ -17,9 +17,45 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from megatron_ext.errors import UserError, one_line
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """Bad configuration: the message names the key, the file or flag, and what to do."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse`` whose errors are ``ConfigError``s: one line, no usage dump, and the nearest flag
+    suggested for a misspelled one (Python 3.11's argparse suggests nothing). The caller reports
+    it like any other bad input; ``--help`` still prints and exits."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(suggest_flag(one_line(message), self._option_strings()))
+
+    def _option_strings(self) -> list[str]:
+        return [o for a in self._actions for o in a.option_strings
+                if o.startswith("--") and a.help is not argparse.SUPPRESS]
+
+
+def suggest_flag(message: str, known: Iterable[str]) -> str:
+    """Append 'did you mean --x?' to argparse's 'unrecognized arguments: --y 3' for misspelled flags."""
+    import difflib
+
+    if not message.startswith("unrecognized arguments: "):
+        return message
+    known = list(known)
+    hints = []
+    for token in message.split(": ", 1)[1].split():
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                hints.append((flag, close[0]))
+    if len(hints) == 1:
+        return f"{message}; did you mean {hints[0][1]}?"
+    if hints:
+        return f"{message}; did you mean " + ", ".join(f"{c} (for {f})" for f, c in hints) + "?"
+    return message
 
 
 def doc(help: str, default: Any = dataclasses.MISSING, *, choices: Iterable[Any] | None = None,
@@ -149,7 +185,12 @@ def build(cls: type, values: Mapping[str, Any], where: str) -> Any:
     kwargs = {}
     for f, tp in _resolved_fields(cls):
         if f.name in values and values[f.name] is not None:
-            kwargs[f.name] = _coerce(values[f.name], tp, f.name, where)
+            kwargs[f.name] = value = _coerce(values[f.name], tp, f.name, where)
+            choices = f.metadata.get("choices")
+            # argparse checks choices for flags only; a YAML value gets the same check here.
+            if choices is not None and value not in choices:
+                raise ConfigError(f"{where}: key '{f.name}' must be one of "
+                                  f"{', '.join(repr(c) for c in choices)}, got {value!r}")
     try:
         return cls(**kwargs)
     except ConfigError:

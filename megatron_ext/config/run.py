@@ -11,8 +11,8 @@ import importlib
 import os
 from typing import Any, Sequence
 
-from megatron_ext.config.base import (ConfigError, add_flags, build, check_unknown, doc, field_names,
-                                      load_yaml)
+from megatron_ext.config.base import (ArgumentParser, ConfigError, add_flags, build, check_unknown, doc,
+                                      field_names, load_yaml)
 
 _SECTIONS: dict[str, type] = {}
 # Core sections are attributes of RunConfig; the rest are extension sections.
@@ -278,12 +278,15 @@ class RunConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="pretrain_gpt.py",
         description="GPT pretraining on megatron-core with the megatron-ext extensions. "
                     "Every flag is also a key of --config YAML; flags override YAML.",
         allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file with the same keys as the flags.")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="Start N ranks on this machine (after checking the configuration for N ranks); "
+                             "not needed under torchrun or srun.")
     for name, cls in sections().items():
         add_flags(parser, cls, title=name)
     return parser
@@ -306,7 +309,7 @@ def parse_run_config(argv: Sequence[str] | None = None, *, defaults: dict[str, A
         values.update(yaml_values)
         source = args.config
         where = f"{args.config} / command line"
-    cli = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    cli = {k: v for k, v in vars(args).items() if k not in ("config", "nproc_per_node") and v is not None}
     values.update(cli)
     return config_from_values(values, where=where, source=source)
 

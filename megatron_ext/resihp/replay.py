@@ -19,13 +19,16 @@ import os
 import sys
 from typing import Iterable, Sequence
 
-from megatron_ext.config.base import ConfigError, add_flags, build
+from megatron_ext.config.base import ArgumentParser, add_flags, build
+from megatron_ext.errors import UserError, report
 from megatron_ext.resihp.config import ResiHPConfig
 from megatron_ext.resihp.detector import IterationReport, make_detector
 from megatron_ext.resihp.heartbeat import HeartbeatTracker
 from megatron_ext.resihp.metrics import DetectionMetrics, labels_of, score
-from megatron_ext.resihp.trace import TraceRecord, TraceError, read_trace
+from megatron_ext.resihp.trace import TraceRecord, read_trace
 from megatron_ext.resihp.verdicts import Verdict, VerdictLog
+
+PROG = "python -m megatron_ext.resihp.replay"
 
 logger = logging.getLogger(__name__)
 
@@ -120,24 +123,22 @@ def plot(records: Sequence[TraceRecord], result: ReplayResult, path: str, title:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_ext.resihp.replay", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="trace file (JSON lines, format v1)")
     parser.add_argument("--detector", choices=("resihp", "raw", "both"), default="both")
     parser.add_argument("--plot", default="", help="write observed vs expected iteration time to this PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON line of the results last")
     add_flags(parser, ResiHPConfig)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: warning: %(message)s")
     try:
+        args = parser.parse_args(argv)
         config = build(ResiHPConfig, vars(args), where="command line")
         records = list(read_trace(args.trace))
-    except (ConfigError, TraceError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return report(PROG, exc)
     if not records:
-        print(f"error: {args.trace}: no records", file=sys.stderr)
-        return 2
+        return report(PROG, f"{args.trace}: no records")
     names = ["resihp", "raw"] if args.detector == "both" else [args.detector]
     results = [replay(records, config, n, keep_reports=bool(args.plot) and n == "resihp") for n in names]
     print(f"{args.trace}: {len(records)} iterations ({records[0].iteration}..{records[-1].iteration})")
@@ -157,8 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         res = next((r for r in results if r.detector == "resihp"), None)
         if res is None:
-            print("error: --plot needs the resihp detector", file=sys.stderr)
-            return 2
+            return report(PROG, "--plot needs the resihp detector (--detector resihp or both)")
         plot(records, res, args.plot, f"ResiHP replay of {os.path.basename(args.trace)}")
         print(f"plot written to {args.plot}")
     if args.json:

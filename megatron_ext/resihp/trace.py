@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from megatron_ext.errors import UserError
 from megatron_ext.pipeline.schedule_orders import SCHEDULES
 from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.resihp.jsonl import JsonLinesWriter
@@ -31,7 +32,7 @@ TRACE_VERSION = 1
 FAULT_KINDS = ("slow", "stop")
 
 
-class TraceError(ValueError):
+class TraceError(UserError, ValueError):
     """A trace record is malformed; the message starts with ``file:line``."""
 
 
@@ -176,6 +177,8 @@ def _type_name(types: type | tuple) -> str:
 
 
 def _durations(value: Any, key: str, world: int, vp: int, m: int, where: str) -> np.ndarray:
+    if value is None:
+        raise TraceError(f"{where}: missing key '{key}'")
     if not isinstance(value, list) or len(value) != world:
         raise TraceError(f"{where}: key '{key}' must list {world} ranks (tp*pp*dp), "
                          f"got {len(value) if isinstance(value, list) else type(value).__name__}")
@@ -283,7 +286,12 @@ def read_trace(path: str | os.PathLike) -> Iterator[TraceRecord]:
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise TraceError(f"{where}: not valid JSON: {exc.msg} at column {exc.colno}") from None
+                # The writer ends every record with its newline in one flushed write, so a last line
+                # without one is a record a crashed run did not finish: skip it, keep the rest.
+                if not line.endswith("\n"):
+                    logger.warning("%s: last line is cut short (the writer stopped mid-record); skipped", where)
+                    return
+                raise TraceError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
             yield _parse(data, where)
 
 

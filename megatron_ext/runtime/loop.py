@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_ext.config.run import RunConfig
 from megatron_ext.data.dataset import MicroBatchStream, build_splits, split_sizes
 from megatron_ext.runtime import checkpoint as ckpt
+from megatron_ext.runtime import rundir
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.extension import Extension, IterationMetrics
 from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, stage_loss_func
@@ -80,9 +81,13 @@ class Trainer:
             if lg.tensorboard_dir:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=lg.tensorboard_dir)
+                # On a resume, TensorBoard drops the events a crashed run wrote after the checkpoint.
+                purge = self.iteration + 1 if cfg.checkpoint.load else None
+                self._tb = SummaryWriter(log_dir=lg.tensorboard_dir, purge_step=purge)
             if lg.metrics_file:
                 os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
+                if cfg.checkpoint.load:
+                    rundir.truncate_metrics(lg.metrics_file, self.iteration)
                 self._metrics_fh = open(lg.metrics_file, "a", encoding="utf-8")
         for ext in self.extensions:
             ext.setup(self)
@@ -216,7 +221,21 @@ class Trainer:
                          config=self.cfg.flat(), layout=self.layout_dict(), keep_last=self.cfg.checkpoint.keep_last)
 
     def load_checkpoint(self, path: str) -> None:
-        state = ckpt.load(path, model=self.model, optimizer=self.optimizer, layout=self.layout_dict())
+        # Each rank verifies only the files it reads: a rank whose shard is bad must not leave the
+        # others waiting in the first collective. Every rank learns the first failure and raises it.
+        error = None
+        try:
+            state = ckpt.load(path, model=self.model, optimizer=self.optimizer, layout=self.layout_dict())
+        except ckpt.CheckpointError as exc:
+            error = str(exc)
+        errors = [error]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise ckpt.CheckpointError(first)
+        self._warn_schedule_change(state.scheduler)
         self.iteration = state.iteration
         self.train_stream.consumed_samples = state.consumed_samples
         self.scheduler.load_state_dict(state.scheduler)
@@ -224,6 +243,18 @@ class Trainer:
         if self.ctx.rank == 0:
             logger.info("resumed from %s at iteration %d (%d samples consumed)", path, state.iteration,
                         state.consumed_samples)
+
+    def _warn_schedule_change(self, saved: dict[str, Any]) -> None:
+        """The checkpoint's LR schedule wins over the flags on resume (megatron's
+        use_checkpoint_opt_param_scheduler): say so when the flags ask for another one."""
+        t = self.cfg.training
+        want = {"max_lr": t.lr, "min_lr": t.min_lr, "lr_warmup_steps": t.lr_warmup_iters,
+                "lr_decay_steps": max(t.lr_decay_iters, t.lr_warmup_iters + 1), "lr_decay_style": t.lr_decay_style}
+        changed = [f"{k} {saved[k]} (flags: {v})" for k, v in want.items() if k in saved and saved[k] != v]
+        if changed and self.ctx.rank == 0:
+            logger.warning("resuming keeps the checkpoint's learning-rate schedule: %s; after the decay the "
+                           "rate stays at min-lr. To train on a new schedule, start a new run from the "
+                           "weights (docs/runtime.md, 'Resuming')", "; ".join(changed))
 
     # --- logging ---------------------------------------------------------------------------
     def _record(self, kind: str, payload: dict[str, Any]) -> None:

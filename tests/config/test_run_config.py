@@ -113,10 +113,30 @@ def test_field_checks():
         parse_run_config(["--sequence-parallel"])
 
 
-def test_bad_flag_value_exits(capsys):
-    with pytest.raises(SystemExit):
+def test_bad_flag_value_is_one_config_error():
+    with pytest.raises(ConfigError) as err:
         parse_run_config(["--lr-decay-style", "zigzag"])
-    assert "invalid choice: 'zigzag'" in capsys.readouterr().err
+    assert str(err.value).startswith("argument --lr-decay-style: invalid choice: 'zigzag' (choose from")
+
+
+def test_misspelled_flag_suggests_the_nearest():
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(["--hiden-size", "8"])
+    assert str(err.value) == "unrecognized arguments: --hiden-size 8; did you mean --hidden-size?"
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(["--hiden-size=8", "--num-layer", "3", "--qqqqqqqq"])
+    assert str(err.value) == ("unrecognized arguments: --hiden-size=8 --num-layer 3 --qqqqqqqq; did you mean "
+                              "--hidden-size (for --hiden-size), --num-layers (for --num-layer)?")
+
+
+@pytest.mark.parametrize("key,value", [("engine", "xyz"), ("position_embedding_type", "alibi"),
+                                       ("lr_decay_style", "zigzag"), ("distributed_backend", "mpi")])
+def test_yaml_values_are_checked_against_choices(tmp_path, key, value):
+    path = write(tmp_path, f"{key}: {value}\n")
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(["--config", path])
+    assert str(err.value).startswith(f"{path} / command line: key '{key}' must be one of ")
+    assert str(err.value).endswith(f", got '{value}'")
 
 
 def test_pretrain_reports_config_errors_before_building(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,80 @@
+"""One run per output directory: a new run never mixes with, or overwrites, an earlier one.
+
+A run writes checkpoints (``--save``), metrics lines (``--metrics-file``) and TensorBoard events
+(``--tensorboard-dir``). When any of them already holds a run, the new run is refused with what to
+do, unless it resumes (``--load``): then the metrics lines and TensorBoard events written after the
+resumed checkpoint (by a run that crashed later) are dropped, so the resumed curve continues the
+saved one without duplicates.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import Any
+
+from megatron_ext.config.base import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _checkpoint_in(save_dir: str) -> str | None:
+    """Name of the latest checkpoint in ``save_dir``, or None when it holds none."""
+    latest = os.path.join(save_dir, "latest")
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as fh:
+            return fh.read().strip() or "latest"
+    done = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_") and not d.endswith(".partial")) \
+        if os.path.isdir(save_dir) else []
+    return done[-1] if done else None
+
+
+def check_outputs(*, save: str | None, load: str | None, metrics_file: str | None,
+                  tensorboard_dir: str | None, clean_hint: str = "") -> None:
+    """Refuse a new (not resuming) run whose outputs already hold a run. Raises ConfigError."""
+    hint = f", or remove it{clean_hint}" if clean_hint else ", or remove it"
+    if save is not None:
+        name = _checkpoint_in(save)
+        if name is not None and (load is None or not _same(load, save)):
+            raise ConfigError(f"--save {save} already holds a run (checkpoint {name}): resume it with "
+                              f"--load {save}, save elsewhere{hint}")
+    if load is not None:
+        return  # a resume continues its metrics and events (trimmed to the checkpoint in setup)
+    if metrics_file is not None and os.path.isfile(metrics_file) and os.path.getsize(metrics_file) > 0:
+        raise ConfigError(f"--metrics-file {metrics_file} already holds another run's metrics: resume that run "
+                          f"with --load, write elsewhere{hint}")
+    if tensorboard_dir is not None and glob.glob(os.path.join(tensorboard_dir, "events.out.tfevents.*")):
+        raise ConfigError(f"--tensorboard-dir {tensorboard_dir} already holds another run's events: resume that "
+                          f"run with --load, write elsewhere{hint}")
+
+
+def truncate_metrics(path: str, iteration: int) -> int:
+    """Keep the rows of ``path`` up to ``iteration`` (what the resumed checkpoint had seen); drop
+    later rows and a torn last line. Atomic: a crash here leaves the old file. Returns rows dropped."""
+    if not os.path.isfile(path):
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                row: dict[str, Any] = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            if int(row.get("iteration", 0)) <= iteration:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(kept)
+        os.replace(tmp, path)
+        logger.info("%s: dropped %d rows written after iteration %d (resuming from there)", path, dropped, iteration)
+    return dropped
