@@ -5,9 +5,13 @@ GPU code paths and other libraries are untouched. ``apply()`` is explicit and id
 ``SHIMS`` lists every patch with the upstream source fragment it relies on, and
 ``tests/compat/test_megatron_cpu.py`` fails when a fragment moves upstream.
 
-Not shimmed (see FEASIBILITY.md): megatron's optimizer and ``clip_grads`` — the CPU runtime uses a
-torch optimizer over ``param.main_grad`` instead; ``Timers`` — pass ``config.timers`` explicitly;
-``batch_p2p_sync`` — set ``TransformerConfig(batch_p2p_sync=False)`` (``runtime/model.py`` does).
+megatron's optimizer (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``clip_grads``)
+runs on CPU with three more device shims plus ``cuda_type_names()``: its dtype checks compare
+``Tensor.type()`` against CUDA type names, so the runtime builds and steps it inside that context
+(``runtime/optimizer.py``). The fp32 CPU runtime keeps a plain torch AdamW over ``param.main_grad``.
+
+Not shimmed: ``Timers`` — pass ``config.timers`` explicitly; ``batch_p2p_sync`` — set
+``TransformerConfig(batch_p2p_sync=False)`` (``runtime/model.py`` does).
 """
 from __future__ import annotations
 
@@ -112,6 +116,15 @@ SHIMS: tuple[Shim, ...] = (
     Shim("causal-mask-device", "megatron.core.transformer.utils", "torch",
          'torch.ones(sq, sq, device="cuda")',
          "the default causal mask (no explicit attention mask given) is built on CUDA"),
+    Shim("optimizer-device", "megatron.core.optimizer.optimizer", "torch",
+         "device='cuda'",
+         "mixed-precision optimizers keep found_inf / unit loss scale tensors on CUDA"),
+    Shim("clip-grads-device", "megatron.core.optimizer.clip_grads", "torch",
+         "device='cuda'",
+         "gradient norm and clipping build their reduction and overflow buffers on CUDA"),
+    Shim("distrib-optimizer-device", "megatron.core.optimizer.distrib_optimizer", "torch",
+         "device=torch.cuda.current_device()",
+         "the distributed optimizer allocates its parameter-state buffers on the current GPU"),
     Shim("rng-tracker", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
          "base_tracker = CudaRNGStatesTracker",
          "the model-parallel RNG tracker keeps CUDA generator states"),
@@ -184,6 +197,42 @@ def _make_cpu_tracker(base: type) -> type:
     return CpuRNGStatesTracker
 
 
+# Upstream checks that compare ``Tensor.type()`` with CUDA type names (module, fragment):
+# ``cuda_type_names()`` exists for exactly these, and ``missing_fragments()`` reports them as
+# "cuda-type-names" when one moves.
+TYPE_NAME_CHECKS: tuple[tuple[str, str], ...] = (
+    ("megatron.core.optimizer.optimizer", "param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']"),
+    ("megatron.core.optimizer.optimizer", "param.type() == 'torch.cuda.FloatTensor'"),
+    ("megatron.core.optimizer.distrib_optimizer",
+     "model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']"),
+    ("megatron.core.optimizer.clip_grads", "assert param.grad.type() == 'torch.cuda.FloatTensor'"),
+)
+
+
+@contextlib.contextmanager
+def cuda_type_names():
+    """Within the block, ``Tensor.type()`` (no arguments) names CPU tensors as CUDA ones.
+
+    megatron's optimizers sort parameters into fp16/bf16 and fp32 groups, and ``clip_grads``
+    asserts fp32 gradients, by comparing ``param.type()`` with ``'torch.cuda.BFloat16Tensor'`` and
+    ``'torch.cuda.FloatTensor'`` (``TYPE_NAME_CHECKS``). A CPU tensor of the same dtype answers
+    ``'torch.BFloat16Tensor'`` and would be refused. Only the no-argument query changes; a cast
+    (``t.type(torch.float16)``) is untouched, and so is every CUDA tensor.
+    """
+    real = torch.Tensor.type
+
+    def type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or self.device.type != "cpu":
+            return real(self, *args, **kwargs)
+        return real(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_name  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real  # type: ignore[method-assign]
+
+
 _applied: dict[str, tuple[Any, str, Any]] = {}
 
 
@@ -222,6 +271,10 @@ def missing_fragments() -> list[str]:
         source = inspect.getsource(importlib.import_module(shim.module))
         if shim.fragment not in source or not hasattr(owner, leaf):
             missing.append(shim.name)
+    for module, fragment in TYPE_NAME_CHECKS:
+        if fragment not in inspect.getsource(importlib.import_module(module)):
+            missing.append("cuda-type-names")
+            break
     return missing
 
 

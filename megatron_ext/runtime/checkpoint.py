@@ -5,7 +5,8 @@ Layout of a save directory::
     latest                      text: name of the newest complete checkpoint (atomic replace)
     iter_0000020/
       meta.json                 iteration, data position, scheduler, layout, config, files + sha256
-      shards_rank00003.pt       main-replica model shards and their optimizer tensors of rank 3
+      shards_rank00003.pt       main-replica model shards and their optimizer tensors of rank 3:
+                                fp32 master copy (mixed precision), Adam moments, step count
       rng_rank00003.pt          RNG states of rank 3
 
 Every tensor is stored with its megatron ``sharded_state_dict`` geometry (key, global shape, global
@@ -34,16 +35,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext.errors import UserError
 from megatron_ext.runtime.model import ModelBundle, iter_sharded_tensors, shard_slices, unwrap
+from megatron_ext.runtime.optimizer import MOMENT_KEYS, collect_param_states, restore_param_states
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 LATEST = "latest"
-OPT_KEYS = ("exp_avg", "exp_avg_sq")
+OPT_KEYS = MOMENT_KEYS
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the directory and the reason."""
 
 
@@ -164,11 +167,6 @@ def _local_entries(model: Any, *, main_only: bool) -> list[ShardEntry]:
     return [e for e in entries if e.main or not main_only]
 
 
-def _optimizer_state(optimizer: Any, param: torch.Tensor) -> dict[str, torch.Tensor]:
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return inner.state.get(param, {}) if hasattr(inner, "state") else {}
-
-
 def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config: dict[str, Any],
          layout: dict[str, int], keep_last: int = 0) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory."""
@@ -183,14 +181,22 @@ def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config
         os.makedirs(partial)
     _barrier()
     payload = []
-    for e in _local_entries(model, main_only=True):
-        ostate = _optimizer_state(optimizer, e.param)
-        payload.append({
+    # Every rank collects (the distributed optimizer gathers over data-parallel groups); only main
+    # replicas are written.
+    entries = _local_entries(model, main_only=False)
+    states = collect_param_states(optimizer, [e.param for e in entries])
+    for e, ostate in zip(entries, states):
+        if not e.main:
+            continue
+        item = {
             "key": e.key, "index": e.index, "offset": e.offset, "shape": e.shape, "global_shape": e.global_shape,
             "tensor": e.param.detach().cpu().clone(),
-            "optim": {k: ostate[k].detach().cpu().clone() for k in OPT_KEYS if k in ostate},
-            "step": float(ostate["step"]) if "step" in ostate else None,
-        })
+            "optim": {k: ostate[k] for k in OPT_KEYS if k in ostate},
+            "step": ostate.get("step"),
+        }
+        if "main" in ostate:  # fp32 master weights of a mixed-precision optimizer
+            item["main"] = ostate["main"]
+        payload.append(item)
     shard_file = f"shards_rank{rank:05d}.pt"
     rng_file = f"rng_rank{rank:05d}.pt"
     torch.save(payload, os.path.join(partial, shard_file))
@@ -340,6 +346,9 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
     staged = []
     for e, parts in plan:
         value = torch.empty(e.shape, dtype=e.param.dtype)
+        # The master copy: saved fp32 "main" where the saving run had one, else the saved weight
+        # itself (an fp32 run's weight is its master; its exact value, not a bf16 rounding).
+        main = torch.empty(e.shape, dtype=torch.float32)
         optim = {k: torch.empty(e.shape, dtype=torch.float32) for k in OPT_KEYS}
         step = None
         have_optim = True
@@ -347,25 +356,32 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
             p = lookup[(s["file"], s["key"], tuple(s["index"]), tuple(s["offset"]))]
             dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, e.offset))
             src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, s["offset"]))
-            value[dst] = p["tensor"][src]
-            if all(k in p["optim"] for k in OPT_KEYS):
+            master = (p["main"] if "main" in p else p["tensor"])[src]
+            main[dst] = master.float()
+            # From the master: an fp32 run resuming a bf16 checkpoint gets the full-precision value;
+            # for a bf16 model this is the saved weight (the optimizer rounds master -> weight).
+            value[dst] = master.to(value.dtype)
+            if all(k in p["optim"] for k in OPT_KEYS) and p["step"] is not None:
                 for k in OPT_KEYS:
                     optim[k][dst] = p["optim"][k][src]
+                if step is not None and step != p["step"]:
+                    raise CheckpointError(f"{ckpt}: shards of {e.key} disagree on the step count "
+                                          f"({step} vs {p['step']})")
                 step = p["step"]
             else:
                 have_optim = False
-        staged.append((e, value, optim if have_optim else None, step))
+        state = {"main": main}
+        if have_optim and step is not None:
+            state.update(optim, step=step)
+        staged.append((e, value, state))
     rng = torch.load(os.path.join(ckpt, rng_file), map_location="cpu", weights_only=False) if want_rng else None
 
     # Nothing above touched the model: a bad checkpoint raised before this point.
-    inner = getattr(optimizer, "optimizer", optimizer)
     with torch.no_grad():
-        for e, value, optim, step in staged:
-            param = e.param
-            param.copy_(value.to(param.device))
-            if load_optim and optim is not None and step is not None and hasattr(inner, "state"):
-                inner.state[param] = {"step": torch.tensor(float(step)),
-                                      **{k: v.to(param.device) for k, v in optim.items()}}
+        for e, value, _ in staged:
+            e.param.copy_(value.to(e.param.device))
+    restore_param_states(optimizer, [e.param for e, _, _ in staged], [st for _, _, st in staged],
+                         load_moments=load_optim)
     if rng is not None:
         _set_rng_state(rng)
     elif load_rng and not same_layout and rank == 0:

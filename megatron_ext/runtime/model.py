@@ -69,7 +69,9 @@ def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
 
     m, p, t = cfg.model, cfg.parallel, cfg.training
     on_gpu = ctx.device.type == "cuda"
-    dtype = torch.bfloat16 if (t.bf16 and on_gpu) else torch.float32
+    # --bf16 holds bf16 weights on CPU too (slow, but it is how the mixed-precision optimizer and
+    # its checkpoints are tested without a GPU).
+    dtype = torch.bfloat16 if t.bf16 else torch.float32
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -151,6 +153,12 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
         model.to(ctx.device)
         chunks.append(model)
     init_by_name(chunks, seed=cfg.training.seed, std=cfg.model.init_method_std, num_layers=cfg.model.num_layers)
+    if tconfig.bf16:
+        # As megatron's own training does: the last stage hands fp32 logits/losses back, and the
+        # first stage's float inputs are cast to bf16 before they meet bf16 weights.
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(tconfig, c) for c in chunks]
     if wrap_ddp:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,

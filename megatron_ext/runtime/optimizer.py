@@ -1,11 +1,18 @@
-"""Optimizer, LR schedule and gradient clipping.
+"""Optimizer, LR schedule, gradient clipping, and per-parameter optimizer state for checkpoints.
 
-CPU: ``torch.optim.AdamW`` over ``param.main_grad`` (megatron DDP accumulates gradients there);
-megatron's optimizer does not run on CPU (FEASIBILITY.md). GPU: megatron's ``get_megatron_optimizer``.
-The LR schedule is megatron-core's ``OptimizerParamScheduler`` in both cases.
+fp32 on CPU: ``torch.optim.AdamW`` over ``param.main_grad`` (megatron DDP accumulates gradients
+there). GPU, and ``--bf16`` on CPU: megatron's ``get_megatron_optimizer`` (``Float16OptimizerWith
+Float16Params``, or ``DistributedOptimizer`` when the DDP wrapper was built for it); on CPU it runs
+under the compat shims and ``cuda_type_names()`` (``compat/megatron_cpu.py``). The LR schedule is
+megatron-core's ``OptimizerParamScheduler`` in all cases.
+
+``collect_param_states`` / ``restore_param_states`` give the checkpoint code one view of every
+optimizer: per model parameter, its fp32 master copy (when the optimizer keeps one apart from the
+model weight), its Adam moments and its step count, all in the parameter's own (TP/PP-local) shape.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Iterable
 
@@ -90,15 +97,233 @@ class CPUOptimizer:
         return self.optimizer.state.get(p, {})
 
 
+class MegatronOptimizerOnCPU:
+    """megatron's optimizer on CPU ranks: every step runs inside ``cuda_type_names()``.
+
+    ``clip_grads`` asserts that gradients are ``'torch.cuda.FloatTensor'`` on every step, so the
+    context is needed beyond construction. Everything else is the wrapped optimizer's."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.__dict__["megatron_optimizer"] = optimizer
+
+    def step(self) -> Any:
+        from megatron_ext.compat.megatron_cpu import cuda_type_names
+
+        with cuda_type_names():
+            return self.megatron_optimizer.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["megatron_optimizer"], name)
+
+
+def _uses_distributed_optimizer(model_chunks: Any) -> bool:
+    ddp_configs = [getattr(c, "ddp_config", None) for c in model_chunks or []]
+    return any(getattr(d, "use_distributed_optimizer", False) for d in ddp_configs)
+
+
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainingConfig, on_gpu: bool, model_chunks=None):
-    if not on_gpu:
+    """AdamW for fp32 CPU runs; megatron's optimizer on GPUs and for ``--bf16`` (master weights).
+
+    The distributed optimizer is used exactly when the DDP wrappers were built for it (their
+    ``ddp_config.use_distributed_optimizer``): megatron requires the two to agree."""
+    if not on_gpu and not cfg.bf16:
         return CPUOptimizer(params, cfg)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    if not model_chunks:
+        raise ValueError("megatron's optimizer needs the DDP-wrapped model chunks (model_chunks=...)")
     ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-                           clip_grad=cfg.clip_grad, bf16=cfg.bf16, params_dtype=torch.float32)
-    return get_megatron_optimizer(ocfg, model_chunks)
+                           clip_grad=cfg.clip_grad, bf16=cfg.bf16, params_dtype=torch.float32,
+                           use_distributed_optimizer=_uses_distributed_optimizer(model_chunks))
+    if on_gpu:
+        return get_megatron_optimizer(ocfg, model_chunks)
+    from megatron_ext.compat.megatron_cpu import applied, cuda_type_names
+
+    if not applied():
+        raise RuntimeError("megatron's optimizer on CPU needs the compat shims: call "
+                           "megatron_ext.compat.megatron_cpu.apply() (distributed.setup does on CPU)")
+    with cuda_type_names():
+        return MegatronOptimizerOnCPU(get_megatron_optimizer(ocfg, model_chunks))
+
+
+# --- per-parameter optimizer state (checkpoints) --------------------------------------------
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass
+class _Slot:
+    """Where one model parameter's optimizer state lives.
+
+    ``inner``: the torch-level optimizer holding the state; ``key``: its state key, the master copy
+    (``None`` when this data-parallel rank owns no part of the parameter); ``separate_main``: the
+    master is a different tensor from the model weight (mixed precision); ``flat_range``: for the
+    distributed optimizer, the part of the flattened parameter this rank owns; ``dp_group``: the
+    group over which the owned parts are spread."""
+
+    inner: Any
+    group: dict[str, Any] | None
+    key: torch.Tensor | None
+    separate_main: bool
+    flat_range: tuple[int, int] | None = None
+    dp_group: Any = None
+
+
+def _megatron_parts(optimizer: Any) -> list[Any]:
+    opt = getattr(optimizer, "megatron_optimizer", optimizer)
+    return list(getattr(opt, "chained_optimizers", [opt]))
+
+
+def _group_of(inner: Any, key: torch.Tensor) -> dict[str, Any] | None:
+    for g in inner.param_groups:
+        if any(p is key for p in g["params"]):
+            return g
+    return None
+
+
+def _slots(optimizer: Any) -> dict[int, _Slot]:
+    """Map id(model parameter) -> _Slot for every parameter the optimizer updates."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    slots: dict[int, _Slot] = {}
+    for part in _megatron_parts(optimizer):
+        inner = getattr(part, "optimizer", part)
+        if isinstance(part, DistributedOptimizer):
+            # data_parallel_group: the ranks one distributed-optimizer instance shards state over.
+            group = part.data_parallel_group
+            for model_param in part.model_param_gbuf_map:
+                rng = part._get_model_param_range_map(model_param)["param"]
+                key = None
+                if model_param in part.model_param_group_index_map:
+                    gi, go = part.model_param_group_index_map[model_param]
+                    key = inner.param_groups[gi]["params"][go]
+                slots[id(model_param)] = _Slot(inner=inner, group=None if key is None else _group_of(inner, key),
+                                               key=key, separate_main=True, flat_range=(rng.start, rng.end),
+                                               dp_group=group)
+        elif isinstance(part, Float16OptimizerWithFloat16Params):
+            for model_group, main_group in zip(part.float16_groups, part.fp32_from_float16_groups):
+                for model_param, main_param in zip(model_group, main_group):
+                    slots[id(model_param)] = _Slot(inner, _group_of(inner, main_param), main_param, True)
+            for fp32_group in part.fp32_from_fp32_groups:
+                for p in fp32_group:
+                    slots[id(p)] = _Slot(inner, _group_of(inner, p), p, False)
+        else:  # CPUOptimizer, megatron's FP32Optimizer: the state is keyed by the model weight itself
+            for g in inner.param_groups:
+                for p in g["params"]:
+                    slots[id(p)] = _Slot(inner, g, p, False)
+    return slots
+
+
+def _per_param_step(inner: Any) -> bool:
+    """torch's Adam/AdamW count steps per parameter (``state['step']``); the fused Adams of
+    Transformer Engine and apex count them per group (``group['step']``)."""
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _local_state(slot: _Slot) -> tuple[torch.Tensor | None, dict[str, torch.Tensor], float | None]:
+    """(master copy or None, moments, step) as this rank holds them (flattened slice if distributed)."""
+    if slot.key is None:
+        return None, {}, None
+    st = slot.inner.state.get(slot.key, {})
+    moments = {k: st[k] for k in MOMENT_KEYS if k in st}
+    step = st.get("step") if _per_param_step(slot.inner) else (slot.group or {}).get("step")
+    if len(moments) < len(MOMENT_KEYS):
+        moments, step = {}, None
+    return (slot.key if slot.separate_main else None), moments, (None if step is None else float(step))
+
+
+def collect_param_states(optimizer: Any, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """Per parameter: ``{"main": fp32 master (mixed precision only), "exp_avg", "exp_avg_sq",
+    "step"}`` in the parameter's shape, on CPU; ``{}`` for a parameter without optimizer state.
+
+    Collective over data-parallel groups when the distributed optimizer shards the state: each rank
+    contributes the part it owns and every replica receives the whole (one all-reduce per group and
+    tensor kind over a flat buffer; peak extra memory: three fp32 copies of the local parameters)."""
+    slots = _slots(optimizer)
+    out: list[dict[str, Any]] = [{} for _ in params]
+    distributed: dict[Any, list[int]] = {}
+    for i, p in enumerate(params):
+        slot = slots.get(id(p))
+        if slot is None:
+            continue
+        if slot.flat_range is not None:
+            distributed.setdefault(slot.dp_group, []).append(i)
+            continue
+        main, moments, step = _local_state(slot)
+        if main is not None:
+            out[i]["main"] = main.detach().float().cpu().clone()
+        if step is not None:
+            out[i].update({k: v.detach().float().cpu().clone() for k, v in moments.items()}, step=step)
+    for group, indices in distributed.items():
+        _gather_sharded(group, [params[i] for i in indices], [slots[id(params[i])] for i in indices],
+                        [out[i] for i in indices])
+    return out
+
+
+def _gather_sharded(group: Any, params: list[torch.Tensor], slots: list[_Slot], outs: list[dict[str, Any]]) -> None:
+    sizes = [p.numel() for p in params]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    device = params[0].device
+    kinds = ("main",) + MOMENT_KEYS
+    flat = torch.zeros(len(kinds), sum(sizes), dtype=torch.float32, device=device)
+    # [has-moments flag, step]: MAX over the group (ranks owning nothing contribute zeros).
+    meta = torch.zeros(2, dtype=torch.float64, device=device)
+    for slot, base, out in zip(slots, starts, outs):
+        main, moments, step = _local_state(slot)
+        if main is None:
+            continue
+        lo, hi = slot.flat_range
+        flat[0, base + lo:base + hi] = main.detach().view(-1).float()
+        if step is not None:
+            for k, name in enumerate(MOMENT_KEYS, start=1):
+                flat[k, base + lo:base + hi] = moments[name].detach().view(-1).float()
+            meta[0] = 1.0
+            meta[1] = max(float(meta[1]), step)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)  # owned ranges are disjoint: the sum is the concatenation
+        dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
+    flat, has_moments, step = flat.cpu(), bool(meta[0] > 0), float(meta[1])
+    for p, base, out in zip(params, starts, outs):
+        n = p.numel()
+        out["main"] = flat[0, base:base + n].view(p.shape).clone()
+        if has_moments:
+            out.update({name: flat[k, base:base + n].view(p.shape).clone()
+                        for k, name in enumerate(MOMENT_KEYS, start=1)}, step=step)
+
+
+def restore_param_states(optimizer: Any, params: list[torch.Tensor], states: list[dict[str, Any]], *,
+                         load_moments: bool = True) -> None:
+    """Inverse of ``collect_param_states`` (no communication: every rank gets whole local tensors).
+
+    The master copy is always set (from ``"main"``, or from the parameter's new value when the
+    checkpoint has none, e.g. one written by an fp32 run): a mixed-precision optimizer would
+    otherwise overwrite the loaded weights with its stale master on the next step. Moments and step
+    are set when ``load_moments`` and the checkpoint has them."""
+    slots = _slots(optimizer)
+    with torch.no_grad():
+        for p, state in zip(params, states):
+            slot = slots.get(id(p))
+            if slot is None or slot.key is None:
+                continue
+            lo, hi = slot.flat_range if slot.flat_range is not None else (0, p.numel())
+
+            def part(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(-1)[lo:hi].view_as(slot.key).to(slot.key.device, torch.float32)
+
+            if slot.separate_main:
+                main = state.get("main")
+                slot.key.copy_(part(main) if main is not None else part(p.detach().float()))
+            if not load_moments or state.get("step") is None:
+                continue
+            step = state["step"]
+            new = {k: part(state[k]).clone() for k in MOMENT_KEYS}
+            if _per_param_step(slot.inner):
+                new["step"] = torch.tensor(step, dtype=torch.float32)
+            elif slot.group is not None:
+                slot.group["step"] = int(step)
+            slot.inner.state[slot.key] = new
 
 
 def build_scheduler(optimizer: Any, cfg: TrainingConfig):

@@ -92,3 +92,27 @@ def test_tied_embedding_setup_keeps_tensors_on_cpu(applied):
     wrapped(Probe())
     assert seen["cuda"] == "cpu"
     assert torch.Tensor.cuda is not None and lm.LanguageModule.setup_embeddings_and_output_layer.__wrapped__
+
+
+def test_cuda_type_names_only_inside_the_block():
+    t = torch.zeros(2, dtype=torch.bfloat16)
+    assert t.type() == "torch.BFloat16Tensor"
+    with megatron_cpu.cuda_type_names():
+        assert t.type() == "torch.cuda.BFloat16Tensor"
+        assert t.float().type() == "torch.cuda.FloatTensor"
+        # A cast through .type(dtype) is untouched and stays on CPU.
+        assert t.type(torch.float32).device.type == "cpu"
+    assert t.type() == "torch.BFloat16Tensor"
+    with pytest.raises(ValueError, match="boom"), megatron_cpu.cuda_type_names():
+        raise ValueError("boom")
+    assert t.type() == "torch.BFloat16Tensor", "an exception left Tensor.type patched"
+
+
+def test_moved_type_name_check_is_reported(monkeypatch):
+    checks = megatron_cpu.TYPE_NAME_CHECKS + (("megatron.core.optimizer.clip_grads", "param.type() == 'gone'"),)
+    monkeypatch.setattr(megatron_cpu, "TYPE_NAME_CHECKS", checks)
+    assert megatron_cpu.missing_fragments() == ["cuda-type-names"]
+
+
+def test_type_name_checks_still_present():
+    assert "cuda-type-names" not in megatron_cpu.missing_fragments()
