@@ -228,7 +228,8 @@ class _Base:
             self._fit()
             self.calibrated = True
         for v in verdicts:
-            logger.warning(v.describe())
+            # DEBUG only: the caller presents verdicts (the live loop prints each once, replay lists them).
+            logger.debug(v.describe())
         return IterationReport(record.iteration, self.name, expected_s is not None,
                                record.iteration_s, expected_s, scores, stage_scores, verdicts,
                                shared if self.calibrated and self.common_mode else None, raw_scores)

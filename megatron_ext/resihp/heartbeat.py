@@ -58,7 +58,7 @@ class HeartbeatTracker:
                         factor=None, confidence=1.0, detector=self.detector, time_s=float(now_s),
                         detail={"last_seen_s": seen, "silent_s": round(now_s - seen, 6),
                                 "timeout_s": self.timeout_s})
-            logger.warning(v.describe())
+            logger.debug(v.describe())  # the caller reports it (once, from one rank)
             out.append(v)
         return out
 

@@ -75,6 +75,27 @@ def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults
                        documents=documents, fwd_s=fwd, bwd_s=bwd, time_s=time_s, faults=faults)
 
 
+def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], last_iteration: int) -> list[str]:
+    """One line per injected fault: whether a verdict named it, so that a run whose fault went
+    unseen says so at the end instead of ending silently."""
+    lines = []
+    for f in faults.slow:
+        what = f"injected: rank {f.rank} x{f.factor:g} slow from iteration {f.since}; "
+        hit = next((v for v in verdicts if v.kind == "fail_slow" and v.rank == f.rank and v.iteration >= f.since), None)
+        if f.since > last_iteration:
+            lines.append(what + f"never reached (the run ended at iteration {last_iteration})")
+        elif hit is None:
+            lines.append(what + f"no verdict in {last_iteration - f.since + 1} iterations")
+        else:
+            lines.append(what + f"named at iteration {hit.iteration} (x{hit.factor:.2f}, "
+                         f"{hit.iteration - f.since} iterations later)")
+    for f in faults.stop:
+        what = f"injected: rank {f.rank} stopped at iteration {f.at}; "
+        hit = any(v.kind == "fail_stop" and v.rank == f.rank for v in verdicts)
+        lines.append(what + ("named by heartbeat" if hit else "no verdict"))
+    return lines
+
+
 class ResiHPExtension(Extension):
     name = "resihp"
 
@@ -136,7 +157,6 @@ class ResiHPExtension(Extension):
     def _on_stop_verdict(self, verdict: "Verdict", reporter: bool) -> None:
         # Runs on the monitor thread: the main thread may be stuck in a collective with the dead rank.
         if reporter:
-            logger.error(verdict.describe())
             print(f"resihp: {verdict.describe()}", file=sys.stderr, flush=True)
             if self.cfg.resihp_verdicts_out:
                 from megatron_ext.resihp.verdicts import VerdictLog
@@ -215,6 +235,10 @@ class ResiHPExtension(Extension):
                 time.sleep(self.heartbeat.poll_s)
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.detector is not None and self.faults is not None and self.faults.any:
+            for line in injection_outcome(self.faults, self.verdicts + list(getattr(self.heartbeat, "verdicts", [])),
+                                          trainer.iteration):
+                print(f"resihp: {line}", flush=True)
         if self.throttle is not None:
             self.throttle.remove()
         for f in (self.trace_writer, self.verdict_log):

@@ -291,7 +291,8 @@ def read_trace(path: str | os.PathLike) -> Iterator[TraceRecord]:
                 if not line.endswith("\n"):
                     logger.warning("%s: last line is cut short (the writer stopped mid-record); skipped", where)
                     return
-                raise TraceError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+                # json's messages such as 'Unterminated string starting at' expect a position after them
+                raise TraceError(f"{where}: not valid JSON ({exc.msg.removesuffix(' at')}, column {exc.colno})") from None
             yield _parse(data, where)
 
 

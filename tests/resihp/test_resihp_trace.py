@@ -52,6 +52,8 @@ def good():
     (lambda d: d.update(version=2), "trace format version 2 is newer than this reader (version 1); update megatron-ext"),
     (lambda d: d.update(format="other"), "key 'format' must be 'resihp-trace', got 'other'"),
     (lambda d: d.pop("iteration_s"), "missing key 'iteration_s'"),
+    (lambda d: d.pop("fwd_s"), "missing key 'fwd_s'"),
+    (lambda d: d.pop("bwd_s"), "missing key 'bwd_s'"),
     (lambda d: d.update(iteration="7"), "key 'iteration' expects int, got '7'"),
     (lambda d: d.update(colour=1), "unknown key 'colour' (extensions must start with 'x_')"),
     (lambda d: d["fwd_s"].pop(), "key 'fwd_s' must list 4 ranks (tp*pp*dp), got 3"),
@@ -75,11 +77,28 @@ def test_errors_name_file_line_and_key(tmp_path, mutate, message):
 
 def test_not_json_and_missing_file(tmp_path):
     path = write_lines(tmp_path, good(), "{not json")
-    with pytest.raises(TraceError, match="^" + re.escape(f"{path}:2: not valid JSON: Expecting property name "
-                                                          "enclosed in double quotes at column 2")):
+    with pytest.raises(TraceError, match="^" + re.escape(f"{path}:2: not valid JSON (Expecting property name "
+                                                          "enclosed in double quotes, column 2)") + "$"):
+        list(read_trace(path))
+    path = write_lines(tmp_path, '{"format": "resihp-trace", "text": "abc', good())
+    with pytest.raises(TraceError, match="^" + re.escape(f"{path}:1: not valid JSON (Invalid control "
+                                                          "character, column 40)") + "$"):
         list(read_trace(path))
     with pytest.raises(TraceError, match="trace file .*nope.jsonl does not exist"):
         list(read_trace(tmp_path / "nope.jsonl"))
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "crashed.jsonl"
+    whole = json.dumps(good())
+    path.write_text(whole + "\n" + whole + "\n" + whole[: len(whole) // 2])  # the writer died mid-record
+    with caplog.at_level("WARNING"):
+        records = list(read_trace(path))
+    assert len(records) == 2
+    assert f"{path}:3: last line is cut short (the writer stopped mid-record); skipped" in caplog.text
+    path.write_text(whole[: len(whole) // 2] + "\n" + whole + "\n")  # a bad line in the middle is an error
+    with pytest.raises(TraceError, match=re.escape(f"{path}:1: not valid JSON")):
+        list(read_trace(path))
 
 
 def test_extension_keys_and_explicit_rank_order(tmp_path):

@@ -1,0 +1,44 @@
+"""What a live run says about its injected faults, and that verdicts are printed once (by the loop)."""
+from __future__ import annotations
+
+import logging
+
+from megatron_ext.resihp.config import ResiHPConfig
+from megatron_ext.resihp.detector import make_detector
+from megatron_ext.resihp.injection import FaultInjectionConfig
+from megatron_ext.resihp.live import injection_outcome
+from megatron_ext.resihp.synthetic import SlowFault, SyntheticSpec, generate
+from megatron_ext.resihp.verdicts import Verdict
+
+
+def slow_verdict(rank: int, iteration: int, factor: float) -> Verdict:
+    return Verdict(kind="fail_slow", rank=rank, stage=1, iteration=iteration, factor=factor, confidence=1.0,
+                   detector="resihp")
+
+
+def test_a_missed_fault_says_so_at_the_end():
+    faults = FaultInjectionConfig(inject_slow=["2:30:2.0"], inject_stop=["1:60"])
+    assert injection_outcome(faults, [], 50) == [
+        "injected: rank 2 x2 slow from iteration 30; no verdict in 21 iterations",
+        "injected: rank 1 stopped at iteration 60; no verdict"]
+
+
+def test_a_named_fault_gives_iteration_and_delay():
+    faults = FaultInjectionConfig(inject_slow=["2:30:2.0"])
+    verdicts = [slow_verdict(3, 33, 1.4), slow_verdict(2, 36, 1.93)]  # a wrong rank first: not counted
+    assert injection_outcome(faults, verdicts, 50) == [
+        "injected: rank 2 x2 slow from iteration 30; named at iteration 36 (x1.93, 6 iterations later)"]
+    assert injection_outcome(faults, [], 20) == [
+        "injected: rank 2 x2 slow from iteration 30; never reached (the run ended at iteration 20)"]
+
+
+def test_the_detector_leaves_presenting_verdicts_to_its_caller(caplog):
+    spec = SyntheticSpec(stages=2, microbatches=4, iterations=80, seed=3,
+                         faults=(SlowFault(rank=1, since=40, factor=3.0),))
+    detector = make_detector(ResiHPConfig(resihp=True))
+    found = []
+    with caplog.at_level(logging.INFO, logger="megatron_ext.resihp"):
+        for record in generate(spec):
+            found += detector.observe(record).verdicts
+    assert any(v.kind == "fail_slow" and v.rank == 1 for v in found)
+    assert not [r for r in caplog.records if "fail-slow" in r.getMessage()], "the detector logged a verdict too"
