@@ -19,9 +19,10 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
+# pretrain_gpt.py --nproc-per-node checks the configuration for NPROC ranks, then starts them.
 demo: setup
-	PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone \
-		--nproc_per_node $(NPROC) pretrain_gpt.py --config configs/demo.yaml $(ARGS)
+	PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 $(PY) pretrain_gpt.py --nproc-per-node $(NPROC) \
+		--config configs/demo.yaml $(ARGS)
 
 test: setup
 	# One intra-op thread per process: tests launch several ranks on few cores.

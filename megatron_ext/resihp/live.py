@@ -209,6 +209,7 @@ class ResiHPExtension(Extension):
             metrics.extra["resihp_expected_ms"] = round(scalars["expected_s"] * 1e3, 1)
         if "max_rank_score" in scalars:
             metrics.extra["resihp_max_score"] = round(scalars["max_rank_score"], 3)
+            metrics.extra["resihp_max_score_rank"] = int(np.nanargmax(report.rank_scores))
         tb = getattr(trainer, "_tb", None)
         if tb is not None:
             for k, v in scalars.items():
