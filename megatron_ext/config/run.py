@@ -86,6 +86,9 @@ class ParallelConfig:
         "Model chunks per pipeline stage (interleaved 1F1B); unset = plain 1F1B.", None)
     sequence_parallel: bool = doc("Megatron sequence parallelism inside tensor-parallel regions.", False)
     overlap_grad_reduce: bool = doc("Overlap data-parallel gradient reduce with backward.", False)
+    use_distributed_optimizer: bool = doc(
+        "megatron's DistributedOptimizer: fp32 master weights and Adam moments sharded over "
+        "data-parallel ranks (ZeRO-1); checkpoints stay layout-independent.", False)
     distributed_backend: str = doc("torch.distributed backend; auto = nccl on GPU, gloo on CPU.", "auto",
                                    choices=("auto", "gloo", "nccl"))
     device: str = doc("Where to train; auto = cuda when available.", "auto", choices=("auto", "cpu", "cuda"))
@@ -102,6 +105,8 @@ class ParallelConfig:
                               f"and a value >= 1, got {vpp}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.use_distributed_optimizer and self.engine != "megatron":
+            raise ConfigError("--use-distributed-optimizer is megatron's optimizer: it needs --engine megatron")
         if self.engine == "deepspeed" and (self.tensor_model_parallel_size > 1 or (vpp or 1) > 1):
             raise ConfigError("--engine deepspeed trains PP x DP: it needs --tensor-model-parallel-size 1 "
                               "and no --virtual-pipeline-model-parallel-size")
@@ -127,7 +132,8 @@ class TrainingConfig:
     adam_eps: float = doc("Adam epsilon.", 1e-8)
     clip_grad: float = doc("Clip the global gradient norm to this value; 0 disables.", 1.0)
     seed: int = doc("Random seed (weights, data order, dropout).", 1234)
-    bf16: bool = doc("bf16 mixed precision (GPU runs).", False)
+    bf16: bool = doc("bf16 weights with fp32 master weights in megatron's optimizer (on CPU too, slowly).",
+                     False)
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters"):

@@ -163,7 +163,7 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         )
         chunks = [
             DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,

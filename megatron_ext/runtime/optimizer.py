@@ -126,7 +126,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainingConfig, on_gp
 
     The distributed optimizer is used exactly when the DDP wrappers were built for it (their
     ``ddp_config.use_distributed_optimizer``): megatron requires the two to agree."""
-    if not on_gpu and not cfg.bf16:
+    if not on_gpu and not cfg.bf16 and not _uses_distributed_optimizer(model_chunks):
         return CPUOptimizer(params, cfg)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -193,15 +193,19 @@ def _slots(optimizer: Any) -> dict[int, _Slot]:
         if isinstance(part, DistributedOptimizer):
             # data_parallel_group: the ranks one distributed-optimizer instance shards state over.
             group = part.data_parallel_group
-            for model_param in part.model_param_gbuf_map:
-                rng = part._get_model_param_range_map(model_param)["param"]
-                key = None
-                if model_param in part.model_param_group_index_map:
-                    gi, go = part.model_param_group_index_map[model_param]
-                    key = inner.param_groups[gi]["params"][go]
-                slots[id(model_param)] = _Slot(inner=inner, group=None if key is None else _group_of(inner, key),
-                                               key=key, separate_main=True, flat_range=(rng.start, rng.end),
-                                               dp_group=group)
+            # Every parameter of the instance's buffers takes part in the gather, also those of
+            # which this rank owns nothing (model_param_gbuf_map lists only owned ones).
+            for buffer in part.buffers:
+                for model_param in buffer.param_index_map:
+                    key, lo_hi = None, (0, 0)
+                    if model_param in part.model_param_gbuf_map:
+                        rng = part._get_model_param_range_map(model_param)["param"]
+                        lo_hi = (rng.start, rng.end)
+                    if model_param in part.model_param_group_index_map:
+                        gi, go = part.model_param_group_index_map[model_param]
+                        key = inner.param_groups[gi]["params"][go]
+                    slots[id(model_param)] = _Slot(inner=inner, group=None if key is None else _group_of(inner, key),
+                                                   key=key, separate_main=True, flat_range=lo_hi, dp_group=group)
         elif isinstance(part, Float16OptimizerWithFloat16Params):
             for model_group, main_group in zip(part.float16_groups, part.fp32_from_float16_groups):
                 for model_param, main_param in zip(model_group, main_group):

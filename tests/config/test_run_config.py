@@ -11,7 +11,7 @@ CORE_FLAGS = [
     "max_position_embeddings", "hidden_dropout", "attention_dropout", "init_method_std",
     "position_embedding_type", "untie_embeddings_and_output_weights",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "sequence_parallel", "overlap_grad_reduce", "distributed_backend", "device", "engine",
+    "sequence_parallel", "overlap_grad_reduce", "use_distributed_optimizer", "distributed_backend", "device", "engine",
     "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
     "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "bf16",
@@ -111,6 +111,9 @@ def test_field_checks():
         parse_run_config(["--split", "a,b"])
     with pytest.raises(ConfigError, match="--sequence-parallel needs --tensor-model-parallel-size > 1"):
         parse_run_config(["--sequence-parallel"])
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer is megatron's optimizer: it needs "
+                                          "--engine megatron"):
+        parse_run_config(["--use-distributed-optimizer", "--engine", "deepspeed"])
 
 
 def test_bad_flag_value_is_one_config_error():
