@@ -1,0 +1,639 @@
+"""ResiHP re-layout planner: from per-device speeds to a new TP/PP/DP layout, scored by simulation.
+
+A slow device in hybrid-parallel training costs far more than its own share: a TP group runs at
+its slowest member, a pipeline at its slowest stage, a data-parallel step at its slowest replica.
+Given what the detector believes (a speed per device: 1 healthy, 1/factor slow, 0 dead), the
+planner searches the knobs jointly, because each alone leaves capacity unused:
+
+* **TP membership**: a permutation that packs the slow devices into as few TP groups as possible
+  (one slow device slows its whole group), those groups either in one replica (then DP migration
+  absorbs them) or at one stage index across replicas (then PP repartition does);
+* **PP repartition**: uneven layers per stage in proportion to each stage's effective speed (the
+  slowest member of its TP group), the output layer counted on the last stage; the partition is
+  shared by all replicas (DP replicas all-reduce per stage), so it is fitted to an aggregate of
+  the replicas' stage speeds;
+* **DP work migration**: uneven micro-batches per replica, global count unchanged (the executor
+  weights per sample so the gradient is the same);
+* **shape change**: other (tp, pp, dp) over the usable devices (TP size only downwards and only
+  where the heads divide), and for dead devices or very slow ones, fewer replicas.
+
+Every candidate is scored by a closed form first (a 1F1B pipeline of ``m`` micro-batches with
+per-micro-batch stage times ``c_s`` takes about ``sum c_s + (m - 1) max c_s``); the best few are
+then scored by the pipeline simulator (``pipesim``) with FLOPs from ``flops``, plus the time to
+move state (bytes each device must receive / link bandwidth, the largest per device, plus a fixed
+pause) amortized over a horizon. A plan is proposed only when it gains more than a threshold and
+fits in every device's memory. Pure: numpy only, no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import logging
+import math
+from typing import Sequence
+
+import numpy as np
+
+from megatron_ext.pipeline.schedule_orders import schedule_order
+from megatron_ext.resihp.flops import ModelSpec, stage_cost
+from megatron_ext.resihp.pipesim import compile_plan, simulate
+from megatron_ext.resihp.planner_types import (HEALTHY_EPS, Cluster, MemoryModel, Plan, PlanLayout, PlannerConfig,
+                                               PlanningError, Workload, _short, _split_even)
+
+__all__ = ["Cluster", "MemoryModel", "Plan", "PlanLayout", "Planner", "PlannerConfig", "PlanningError", "Workload",
+           "capacity_optimum_s", "default_memory_model", "layer_params", "predict_iteration_s", "stage_params",
+           "state_move_bytes"]
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Cost model
+
+
+def layer_params(spec: ModelSpec) -> float:
+    """Parameters of one transformer layer (projections; norms and biases are noise here)."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.groups * d
+    return float(h * (q + 2 * kv) + q * h + h * spec.ffn * (3 if spec.gated_linear_unit else 2))
+
+
+def stage_params(spec: ModelSpec, layers: Sequence[int]) -> np.ndarray:
+    """Parameters of each stage (layers, plus the embedding on the first and the output layer on the
+    last; megatron keeps a copy of the shared embedding on the last stage)."""
+    out = np.asarray(layers, dtype=float) * layer_params(spec)
+    emb = float(spec.vocab_size * spec.hidden_size)
+    out[0] += emb
+    out[-1] += emb
+    return out
+
+
+def default_memory_model(spec: ModelSpec, workload: Workload, tp: int, pp: int, layers: Sequence[int]) -> np.ndarray:
+    """Bytes per device of each stage: state (``state_bytes_per_param``) plus the activations 1F1B
+    keeps in flight (stage ``s`` holds up to ``pp - s`` micro-batches), per layer
+    ``s b h (34 + 5 a s / h)`` bytes without recomputation and ``2 s b h`` with full
+    recomputation (Korthikanti et al. 2022), divided by ``tp`` (sequence parallel)."""
+    s, b, h, a = workload.seq_length, workload.micro_batch_size, spec.hidden_size, spec.num_attention_heads
+    per_layer = 2.0 * s * b * h if spec.recompute else s * b * h * (34.0 + 5.0 * a * s / h)
+    inflight = pp - np.arange(pp, dtype=float)
+    state = stage_params(spec, layers) * workload.state_bytes_per_param
+    act = np.asarray(layers, dtype=float) * per_layer * inflight
+    return (state + act) / tp
+
+
+@dataclasses.dataclass(frozen=True)
+class _Costs:
+    """Per-micro-batch seconds of one layer and of the output layer on a healthy device (tp=1)."""
+
+    layer_fwd: float
+    layer_bwd: float
+    head_fwd: float
+    head_bwd: float
+    tp_allreduce_s: float   # one all-reduce of a micro-batch's activations at tp=2 ring factor 1
+
+    def layer(self, tp: int) -> tuple[float, float]:
+        """Seconds per layer and micro-batch on one device of a TP group of ``tp``: the FLOPs
+        divided by ``tp``, plus megatron's two activation all-reduces per layer forward and two
+        backward (ring: ``2 (tp - 1) / tp`` of the bytes)."""
+        comm = 2.0 * 2.0 * (tp - 1) / tp * self.tp_allreduce_s
+        return self.layer_fwd / tp + comm, self.layer_bwd / tp + comm
+
+
+def _costs(spec: ModelSpec, workload: Workload, cluster: Cluster) -> _Costs:
+    one = stage_cost(spec, 1)
+    head = stage_cost(spec, 0, last_stage=True)
+    t, sq, f = workload.tokens, workload.sum_sq, cluster.device_flops
+    act_bytes = 2.0 * workload.tokens * spec.hidden_size   # bf16 activations of the micro-batch
+    return _Costs(one.forward(t, sq).total / f, one.backward(t, sq).total / f,
+                  head.forward(t, sq).total / f, head.backward(t, sq).total / f,
+                  act_bytes / cluster.tp_bytes_per_s)
+
+
+def _chunk_seconds(costs: _Costs, layers: Sequence[Sequence[int]], tp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Healthy (pp, vp) forward and backward seconds per micro-batch and chunk."""
+    lay = np.asarray(layers, dtype=float)
+    lf, lb = costs.layer(tp)
+    fwd = lay * lf
+    bwd = lay * lb
+    fwd[-1, -1] += costs.head_fwd / tp
+    bwd[-1, -1] += costs.head_bwd / tp
+    return fwd, bwd
+
+
+def _tail_seconds(spec: ModelSpec, workload: Workload, cluster: Cluster, tp: int, dp: int,
+                  stage_layers: Sequence[int]) -> np.ndarray:
+    """Per-stage gradient all-reduce after the last op (ring: 2 (dp - 1) / dp of the bytes), not
+    overlapped: the conservative case, and the same for every candidate of one shape."""
+    if dp == 1:
+        return np.zeros(len(stage_layers))
+    grad = stage_params(spec, stage_layers) / tp * workload.grad_bytes_per_param
+    return grad * 2.0 * (dp - 1) / dp / cluster.link_bytes_per_s
+
+
+@functools.lru_cache(maxsize=256)
+def _sim_plan(schedule: str, pp: int, m: int, vp: int):
+    return compile_plan(schedule_order(schedule, pp, m, vp))
+
+
+def _closed_form(fwd: np.ndarray, bwd: np.ndarray, speed: np.ndarray, vp: int, lat: float) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B) per replica with ``T(m) = A + (m - 1) B``: ``speed`` (pp, dp) stage speeds;
+    B is the bottleneck stage's time per micro-batch, A one pass through all stages (the fill and
+    drain; interleaving divides it by ``vp``)."""
+    c = (fwd + bwd).sum(axis=1)[:, None] / np.maximum(speed, 1e-300)  # (pp, dp)
+    b = c.max(axis=0)
+    a = c.sum(axis=0) / vp + b * (vp - 1) / vp + 2.0 * (c.shape[0] - 1) * lat
+    return a, b
+
+
+def _simulate_layout(layout: PlanLayout, stage_speed: np.ndarray, fwd: np.ndarray, bwd: np.ndarray,
+                     tail: np.ndarray, lat: float) -> float:
+    """Iteration seconds: every replica's pipeline simulated (replicas with equal stage speeds and
+    micro-batch counts once), the slowest one decides."""
+    groups: dict[int, dict[tuple, int]] = {}
+    for d in range(layout.dp):
+        key = tuple(np.round(stage_speed[:, d], 12))
+        groups.setdefault(layout.microbatches[d], {}).setdefault(key, d)
+    worst = 0.0
+    for m, reps in groups.items():
+        plan = _sim_plan(layout.schedule, layout.pp, m, layout.vp)
+        sp = np.array([stage_speed[:, d] for d in reps.values()])        # (B, pp)
+        f = np.broadcast_to((fwd[None] / sp[:, :, None])[..., None], sp.shape + (layout.vp, m))
+        b = np.broadcast_to((bwd[None] / sp[:, :, None])[..., None], sp.shape + (layout.vp, m))
+        res = simulate(plan, f, b, p2p_latency_s=lat, tail_s=np.broadcast_to(tail, sp.shape))
+        worst = max(worst, float(res.makespan_s.max()))
+    return worst
+
+
+def predict_iteration_s(layout: PlanLayout, spec: ModelSpec, speeds: Sequence[float], cluster: Cluster,
+                        workload: Workload) -> float:
+    """Predicted iteration seconds of ``layout`` at ``speeds`` (pipeline simulator + FLOPs model);
+    infinite when a device of the layout is dead."""
+    sp = _check_speeds(speeds, layout)
+    if layout.num_layers != spec.num_layers:
+        raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {spec.num_layers}")
+    stage_speed = sp[layout.grid()].min(axis=2)
+    if (stage_speed <= 0).any():
+        return math.inf
+    fwd, bwd = _chunk_seconds(_costs(spec, workload, cluster), layout.layers, layout.tp)
+    tail = _tail_seconds(spec, workload, cluster, layout.tp, layout.dp, layout.stage_layers)
+    return _simulate_layout(layout, stage_speed, fwd, bwd, tail, cluster.p2p_latency_s)
+
+
+def capacity_optimum_s(healthy_iteration_s: float, speeds: Sequence[float], num_devices: int) -> float:
+    """The capacity-proportional optimum: the healthy iteration time scaled by how much of the
+    job's device capacity is left, ``num_devices / sum(speeds)`` (every device's compute used at
+    its own speed, nothing lost to grouping)."""
+    total = float(np.sum(np.asarray(speeds, dtype=float)[:num_devices]))
+    return math.inf if total <= 0 else healthy_iteration_s * num_devices / total
+
+
+def state_move_bytes(old: PlanLayout, new: PlanLayout, spec: ModelSpec, workload: Workload,
+                     num_devices: int, old_holdings: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Bytes each device must receive to go from ``old`` to ``new``: its new share of layers (and
+    embedding / output layer) minus what it already holds; a device that changes only its DP
+    replica keeps its state (replicas are identical). Indexed by rank."""
+    need = np.zeros(num_devices)
+    lp = layer_params(spec) * workload.state_bytes_per_param
+    emb = spec.vocab_size * spec.hidden_size * workload.state_bytes_per_param
+    old_hold, old_tp = old_holdings or _holdings(old, num_devices)
+    new_hold, new_tp = _holdings(new, num_devices)
+    # TP shard overlap: old shard [t/T, (t+1)/T) against the new one.
+    lo = np.maximum(old_tp[:, 0], new_tp[:, 0])
+    hi = np.minimum(old_tp[:, 1], new_tp[:, 1])
+    share = np.maximum(hi - lo, 0.0)
+    new_share = new_tp[:, 1] - new_tp[:, 0]
+    n_layers = spec.num_layers
+    lay_new, lay_old = new_hold[:, :n_layers], old_hold[:, :n_layers]
+    ext_new, ext_old = new_hold[:, n_layers:], old_hold[:, n_layers:]
+    need += lay_new.sum(axis=1) * lp * new_share - (lay_new & lay_old).sum(axis=1) * lp * share
+    need += ext_new.sum(axis=1) * emb * new_share - (ext_new & ext_old).sum(axis=1) * emb * share
+    return np.maximum(need, 0.0)
+
+
+def _holdings(layout: PlanLayout, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """(devices, layers + 2) bool: which layers (and embedding, output layer) each device holds;
+    (devices, 2): its TP shard as a fraction interval."""
+    n, pp, vp, tp = layout.num_layers, layout.pp, layout.vp, layout.tp
+    # Virtual stage v * pp + s holds a contiguous range; walk them in model order.
+    stage_mask = np.zeros((pp, n + 2), dtype=bool)
+    start = 0
+    for v in range(vp):
+        for s in range(pp):
+            k = layout.layers[s][v]
+            stage_mask[s, start:start + k] = True
+            start += k
+    stage_mask[0, n] = True
+    stage_mask[pp - 1, n + 1] = True
+    devs = np.asarray(layout.devices, dtype=np.int64)
+    hold = np.zeros((num_devices, n + 2), dtype=bool)
+    hold[devs] = stage_mask[np.repeat(np.arange(pp), layout.dp * tp)]
+    t = np.tile(np.arange(tp), pp * layout.dp)
+    tpi = np.zeros((num_devices, 2))
+    tpi[devs, 0] = t / tp
+    tpi[devs, 1] = (t + 1) / tp
+    return hold, tpi
+
+
+# --------------------------------------------------------------------------------------------
+# Search
+
+
+def _check_speeds(speeds: Sequence[float], layout: PlanLayout) -> np.ndarray:
+    sp = np.asarray(speeds, dtype=float)
+    if sp.ndim != 1:
+        raise PlanningError(f"speeds must be a flat list, one per device, got shape {sp.shape}")
+    top = max(layout.devices)
+    if sp.shape[0] <= top:
+        raise PlanningError(f"speeds: expected one speed per device (at least {top + 1}: the layout names "
+                            f"rank {top}), got {sp.shape[0]}")
+    bad = np.flatnonzero(~np.isfinite(sp) | (sp < 0))
+    if bad.size:
+        raise PlanningError(f"speeds[{bad[0]}] = {sp[bad[0]]}: a speed must be finite and >= 0 "
+                            "(1 healthy, 1/factor slow, 0 dead)")
+    return sp
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _greedy_layers(unit: np.ndarray, fixed: np.ndarray, num_layers: int, cap: np.ndarray) -> list[int] | None:
+    """Layers per stage minimising the slowest stage's time ``n_s * unit_s + fixed_s`` (each >= 1,
+    at most ``cap_s``). Adding one layer at a time to the stage that stays fastest is optimal for
+    this min-max over increasing costs."""
+    pp = unit.shape[0]
+    if num_layers < pp or (cap < 1).any() or cap.sum() < num_layers:
+        return None
+    n = np.ones(pp, dtype=np.int64)
+    heap = [((n[s] + 1) * unit[s] + fixed[s], s) for s in range(pp) if cap[s] > 1]
+    heapq.heapify(heap)
+    for _ in range(num_layers - pp):
+        if not heap:
+            return None
+        _, s = heapq.heappop(heap)
+        n[s] += 1
+        if n[s] < cap[s]:
+            heapq.heappush(heap, ((n[s] + 1) * unit[s] + fixed[s], s))
+    return n.tolist()
+
+
+def _allocate_microbatches(a: np.ndarray, b: np.ndarray, total: int, unit: int) -> list[int] | None:
+    """Micro-batches per replica (multiples of ``unit``, each >= ``unit``, summing to ``total``)
+    minimising ``max_d A_d + (m_d - 1) B_d``: bisect on the finish time, then hand back the
+    surplus from the replicas that would finish last."""
+    dp = a.shape[0]
+    if total % unit or total < dp * unit:
+        return None
+    k_total = total // unit
+
+    def counts(t: float) -> np.ndarray:
+        return np.maximum(np.floor((t - a) / (b * unit) + 1.0 / unit + 1e-9), 1).astype(np.int64)
+
+    lo, hi = 0.0, float((a + (total - 1) * b).max())
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if counts(mid).sum() >= k_total:
+            hi = mid
+        else:
+            lo = mid
+    k = counts(hi)
+    while k.sum() > k_total:
+        fin = np.where(k > 1, a + (k * unit - 1) * b, -np.inf)
+        k[int(np.argmax(fin))] -= 1
+    return (k * unit).tolist()
+
+
+@dataclasses.dataclass
+class _Candidate:
+    layout: PlanLayout
+    actions: tuple[str, ...]
+    closed_s: float
+    move_s: float = 0.0
+    bytes_total: float = 0.0
+    bytes_max: float = 0.0
+    sim_s: float | None = None
+
+
+class Planner:
+    """Searches re-layouts for one model on one cluster. ``plan()`` is the entry point; the
+    other methods are exposed for baselines and benchmarks."""
+
+    def __init__(self, spec: ModelSpec, cluster: Cluster, workload: Workload,
+                 config: PlannerConfig | None = None, memory_model: MemoryModel | None = None) -> None:
+        self.spec, self.cluster, self.workload = spec, cluster, workload
+        self.config = config or PlannerConfig()
+        self.memory_model = memory_model or default_memory_model
+        self.costs = _costs(spec, workload, cluster)
+
+    # ---- scoring ----
+
+    def iteration_s(self, layout: PlanLayout, speeds: Sequence[float]) -> float:
+        return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload)
+
+    def fits(self, layout: PlanLayout, memory: np.ndarray) -> bool:
+        need = self.memory_model(self.spec, self.workload, layout.tp, layout.pp, layout.stage_layers)
+        return bool((need[:, None, None] <= memory[layout.grid()] * (1 + 1e-9)).all())
+
+    def _closed_s(self, layout: PlanLayout, stage_speed: np.ndarray) -> float:
+        fwd, bwd = _chunk_seconds(self.costs, layout.layers, layout.tp)
+        a, b = _closed_form(fwd, bwd, stage_speed, layout.vp, self.cluster.p2p_latency_s)
+        tail = _tail_seconds(self.spec, self.workload, self.cluster, layout.tp, layout.dp, layout.stage_layers)
+        m = np.asarray(layout.microbatches, dtype=float)
+        return float((a + (m - 1) * b).max() + tail.max())
+
+    # ---- the search ----
+
+    def plan(self, layout: PlanLayout, speeds: Sequence[float]) -> Plan | None:
+        """The best re-layout of ``layout`` for devices at ``speeds`` (indexed by rank; ranks not
+        in the layout are spares), or None when none gains more than ``min_gain``. Raises
+        ``PlanningError`` when the layout has a dead device and no layout runs on the rest."""
+        best, current_s, speeds_arr = self._search(layout, speeds)
+        if best is None:
+            return None
+        horizon = self.config.horizon_iterations
+        after = best.sim_s + best.move_s / horizon
+        if not math.isinf(current_s) and after >= current_s * (1 - self.config.min_gain):
+            logger.debug("resihp planner: best %s gains %.1f %%, under the threshold", best.actions,
+                         100 * (1 - after / current_s))
+            return None
+        return self._to_plan(layout, best, current_s, speeds_arr)
+
+    def best_layout(self, layout: PlanLayout, speeds: Sequence[float]) -> tuple[PlanLayout, float]:
+        """The best layout the allowed knobs reach (no threshold, no amortization) and its
+        predicted iteration seconds; ``layout`` itself when nothing is better."""
+        best, current_s, _ = self._search(layout, speeds, amortize=False)
+        if best is None or best.sim_s >= current_s:
+            return layout, current_s
+        return best.layout, best.sim_s
+
+    def _to_plan(self, layout: PlanLayout, best: _Candidate, current_s: float, sp: np.ndarray) -> Plan:
+        n_dev = sp.shape[0]
+        healthy_s = self._healthy_s(layout)
+        members = set(layout.devices)
+        return Plan(old=layout, new=best.layout, actions=best.actions, iteration_s_before=current_s,
+                    iteration_s_after=float(best.sim_s), bytes_to_move=best.bytes_total,
+                    max_bytes_per_device=best.bytes_max, move_s=best.move_s,
+                    horizon_iterations=self.config.horizon_iterations,
+                    optimum_s=capacity_optimum_s(healthy_s, sp[list(layout.devices)], layout.world_size),
+                    speeds={int(r): float(sp[r]) for r in range(n_dev) if abs(sp[r] - 1.0) > HEALTHY_EPS
+                            and (r in members or sp[r] < 1.0)})
+
+    def _healthy_s(self, layout: PlanLayout) -> float:
+        ones = np.ones(max(layout.devices) + 1)
+        even = PlanLayout.even(num_layers=self.spec.num_layers, tp=layout.tp, pp=layout.pp, dp=layout.dp,
+                               num_microbatches=layout.num_microbatches, vp=layout.vp, schedule=layout.schedule,
+                               devices=layout.devices)
+        return min(self.iteration_s(layout, ones), self.iteration_s(even, ones))
+
+    def _search(self, layout: PlanLayout, speeds: Sequence[float], amortize: bool = True
+                ) -> tuple[_Candidate | None, float, np.ndarray]:
+        sp = _check_speeds(speeds, layout)
+        if layout.num_layers != self.spec.num_layers:
+            raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {self.spec.num_layers}")
+        n_dev = sp.shape[0]
+        memory = self.cluster.memory_of(n_dev)
+        current_s = self.iteration_s(layout, sp)
+        cands = self._candidates(layout, sp, memory)
+        if not cands:
+            if math.isinf(current_s):
+                dead = [r for r in layout.devices if sp[r] <= 0]
+                raise PlanningError(f"no layout runs without rank(s) {_short(dead)}: the {int((sp > 0).sum())} "
+                                    f"usable devices cannot hold {self.spec.num_layers} layers in memory under the "
+                                    "allowed knobs; restart from a checkpoint on more devices")
+            return None, current_s, sp
+        horizon = self.config.horizon_iterations if amortize else math.inf
+        old_holdings = _holdings(layout, n_dev)
+        for c in cands:
+            moved = state_move_bytes(layout, c.layout, self.spec, self.workload, n_dev, old_holdings)
+            c.bytes_total, c.bytes_max = float(moved.sum()), float(moved.max())
+            changed = c.layout != layout
+            c.move_s = (c.bytes_max / self.cluster.link_bytes_per_s + self.cluster.relayout_pause_s) if changed else 0.0
+        cands.sort(key=lambda c: c.closed_s + c.move_s / horizon)
+        first = cands[0].closed_s + cands[0].move_s / horizon
+        for c in cands[:self.config.simulate_top]:
+            # The closed form ranks well; only near-ties are worth a simulation each.
+            if c is cands[0] or c.closed_s + c.move_s / horizon <= first * (1 + self.config.simulate_margin):
+                c.sim_s = self.iteration_s(c.layout, sp)
+        scored = [c for c in cands if c.sim_s is not None]
+        best = min(scored, key=lambda c: c.sim_s + c.move_s / horizon)
+        return best, current_s, sp
+
+    def _candidates(self, layout: PlanLayout, sp: np.ndarray, memory: np.ndarray) -> list[_Candidate]:
+        cfg = self.config
+        out: list[_Candidate] = []
+        seen: set[PlanLayout] = set()
+
+        def add(lay: PlanLayout | None, actions: tuple[str, ...]) -> None:
+            if lay is None or lay in seen:
+                return
+            stage_speed = sp[lay.grid()].min(axis=2)
+            if (stage_speed <= 0).any() or not self.fits(lay, memory):
+                return
+            seen.add(lay)
+            out.append(_Candidate(lay, actions, self._closed_s(lay, stage_speed)))
+
+        # Same (tp, pp): every replica count from all of them down to the ones with only healthy
+        # devices; each with or without the TP permutation, then layers and micro-batches.
+        dead_reps = {d for d in range(layout.dp) if (sp[layout.grid()[:, d, :]] <= 0).any()}
+        dps = [layout.dp] if not dead_reps or cfg.drop_replicas else []
+        if cfg.drop_replicas:
+            # A dropped replica's devices can stand in for dead or slow ones of the kept replicas,
+            # so a few replicas fewer than the ones hit can already be enough.
+            dps += [layout.dp - k for k in range(1, min(layout.dp, len(dead_reps) + 3))]
+        for dp in dps:
+            base = self._keep_replicas(layout, sp, dp)
+            if base is None:
+                continue
+            tag = ("dp_shrink",) if dp < layout.dp else ("replace",) if base != layout else ()
+            placements = [(base, tag)]
+            if cfg.tp_regroup:
+                placements += [(p, tag + ("tp_regroup",)) for p in self._packings(base, sp)]
+            for lay, acts in placements:
+                for lay2, acts2 in self._fill(lay, layout, sp, memory, acts, same_shape=True):
+                    add(lay2, acts2)
+
+        if cfg.reshape:
+            for lay in self._reshapes(layout, sp, memory):
+                placements = [lay] + (self._packings(lay, sp) if cfg.tp_regroup else [])
+                for pl in placements:
+                    for lay2, acts2 in self._fill(pl, layout, sp, memory, ("reshape",), same_shape=False):
+                        add(lay2, acts2)
+        return out
+
+    def _keep_replicas(self, layout: PlanLayout, sp: np.ndarray, dp: int) -> PlanLayout | None:
+        """Keep the ``dp`` best replicas in place (fewest dead, then fastest), replacing dead or slow
+        devices in them by faster spares (devices of the dropped replicas, or idle ones); the
+        micro-batches of a shrunk job spread evenly over the survivors."""
+        grid = layout.grid()
+        idle = np.setdiff1d(np.flatnonzero(sp > 0), np.asarray(layout.devices))
+        if dp == layout.dp and (idle.size == 0 or sp[list(layout.devices)].min() >= sp[idle].max()):
+            return layout
+        rep_speed = sp[grid].min(axis=2).min(axis=0)          # (dp,) slowest stage of each replica
+        rep_sum = sp[grid].sum(axis=(0, 2))
+        order = sorted(range(layout.dp), key=lambda d: (-rep_speed[d], -rep_sum[d], d))
+        keep, drop = sorted(order[:dp]), order[dp:]
+        new = grid[:, keep, :].copy()
+        pool = np.concatenate([grid[:, drop, :].reshape(-1), idle])
+        spares = sorted((int(x) for x in pool if sp[x] > 0), key=lambda r: (-sp[r], r))
+        # Replace the worst kept devices by faster spares, one swap at a time.
+        flat = new.reshape(-1)
+        for i in np.argsort(sp[flat], kind="stable"):
+            if not spares or sp[spares[0]] <= sp[flat[i]]:
+                break
+            flat[i] = spares.pop(0)
+        if (sp[flat] <= 0).any() or layout.num_microbatches < dp:
+            return None
+        mbs = layout.microbatches if dp == layout.dp else tuple(_split_even(layout.num_microbatches, dp))
+        return dataclasses.replace(layout, dp=dp, devices=tuple(new.reshape(-1).tolist()), microbatches=mbs)
+
+    def _packings(self, layout: PlanLayout, sp: np.ndarray) -> list[PlanLayout]:
+        """Slow devices packed by replica or by stage, into the stage of the slowest device or, when
+        that is the last stage (it carries the output layer), into the first."""
+        out = []
+        for mode in ("replica", "stage"):
+            for first_stage in (False, True):
+                lay = self._pack(layout, sp, mode, first_stage)
+                if lay not in out:
+                    out.append(lay)
+        return out
+
+    def _pack(self, layout: PlanLayout, sp: np.ndarray, mode: str, first_stage: bool = False) -> PlanLayout:
+        """Move the slow devices into as few TP groups as possible, slowest together, filling the
+        groups of one replica first (``replica``) or one stage index across replicas (``stage``);
+        every move is a swap with a healthy device of the target group."""
+        grid = layout.grid()
+        pp, dp, tp = grid.shape
+        flat = grid.reshape(-1).copy()
+        slow_slots = np.flatnonzero(sp[flat] < 1 - HEALTHY_EPS)
+        if slow_slots.size == 0:
+            return layout
+        slow = sorted(flat[slow_slots].tolist(), key=lambda r: (sp[r], r))
+        slot_of = {int(flat[i]): int(i) for i in slow_slots}
+        count = np.zeros((pp, dp))
+        for i in slow_slots:
+            count[i // (tp * dp), (i // tp) % dp] += 1
+        s0, d0 = slot_of[slow[0]] // (tp * dp), (slot_of[slow[0]] // tp) % dp
+        if first_stage:
+            s0 = 0
+        reps = sorted(range(dp), key=lambda d: (d != d0, -count[:, d].sum(), d))
+        stages = sorted(range(pp), key=lambda s: (s != s0, -count[s].sum(), s))
+        if mode == "replica":
+            groups = [(s, d) for d in reps for s in stages]
+        else:
+            groups = [(s, d) for s in stages for d in reps]
+        for j in range(0, len(slow), tp):
+            chunk = slow[j:j + tp]
+            s, d = groups[j // tp]
+            target = [t + tp * (d + dp * s) for t in range(tp)]
+            members = set(chunk)
+            for r in chunk:
+                i = slot_of[r]
+                if i in target:
+                    continue
+                # Swap with the fastest occupant of the target group that is not in this chunk.
+                _, k = max((sp[flat[k]], k) for k in target if int(flat[k]) not in members)
+                other = int(flat[k])
+                flat[k], flat[i] = r, other
+                slot_of[r], slot_of[other] = k, i
+        return dataclasses.replace(layout, devices=tuple(flat.tolist()))
+
+    def _fill(self, placed: PlanLayout, original: PlanLayout, sp: np.ndarray, memory: np.ndarray,
+              actions: tuple[str, ...], *, same_shape: bool):
+        """Layer partitions x micro-batch splits for a placement."""
+        cfg = self.config
+        stage_speed = sp[placed.grid()].min(axis=2)            # (pp, dp)
+        if (stage_speed <= 0).any():
+            return
+        layer_opts: list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]] = []
+        if same_shape and placed.pp == original.pp and placed.vp == original.vp:
+            layer_opts.append((placed.layers, ()))
+        even = PlanLayout.even(num_layers=self.spec.num_layers, tp=placed.tp, pp=placed.pp, dp=1,
+                               num_microbatches=1, vp=placed.vp).layers
+        if not layer_opts or layer_opts[0][0] != even:
+            layer_opts.append((even, ("pp_repartition",) if same_shape else ()))
+        if cfg.pp_repartition or not same_shape:
+            cap = self._layer_cap(placed, memory)
+            for agg in (stage_speed.min(axis=1), stage_speed.mean(axis=1)):
+                per = self._partition(agg, placed, cap)
+                if per is not None and per not in [lo[0] for lo in layer_opts]:
+                    layer_opts.append((per, ("pp_repartition",)))
+        for layers, lacts in layer_opts:
+            lay = dataclasses.replace(placed, layers=layers)
+            mb_opts = [(lay.microbatches, ())]
+            if cfg.dp_migration and lay.dp > 1:
+                fwd, bwd = _chunk_seconds(self.costs, layers, lay.tp)
+                a, b = _closed_form(fwd, bwd, stage_speed, lay.vp, self.cluster.p2p_latency_s)
+                unit = lay.pp if lay.vp > 1 else 1
+                mbs = _allocate_microbatches(a, b, lay.num_microbatches, unit)
+                if mbs is not None and tuple(mbs) != lay.microbatches:
+                    mb_opts.append((tuple(mbs), ("dp_migration",)))
+            for mbs, macts in mb_opts:
+                yield dataclasses.replace(lay, microbatches=mbs), _dedupe(actions + lacts + macts)
+
+    def _layer_cap(self, layout: PlanLayout, memory: np.ndarray) -> np.ndarray:
+        """Most layers each stage can hold in memory (the smallest device of the stage decides)."""
+        pp = layout.pp
+        cap_mem = memory[layout.grid()].min(axis=(1, 2))
+        zero = self.memory_model(self.spec, self.workload, layout.tp, pp, [0] * pp)
+        one = self.memory_model(self.spec, self.workload, layout.tp, pp, [1] * pp) - zero
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cap = np.floor((cap_mem - zero) / one)
+        return np.clip(np.nan_to_num(cap, nan=0, posinf=self.spec.num_layers), 0, self.spec.num_layers).astype(np.int64)
+
+    def _partition(self, speed: np.ndarray, layout: PlanLayout, cap: np.ndarray) -> tuple[tuple[int, ...], ...] | None:
+        """Layers per stage for stage speeds ``speed`` (pp,), split over the stage's chunks."""
+        pp, vp, tp = layout.pp, layout.vp, layout.tp
+        c = self.costs
+        unit = sum(c.layer(tp)) / speed
+        fixed = np.zeros(pp)
+        fixed[-1] = (c.head_fwd + c.head_bwd) / tp / speed[-1]
+        per = _greedy_layers(unit, fixed, self.spec.num_layers, np.minimum(cap, self.spec.num_layers))
+        if per is None or any(n < vp for n in per):
+            return None
+        return tuple(tuple(_split_even(n, vp)) for n in per)
+
+    def _reshapes(self, layout: PlanLayout, sp: np.ndarray, memory: np.ndarray) -> list[PlanLayout]:
+        """Other (tp, pp) shapes over the fastest usable devices, best closed-form bound first.
+        Hundreds of shapes at 4,096 devices: the bound and the memory check use prefix sums over
+        the devices in speed order, and only the best ``max_reshapes`` become layouts."""
+        spec, m_total = self.spec, layout.num_microbatches
+        alive = sorted((r for r in range(sp.shape[0]) if sp[r] > 0), key=lambda r: (-sp[r], r))
+        n_healthy = sum(1 for r in alive if sp[r] >= 1 - HEALTHY_EPS)
+        speed_sum = np.concatenate([[0.0], np.cumsum(sp[alive])])
+        mem_min = np.minimum.accumulate(memory[alive]) if alive else np.zeros(0)
+        c = self.costs
+        tps = [t for t in _divisors(spec.num_attention_heads) if spec.groups % t == 0 and t <= layout.tp]
+        scored = []
+        for tp in tps:
+            for pp in range(1, min(spec.num_layers, len(alive) // tp) + 1):
+                vp = layout.vp if pp > 1 and spec.num_layers >= pp * layout.vp else 1
+                even = _split_even(spec.num_layers, pp)
+                need = float(self.memory_model(spec, self.workload, tp, pp, even).max())
+                per_mb = np.asarray(even, dtype=float) * sum(c.layer(tp))
+                per_mb[-1] += (c.head_fwd + c.head_bwd) / tp
+                a = per_mb.sum() / vp + per_mb.max() * (vp - 1) / vp + 2.0 * (pp - 1) * self.cluster.p2p_latency_s
+                for n_pool in sorted({len(alive), n_healthy}):
+                    dp = min(n_pool // (tp * pp), m_total // (pp if vp > 1 else 1))
+                    if dp < 1 or (tp, pp) == (layout.tp, layout.pp):
+                        continue
+                    n = tp * pp * dp
+                    if need > mem_min[n - 1] * (1 + 1e-9):
+                        continue
+                    m = -(-m_total // dp)
+                    tail = _tail_seconds(spec, self.workload, self.cluster, tp, dp, even).max()
+                    t = (a + (m - 1) * per_mb.max() + tail) * n / speed_sum[n]
+                    scored.append((t, tp, pp, dp, vp))
+        scored.sort()
+        old_slot = {r: i for i, r in enumerate(layout.devices)}
+        out: list[PlanLayout] = []
+        for _, tp, pp, dp, vp in scored[:self.config.max_reshapes]:
+            # Keep the old rank order among the chosen devices: neighbours stay neighbours.
+            use = sorted(alive[:tp * pp * dp], key=lambda r: (old_slot.get(r, 1 << 30), r))
+            out.append(PlanLayout.even(num_layers=spec.num_layers, tp=tp, pp=pp, dp=dp, num_microbatches=m_total,
+                                       vp=vp, schedule=layout.schedule if vp == layout.vp else None, devices=use))
+        return out
+
+
+def _dedupe(actions: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(actions))

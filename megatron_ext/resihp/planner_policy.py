@@ -1,0 +1,96 @@
+"""When to act on verdicts: the planner's hysteresis.
+
+A re-layout pauses the job and moves state, so acting on every verdict is wrong twice over: a
+device whose verdict flips (slow -> recovered -> slow, a thermal throttle that comes and goes)
+would make the job re-lay out back and forth, paying the pause each time for nothing. The policy
+keeps a *believed* speed per device and only re-plans when that belief changes:
+
+* ``fail_slow`` sets the device's speed to ``1 / factor`` at once (detection already waited for
+  persistence; a slow device costs every iteration);
+* ``fail_stop`` sets it to 0 at once (the job cannot run with it);
+* ``recovered`` changes nothing yet: the device must stay without a new ``fail_slow`` for
+  ``recover_after`` iterations before it counts as healthy again and the planner may go back
+  towards the healthy layout. A ``fail_slow`` in between cancels the recovery, and since the
+  belief never changed, nothing is re-planned;
+* a changed belief re-plans from the layout in force, and the planner's own threshold
+  (``PlannerConfig.min_gain``) drops plans that would not pay for their move (a factor re-estimated
+  from x2.0 to x2.1 does not re-lay out the job).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable
+
+import numpy as np
+
+from megatron_ext.resihp.planner import Planner
+from megatron_ext.resihp.planner_types import Plan, PlanLayout, PlanningError
+from megatron_ext.resihp.verdicts import Verdict
+
+logger = logging.getLogger(__name__)
+
+
+class PlanPolicy:
+    """Feeds verdicts to the planner with hysteresis; one instance per job, on the rank that
+    decides (its plans are broadcast). ``observe`` once per iteration."""
+
+    def __init__(self, planner: Planner, layout: PlanLayout, num_devices: int, *, recover_after: int = 50) -> None:
+        if recover_after < 0:
+            raise PlanningError(f"recover_after must be >= 0 iterations, got {recover_after}")
+        if num_devices <= max(layout.devices):
+            raise PlanningError(f"num_devices ({num_devices}) must exceed the largest rank of the layout "
+                                f"({max(layout.devices)})")
+        self.planner = planner
+        self.layout = layout
+        self.recover_after = recover_after
+        self.speeds = np.ones(num_devices)
+        self._recovering: dict[int, int] = {}   # rank -> iteration of its 'recovered' verdict
+        self.plans: list[tuple[int, Plan]] = []
+
+    def believed(self, rank: int) -> float:
+        return float(self.speeds[rank])
+
+    def observe(self, iteration: int, verdicts: Iterable[Verdict] = (), *, adopt: bool = True) -> Plan | None:
+        """Take this iteration's verdicts; return a plan when the belief changed and the planner
+        found one worth its move. With ``adopt`` the plan's layout becomes the one in force (the
+        caller applies it); without, the policy keeps planning from the old one (log-only mode)."""
+        changed = []
+        for v in verdicts:
+            r = v.rank
+            if not 0 <= r < self.speeds.shape[0]:
+                raise PlanningError(f"verdict at iteration {v.iteration} names rank {r}; the policy knows "
+                                    f"{self.speeds.shape[0]} devices (0..{self.speeds.shape[0] - 1})")
+            if v.kind == "fail_slow":
+                if v.factor is None or not math.isfinite(v.factor) or v.factor <= 0:
+                    raise PlanningError(f"fail_slow verdict for rank {r} at iteration {v.iteration} has no usable "
+                                        f"factor ({v.factor!r})")
+                self._recovering.pop(r, None)
+                speed = min(1.0, 1.0 / v.factor)
+                if self.speeds[r] > 0 and speed != self.speeds[r]:
+                    self.speeds[r] = speed
+                    changed.append(f"rank {r} x{v.factor:.2f}")
+            elif v.kind == "fail_stop":
+                self._recovering.pop(r, None)
+                if self.speeds[r] != 0:
+                    self.speeds[r] = 0.0
+                    changed.append(f"rank {r} dead")
+            elif v.kind == "recovered" and 0 < self.speeds[r] < 1:
+                self._recovering.setdefault(r, iteration)
+        for r, since in sorted(self._recovering.items()):
+            if iteration - since >= self.recover_after:
+                del self._recovering[r]
+                self.speeds[r] = 1.0
+                changed.append(f"rank {r} healthy since iteration {since}")
+        if not changed:
+            return None
+        plan = self.planner.plan(self.layout, self.speeds)
+        if plan is None:
+            logger.info("resihp policy iteration %d: %s; no re-layout gains more than %.0f %%", iteration,
+                        "; ".join(changed), 100 * self.planner.config.min_gain)
+            return None
+        logger.info("resihp policy iteration %d: %s -> %s", iteration, "; ".join(changed), plan.describe())
+        self.plans.append((iteration, plan))
+        if adopt:
+            self.layout = plan.new
+        return plan
