@@ -24,6 +24,8 @@ setup(
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*", "deepspeed_patches", "deepspeed_patches.*"]),
     py_modules=["pretrain_gpt"],
+    # The cluster simulator's embedded default trace (sources and licences: data/NOTICE.md).
+    package_data={"megatron_ext.cluster": ["data/*.csv", "data/*.csv.gz", "data/*.md", "data/*.txt"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
         # GPU clusters only; never needed on CPU. apex is built from source (see Dockerfile).

@@ -10,7 +10,7 @@ bubble tuning scenario's makespan ratio. Prints a table, then one JSON line:
      "bubble_scenario": {"makespan_ratio": ..., ...}}
 
 Usage: python tools/bench_cluster.py [--trace PATH --vc-config PATH] [--repeats 3]
-(default data: ../shared/data/cluster relative to the repository root).
+(default data: the embedded Philly trace, megatron_ext/cluster/data; see its NOTICE.md).
 """
 from __future__ import annotations
 
@@ -28,23 +28,21 @@ from megatron_ext.cluster.bubbles import TuningScenario, run_tuning_scenario  # 
 from megatron_ext.cluster.config import POLICIES, ClusterSimConfig  # noqa: E402
 from megatron_ext.cluster.engine import simulate  # noqa: E402
 from megatron_ext.cluster.metrics import format_table, summarize  # noqa: E402
-from megatron_ext.cluster.trace import read_trace, read_vc_config  # noqa: E402
-
-DATA = os.path.join(ROOT, "..", "shared", "data", "cluster")
+from megatron_ext.cluster.trace import default_trace, read_trace, read_vc_config  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=os.path.join(DATA, "philly.csv"))
-    ap.add_argument("--vc-config", default=os.path.join(DATA, "philly_vc.csv"))
+    trace, vc_config = default_trace()
+    ap.add_argument("--trace", default=trace)
+    ap.add_argument("--vc-config", default=vc_config)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--load-scales", nargs="+", type=float, default=[1.0, 5.0])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     for path in (args.trace, args.vc_config):
         if not os.path.isfile(path):
-            print(f"error: {path} not found (pass --trace/--vc-config; see ../shared/data/cluster/README.md)",
-                  file=sys.stderr)
+            print(f"error: {path} not found (pass --trace and --vc-config)", file=sys.stderr)
             return 2
 
     cells = [(p, s) for s in args.load_scales for p in args.policies]

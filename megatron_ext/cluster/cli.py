@@ -6,7 +6,9 @@
 * ``compare`` — several policies x load scales side by side; one CDF panel per load scale.
 * ``bubbles`` — the built-in tuning scenario: makespan with and without pipeline-bubble resources.
 
-Every field of :class:`ClusterSimConfig` is a flag (and a key of ``--config sim.yaml``).
+Every field of :class:`ClusterSimConfig` is a flag (and a key of ``--config sim.yaml``). Without
+``--trace`` and ``--vc-config``, ``simulate`` and ``compare`` run on the embedded Philly trace
+(``megatron_ext/cluster/data``, see its NOTICE.md), so the commands work in a fresh clone.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from megatron_ext.cluster.bubbles import TuningScenario, run_tuning_scenario
 from megatron_ext.cluster.config import ClusterSimConfig
 from megatron_ext.cluster.engine import SimRun, simulate
 from megatron_ext.cluster.metrics import format_table, jcts, summarize, write_outputs
-from megatron_ext.cluster.trace import Trace, TraceError, read_trace, read_vc_config
+from megatron_ext.cluster.trace import Trace, TraceError, default_trace, read_trace, read_vc_config
 from megatron_ext.config.base import (ConfigError, add_flags, build, check_unknown, field_names,
                                       load_yaml)
 
@@ -51,6 +53,20 @@ def _config(args: argparse.Namespace, cls: type, where: str, overrides: dict[str
     return build(cls, values, where)
 
 
+def with_default_trace(cfg: ClusterSimConfig) -> ClusterSimConfig:
+    """``cfg`` with the embedded Philly trace filled in when it names neither trace nor VC file."""
+    if cfg.trace and cfg.vc_config:
+        return cfg
+    if cfg.trace or cfg.vc_config:
+        # A user's trace with the Philly VC sizes (or the reverse) would silently drop or misplace jobs.
+        given, missing = ("--trace", "--vc-config") if cfg.trace else ("--vc-config", "--trace")
+        raise ConfigError(f"{given} needs {missing} too (give both, or neither for the embedded Philly trace)")
+    trace, vcs = default_trace()
+    print("trace: the embedded Philly trace (Microsoft, 2017; CC BY 4.0; sources and licences in "
+          "megatron_ext/cluster/data/NOTICE.md). Pass --trace and --vc-config to use your own.", flush=True)
+    return dataclasses.replace(cfg, trace=trace, vc_config=vcs)
+
+
 def load(cfg: ClusterSimConfig, load_scale: float | None = None) -> Trace:
     if not cfg.trace or not cfg.vc_config:
         raise ConfigError("--trace and --vc-config are required")
@@ -67,7 +83,7 @@ def run_one(cfg: ClusterSimConfig) -> tuple[SimRun, dict[str, Any]]:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    cfg = _config(args, ClusterSimConfig, "flags")
+    cfg = with_default_trace(_config(args, ClusterSimConfig, "flags"))
     run, summary = run_one(cfg)
     print(format_table([summary | {"policy": cfg.policy}], _ROW_COLUMNS))
     print()
@@ -89,7 +105,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    base = _config(args, ClusterSimConfig, "flags")
+    base = with_default_trace(_config(args, ClusterSimConfig, "flags"))
     rows, panels = [], {}
     for scale in args.load_scales:
         trace = load(base, scale)

@@ -9,7 +9,9 @@ Two trace formats are read (docs/cluster.md describes both):
   optional ``user,kind,pp_stages,micro_batches,bubble_fraction,mem_gb,act_mem_gb``.
 
 A malformed row is reported as ``path:line: reason``. Rows need not be sorted by time. Jobs of VCs
-absent from the VC file are dropped and counted per VC (the Philly copy has four such VCs).
+absent from the VC file are dropped and counted per VC (the Philly copy has four such VCs). A path
+ending in ``.gz`` is read through gzip. :func:`default_trace` gives the embedded Philly trace and its
+VC file (package data; sources and licences in ``data/NOTICE.md``).
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import csv
 import dataclasses
 import datetime
 import difflib
+import gzip
 import logging
 import math
 import os
+from importlib import resources
 from typing import Iterable, Mapping
 
 logger = logging.getLogger(__name__)
@@ -160,14 +164,43 @@ def _integer(name: str, text: str, minimum: int) -> int:
 def _open_csv(path: str):
     if not os.path.isfile(path):
         raise TraceError(f"{path}: file does not exist")
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", newline="", encoding="utf-8")
     return open(path, newline="", encoding="utf-8")
+
+
+def _unreadable(path: str, exc: BaseException) -> TraceError:
+    # A truncated .gz raises EOFError and a corrupt one gzip.BadGzipFile only once rows are read.
+    return TraceError(f"{path}: cannot be read ({type(exc).__name__}: {exc})")
+
+
+DEFAULT_TRACE_FILES = ("philly.csv.gz", "philly_vc.csv")
+
+
+def default_trace() -> tuple[str, str]:
+    """(trace, VC file) of the embedded default: Microsoft's Philly trace as the Pollux artifact
+    summarized it, and the Helios artifact's Philly VC sizes. Package data of ``megatron_ext.cluster``
+    (``data/``), so it is there in a fresh clone, an editable install and a wheel alike."""
+    base = resources.files("megatron_ext.cluster").joinpath("data")
+    paths = [base.joinpath(name) for name in DEFAULT_TRACE_FILES]
+    for p in paths:
+        if not p.is_file():
+            raise TraceError(f"the embedded default trace file {p} is missing from this installation of "
+                             "megatron-ext; reinstall it, or pass --trace and --vc-config")
+    return str(paths[0]), str(paths[1])
 
 
 def read_vc_config(path: str | os.PathLike, gpus_per_node: int = 8,
                    gpu_speeds: Mapping[str, float] | None = None) -> dict[str, VCSpec]:
     """Read 'vc,node num[,gpus_per_node][,gpu_type]' (the Helios ``philly_vc.csv`` layout)."""
     path = os.fspath(path)
-    speeds = dict(gpu_speeds or {})
+    try:
+        return _read_vc_rows(path, gpus_per_node, dict(gpu_speeds or {}))
+    except (OSError, EOFError) as exc:
+        raise _unreadable(path, exc) from None
+
+
+def _read_vc_rows(path: str, gpus_per_node: int, speeds: dict[str, float]) -> dict[str, VCSpec]:
     out: dict[str, VCSpec] = {}
     with _open_csv(path) as fh:
         reader = csv.reader(fh)
@@ -352,19 +385,22 @@ def read_trace(path: str | os.PathLike, vcs: Mapping[str, VCSpec], *, fmt: str =
     if load_scale <= 0:
         raise TraceError(f"load scale must be > 0, got {load_scale}")
     bad: list[tuple[int, str]] = []
-    with _open_csv(path) as fh:
-        reader = csv.reader(fh)
-        header = [h.strip() for h in next(reader, [])]
-        if not header:
-            raise TraceError(f"{path}: empty trace file")
-        if fmt == "auto":
-            fmt = _sniff_format(path, header)
-        if fmt == "philly":
-            rows = _philly_rows(path, reader, header, bad)
-        elif fmt == "generic":
-            rows = _generic_rows(path, reader, header, bad)
-        else:
-            raise TraceError(f"unknown trace format {fmt!r}")
+    try:
+        with _open_csv(path) as fh:
+            reader = csv.reader(fh)
+            header = [h.strip() for h in next(reader, [])]
+            if not header:
+                raise TraceError(f"{path}: empty trace file")
+            if fmt == "auto":
+                fmt = _sniff_format(path, header)
+            if fmt == "philly":
+                rows = _philly_rows(path, reader, header, bad)
+            elif fmt == "generic":
+                rows = _generic_rows(path, reader, header, bad)
+            else:
+                raise TraceError(f"unknown trace format {fmt!r}")
+    except (OSError, EOFError) as exc:
+        raise _unreadable(path, exc) from None
 
     dropped: dict[str, int] = {}
     kept = []

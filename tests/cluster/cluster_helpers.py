@@ -3,16 +3,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from megatron_ext.cluster.config import ClusterSimConfig
-from megatron_ext.cluster.trace import Job
+from megatron_ext.cluster.trace import Job, default_trace
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-# The full Philly trace lives beside the repository when the shared data set is present.
-FULL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "cluster")
-FULL_TRACE = os.path.join(FULL_DIR, "philly.csv")
-FULL_VC = os.path.join(FULL_DIR, "philly_vc.csv")
+# The full Philly trace: the package's embedded default (megatron_ext/cluster/data/NOTICE.md).
+FULL_TRACE, FULL_VC = default_trace()
 
 
 def data(name: str) -> str:
@@ -26,7 +22,3 @@ def cfg(**kw) -> ClusterSimConfig:
 def job(job_id: str, submit: float, duration: float, gpus: int = 1, vc: str = "vc", **kw) -> Job:
     return Job(job_id, 0, submit, duration, gpus, vc, **kw)
 
-
-needs_full_trace = pytest.mark.skipif(
-    not (os.path.isfile(FULL_TRACE) and os.path.isfile(FULL_VC)),
-    reason="full Philly trace not present at ../shared/data/cluster (see its README)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -75,7 +76,6 @@ def test_yaml_config_and_flags_override(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["simulate", "--policy", "fifo"], "error: --trace and --vc-config are required"),
     (["simulate", "--trace", data("philly_bad_rows.csv"), "--vc-config", data("philly_vc.csv")],
      "11 bad row(s): line 3: timestamp '2017-10-9 07:01:55' is not YYYY-MM-DD HH:MM:SS"),
     (["simulate", *BASE, "--load-scale", "0"], "error: --load-scale must be > 0, got 0.0"),
@@ -110,3 +110,65 @@ def test_module_entry_point_runs():
                            "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert last_json(proc.stdout)["policy"] == "fifo"
+
+
+# ---- the embedded default trace (a fresh clone has no trace of its own) ------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _installed_package_dir(cwd) -> str | None:
+    """Where this interpreter imports megatron_ext from without PYTHONPATH (None: not installed)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", "import importlib.util as u; s = u.find_spec('megatron_ext'); "
+                          "print(s.submodule_search_locations[0] if s else '')"],
+                         cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or None
+
+
+def test_simulate_without_a_trace_runs_the_embedded_philly_trace_from_an_install(tmp_path):
+    where = _installed_package_dir(tmp_path)
+    if where is None or os.path.realpath(where) != os.path.realpath(os.path.join(ROOT, "megatron_ext")):
+        pytest.skip("megatron-ext from this checkout is not installed in this interpreter (pip install -e .)")
+    # From an unrelated directory, without PYTHONPATH: the installed package must find its data.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-m", "megatron_ext.cluster", "simulate", "--policy", "sjf", "--json"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("trace: the embedded Philly trace (Microsoft, 2017; CC BY 4.0;")
+    assert lines[1].split() == ["policy", "load", "jobs", "avg", "JCT", "s", "median", "s", "p99", "JCT", "s",
+                                "avg", "queue", "s", "makespan", "s", "util", "preempt", "wall", "s"]
+    assert lines[2].split()[:3] == ["sjf", "1", "82229"]
+    summary = json.loads(lines[-1])
+    assert summary["jobs"] == 82229 and sum(summary["dropped_jobs"].values()) == 18
+    assert len(summary["per_vc"]) == 11 and summary["avg_jct_s"] > 0
+
+
+def test_the_default_trace_is_package_data_of_the_build(tmp_path):
+    # What a wheel or a non-editable install gets: setuptools' build_py copies packages and package_data.
+    out = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    built = sorted(os.listdir(tmp_path / "megatron_ext" / "cluster" / "data"))
+    assert built == sorted(os.listdir(os.path.join(ROOT, "megatron_ext", "cluster", "data")))
+    assert {"philly.csv.gz", "philly_vc.csv", "NOTICE.md", "LICENSE-CC-BY-4.0.txt"} <= set(built)
+
+
+@pytest.mark.parametrize("given", [["--trace", data("philly_small.csv")], ["--vc-config", data("philly_vc.csv")]])
+def test_half_an_input_pair_is_an_error_not_the_default(given, capsys):
+    assert main(["simulate", *given]) == 2
+    flag, other = given[0], "--vc-config" if given[0] == "--trace" else "--trace"
+    assert capsys.readouterr().err.strip() == (
+        f"error: {flag} needs {other} too (give both, or neither for the embedded Philly trace)")
+
+
+def test_a_truncated_gzip_trace_is_a_located_error(tmp_path, capsys):
+    import gzip
+
+    whole = gzip.compress(open(data("philly_small.csv"), "rb").read())
+    bad = tmp_path / "cut.csv.gz"
+    bad.write_bytes(whole[: len(whole) // 2])
+    assert main(["simulate", "--trace", str(bad), "--vc-config", data("philly_vc.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {bad}: cannot be read (EOFError: ") and "\n" not in err

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.cluster import helios_reference as ref
-from tests.cluster.cluster_helpers import FULL_TRACE, FULL_VC, cfg, data, job, needs_full_trace
+from tests.cluster.cluster_helpers import FULL_TRACE, FULL_VC, cfg, data, job
 from megatron_ext.cluster.engine import VCSimulator, simulate
 from megatron_ext.cluster.helios import HeliosVCSimulator
 from megatron_ext.cluster.metrics import summarize
@@ -106,7 +106,6 @@ def test_helios_compat_rejects_policies_it_lacks():
         cfg(policy="fifo", helios_compat=True, backfill="greedy")
 
 
-@needs_full_trace
 def test_full_trace_fifo_engine_equals_helios_and_every_job_finishes():
     vcs = read_vc_config(FULL_VC)
     trace = read_trace(FULL_TRACE, vcs)
