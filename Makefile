@@ -1,5 +1,6 @@
 # make demo  - install into .venv if needed, then train the tiny GPT on 4 CPU ranks (TP2 x PP2)
 # make test  - install into .venv if needed, then run the test suite
+# make gpu-check [ARGS=--record]  - the prepared GPU check (tools/gpu_check.py); skips without CUDA
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP  := $(VENV)/.installed
 NPROC  ?= 4
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench clean-demo
+.PHONY: setup demo test bench clean-demo gpu-check
 
 setup: $(STAMP)
 
@@ -30,6 +31,13 @@ test: setup
 
 bench: setup
 	$(PY) tools/bench_parallel.py
+
+# No `setup` prerequisite: inside the Docker image (or any CUDA environment) the system Python
+# already holds the CUDA build of torch, which a fresh venv would not see. The venv is used when
+# there is one.
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONWARNINGS=ignore $(GPU_PY) tools/gpu_check.py $(ARGS)
 
 clean-demo:
 	rm -rf runs/demo

@@ -1,0 +1,133 @@
+"""tools/gpu_check.py on CPU: argument checks, the skip path, the report's JSON shape and the pure
+pieces of its sections (FLOPs-model fit, MFU inputs), and one --cpu-smoke run of every section."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+import gpu_check  # noqa: E402
+
+from tests.conftest import run_python  # noqa: E402
+
+
+def test_defaults_run_every_section():
+    args = gpu_check.parse_args([])
+    assert args.sections == list(gpu_check.SECTIONS) and args.iters == 30
+    assert not args.record and not args.cpu_smoke and args.peak_tflops is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sections", "gpt,warp"], "--sections: unknown section(s) warp; choose from env, gpt, llama, packed, "
+                                 "flops_model, hydro, helix"),
+    (["--sections", ","], "--sections: unknown section(s) (none given)"),
+    (["--iters", "7"], "--iters must be an even number >= 4 (the resume check restarts at half), got 7"),
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
+    (["--record", "--cpu-smoke"], "--record keeps GPU figures only: drop --cpu-smoke"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_skips_cleanly_without_cuda(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--record"]) == gpu_check.SKIP_EXIT == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("gpu-check skipped: no CUDA device")
+    report = json.loads(out[-1])
+    assert report["skipped"].startswith("no CUDA device") and report["env"]["torch"] == torch.__version__
+    assert report["env"]["device"] == "cpu"
+
+
+def test_report_has_the_issue_shape_even_when_sections_fail():
+    def boom(ctx):
+        raise ValueError("no kernel image for this device")
+
+    results = {"env": {"torch": "x"}, "gpt": gpu_check.run_section("gpt", boom, {}),
+               "hydro": {"fused_b8_speedup": 5.0, "section_s": 1.0}}
+    assert results["gpt"]["error"] == "ValueError: no kernel image for this device"
+    full = gpu_check.complete(results)
+    for section, keys in gpu_check.REQUIRED.items():
+        assert set(keys) <= set(full[section]), section
+    assert full["gpt"]["mfu"] is None and full["hydro"]["fused_b8_speedup"] == 5.0
+    assert full["helix"]["skipped"] == "not run (--sections)"
+    line = json.dumps(full)
+    assert json.loads(line)["gpt"]["error"].startswith("ValueError")
+    text = gpu_check.table(full)
+    assert text.splitlines()[0].split() == ["section", "figure", "value"]
+    assert any(r.split()[:2] == ["hydro", "fused_b8_speedup"] and r.split()[2] == "5" for r in text.splitlines())
+
+
+def test_record_writes_table_and_json(tmp_path, monkeypatch):
+    import datetime
+
+    monkeypatch.setattr(gpu_check, "RECORD_DIR", str(tmp_path / "gpu"))
+    when = datetime.datetime(2026, 12, 1, 7, 0, 0)
+    txt, js = gpu_check.record("table", '{"a": 1}', "NVIDIA H200", when)
+    assert os.path.basename(js) == "gpu_check_20261201_070000_nvidia-h200.json"
+    assert open(js).read() == '{"a": 1}\n' and open(txt).read() == "table\n"
+
+
+def test_flops_model_fit_recovers_a_linear_device():
+    rng = np.random.default_rng(0)
+    lin, att = rng.uniform(1e9, 4e9, 20), rng.uniform(0, 3e9, 20)
+    seconds = 2e-13 * lin + 7e-13 * att + 1e-4
+    calib = np.arange(20) % 2 == 0
+    assert gpu_check.fit_flops_model(lin, att, seconds, calib).max() < 1e-6
+    # A device that is 30 % slower on the held-out half is 30 % off the calibrated prediction.
+    slow = np.where(calib, seconds, seconds * 1.3)
+    err = gpu_check.fit_flops_model(lin, att, slow, calib)
+    assert np.allclose(err, 1 - 1 / 1.3, atol=1e-6)
+    summary = gpu_check.error_summary(err)
+    assert summary["points"] == 10 and summary["median_abs_err"] == pytest.approx(1 - 1 / 1.3)
+    with pytest.raises(ValueError, match="need >= 3 calibration points and >= 1 held-out point, got 2 and 18"):
+        gpu_check.fit_flops_model(lin, att, seconds, np.arange(20) < 2)
+
+
+def test_doc_mixes_fill_their_token_counts():
+    mixes = gpu_check._doc_mixes((64, 128), 12, seed=1)
+    assert [sum(m) for m in mixes] == [64, 128] * 6
+    assert all(min(m) >= 1 for m in mixes)
+    shares = [sum(d * d for d in m) / sum(m) ** 2 for m in mixes]
+    assert max(shares) > 4 * min(shares), "batches must differ in attention work"
+
+
+def test_peak_flops_and_iteration_flops():
+    assert gpu_check.peak_flops("NVIDIA H200", None) == 989e12
+    assert gpu_check.peak_flops("NVIDIA GH200 480GB", None) == 989e12
+    assert gpu_check.peak_flops("NVIDIA A100-SXM4-80GB", None) == 312e12
+    assert gpu_check.peak_flops("Some New GPU", None) is None
+    assert gpu_check.peak_flops("NVIDIA H200", 500.0) == 500e12
+    # Backward is twice the forward (no flash recomputation): 3x one forward of 6*12*h^2... per token.
+    h, s, v, layers, b = 64, 32, 128, 2, 4
+    per_token_fwd = layers * 24 * h * h + 2 * h * v
+    attention_fwd = layers * 4 * h * s * s
+    assert gpu_check.gpt_iteration_flops(layers, h, 2, v, s, b) == pytest.approx(
+        3 * b * (per_token_fwd * s + attention_fwd))
+
+
+@pytest.mark.multirank  # one subprocess that imports megatron (~20 s) and runs every section tiny
+def test_cpu_smoke_runs_every_section(tmp_path):
+    proc = run_python("tools/gpu_check.py", "--cpu-smoke", timeout=600,
+                      env={"OMP_NUM_THREADS": "1"})
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = {k: v["error"] for k, v in report.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, errors
+    assert report["meta"]["cpu_smoke"] is True
+    gpt = report["gpt"]
+    assert gpt["dtype"] == "bfloat16" and gpt["optimizer"] == "ChainedOptimizer"
+    assert gpt["resume_max_rel_diff"] == 0.0 and gpt["resume_loss_max_rel_diff"] == 0.0
+    assert report["packed"]["documents_isolated"] is True
+    assert report["hydro"]["param_max_rel_diff"] < 1e-4
+    assert report["helix"]["compiled"] is True and report["helix"]["loss_max_rel_diff"] < 1e-4
+    assert report["llama"]["skipped"]
