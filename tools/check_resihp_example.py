@@ -42,7 +42,8 @@ def one_run(extra: list[str], workdir: str) -> dict:
     injected = int(outcome.group(1)) if outcome else None
     rows = [json.loads(line) for line in open(verdicts)] if os.path.exists(verdicts) else []
     wrong = [r for r in rows if r["kind"] == "fail_slow" and r["rank"] != injected]
-    return {"rc": proc.returncode, "named": bool(named), "delay": int(named.group(3)) if named else None,
+    tail = "" if proc.returncode == 0 else " / ".join(out.strip().splitlines()[-3:])
+    return {"rc": proc.returncode, "tail": tail, "named": bool(named), "delay": int(named.group(3)) if named else None,
             "factor": float(named.group(2)) if named else None, "wrong_rank_verdicts": len(wrong),
             "outcome": outcome.group(0) if outcome else "no outcome line (the run failed?)",
             "wall_s": round(time.perf_counter() - start, 1)}
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         print(f"run {i + 1:2d}/{args.runs}: rc {res['rc']} | {res['outcome']} | wrong-rank verdicts "
               f"{res['wrong_rank_verdicts']} | {res['wall_s']} s", flush=True)
+        if res["tail"]:
+            print(f"    failed run's last lines: {res['tail'][:600]}", flush=True)
     delays = [r["delay"] for r in results if r["delay"] is not None]
     summary = {"example": " ".join(EXAMPLE + args.extra), "runs": len(results),
                "named": sum(r["named"] for r in results),
