@@ -21,9 +21,9 @@ class DeepSpeedTimelineExtension(TimelineExtension):
 
     def setup(self, trainer: "DeepSpeedTrainer") -> None:
         from megatron_ext.pipeline.collect import clock_offsets
-        from megatron_ext.pipeline.events import EventRecorder
+        from megatron_ext.pipeline.events import EventRecorder, timing_for
 
-        self.recorder = EventRecorder(self.cfg.timeline_capacity)
+        self.recorder = EventRecorder(self.cfg.timeline_capacity, timing=timing_for(trainer.ctx.device))
         trainer.engine.attach_recorder(self.recorder)
         self.offset_s = clock_offsets(self.recorder.clock)
         self.schedule = "deepspeed"

@@ -5,12 +5,18 @@ send or receive, the gradient reduce, the optimizer step, or other work. Events 
 preallocated structured numpy array (two clock reads and a few stores per event; nothing is
 allocated on the hot path). Micro-batch layouts (per-document token lengths) are stored once per
 micro-batch, not per event, and joined to events when a record is read.
+
+Timing follows the device (``timing_for``). On CPU an op's work is done when its call returns, so
+host clock reads are its span. On a GPU a call returns once its kernels are queued: host reads would
+charge a receive with the previous op's kernels still running before it. There each begin/end
+records a CUDA event on the current stream instead (from pools made once, so still nothing is
+allocated per event), and ``events()`` turns them into host-clock seconds after one synchronize.
 """
 from __future__ import annotations
 
 import enum
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -64,17 +70,33 @@ class Call(enum.IntEnum):
         return tuple(d for d, word in (("F", "FORWARD"), ("B", "BACKWARD")) if word in tail)
 
 
+TIMINGS = ("host", "cuda")
+
+
+def timing_for(device: Any) -> str:
+    """The timing a recorder on ``device`` needs: "cuda" (CUDA events) on a GPU, "host" otherwise."""
+    return "cuda" if getattr(device, "type", str(device).split(":")[0]) == "cuda" else "host"
+
+
 EVENT_DTYPE = np.dtype([("t0", "f8"), ("t1", "f8"), ("phase", "i1"), ("call", "i1"), ("chunk", "i2"),
                         ("microbatch", "i4")])
 
 
 class EventRecorder:
-    """Per-rank event buffer. ``begin`` returns a slot (or -1 when disabled or full); ``end`` closes it."""
+    """Per-rank event buffer. ``begin`` returns a slot (or -1 when disabled or full); ``end`` closes it.
+
+    ``timing="cuda"`` (see the module docstring) takes ``event_factory`` (default: timing-enabled
+    ``torch.cuda.Event``) and ``synchronize`` (default ``torch.cuda.synchronize``); both are
+    injectable so the conversion is testable without a GPU."""
 
     def __init__(self, capacity: int = 4096, *, enabled: bool = True,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, timing: str = "host",
+                 event_factory: Callable[[], Any] | None = None,
+                 synchronize: Callable[[], None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if timing not in TIMINGS:
+            raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
         self._buf = np.zeros(capacity, dtype=EVENT_DTYPE)
         # Column views: item assignment on a 1-D view is cheaper than on a structured record.
         self._t0 = self._buf["t0"]
@@ -87,6 +109,22 @@ class EventRecorder:
         self.enabled = enabled
         self.clock = clock
         self.dropped = 0
+        self.timing = timing
+        if timing == "cuda":
+            if event_factory is None or synchronize is None:
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise RuntimeError("EventRecorder(timing='cuda') needs a CUDA device; "
+                                       "pick the timing with timing_for(device)")
+                event_factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
+                synchronize = synchronize or torch.cuda.synchronize
+            self._ev0 = [event_factory() for _ in range(capacity)]
+            self._ev1 = [event_factory() for _ in range(capacity)]
+            self._anchor_event = event_factory()
+            self._synchronize = synchronize
+            self._anchor_host: float | None = None
+            self._resolved = 0  # events [0, _resolved) hold host seconds already
 
     @property
     def capacity(self) -> int:
@@ -108,12 +146,42 @@ class EventRecorder:
         self._chunk[i] = chunk
         self._mb[i] = microbatch
         self._t1[i] = np.nan
-        self._t0[i] = self.clock()
+        if self.timing == "host":
+            self._t0[i] = self.clock()
+        else:
+            if self._anchor_host is None:
+                self._anchor()
+            self._ev0[i].record()
         return i
 
     def end(self, slot: int) -> None:
         if slot >= 0:
-            self._t1[slot] = self.clock()
+            if self.timing == "host":
+                self._t1[slot] = self.clock()
+            else:
+                self._ev1[slot].record()
+                self._t1[slot] = 0.0  # closed; host seconds once resolved
+
+    def _anchor(self) -> None:
+        """Pin device time to the host clock: after a synchronize the anchor event completes at
+        (about) the host time read just before it."""
+        self._synchronize()
+        self._anchor_host = self.clock()
+        self._anchor_event.record()
+
+    def _resolve(self) -> None:
+        """CUDA events -> host-clock seconds for the events recorded since the last call."""
+        if self.timing != "cuda" or self._resolved >= self._n:
+            return
+        self._synchronize()
+        ref, base = self._anchor_event, self._anchor_host
+        for i in range(self._resolved, self._n):
+            self._t0[i] = base + ref.elapsed_time(self._ev0[i]) / 1e3
+            if not np.isnan(self._t1[i]):
+                self._t1[i] = base + ref.elapsed_time(self._ev1[i]) / 1e3
+        # An event still open stays unresolved (t1 = NaN) and is looked at again next time.
+        open_ = np.flatnonzero(np.isnan(self._t1[self._resolved:self._n]))
+        self._resolved = self._resolved + int(open_[0]) if len(open_) else self._n
 
     def set_microbatch(self, slot: int, microbatch: int) -> None:
         if slot >= 0:
@@ -122,9 +190,13 @@ class EventRecorder:
     def reset(self) -> None:
         self._n = 0
         self.dropped = 0
+        if self.timing == "cuda":
+            self._anchor_host = None  # re-anchored at the next begin(): no drift across iterations
+            self._resolved = 0
 
     def events(self) -> np.ndarray:
-        """A copy of the recorded events (open events have t1 = NaN)."""
+        """A copy of the recorded events in host-clock seconds (open events have t1 = NaN)."""
+        self._resolve()
         return self._buf[: self._n].copy()
 
 

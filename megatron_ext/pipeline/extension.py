@@ -54,10 +54,11 @@ class TimelineExtension(Extension):
 
     def setup(self, trainer: "Trainer") -> None:
         from megatron_ext.pipeline.collect import clock_offsets
-        from megatron_ext.pipeline.events import EventRecorder, Phase
+        from megatron_ext.pipeline.events import EventRecorder, Phase, timing_for
         from megatron_ext.pipeline.megatron_hooks import MegatronPipelineHooks, wrap_phase
 
-        self.recorder = EventRecorder(self.cfg.timeline_capacity)
+        # CUDA events on a GPU (also for ResiHP's op durations, read from this recorder).
+        self.recorder = EventRecorder(self.cfg.timeline_capacity, timing=timing_for(trainer.ctx.device))
         self.hooks = MegatronPipelineHooks(self.recorder, trainer.model.chunks).install()
         trainer.optimizer.step = wrap_phase(self.recorder, trainer.optimizer.step, Phase.OPTIMIZER)
         tconf = trainer.model.config
