@@ -9,7 +9,9 @@
 3. Train the full-width target with the best config and evaluate it.
 
 The study lives in Optuna storage (SQLite by default), so a killed tuner resumes: finished trials
-are kept, trials that were running are marked failed and re-queued with the same parameters.
+are kept, and trials that were running are picked up again under their own numbers (retrained from
+step 0, since a bundle's weights live in memory only) with the pruner's earlier verdicts kept, so
+they are judged at the same steps as every other trial and are never pruned for being late.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ class TuneResult:
     transfer_s: float
     rows: list[dict[str, Any]]
     history: list[tuple[float, float]]        # (seconds since start, best proxy loss so far)
+    target_reused: bool = False               # target_loss comes from an earlier run of this study
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,6 +102,8 @@ class HydroTuner:
         self.memory_model = memory_model
         self.log = log or (lambda s: logger.info("%s", s))
         self.crash_after = crash_after
+        self.study: optuna.Study | None = None
+        self._phase = "setup"     # setup, tuning, transfer, done: for status_line()
         self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                                    else ("cpu" if cfg.device == "auto" else cfg.device))
 
@@ -170,7 +175,8 @@ class HydroTuner:
                  f"{b}, budget {budget / 2**20:.0f} MiB")
         return b
 
-    def _study(self) -> optuna.Study:
+    def _study(self) -> tuple[optuna.Study, list[optuna.trial.FrozenTrial]]:
+        """Create or load the study; return it with the trials a killed tuner left running."""
         c = self.cfg
         storage = c.resolved_storage()
         if storage == "memory":   # no persistence (benchmarks); cannot resume
@@ -179,6 +185,7 @@ class HydroTuner:
             os.makedirs(os.path.dirname(os.path.abspath(storage[len("sqlite:///"):])), exist_ok=True)
         study = optuna.create_study(study_name=c.study_name, storage=storage, sampler=_make_sampler(c),
                                     pruner=_make_pruner(c), direction="minimize", load_if_exists=True)
+        self.study = study
         sig = {"search_space": space_signature(self.space), "trial_steps": c.trial_steps,
                "shrink_ratio": c.shrink_ratio, "hidden_size": c.hidden_size, "optimizer": c.optimizer}
         old = study.user_attrs.get("hydro")
@@ -188,16 +195,19 @@ class HydroTuner:
             diff = sorted(k for k in sig if old.get(k) != sig[k])
             raise RuntimeError(f"study '{c.study_name}' in {c.resolved_storage()} was created with different {', '.join(diff)}; "
                                "use another study_name or the original settings to resume")
-        stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        for t in stale:
-            # A previous tuner died with these in its bundle. Their progress was in memory only:
-            # mark them failed and run the same configs again from scratch.
-            study.tell(t.number, state=TrialState.FAIL)
-            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+        stale = sorted(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), key=lambda t: t.number)
         done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
         if done or stale:
-            self.log(f"resuming study '{c.study_name}': {len(done)} finished, {len(stale)} interrupted trials re-queued")
-        return study
+            msg = f"resuming study '{c.study_name}': {len(done)} of {c.n_trials} trials done"
+            if stale:
+                # Marking them failed and re-running the configs as new trials (what this did before)
+                # lost their pruner verdicts: the copies were judged again against a population that had
+                # grown meanwhile (and against the failed originals' own rung values), and were pruned.
+                msg += (f", {len(stale)} interrupted trials resume under their own numbers (" +
+                        ", ".join(f"#{t.number}@{t.last_step or 0}" for t in stale) +
+                        "): retrained from step 0, earlier pruner verdicts kept")
+            self.log(msg)
+        return study, stale
 
     # ---- the study --------------------------------------------------------------------------------
     def _spec(self, trial: optuna.Trial) -> TrialSpec:
@@ -206,32 +216,90 @@ class HydroTuner:
         dropout = float(values.get("dropout", self.default_dropout))
         return TrialSpec(trial.number, seed=self.cfg.seed + trial.number, hparams=hp, dropout=dropout)
 
+    def status_line(self) -> str:
+        """One line of where the study stands (printed when the tuner is interrupted)."""
+        c = self.cfg
+        study = self.study
+        if study is None:
+            return f"study '{c.study_name}' not started yet (setting up data and models)"
+        trials = study.get_trials(deepcopy=False)
+        n_c = sum(t.state == TrialState.COMPLETE for t in trials)
+        n_p = sum(t.state == TrialState.PRUNED for t in trials)
+        running = [t for t in trials if t.state == TrialState.RUNNING]
+        complete = [t for t in trials if t.state == TrialState.COMPLETE]
+        line = (f"study '{c.study_name}' at {c.resolved_storage()}: {n_c + n_p}/{c.n_trials} trials done "
+                f"({n_c} complete, {n_p} pruned), {len(running)} in training")
+        if complete:
+            b = min(complete, key=lambda t: t.value)
+            line += f"; best #{b.number} val {b.value:.4f}"
+        if self._phase == "transfer":
+            line += "; the full-width target was being trained"
+        if c.resolved_storage() == "memory":
+            return line + "; storage 'memory': nothing to resume"
+        return line + "; run the same command to resume"
+
     def run(self) -> TuneResult:
         c = self.cfg
         t0 = time.perf_counter()
+        self._phase = "setup"
         if c.threads:
             torch.set_num_threads(c.threads)
         self._setup_data()
         self._setup_models()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study = self._study()
-        fusion = self._fusion()
+        study, stale = self._study()
+        self._phase = "tuning"
         val = self.data.val_batches(c.eval_iters)
 
-        # Counted locally: querying the storage on every step would cost a database read per step.
-        n_finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+        prior = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        # Lengths (steps) of finished trials: the ETA's model of how long a trial runs.
+        lengths = [t.last_step for t in prior if t.last_step is not None]
+        n_finished = len(prior)   # counted locally: the storage is not queried on every step
+        best = min((t.value for t in prior if t.state == TrialState.COMPLETE), default=math.inf)
+        # Interrupted trials: one whose last report was already final is told so, and one that had
+        # diverged is pruned; the others are retrained under their own number, and `judged[n]` is the
+        # last step the pruner had seen for trial n.
+        pending: list[optuna.trial.FrozenTrial] = []
+        for t in stale:
+            last = t.intermediate_values.get(t.last_step) if t.last_step is not None else None
+            if last is not None and not math.isfinite(last):
+                study.tell(t.number, state=TrialState.PRUNED)
+            elif last is not None and t.last_step >= c.trial_steps:
+                study.tell(t.number, last)
+                best = min(best, last)
+            else:
+                pending.append(t)
+                continue
+            n_finished += 1
+            lengths.append(t.last_step)
+        judged: dict[int, int] = {t.number: t.last_step for t in pending if t.last_step is not None}
+
+        if n_finished >= c.n_trials and not pending:
+            fusion = int(study.user_attrs.get("hydro_fusion", c.fusion))
+            self.log(f"study '{c.study_name}' is finished ({n_finished}/{c.n_trials} trials done): no trial to train")
+            return self._finish(study, fusion, t0, time.perf_counter() - t0, [])
+        fusion = self._fusion()
+        if c.resolved_storage() != "memory":
+            study.set_user_attr("hydro_fusion", fusion)
+
         active: dict[int, optuna.Trial] = {}
         bundle: TrialBundle | None = None
         history: list[tuple[float, float]] = []
-        best = math.inf
         finished_here = 0
         leaving: list[int] = []
+        t_loop, trial_steps_here = time.perf_counter(), 0
         while True:
-            # Refill free slots: never ask for more than the trials still to finish. Leavers and
-            # newcomers change the bundle in one resize (one copy of the survivors' state).
-            want = min(fusion - len(active), c.n_trials - n_finished - len(active))
+            # Refill free slots: interrupted trials first, then new ones, never more than the trials
+            # still to finish. Leavers and newcomers change the bundle in one resize (one copy of the
+            # survivors' state).
+            free = fusion - len(active)
             new_specs = []
-            for _ in range(max(0, want)):
+            while pending and free > 0:
+                trial = optuna.trial.Trial(study, pending.pop(0)._trial_id)   # params come back from storage
+                active[trial.number] = trial
+                new_specs.append(self._spec(trial))
+                free -= 1
+            for _ in range(max(0, min(free, c.n_trials - n_finished - len(active) - len(pending)))):
                 trial = study.ask()
                 active[trial.number] = trial
                 new_specs.append(self._spec(trial))
@@ -246,13 +314,16 @@ class HydroTuner:
             leaving = []
             if new_specs:
                 self.log(f"[{time.perf_counter() - t0:7.1f}s] start " + ", ".join(
-                    f"#{s.trial_id} " + _fmt_params(s, self.space) for s in new_specs))
+                    f"#{s.trial_id} " + _fmt_params(s, self.space) +
+                    (" resumed" if s.trial_id in judged else "")
+                    for s in new_specs))
             if not active:
                 break
             if self.crash_after is not None and finished_here >= self.crash_after:
                 raise SimulatedCrash(f"simulated crash after {finished_here} finished trials")
             x, y = self.data.train_batch()
             losses = bundle.train_step(x, y)
+            trial_steps_here += bundle.num_trials
             due = [tid for tid in bundle.trial_ids
                    if bundle.steps_of(tid) % c.eval_interval == 0 or bundle.steps_of(tid) >= c.trial_steps
                    or not math.isfinite(losses[bundle.trial_ids.index(tid)])]
@@ -267,7 +338,12 @@ class HydroTuner:
                     notes.append(f"#{tid} diverged")
                     leaving.append(tid)
                     continue
-                trial.report(v, step)
+                if step < judged.get(tid, 0):
+                    continue       # a resumed trial retraining steps the pruner has already judged
+                if step != judged.get(tid):
+                    # At the last judged step the stored value is kept. Asking the pruner again there
+                    # repeats a verdict it gave, or gives the one a kill may have cut off.
+                    trial.report(v, step)
                 if step >= c.trial_steps:
                     study.tell(trial, v)
                     notes.append(f"#{tid} done {v:.4f}")
@@ -279,17 +355,31 @@ class HydroTuner:
                     study.tell(trial, state=TrialState.PRUNED)
                     notes.append(f"#{tid} pruned at {step} ({v:.4f})")
                     leaving.append(tid)
-            self.log(f"[{time.perf_counter() - t0:7.1f}s] " + " ".join(
-                f"#{t}@{bundle.steps_of(t)}={vals[t]:.3f}" for t in bundle.trial_ids) +
-                (" | " + "; ".join(notes) if notes else ""))
             for tid in leaving:
                 del active[tid]
+                judged.pop(tid, None)
+                lengths.append(bundle.steps_of(tid))
                 finished_here += 1
                 n_finished += 1
+            per_step = (time.perf_counter() - t_loop) / max(1, trial_steps_here)
+            eta = per_step * _remaining_trial_steps(
+                [bundle.steps_of(t) for t in active], c.n_trials - n_finished - len(active), lengths, c.trial_steps)
+            self.log(f"[{time.perf_counter() - t0:7.1f}s] {n_finished}/{c.n_trials} trials done, eta {_fmt_dur(eta)} | "
+                     + " ".join(f"#{t}@{bundle.steps_of(t)}={vals[t]:.3f}" for t in bundle.trial_ids) +
+                     (" | " + "; ".join(notes) if notes else ""))
         tuning_s = time.perf_counter() - t0
         return self._finish(study, fusion, t0, tuning_s, history)
 
     # ---- transfer and results -----------------------------------------------------------------------
+    def _transfer_key(self, best_t: optuna.trial.FrozenTrial) -> dict[str, Any]:
+        """What the target's validation loss depends on: a stored result with the same key is reused."""
+        c = self.cfg
+        fields = ("target_steps", "seed", "data_path", "max_tokens", "vocab_size", "seq_length", "micro_batch_size",
+                  "eval_iters", "num_layers", "hidden_size", "num_attention_heads", "ffn_mult", "activation", "norm",
+                  "shrink_ratio", "shrink_mode", "parametrization", "optimizer", "defaults", "device")
+        return {"best_trial": best_t.number, "params": dict(best_t.params),
+                **{f: getattr(c, f) for f in fields}}
+
     def _finish(self, study: optuna.Study, fusion: int, t0: float, tuning_s: float,
                 history: list[tuple[float, float]]) -> TuneResult:
         c = self.cfg
@@ -299,17 +389,34 @@ class HydroTuner:
                  else (t.intermediate_values.get(t.last_step) if t.last_step is not None else None), "params": t.params}
                 for t in trials]
         best_t = min(complete, key=lambda t: t.value) if complete else None
-        target_loss = None
+        target_loss, reused = None, False
         t1 = time.perf_counter()
         if best_t is not None and c.target_steps > 0:
-            target_loss = self.transfer(best_t.params)
+            # json round trip: the key is compared with what the storage gives back (lists, not tuples)
+            key = json.loads(json.dumps(self._transfer_key(best_t), default=str))
+            stored = study.user_attrs.get("hydro_target")
+            if stored is not None and stored.get("key") == key:
+                target_loss, reused = stored["target_loss"], True
+                self.log(f"target: trial #{best_t.number}'s config was transferred by an earlier run of this study: "
+                         f"val loss {target_loss:.4f} (not retrained)")
+            else:
+                if stored is not None:
+                    old = stored.get("key", {})
+                    why = ", ".join(f"{k} {old.get(k)!r} -> {key[k]!r}" if k != "best_trial" else
+                                    f"best trial #{old.get(k)} -> #{key[k]}" for k in key if old.get(k) != key[k])
+                    self.log(f"retraining the target: the earlier transfer does not apply ({why})")
+                self._phase = "transfer"
+                target_loss = self.transfer(best_t.params)
+                if c.resolved_storage() != "memory":
+                    study.set_user_attr("hydro_target", {"key": key, "target_loss": target_loss})
         transfer_s = time.perf_counter() - t1
         res = TuneResult(best_trial=best_t.number if best_t else None, best_params=dict(best_t.params) if best_t else {},
                          best_proxy_loss=best_t.value if best_t else None, target_loss=target_loss,
                          n_complete=len(complete), n_pruned=sum(t.state == TrialState.PRUNED for t in trials),
                          n_failed=sum(t.state == TrialState.FAIL for t in trials), fusion=fusion,
                          wall_s=time.perf_counter() - t0, tuning_s=tuning_s, transfer_s=transfer_s, rows=rows,
-                         history=history)
+                         history=history, target_reused=reused)
+        self._phase = "done"
         os.makedirs(c.output_dir, exist_ok=True)
         with open(os.path.join(c.output_dir, f"{c.study_name}.results.json"), "w", encoding="utf-8") as fh:
             json.dump(res.to_json(), fh, indent=1, default=str)
@@ -381,6 +488,26 @@ def _plain_eval(model: torch.nn.Module, batches, device: torch.device) -> float:
     return total / max(1, len(batches))
 
 
+def _remaining_trial_steps(active_steps: list[int], unstarted: int, lengths: list[int], trial_steps: int) -> float:
+    """Expected trial-steps left: an active trial at step s runs as long as the finished trials that
+    got past s did (on average), and an unstarted one as long as the average finished trial. One
+    pseudo-trial that ran to the end joins the average: early in a study only the short (pruned)
+    trials have finished, and the estimate would otherwise forget that survivors run to the end."""
+    def expected_from(s: int) -> float:
+        past = [n for n in lengths if n > s] + [trial_steps]
+        return sum(past) / len(past) - s
+    return sum(max(0.0, expected_from(s)) for s in active_steps) + max(0, unstarted) * expected_from(0)
+
+
+def _fmt_dur(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def _fmt_params(spec: TrialSpec, space: dict[str, Param]) -> str:
     d = hparams_dict(spec.hparams)
     d["dropout"] = spec.dropout
@@ -406,5 +533,6 @@ def results_table(res: TuneResult, space: dict[str, Param]) -> str:
                  f"tuning {res.tuning_s:.1f}s, transfer {res.transfer_s:.1f}s")
     if res.best_trial is not None:
         lines.append(f"best: trial {res.best_trial} proxy val loss {res.best_proxy_loss:.4f}" +
-                     (f"; full-width target val loss {res.target_loss:.4f}" if res.target_loss is not None else ""))
+                     (f"; full-width target val loss {res.target_loss:.4f}" if res.target_loss is not None else "") +
+                     (" (from an earlier run)" if res.target_reused else ""))
     return "\n".join(lines)

@@ -61,25 +61,70 @@ def test_pruned_and_finished_trials_free_slots_for_new_ones(tmp_path, monkeypatc
     assert table.splitlines()[0].split() == ["trial", "state", "steps", "val_loss", "lr", "warmup_steps"]
 
 
-def test_killed_study_resumes_where_it_stopped(tmp_path):
-    cfg = cfg_for(tmp_path, pruner="none", n_trials=5)
-    with pytest.raises(SimulatedCrash):
-        tuner(cfg, crash_after=2).run()
-    study = optuna.load_study(study_name="t", storage=cfg.resolved_storage())
-    before = {t.number: t.value for t in study.get_trials(states=(TrialState.COMPLETE,))}
-    running = {t.number: t.params for t in study.get_trials(states=(TrialState.RUNNING,))}
-    assert len(before) == 2 and len(running) >= 1
+def _rung_values_at_rung_steps(study, min_resource, rf):
+    """SHA's verdicts compare values at equal steps: each trial's rung-k value is its value at step
+    min_resource * rf**k (eval_interval divides it here)."""
+    for t in study.get_trials():
+        for k in range(8):
+            key = f"completed_rung_{k}"
+            if key in t.system_attrs:
+                assert t.system_attrs[key] == t.intermediate_values[min_resource * rf ** k], (t.number, k)
 
-    res = tuner(cfg).run()
+
+def test_killed_study_resumes_its_trials_with_their_verdicts(tmp_path):
+    cfg = cfg_for(tmp_path, pruner="successive_halving", n_trials=10, fusion=4, trial_steps=16)
+    with pytest.raises(SimulatedCrash):   # three trials pruned at step 4, three others killed at step 12
+        tuner(cfg, crash_after=3).run()
     study = optuna.load_study(study_name="t", storage=cfg.resolved_storage())
-    complete = {t.number: t for t in study.get_trials(states=(TrialState.COMPLETE,))}
-    assert len(complete) == 5 and res.n_complete == 5
-    for n, v in before.items():            # finished work is kept, not redone
-        assert complete[n].value == v
-    failed = {t.number for t in study.get_trials(states=(TrialState.FAIL,))}
-    assert failed == set(running)          # interrupted trials are marked failed ...
-    retries = {t.user_attrs["retry_of"]: t.params for t in complete.values() if "retry_of" in t.user_attrs}
-    assert retries == running              # ... and re-run with the same parameters
+    before = {t.number: (t.state, t.value) for t in study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))}
+    running = {t.number: t for t in study.get_trials(states=(TrialState.RUNNING,))}
+    assert len(before) == 3 and len(running) >= 1
+    assert any(t.last_step for t in running.values()), "no interrupted trial had been judged yet"
+
+    lines = []
+    res = HydroTuner(cfg, SPACE, hparams_from({}, cfg.trial_steps), data=data(), vocab_size=VOCAB,
+                     log=lines.append).run()
+    assert any(f"resuming study 't': 3 of 10 trials done, {len(running)} interrupted trials resume" in s for s in lines)
+    study = optuna.load_study(study_name="t", storage=cfg.resolved_storage())
+    trials = {t.number: t for t in study.get_trials()}
+    assert res.n_complete + res.n_pruned == 10 and res.n_failed == 0 and len(trials) == 10
+    assert res.best_trial is not None and res.best_proxy_loss == min(
+        t.value for t in trials.values() if t.state == TrialState.COMPLETE)
+    for n, (state, value) in before.items():          # finished work is kept, not redone
+        assert trials[n].state == state and trials[n].value == value
+    for n, old in running.items():
+        t = trials[n]                                   # resumed under its own number, same config
+        assert t.state in (TrialState.COMPLETE, TrialState.PRUNED) and t.params == old.params
+        for step, v in old.intermediate_values.items():
+            assert t.intermediate_values[step] == v      # earlier verdicts' values are kept ...
+        if t.state == TrialState.PRUNED:                 # ... and it is never pruned at a step it had passed
+            assert t.last_step > (old.last_step or 0)
+    _rung_values_at_rung_steps(study, cfg.min_resource, cfg.reduction_factor)
+
+
+def test_a_finished_study_reports_its_result_without_retraining(tmp_path, monkeypatch):
+    cfg = cfg_for(tmp_path, n_trials=2, trial_steps=4, pruner="none", target_steps=3)
+    first = tuner(cfg).run()
+    assert first.target_loss is not None and not first.target_reused
+
+    def no_training(*a, **k):
+        raise AssertionError("the finished study trained something again")
+    monkeypatch.setattr(TrialBundle, "train_step", no_training)
+    monkeypatch.setattr(HydroTuner, "transfer", no_training)
+    lines = []
+    again = HydroTuner(cfg, SPACE, hparams_from({}, cfg.trial_steps), data=data(), vocab_size=VOCAB,
+                       log=lines.append).run()
+    assert again.target_reused and again.target_loss == first.target_loss
+    assert (again.best_trial, again.best_proxy_loss) == (first.best_trial, first.best_proxy_loss)
+    assert f"target: trial #{first.best_trial}'s config was transferred by an earlier run" in "\n".join(lines)
+    assert "full-width target val loss" in results_table(again, SPACE).splitlines()[-1]
+
+    monkeypatch.undo()           # a longer target is trained again, and the reason is given
+    lines.clear()
+    longer = HydroTuner(cfg_for(tmp_path, n_trials=2, trial_steps=4, pruner="none", target_steps=5), SPACE,
+                        hparams_from({}, 4), data=data(), vocab_size=VOCAB, log=lines.append).run()
+    assert not longer.target_reused and longer.target_loss != first.target_loss
+    assert "retraining the target: the earlier transfer does not apply (target_steps 3 -> 5)" in lines
 
 
 def test_resume_with_a_different_search_space_is_refused(tmp_path):
