@@ -28,7 +28,7 @@ setup(
     package_data={"megatron_ext.cluster": ["data/*.csv", "data/*.csv.gz", "data/*.md", "data/*.txt"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        # GPU clusters only; never needed on CPU. apex is built from source (see Dockerfile).
+        # GPU clusters only; never needed on CPU. No apex: megatron-core uses TE's fused kernels.
         "gpu": ["transformer-engine[pytorch]==2.9.0"],
         "dev": ["pytest==9.2.0", "hypothesis==6.170.17"],
     },
