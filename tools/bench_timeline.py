@@ -19,6 +19,17 @@ megatron-core engine (1F1B) and the DeepSpeed engine (TrainSchedule):
   with the stock instruction map and train schedule set on the engine instance. "On" records every
   event (the extension's per-log-interval bubble all-reduce and trace writing are not included).
 
+* expected_bubble: per stage, the bubble that the schedule gives when simulated with the same
+  iteration's own measured op durations (``IterationRecord.schedule_check``), beside the measured
+  one: on an oversubscribed host the textbook (p - 1) / (m + p - 1) cannot hold (op times vary and
+  the last stage carries the head), but measured - expected isolates what the dataflow model
+  misses (blocking sends, a descheduled rank) on any host;
+* pipesim_err: ResiHP's pipeline simulator (the one the detector and the re-layout planner trust)
+  fed each recorded iteration's op durations, against the recorded timeline: |makespan error| and
+  the worst per-stage idle error as a share of the makespan, median and 95th percentile over
+  every recorded iteration of both engines at m = 4 and 8, interleaved 1F1B (2 chunks per stage)
+  and 1F1B with stage 1 slowed 2x.
+
 Prints a table, then one JSON line.
 """
 from __future__ import annotations
@@ -53,7 +64,7 @@ def _megatron_trainer(values: dict, state: dict):
     cfg = config_from_values(values)
     ctx = state.get("ctx")
     ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed) if ctx is None else distributed.relayout(
-        ctx, tp=1, pp=PP, vpp=None, seed=cfg.training.seed)
+        ctx, tp=1, pp=PP, vpp=values.get("virtual_pipeline_model_parallel_size"), seed=cfg.training.seed)
     state["ctx"] = ctx
     exts = build_extensions(cfg)
     return Trainer(cfg, ctx, exts).setup(), exts[0]
@@ -120,6 +131,45 @@ def _event_cost_us(engine: str, ext) -> float:
     return max(with_events - (time.perf_counter() - t0), 0.0) / n * 1e6
 
 
+def _extra_pipesim_cases(state: dict, iters: int) -> dict:
+    """The simulator against more recorded timelines: interleaved 1F1B (2 chunks per stage), and
+    1F1B with stage 1 slowed 2x (ResiHP's throttle: held idle inside each of its ops)."""
+    from megatron_ext.resihp.injection import Throttle
+
+    out = {}
+    for name, extra, slow in (("interleaved_m8", {"virtual_pipeline_model_parallel_size": 2}, False),
+                              ("1f1b_m8_stage1_slow2x", {}, True)):
+        values = {**BASE, **extra, "global_batch_size": 8, "train_iters": 10**6}
+        trainer, ext = _megatron_trainer(values, state)
+        throttle = None
+        if slow and trainer.ctx.coord.pp == 1:
+            throttle = Throttle(list(trainer.model.chunks), 2.0)
+            throttle.active = True
+        checks = []
+        for i in range(iters + 2):
+            trainer.train_step()
+            record = ext.record(trainer, trainer.iteration, dst=0)
+            if i >= 2 and record is not None:
+                checks.append(record.schedule_check())
+        if throttle is not None:
+            throttle.remove()
+        ext.teardown(trainer)
+        out[name] = checks
+    return out
+
+
+def _pipesim_summary(checks: list[dict]) -> dict:
+    """Median and 95th percentile of |makespan error| and of the worst per-stage idle error (as a
+    share of the measured makespan) over recorded iterations."""
+    import numpy as np
+
+    mk = np.abs([c["makespan_rel_error"] for c in checks])
+    idle = np.array([c["idle_max_abs_error_s"] / c["measured_makespan_s"] for c in checks])
+    return {"makespan": {"median": round(float(np.median(mk)), 4), "p95": round(float(np.percentile(mk, 95)), 4)},
+            "idle": {"median": round(float(np.median(idle)), 4), "p95": round(float(np.percentile(idle, 95)), 4)},
+            "iterations": len(checks)}
+
+
 def worker(out_path: str, iters: int, rounds: int, block: int) -> None:
     warnings.filterwarnings("ignore")
     import torch
@@ -128,19 +178,24 @@ def worker(out_path: str, iters: int, rounds: int, block: int) -> None:
     result: dict = {}
     state: dict = {}
     for engine, build in (("megatron", _megatron_trainer), ("deepspeed", _deepspeed_trainer)):
-        row: dict = {"bubble": {}, "iter_ms": {}}
+        row: dict = {"bubble": {}, "expected_bubble": {}, "iter_ms": {}, "pipesim": {}}
         for m in MICROBATCHES:
             trainer, ext = build({**BASE, "global_batch_size": m, "train_iters": 10**6}, state)
-            per_iter, times = [], []
+            per_iter, expected, checks, times = [], [], [], []
             for i in range(iters + 2):
                 metrics = trainer.train_step()
                 record = ext.record(trainer, trainer.iteration, dst=0)
                 if i >= 2 and record is not None:
-                    per_iter.append(record.stage_bubble_fractions())
+                    check = record.schedule_check()
+                    per_iter.append(check["measured_bubble"])
+                    expected.append(check["expected_bubble"])
+                    checks.append(check)
                     times.append(metrics.iter_time_s)
             if per_iter:
                 row["bubble"][f"m{m}"] = [statistics.median(f[s] for f in per_iter) for s in range(PP)]
+                row["expected_bubble"][f"m{m}"] = [statistics.median(f[s] for f in expected) for s in range(PP)]
                 row["iter_ms"][f"m{m}"] = statistics.median(times) * 1000
+                row["pipesim"][f"1f1b_m{m}" if engine == "megatron" else f"deepspeed_m{m}"] = checks
             if m == OVERHEAD_M:
                 trainer.extensions = []  # time the events alone, not the extension's logging work
                 row["events_per_iter"] = len(ext.recorder)
@@ -173,6 +228,8 @@ def worker(out_path: str, iters: int, rounds: int, block: int) -> None:
                 row["event_cost_us"] = _event_cost_us(engine, ext)
                 _switch(engine, trainer, ext, True)
             ext.teardown(trainer)
+        if engine == "megatron":
+            row["pipesim"].update(_extra_pipesim_cases(state, iters))
         result[engine] = row
     if dist.get_rank() == 0:
         with open(out_path, "w", encoding="utf-8") as fh:
@@ -206,7 +263,8 @@ def main() -> int:
     figures: dict = {}
     for engine, row in result.items():
         figures[engine] = {"overhead": round(row["overhead"], 4),
-                           "bubble": {k: [round(f, 3) for f in v] for k, v in row["bubble"].items()}}
+                           "bubble": {k: [round(f, 3) for f in v] for k, v in row["bubble"].items()},
+                           "expected_bubble": {k: [round(f, 3) for f in v] for k, v in row["expected_bubble"].items()}}
         for m in MICROBATCHES:
             key = f"m{m}"
             extra = ""
@@ -220,6 +278,26 @@ def main() -> int:
     for engine, row in result.items():
         print(f"{engine} on/off ratios, CPU: " + " ".join(f"{r:.3f}" for r in row["cpu_ratios"])
               + " | wall: " + " ".join(f"{r:.3f}" for r in row["wall_ratios"]))
+    print("\nmeasured bubble - bubble the schedule predicts from the same iteration's own op durations "
+          "(medians per stage; the textbook figure assumes equal op times, which this host never gives):")
+    for engine, row in result.items():
+        for key in row["bubble"]:
+            diff = [b - e for b, e in zip(row["bubble"][key], row["expected_bubble"][key])]
+            print(f"{engine:<10} {key:>3} expected " + " ".join(f"{f:>6.3f}" for f in row["expected_bubble"][key])
+                  + " | difference " + " ".join(f"{d:+6.3f}" for d in diff))
+    print("\nResiHP pipeline simulator fed each recorded iteration's op durations, against the recorded timeline "
+          "(|makespan error|, worst per-stage idle error / makespan):")
+    cases = {name: checks for row in result.values() for name, checks in row["pipesim"].items()}
+    everything = [c for checks in cases.values() for c in checks]
+    for name, checks in {**cases, "all": everything}.items():
+        summ = _pipesim_summary(checks)
+        print(f"  {name:<24} n={summ['iterations']:>3} makespan median {summ['makespan']['median']:.4f} "
+              f"p95 {summ['makespan']['p95']:.4f} | idle median {summ['idle']['median']:.4f} "
+              f"p95 {summ['idle']['p95']:.4f}")
+    all_summary = _pipesim_summary(everything)
+    figures["pipesim_err"] = {"median": all_summary["makespan"]["median"], "p95": all_summary["makespan"]["p95"],
+                              "idle_median": all_summary["idle"]["median"], "idle_p95": all_summary["idle"]["p95"],
+                              "cases": {name: _pipesim_summary(c) for name, c in cases.items()}}
     figures["theory"] = {k: round(v, 4) for k, v in theory.items()}
     print(json.dumps(figures))
     return 0

@@ -133,6 +133,36 @@ class IterationRecord:
             out[s] = windows
         return out
 
+    def schedule_check(self) -> dict[str, Any]:
+        """This iteration against the schedule simulated with its own measured op durations.
+
+        What differs is what the dataflow model of the schedule does not capture (blocking sends,
+        launch gaps, a host that stalls a rank between ops), so on any host, loaded or not, the
+        measured bubble should sit near ``expected_bubble``; the textbook (p-1)/(m+p-1) assumes
+        equal op times, which an oversubscribed host or a slow stage never gives.
+        Returns per stage the measured and expected bubble fraction, and ResiHP's pipeline
+        simulator error (``timeline_error``): relative makespan error, mean start error, and the
+        largest per-stage idle error in seconds."""
+        from megatron_ext.resihp.pipesim import compile_plan, simulate, timeline_error
+
+        plan = compile_plan(self.order)
+        fwd, bwd = self.observed_durations()
+        sim = simulate(plan, fwd, bwd)
+        observed: dict[tuple[int, str, int, int], tuple[float, float]] = {}
+        for s in range(self.num_stages):
+            for e in self.representative(s).compute():
+                key = (s, _PHASE_LETTER[Phase(int(e["phase"]))], int(e["microbatch"]), int(e["chunk"]))
+                observed[key] = (float(e["t0"]), float(e["t1"]))
+        origin = min(t0 for t0, _ in observed.values())
+        observed = {k: (t0 - origin, t1 - origin) for k, (t0, t1) in observed.items()}
+        makespan = float(sim.finish[0].max())
+        busy = np.zeros(self.num_stages)
+        np.add.at(busy, plan.stage, sim.finish[0] - sim.start[0])
+        expected = [float(1.0 - b / makespan) if makespan > 0 else 0.0 for b in busy]
+        return {"measured_bubble": self.stage_bubble_fractions(), "expected_bubble": expected,
+                "measured_makespan_s": max(t1 for _, t1 in observed.values()), "simulated_makespan_s": makespan,
+                **timeline_error(sim, observed)}
+
     def bubble_windows(self, min_s: float = 0.0) -> list[BubbleWindow]:
         expected = self.expected_bubbles()
         t0, end = self.t_start, self.pipeline_end

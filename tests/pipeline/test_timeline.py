@@ -76,6 +76,24 @@ def test_bubbles_where_the_schedule_puts_them(records, name):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", list(SCENARIOS))
+def test_schedule_simulated_with_own_durations_bounds_the_run(records, name):
+    # Fed the run's own op durations, the dataflow simulation starts every op as early as its
+    # dependencies allow: a real run can only be as fast or slower (blocking sends, a descheduled
+    # rank). So the simulated makespan is not longer than the measured one (clocks of different
+    # ranks are aligned to within a fraction of a millisecond), and no stage idles less than the
+    # schedule makes it.
+    check = records[name].schedule_check()
+    p = records[name].num_stages
+    assert len(check["expected_bubble"]) == len(check["measured_bubble"]) == p
+    assert all(0 <= e < 1 for e in check["expected_bubble"])
+    assert check["makespan_rel_error"] <= 0.01
+    assert check["idle_max_abs_error_s"] >= 0 and check["start_mae_s"] >= 0
+    for measured, expected in zip(check["measured_bubble"], check["expected_bubble"]):
+        assert measured >= expected - 0.02
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_critical_path_is_a_dependency_chain(records, name):
     rec = records[name]
     path = rec.critical_path()
