@@ -55,6 +55,23 @@ class PlanPolicy:
         """Take this iteration's verdicts; return a plan when the belief changed and the planner
         found one worth its move. With ``adopt`` the plan's layout becomes the one in force (the
         caller applies it); without, the policy keeps planning from the old one (log-only mode)."""
+        changed = self.update_beliefs(iteration, verdicts)
+        if not changed:
+            return None
+        plan = self.planner.plan(self.layout, self.speeds)
+        if plan is None:
+            logger.info("resihp policy iteration %d: %s; no re-layout gains more than %.0f %%", iteration,
+                        "; ".join(changed), 100 * self.planner.config.min_gain)
+            return None
+        logger.info("resihp policy iteration %d: %s -> %s", iteration, "; ".join(changed), plan.describe())
+        self.plans.append((iteration, plan))
+        if adopt:
+            self.layout = plan.new
+        return plan
+
+    def update_beliefs(self, iteration: int, verdicts: Iterable[Verdict] = ()) -> list[str]:
+        """Apply verdicts and the recovery clock to the believed speeds; returns what changed (one
+        phrase per device), empty when nothing did."""
         changed = []
         for v in verdicts:
             r = v.rank
@@ -82,15 +99,4 @@ class PlanPolicy:
                 del self._recovering[r]
                 self.speeds[r] = 1.0
                 changed.append(f"rank {r} healthy since iteration {since}")
-        if not changed:
-            return None
-        plan = self.planner.plan(self.layout, self.speeds)
-        if plan is None:
-            logger.info("resihp policy iteration %d: %s; no re-layout gains more than %.0f %%", iteration,
-                        "; ".join(changed), 100 * self.planner.config.min_gain)
-            return None
-        logger.info("resihp policy iteration %d: %s -> %s", iteration, "; ".join(changed), plan.describe())
-        self.plans.append((iteration, plan))
-        if adopt:
-            self.layout = plan.new
-        return plan
+        return changed
