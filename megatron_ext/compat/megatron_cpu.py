@@ -46,6 +46,36 @@ class _CudaProxy:
         return getattr(self.__dict__["_real"], name)
 
 
+class _NullStream:
+    """A CUDA stream / event stand-in on CPU: work is synchronous, so ordering calls do nothing."""
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> "_NullStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_NULL_STREAM = _NullStream()
+
+
+class _CudaStreamProxy(_CudaProxy):
+    """``torch.cuda`` with side streams that are all the one null stream (the MoE all-to-all
+    dispatcher copies token counts to the host on a side stream)."""
+
+    def Stream(self, *args: Any, **kwargs: Any) -> _NullStream:  # noqa: N802 (torch's name)
+        return _NULL_STREAM
+
+    def current_stream(self, device: Any = None) -> _NullStream:
+        return _NULL_STREAM
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
 def _cpu_device(device: Any) -> Any:
     if device is None:
         return None
@@ -63,9 +93,9 @@ class _TorchProxy(types.ModuleType):
 
     _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
 
-    def __init__(self) -> None:
+    def __init__(self, streams: bool = False) -> None:
         super().__init__("torch")
-        self.__dict__["cuda"] = _CudaProxy()
+        self.__dict__["cuda"] = _CudaStreamProxy() if streams else _CudaProxy()
         for name in self._FACTORIES:
             self.__dict__[name] = self._wrap_factory(getattr(torch, name))
 
@@ -92,6 +122,8 @@ class Shim:
     attr: str
     fragment: str
     why: str
+    # The attribute may be absent upstream (a name only defined when an optional import succeeds).
+    may_be_absent: bool = False
 
 
 SHIMS: tuple[Shim, ...] = (
@@ -125,6 +157,31 @@ SHIMS: tuple[Shim, ...] = (
     Shim("distrib-optimizer-device", "megatron.core.optimizer.distrib_optimizer", "torch",
          "device=torch.cuda.current_device()",
          "the distributed optimizer allocates its parameter-state buffers on the current GPU"),
+    Shim("rope-device", "megatron.core.models.common.embeddings.rotary_pos_embedding", "torch",
+         "self.inv_freq.to(device=torch.cuda.current_device())",
+         "rotary embeddings move their inverse frequencies to the current GPU on every forward"),
+    Shim("moe-tracker-device", "megatron.core.transformer.moe.moe_utils", "torch",
+         'torch.zeros(num_layers, device="cuda")',
+         "the MoE aux-loss logging tracker keeps its per-layer values on CUDA"),
+    Shim("moe-router-device", "megatron.core.transformer.moe.router", "torch",
+         "self.weight.data.to(device=torch.cuda.current_device())",
+         "the MoE router moves its gate weight to the current GPU on first use"),
+    Shim("moe-router-gemm", "megatron.core.transformer.moe.moe_utils", "te_general_gemm",
+         "if te_general_gemm is not None and router_dtype != torch.float64:",
+         "the router gate reads te_general_gemm, which is only defined when Transformer Engine imports "
+         "(a NameError without it); None selects its plain torch.mm branch", may_be_absent=True),
+    Shim("moe-alltoall-streams", "megatron.core.transformer.moe.token_dispatcher", "torch",
+         "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()",
+         "the all-to-all token dispatcher copies its split sizes to the host on a CUDA side stream"),
+    Shim("torch-norm-sequence-parallel", "megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
+         'assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"',
+         "the plain-torch norm of the local spec refuses --sequence-parallel (MoE with TP needs it), though "
+         "a norm is per token: it only has to mark its weights for the TP gradient all-reduce, as "
+         "Transformer Engine's and apex's norms do"),
+    Shim("moe-alltoall-splits", "megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+         "self.input_splits, as_numpy=True",
+         "the all-to-all split sizes become numpy arrays only when they were on a GPU; CPU tensors stay "
+         "tensors, which all_to_all_single does not take as split sizes"),
     Shim("rng-tracker", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
          "base_tracker = CudaRNGStatesTracker",
          "the model-parallel RNG tracker keeps CUDA generator states"),
@@ -234,6 +291,7 @@ def cuda_type_names():
 
 
 _applied: dict[str, tuple[Any, str, Any]] = {}
+_ABSENT = object()
 
 
 def check_version() -> str:
@@ -269,7 +327,7 @@ def missing_fragments() -> list[str]:
             missing.append(shim.name)
             continue
         source = inspect.getsource(importlib.import_module(shim.module))
-        if shim.fragment not in source or not hasattr(owner, leaf):
+        if shim.fragment not in source or not (hasattr(owner, leaf) or shim.may_be_absent):
             missing.append(shim.name)
     for module, fragment in TYPE_NAME_CHECKS:
         if fragment not in inspect.getsource(importlib.import_module(module)):
@@ -294,13 +352,49 @@ def _without_tensor_cuda(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the host: a numpy copy when
+    asked for one, as the GPU path returns; otherwise the tensor itself."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().clone().numpy()
+    return tensor
+
+
+def _sequence_parallel_norm(new: Callable[..., Any]) -> Callable[..., Any]:
+    """``WrappedTorchNorm.__new__`` that accepts sequence parallelism: the torch norm is built from a
+    copy of the config without it, and its weights are marked ``sequence_parallel`` so that
+    megatron's finalize_model_grads sums their gradients (partial sums over each rank's tokens)
+    over the tensor-parallel group."""
+    import copy
+    import functools
+
+    @functools.wraps(new)
+    def wrapper(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return new(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = new(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return wrapper
+
+
 def _replacement(shim: Shim, original: Any) -> Any:
     if shim.attr == "torch":
-        return _TorchProxy()
+        return _TorchProxy(streams=shim.name == "moe-alltoall-streams")
     if shim.name == "rng-tracker":
         return _make_cpu_tracker(original)
     if shim.name == "tied-embedding-cuda":
         return _without_tensor_cuda(original)
+    if shim.name == "torch-norm-sequence-parallel":
+        return staticmethod(_sequence_parallel_norm(original.__func__))
+    if shim.name == "moe-alltoall-splits":
+        return _host_copy
+    if shim.name == "moe-router-gemm":
+        return original  # None when Transformer Engine is absent; TE's own gemm when it is there
     if shim.name == "rng-get-state":
         return _cpu_get_rng_state
     if shim.name == "rng-set-state":
@@ -318,9 +412,9 @@ def apply() -> None:
         raise RuntimeError(f"megatron-core source changed under shims {gone}; see megatron_ext/compat/megatron_cpu.py")
     for shim in SHIMS:
         owner, leaf = _owner(shim)
-        original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
+        original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf, _ABSENT)
         _applied[shim.name] = (owner, leaf, original)
-        setattr(owner, leaf, _replacement(shim, original))
+        setattr(owner, leaf, _replacement(shim, None if original is _ABSENT else original))
     # The tracker may already exist (built on import paths that call get_cuda_rng_tracker()):
     # force the next model_parallel_cuda_manual_seed to rebuild it from the CPU class.
     random = importlib.import_module("megatron.core.tensor_parallel.random")
@@ -332,7 +426,10 @@ def apply() -> None:
 def remove() -> None:
     """Undo ``apply()`` (tests)."""
     for owner, attr, original in _applied.values():
-        setattr(owner, attr, original)
+        if original is _ABSENT:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
     _applied.clear()
 
 

@@ -44,12 +44,14 @@ def sections() -> dict[str, type]:
 @section("model")
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
-    """GPT model shape."""
+    """Model shape: the GPT block, or the LLaMA-style / MoE families by the flags below (Megatron-LM's
+    names and meaning; runtime/families.py builds them)."""
 
     num_layers: int = doc("Number of transformer layers.", 4)
     hidden_size: int = doc("Transformer hidden size.", 64)
     num_attention_heads: int = doc("Number of attention heads.", 4)
-    ffn_hidden_size: int | None = doc("MLP hidden size; default 4 x hidden-size.", None)
+    ffn_hidden_size: int | None = doc("MLP hidden size; default 4 x hidden-size, or with --swiglu "
+                                      "Megatron-LM's int(8 x hidden-size / 3 / 64) x 64.", None)
     seq_length: int = doc("Training sequence length in tokens.", 64)
     max_position_embeddings: int | None = doc("Learned position table size; default seq-length.", None)
     hidden_dropout: float = doc("Dropout after attention and MLP.", 0.0)
@@ -58,6 +60,26 @@ class ModelConfig:
     position_embedding_type: str = doc("Position embedding.", "learned_absolute",
                                        choices=("learned_absolute", "rope"))
     untie_embeddings_and_output_weights: bool = doc("Separate output layer weights from the embedding.", False)
+    rotary_base: int = doc("Base period of rotary position embeddings (--position-embedding-type rope).", 10000)
+    normalization: str = doc("Normalisation layers.", "LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    swiglu: bool = doc("SwiGLU MLP: a gated linear unit with SiLU (three weight matrices).", False)
+    group_query_attention: bool = doc("Grouped-query attention: --num-query-groups key/value heads.", False)
+    num_query_groups: int | None = doc("Key/value head groups with --group-query-attention.", None)
+    disable_bias_linear: bool = doc("No biases in the linear layers.", False)
+    qk_layernorm: bool = doc("Normalise queries and keys per head before attention (the --normalization kind).",
+                             False)
+    num_experts: int | None = doc("Mixture of experts: experts per MoE layer (every layer's MLP); unset = dense.",
+                                  None)
+    moe_router_topk: int = doc("Experts each token is routed to.", 2)
+    moe_ffn_hidden_size: int | None = doc("Hidden size of each expert's MLP; default --ffn-hidden-size.", None)
+    moe_token_dispatcher_type: str = doc("How tokens reach their experts' ranks.", "allgather",
+                                         choices=("allgather", "alltoall"))
+    moe_router_load_balancing_type: str = doc(
+        "Router load balancing: aux_loss (GShard/Switch, over the micro-batch), seq_aux_loss (per sequence), "
+        "sinkhorn, or none.", "aux_loss", choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none"))
+    moe_aux_loss_coeff: float = doc("Weight of the load-balancing loss (logged as moe_load_balancing_loss).", 0.0)
+    moe_grouped_gemm: bool = doc("Run a rank's experts as one grouped GEMM (GPU with Transformer Engine only).",
+                                 False)
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -67,13 +89,55 @@ class ModelConfig:
             raise ConfigError(f"--hidden-size ({self.hidden_size}) is not divisible by "
                               f"--num-attention-heads ({self.num_attention_heads})")
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            # Megatron-LM's default: 4h, or for SwiGLU 2/3 of it (same parameters) rounded down to 64.
+            self.ffn_hidden_size = int(self.hidden_size * 4 * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+            if self.ffn_hidden_size < 1:
+                raise ConfigError(f"--swiglu with --hidden-size {self.hidden_size} gives Megatron-LM's default "
+                                  "--ffn-hidden-size of 0: give --ffn-hidden-size")
+        if self.ffn_hidden_size < 1:
+            raise ConfigError(f"--ffn-hidden-size must be >= 1, got {self.ffn_hidden_size}")
+        self._check_families()
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.max_position_embeddings < self.seq_length:
             raise ConfigError(f"--max-position-embeddings ({self.max_position_embeddings}) is smaller than "
                               f"--seq-length ({self.seq_length})")
 
+
+    def _check_families(self) -> None:
+        """Field checks of the LLaMA-style and MoE flags (layout checks: runtime/families.validate)."""
+        if self.rotary_base != 10000 and self.position_embedding_type != "rope":
+            raise ConfigError("--rotary-base needs --position-embedding-type rope")
+        if self.rotary_base < 1:
+            raise ConfigError(f"--rotary-base must be >= 1, got {self.rotary_base}")
+        if self.group_query_attention:
+            g = self.num_query_groups
+            if g is None:
+                raise ConfigError("--group-query-attention needs --num-query-groups")
+            if g < 1 or self.num_attention_heads % g:
+                raise ConfigError(f"--num-attention-heads ({self.num_attention_heads}) is not divisible by "
+                                  f"--num-query-groups ({g})")
+        elif self.num_query_groups is not None:
+            raise ConfigError("--num-query-groups needs --group-query-attention")
+        if self.num_experts is None:
+            moe_set = [f"--{k.replace('_', '-')}" for k, default in (
+                ("moe_router_topk", 2), ("moe_ffn_hidden_size", None), ("moe_token_dispatcher_type", "allgather"),
+                ("moe_router_load_balancing_type", "aux_loss"), ("moe_aux_loss_coeff", 0.0),
+                ("moe_grouped_gemm", False)) if getattr(self, k) != default]
+            if moe_set:
+                raise ConfigError(f"{', '.join(moe_set)} need{'s' if len(moe_set) == 1 else ''} --num-experts")
+            return
+        if self.num_experts < 1:
+            raise ConfigError(f"--num-experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ConfigError(f"--moe-router-topk ({self.moe_router_topk}) must be between 1 and --num-experts "
+                              f"({self.num_experts})")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.moe_ffn_hidden_size < 1:
+            raise ConfigError(f"--moe-ffn-hidden-size must be >= 1, got {self.moe_ffn_hidden_size}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
 
 @section("parallel")
 @dataclasses.dataclass(kw_only=True)
@@ -82,6 +146,8 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = doc("Tensor-parallel group size.", 1)
     pipeline_model_parallel_size: int = doc("Number of pipeline stages.", 1)
+    expert_model_parallel_size: int = doc("Expert-parallel group size (MoE): experts are split over this many "
+                                          "data-parallel ranks.", 1)
     virtual_pipeline_model_parallel_size: int | None = doc(
         "Model chunks per pipeline stage (interleaved 1F1B); unset = plain 1F1B.", None)
     sequence_parallel: bool = doc("Megatron sequence parallelism inside tensor-parallel regions.", False)
@@ -96,7 +162,7 @@ class ParallelConfig:
                       "megatron", choices=("megatron", "deepspeed"))
 
     def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         vpp = self.virtual_pipeline_model_parallel_size
@@ -273,6 +339,9 @@ class RunConfig:
         if self.parallel.sequence_parallel and self.model.seq_length % tp:
             raise ConfigError(f"--sequence-parallel needs --seq-length ({self.model.seq_length}) divisible by "
                               f"--tensor-model-parallel-size ({tp})")
+        from megatron_ext.runtime.families import validate as validate_family
+
+        validate_family(self, world_size)
         path = self.data.data_path
         if path is not None:
             missing = [p for p in (path + ".bin", path + ".idx") if not os.path.isfile(p)]

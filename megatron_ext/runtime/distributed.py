@@ -90,7 +90,7 @@ def init_process_group(parallel: ParallelConfig, *, timeout_s: float = 600.0) ->
     return rank, world, local_rank, device, backend
 
 
-def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: int) -> None:
+def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: int, ep: int = 1) -> None:
     """megatron-core parallel state for ``layout`` (same rank order as Layout), then RNG seeding."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -99,6 +99,9 @@ def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: in
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        # Experts are split over ``ep`` of the data-parallel ranks; the dense TP/PP/DP groups (what
+        # Layout describes) do not change with it.
+        expert_model_parallel_size=ep,
         order="tp-cp-ep-dp-pp",
     )
     c = layout.coord(rank)
@@ -117,7 +120,7 @@ def setup(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> D
         megatron_cpu.apply()
     layout = Layout.from_world(world, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
     vpp = parallel.virtual_pipeline_model_parallel_size
-    build_parallel_state(layout, rank, vpp=vpp, seed=seed)
+    build_parallel_state(layout, rank, vpp=vpp, seed=seed, ep=parallel.expert_model_parallel_size)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
                        layout=layout, vpp=vpp if vpp and vpp > 1 else None)
 
@@ -131,7 +134,7 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int) -> DistContext:
+def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1) -> DistContext:
     """Rebuild megatron's parallel state for a new layout over the same processes.
 
     The default process group stays; megatron's groups are rebuilt from ``Layout``. (gloo groups of
@@ -142,5 +145,5 @@ def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int) 
     layout = Layout.from_world(ctx.world_size, tp, pp)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    build_parallel_state(layout, ctx.rank, vpp=vpp, seed=seed)
+    build_parallel_state(layout, ctx.rank, vpp=vpp, seed=seed, ep=ep)
     return dataclasses.replace(ctx, layout=layout, vpp=vpp if vpp and vpp > 1 else None)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron_ext.config.run import RunConfig
+from megatron_ext.runtime import families
 from megatron_ext.runtime.distributed import DistContext
 
 logger = logging.getLogger(__name__)
@@ -73,14 +74,9 @@ def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
     # its checkpoints are tested without a GPU).
     dtype = torch.bfloat16 if t.bf16 else torch.float32
     return TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_hidden_size,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std,
+        **families.transformer_config_kwargs(m),
         tensor_model_parallel_size=p.tensor_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=ctx.vpp,
         sequence_parallel=p.sequence_parallel,
@@ -99,28 +95,13 @@ def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
     )
 
 
-def layer_spec(on_gpu: bool, *, per_document_attention: bool = False, local: bool = False) -> Any:
-    """Transformer Engine spec on GPUs where TE imports; the plain-torch local spec otherwise.
+def layer_spec(on_gpu: bool, *, per_document_attention: bool = False, local: bool = False,
+               model: Any = None) -> Any:
+    """The layer spec of ``model``'s family (default: the GPT block); see ``families.layer_spec``."""
+    from megatron_ext.config.run import ModelConfig
 
-    ``per_document_attention``: packed sequences attend within each document only
-    (``runtime.attention.DocumentAttention``, on the local spec). ``local``: the local spec even on a
-    GPU (``--helix`` rewrites megatron's own tensor-parallel layers, not TE's)."""
-    if on_gpu and not per_document_attention and not local:
-        try:
-            import transformer_engine  # noqa: F401
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-            return get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            logger.warning("transformer_engine not importable: using the local (plain torch) layer spec")
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec()
-    if per_document_attention:
-        from megatron_ext.runtime.attention import DocumentAttention
-
-        spec.submodules.self_attention.submodules.core_attention = DocumentAttention
-    return spec
+    return families.layer_spec(model if model is not None else ModelConfig(), on_gpu,
+                               per_document_attention=per_document_attention, local=local)
 
 
 def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
@@ -132,8 +113,9 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
 
     tconfig = transformer_config(cfg, ctx)
     helix = cfg.ext("helix")
-    spec = layer_spec(ctx.device.type == "cuda", per_document_attention=bool(cfg.data.doc_length_dist),
-                      local=bool(helix is not None and helix.helix))
+    spec = families.layer_spec(cfg.model, ctx.device.type == "cuda",
+                               per_document_attention=bool(cfg.data.doc_length_dist),
+                               local=bool(helix is not None and helix.helix))
     vocab = padded_vocab_size(vocab_size, ctx.layout.tp)
     chunks = []
     n_chunks = ctx.vpp or 1
@@ -147,8 +129,8 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-            position_embedding_type=cfg.model.position_embedding_type,
             vp_stage=vp_stage,
+            **families.gpt_model_kwargs(cfg.model),
         )
         model.to(ctx.device)
         chunks.append(model)
@@ -199,11 +181,35 @@ def _full_value(key: str, shape: tuple[int, ...], seed: int, std: float, num_lay
 
 
 def iter_sharded_tensors(sharded: dict[str, Any]) -> Iterator[Any]:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    """The ShardedTensors of a ``sharded_state_dict()``, factories expanded.
+
+    A SwiGLU ``linear_fc1`` is a ShardedTensorFactory: this rank's weight is [W shard; V shard], and
+    the factory cuts it into two ShardedTensors (views into the parameter) that sit at their own
+    offsets of the unsharded [W; V] — so initialisation and checkpoints see layout-independent pieces."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     for value in sharded.values():
         if isinstance(value, ShardedTensor):
             yield value
+        elif isinstance(value, ShardedTensorFactory):
+            yield from _expand_factory(value)
+
+
+def _expand_factory(factory: Any) -> Iterator[Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    built = factory.build()
+    stack = [built]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, ShardedTensor):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            raise TypeError(f"sharded-state factory {factory.key} built a {type(item).__name__}")
 
 
 def shard_slices(st: Any) -> tuple[tuple[int, ...], tuple[slice, ...]]:
@@ -218,16 +224,18 @@ def shard_slices(st: Any) -> tuple[tuple[int, ...], tuple[slice, ...]]:
 def init_by_name(chunks: list[torch.nn.Module], *, seed: int, std: float, num_layers: int) -> None:
     """Overwrite every parameter with its slice of a layout-independent full tensor."""
     seen: set[int] = set()
+    # One list over all chunks, not a generator: factory pieces are fresh views, and the ids in
+    # ``seen`` must not be reused by a later view while the loop runs.
+    tensors = [st for chunk in chunks for st in iter_sharded_tensors(unwrap(chunk).sharded_state_dict())]
     with torch.no_grad():
-        for chunk in chunks:
-            for st in iter_sharded_tensors(unwrap(chunk).sharded_state_dict()):
-                if id(st.data) in seen or not isinstance(st.data, torch.Tensor) or not st.data.is_floating_point():
-                    continue
-                seen.add(id(st.data))
-                index, slices = shard_slices(st)
-                full_shape = tuple(st.global_shape[st.prepend_axis_num:])
-                full = _full_value(st.key, full_shape, _seed_for(seed, st.key, index), std, num_layers)
-                st.data.copy_(full[slices].to(st.data.dtype))
+        for st in tensors:
+            if id(st.data) in seen or not isinstance(st.data, torch.Tensor) or not st.data.is_floating_point():
+                continue
+            seen.add(id(st.data))
+            index, slices = shard_slices(st)
+            full_shape = tuple(st.global_shape[st.prepend_axis_num:])
+            full = _full_value(st.key, full_shape, _seed_for(seed, st.key, index), std, num_layers)
+            st.data.copy_(full[slices].to(st.data.dtype))
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> int:

@@ -49,20 +49,29 @@ class CPUOptimizer:
         return self.optimizer.param_groups
 
     def grad_norm(self) -> float:
-        """Global L2 norm over the whole model: each shard counted once across TP/PP ranks."""
+        """Global L2 norm over the whole model: each shard counted once across TP/PP ranks, and
+        expert-parallel weights (``allreduce=False``: each EP rank holds other experts) summed over
+        the expert TP x EP x PP group, as megatron's clip_grads does."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
         sq = torch.zeros((), dtype=torch.float64)
+        expert_sq = torch.zeros((), dtype=torch.float64)
         for p in self.params:
             g = getattr(p, "main_grad", None)
             if g is None or not param_is_not_shared(p) or not param_is_not_tensor_parallel_duplicate(p):
                 continue
-            sq += g.double().pow(2).sum()
+            if getattr(p, "allreduce", True):
+                sq += g.double().pow(2).sum()
+            else:
+                expert_sq += g.double().pow(2).sum()
         if dist.is_initialized():
             dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        return float(sq.sqrt())
+            # Uniform over ranks: with EP > 1 every rank holds expert weights.
+            if ps.get_expert_model_parallel_world_size() > 1:
+                dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        return float((sq + expert_sq).sqrt())
 
     def step(self) -> tuple[bool, float]:
         """Clip and apply the gradients; returns (applied, grad norm before clipping)."""
@@ -238,7 +247,53 @@ def _local_state(slot: _Slot) -> tuple[torch.Tensor | None, dict[str, torch.Tens
     return (slot.key if slot.separate_main else None), moments, (None if step is None else float(step))
 
 
+def _view_of_param(p: torch.Tensor, slots: dict[int, _Slot]) -> tuple[torch.Tensor, int] | None:
+    """(parameter, flat offset) when ``p`` is a contiguous view into a parameter the optimizer
+    updates: a SwiGLU ``linear_fc1`` checkpoints as its W and V halves (runtime/model.py)."""
+    base = p._base
+    if base is None or id(p) in slots or id(base) not in slots:
+        return None
+    if not (p.is_contiguous() and base.is_contiguous()):
+        raise ValueError(f"optimizer state of a non-contiguous view {tuple(p.shape)} of a parameter "
+                         f"{tuple(base.shape)} cannot be sliced")
+    return base, p.storage_offset() - base.storage_offset()
+
+
+def _bases(params: list[torch.Tensor], views: list[Any]) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct parameters behind ``params`` (a view stands for its parameter), and where each
+    of ``params`` is in that list."""
+    targets: list[torch.Tensor] = []
+    where: dict[int, int] = {}
+    index = []
+    for p, v in zip(params, views):
+        base = v[0] if v else p
+        if id(base) not in where:
+            where[id(base)] = len(targets)
+            targets.append(base)
+        index.append(where[id(base)])
+    return targets, index
+
+
 def collect_param_states(optimizer: Any, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """As ``_collect_param_states``; a view into a parameter gets its slice of the parameter's state."""
+    slots = _slots(optimizer)
+    views = [_view_of_param(p, slots) for p in params]
+    if not any(views):
+        return _collect_param_states(optimizer, params)
+    targets, index = _bases(params, views)
+    full = _collect_param_states(optimizer, targets)
+    out = []
+    for p, v, i in zip(params, views, index):
+        if not v:
+            out.append(full[i])
+            continue
+        start, n = v[1], p.numel()
+        out.append({k: (t.reshape(-1)[start:start + n].view(p.shape).clone() if isinstance(t, torch.Tensor) else t)
+                    for k, t in full[i].items()})
+    return out
+
+
+def _collect_param_states(optimizer: Any, params: list[torch.Tensor]) -> list[dict[str, Any]]:
     """Per parameter: ``{"main": fp32 master (mixed precision only), "exp_avg", "exp_avg_sq",
     "step"}`` in the parameter's shape, on CPU; ``{}`` for a parameter without optimizer state.
 
@@ -299,6 +354,40 @@ def _gather_sharded(group: Any, params: list[torch.Tensor], slots: list[_Slot], 
 
 def restore_param_states(optimizer: Any, params: list[torch.Tensor], states: list[dict[str, Any]], *,
                          load_moments: bool = True) -> None:
+    """As ``_restore_param_states``; views into one parameter are joined into its whole state first."""
+    slots = _slots(optimizer)
+    views = [_view_of_param(p, slots) for p in params]
+    if not any(views):
+        _restore_param_states(optimizer, params, states, load_moments=load_moments)
+        return
+    targets, index = _bases(params, views)
+    pieces: list[list[tuple[int, int, dict[str, Any]]]] = [[] for _ in targets]
+    for p, v, i, st in zip(params, views, index, states):
+        pieces[i].append((v[1] if v else 0, p.numel(), st))
+    joined = []
+    for base, parts in zip(targets, pieces):
+        if len(parts) == 1 and parts[0][1] == base.numel():
+            joined.append(parts[0][2])
+            continue
+        if sum(n for _, n, _ in parts) != base.numel():
+            raise ValueError(f"views of a parameter {tuple(base.shape)} do not cover it: "
+                             f"{sorted((o, n) for o, n, _ in parts)}")
+        state: dict[str, Any] = {}
+        for kind in ("main",) + MOMENT_KEYS:
+            if all(kind in st for _, _, st in parts):
+                flat = torch.empty(base.numel(), dtype=torch.float32)
+                for off, n, st in parts:
+                    flat[off:off + n] = st[kind].reshape(-1).float()
+                state[kind] = flat.view(base.shape)
+        steps = {st.get("step") for _, _, st in parts}
+        if len(steps) == 1 and None not in steps and all(k in state for k in MOMENT_KEYS):
+            state["step"] = steps.pop()
+        joined.append(state)
+    _restore_param_states(optimizer, targets, joined, load_moments=load_moments)
+
+
+def _restore_param_states(optimizer: Any, params: list[torch.Tensor], states: list[dict[str, Any]], *,
+                          load_moments: bool = True) -> None:
     """Inverse of ``collect_param_states`` (no communication: every rank gets whole local tensors).
 
     The master copy is always set (from ``"main"``, or from the parameter's new value when the

@@ -1,0 +1,93 @@
+"""LLaMA-style and MoE training scenarios for test_families_multirank.py.
+
+Under ``torchrun --nproc_per_node 4`` one launch runs every parallel layout of both families in the
+same 4 processes (relayouting between them) and writes each loss curve (and the MoE load-balancing
+loss curve) to a JSON file. Run as a lone process it writes the single-rank reference curves.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch.distributed as dist  # noqa: E402
+
+from megatron_ext.config.run import config_from_values  # noqa: E402
+from megatron_ext.runtime import distributed  # noqa: E402
+from megatron_ext.runtime.extension import build_extensions  # noqa: E402
+from megatron_ext.runtime.loop import Trainer  # noqa: E402
+
+BASE = {"train_iters": 10, "eval_iters": 0, "progress": False, "global_batch_size": 8, "micro_batch_size": 2,
+        "lr_decay_style": "constant", "lr": 2e-3}
+LLAMA = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "group_query_attention": True,
+         "num_query_groups": 2, "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+         "rotary_base": 500000, "disable_bias_linear": True, "qk_layernorm": True}
+MOE = {**LLAMA, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64, "moe_aux_loss_coeff": 0.01,
+       "moe_token_dispatcher_type": "alltoall"}
+AUX = "moe_load_balancing_loss"
+
+
+def gathered(trainer: Trainer, key: str) -> list[float] | None:
+    """A per-iteration value of the logging rank's history, on every rank."""
+    mine = ([h.get(key) for h in trainer.history if h["kind"] == "train"] if trainer.ctx.is_logging_rank
+            else None)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return next(c for c in out if c is not None)
+
+
+def run(ctx, values: dict, results: dict, name: str, *, load: str | None = None):
+    cfg = config_from_values({**BASE, **values})
+    cfg.validate(ctx.world_size)
+    p = cfg.parallel
+    ctx = distributed.relayout(ctx, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                               vpp=p.virtual_pipeline_model_parallel_size, seed=cfg.training.seed,
+                               ep=p.expert_model_parallel_size)
+    if load:
+        cfg.checkpoint.load = load
+    trainer = Trainer(cfg, ctx, build_extensions(cfg)).setup()
+    trainer.run()
+    results[name] = gathered(trainer, "loss")
+    if cfg.model.num_experts is not None:
+        results[name + "/aux"] = gathered(trainer, AUX)
+    return ctx
+
+
+def main() -> None:
+    out_path, ckpt_root = sys.argv[1], sys.argv[2]
+    ctx = distributed.setup(config_from_values(dict(BASE)).parallel, seed=1234)
+    results: dict[str, list[float] | None] = {}
+    if ctx.world_size == 1:
+        ctx = run(ctx, LLAMA, results, "llama")
+        ctx = run(ctx, MOE, results, "moe")
+    else:
+        tp2 = {"tensor_model_parallel_size": 2}
+        pp2 = {"pipeline_model_parallel_size": 2}
+        ctx = run(ctx, {**LLAMA, **tp2}, results, "llama/tp2")
+        ctx = run(ctx, {**LLAMA, **pp2}, results, "llama/pp2")
+        # Saved under TP2 x PP2 after 5 iterations, continued to 10 under TP1 x PP2 x DP2.
+        first = os.path.join(ckpt_root, "llama")
+        ctx = run(ctx, {**LLAMA, **tp2, **pp2, "train_iters": 5, "save": first}, results, "llama/tp2pp2_first5")
+        ctx = run(ctx, {**LLAMA, **pp2}, results, "llama/reshard_pp2", load=first)
+
+        ctx = run(ctx, {**MOE, **tp2, "sequence_parallel": True}, results, "moe/tp2sp")
+        ctx = run(ctx, {**MOE, **pp2, "expert_model_parallel_size": 2}, results, "moe/pp2ep2")
+        # Saved under DP4 x EP2 after 5 iterations, continued under EP4 and under PP2 x EP1.
+        first = os.path.join(ckpt_root, "moe")
+        ctx = run(ctx, {**MOE, "expert_model_parallel_size": 2, "train_iters": 5, "save": first}, results,
+                  "moe/ep2_first5")
+        ctx = run(ctx, {**MOE, "expert_model_parallel_size": 4}, results, "moe/reshard_ep4", load=first)
+        ctx = run(ctx, {**MOE, **pp2}, results, "moe/reshard_pp2ep1", load=first)
+    if ctx.rank == 0:
+        with open(out_path, "w", encoding="utf-8") as fh:
+            json.dump(results, fh)
+    distributed.teardown()
+
+
+if __name__ == "__main__":
+    main()
