@@ -407,8 +407,11 @@ class Planner:
         for c in cands:
             moved = state_move_bytes(layout, c.layout, self.spec, self.workload, n_dev, old_holdings)
             c.bytes_total, c.bytes_max = float(moved.sum()), float(moved.max())
-            changed = c.layout != layout
-            c.move_s = (c.bytes_max / self.cluster.link_bytes_per_s + self.cluster.relayout_pause_s) if changed else 0.0
+            # A new micro-batch split only changes what the data loader hands out; anything else
+            # rebuilds groups or model chunks and pays the fixed pause.
+            rebuilt = dataclasses.replace(c.layout, microbatches=layout.microbatches) != layout \
+                if c.layout.dp == layout.dp else True
+            c.move_s = c.bytes_max / self.cluster.link_bytes_per_s + (self.cluster.relayout_pause_s if rebuilt else 0.0)
         cands.sort(key=lambda c: c.closed_s + c.move_s / horizon)
         first = cands[0].closed_s + cands[0].move_s / horizon
         for c in cands[:self.config.simulate_top]:

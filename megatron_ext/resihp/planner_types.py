@@ -155,7 +155,8 @@ class Cluster:
     p2p_latency_s: float = 0.0
     """Latency per pipeline hop (activations, gradients)."""
     relayout_pause_s: float = 0.0
-    """Fixed cost of any re-layout on top of moving bytes (groups and model rebuilt, a barrier)."""
+    """Fixed cost of a re-layout on top of moving bytes (groups and model chunks rebuilt, a
+    barrier); a change of the micro-batch split alone does not pay it."""
     tp_bytes_per_s: float = math.inf
     """Bandwidth of the TP group's all-reduces (NVLink inside a node). Finite, it makes TP cost
     something, so a smaller TP group is not free of trade-offs; infinite ignores TP traffic."""
