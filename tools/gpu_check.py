@@ -6,7 +6,8 @@ Sections (each reports its own error and the others go on):
   gpt          the runtime's GPT (Transformer Engine spec, bf16, megatron's optimizer) trains 30
                iterations: first and last loss, tokens/s, MFU; then resumes from the checkpoint of
                iteration 15 and must reproduce iterations 16..30 (losses and fp32 master weights)
-  llama        a LLaMA-style model family does not exist in the runtime yet: reported as skipped
+  llama        the same with a LLaMA-3-style model (RMSNorm, SwiGLU, rotary positions, GQA, no
+               biases) once the runtime's config has those flags; else reported as skipped
   packed       packed variable-length documents through TE's THD (varlen) attention: each
                document's token losses equal those of the document run alone
   flops_model  ResiHP's FLOPs model: per-micro-batch forward/backward times of packed THD batches
@@ -201,14 +202,28 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
     return None
 
 
-def gpt_iteration_flops(layers: int, hidden: int, heads: int, vocab: int, seq: int, global_batch: int) -> float:
+def gpt_iteration_flops(layers: int, hidden: int, heads: int, vocab: int, seq: int, global_batch: int, *,
+                        ffn_hidden_size: int | None = None, num_query_groups: int | None = None,
+                        gated_linear_unit: bool = False) -> float:
     """Model FLOPs of one iteration (forward + backward) by ResiHP's FLOPs model: full sequences as
     single documents, attention counted over the whole score matrix (the usual MFU convention)."""
     from megatron_ext.resihp.flops import ModelSpec, microbatch_flops
 
-    spec = ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab)
+    spec = ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab,
+                     ffn_hidden_size=ffn_hidden_size, num_query_groups=num_query_groups,
+                     gated_linear_unit=gated_linear_unit)
     fwd, bwd = microbatch_flops(spec, [seq] * global_batch, layers, first_stage=True, last_stage=True)
     return fwd.total + bwd.total
+
+
+def model_iteration_flops(cfg: Any, vocab: int) -> float:
+    """``gpt_iteration_flops`` of a run config's model (GPT or LLaMA-style flags)."""
+    m, t = cfg.model, cfg.training
+    gqa = getattr(m, "group_query_attention", False)
+    return gpt_iteration_flops(m.num_layers, m.hidden_size, m.num_attention_heads, vocab, m.seq_length,
+                               t.global_batch_size, ffn_hidden_size=m.ffn_hidden_size,
+                               num_query_groups=getattr(m, "num_query_groups", None) if gqa else None,
+                               gated_linear_unit=getattr(m, "swiglu", False))
 
 
 def _trainer(values: dict[str, Any], dctx: Any):
@@ -247,7 +262,30 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
+# LLaMA-3-style flags (Megatron-LM's names), used once the runtime's config has them.
+LLAMA_FLAGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+               "rotary_base": 500000, "group_query_attention": True, "disable_bias_linear": True,
+               "untie_embeddings_and_output_weights": True}
+
+
 def section_gpt(ctx: dict[str, Any]) -> dict[str, Any]:
+    return train_and_resume(ctx, {})
+
+
+def section_llama(ctx: dict[str, Any]) -> dict[str, Any]:
+    from megatron_ext.config.run import all_keys
+
+    missing = [k for k in LLAMA_FLAGS if k not in all_keys()]
+    if missing:
+        return {"skipped": "the runtime has no LLaMA-style model family yet (no "
+                           + ", ".join("--" + k.replace("_", "-") for k in missing) + ")"}
+    heads = ctx["sizes"].heads
+    return train_and_resume(ctx, {**LLAMA_FLAGS, "num_query_groups": max(heads // 4, 1)})
+
+
+def train_and_resume(ctx: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Train ``iters`` iterations (bf16, megatron's optimizer; the TE spec where TE imports),
+    saving at half; then resume from that checkpoint and compare the second half."""
     import torch
 
     from megatron_ext.runtime.model import unwrap
@@ -257,7 +295,7 @@ def section_gpt(ctx: dict[str, Any]) -> dict[str, Any]:
     values = {"num_layers": sz.layers, "hidden_size": sz.hidden, "num_attention_heads": sz.heads,
               "seq_length": sz.seq, "micro_batch_size": sz.micro_batch, "global_batch_size": sz.global_batch,
               "train_iters": sz.iters, "bf16": True, "lr": 3e-4, "lr_decay_style": "constant",
-              "eval_iters": 0, "progress": False, "log_interval": 1000}
+              "eval_iters": 0, "progress": False, "log_interval": 1000, **extra}
     with tempfile.TemporaryDirectory() as tmp:
         save = os.path.join(tmp, "ckpt")
         straight = _trainer({**values, "save": save, "save_interval": half}, ctx["dist"])
@@ -271,7 +309,7 @@ def section_gpt(ctx: dict[str, Any]) -> dict[str, Any]:
         r_losses = _train_losses(resumed)
         r_masters = _masters(resumed)
     iter_s = statistics.median(times)
-    flops = gpt_iteration_flops(sz.layers, sz.hidden, sz.heads, straight.model.vocab_size, sz.seq, sz.global_batch)
+    flops = model_iteration_flops(straight.cfg, straight.model.vocab_size)
     peak = peak_flops(ctx["env"].get("device", ""), ctx["peak_tflops"])
     master_diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
                       for a, b in zip(r_masters, masters))
@@ -287,10 +325,6 @@ def section_gpt(ctx: dict[str, Any]) -> dict[str, Any]:
         "resume_max_rel_diff": master_diff,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
     }
-
-
-def section_llama(ctx: dict[str, Any]) -> dict[str, Any]:
-    return {"skipped": "the runtime has no LLaMA-style model family yet (RMSNorm, SwiGLU, RoPE, GQA)"}
 
 
 def _doc_mixes(token_counts: tuple[int, ...], n: int, seed: int) -> list[list[int]]:
