@@ -24,7 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Keep in step with README.md ("Extensions in the loop").
 EXAMPLE = ["--pipeline-model-parallel-size", "2", "--doc-length-dist", "lognormal:3.5,1", "--resihp",
-           "--train-iters", "80", "--inject-slow", "2:30:2.0"]
+           "--train-iters", "100", "--inject-slow", "2:30:3.0"]
 OUTCOME = re.compile(r"resihp: injected: rank (\d+) x([\d.]+) slow from iteration (\d+); (.*)")
 NAMED = re.compile(r"named at iteration (\d+) \(x([\d.]+), (\d+) iterations later\)")
 
