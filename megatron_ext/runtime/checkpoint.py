@@ -167,6 +167,14 @@ def _local_entries(model: Any, *, main_only: bool) -> list[ShardEntry]:
     return [e for e in entries if e.main or not main_only]
 
 
+def _state_is_sharded(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or a part of a chained one) is megatron's DistributedOptimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opt = getattr(optimizer, "megatron_optimizer", optimizer)
+    return any(isinstance(p, DistributedOptimizer) for p in getattr(opt, "chained_optimizers", [opt]))
+
+
 def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config: dict[str, Any],
          layout: dict[str, int], keep_last: int = 0) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory."""
@@ -181,9 +189,10 @@ def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config
         os.makedirs(partial)
     _barrier()
     payload = []
-    # Every rank collects (the distributed optimizer gathers over data-parallel groups); only main
-    # replicas are written.
-    entries = _local_entries(model, main_only=False)
+    # Only main replicas are written. The distributed optimizer's state is gathered over the
+    # data-parallel group, a collective every replica joins for every entry; other optimizers
+    # hold whole local state, and copying it off the device is needed for main replicas only.
+    entries = _local_entries(model, main_only=not _state_is_sharded(optimizer))
     states = collect_param_states(optimizer, [e.param for e in entries])
     for e, ostate in zip(entries, states):
         if not e.main:

@@ -298,8 +298,9 @@ def _collect_param_states(optimizer: Any, params: list[torch.Tensor]) -> list[di
     "step"}`` in the parameter's shape, on CPU; ``{}`` for a parameter without optimizer state.
 
     Collective over data-parallel groups when the distributed optimizer shards the state: each rank
-    contributes the part it owns and every replica receives the whole (one all-reduce per group and
-    tensor kind over a flat buffer; peak extra memory: three fp32 copies of the local parameters)."""
+    contributes the part it owns and every replica receives the whole (all-reduces over flat buffers
+    of at most ``GATHER_CHUNK_ELEMENTS`` parameters x three fp32 kinds on the device; the whole
+    result lands in host memory)."""
     slots = _slots(optimizer)
     out: list[dict[str, Any]] = [{} for _ in params]
     distributed: dict[Any, list[int]] = {}
@@ -321,35 +322,60 @@ def _collect_param_states(optimizer: Any, params: list[torch.Tensor]) -> list[di
     return out
 
 
+# Elements per all-reduce of the distributed optimizer's gather: bounds the flat buffer (three fp32
+# kinds: 768 MiB at this size) whatever the model size.
+GATHER_CHUNK_ELEMENTS = 1 << 26
+
+
+def _chunks(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive index runs whose sizes sum to at most ``limit`` (a larger tensor runs alone)."""
+    runs: list[list[int]] = []
+    total = limit + 1
+    for i, n in enumerate(sizes):
+        if total + n > limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += n
+    return runs
+
+
 def _gather_sharded(group: Any, params: list[torch.Tensor], slots: list[_Slot], outs: list[dict[str, Any]]) -> None:
-    sizes = [p.numel() for p in params]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
     device = params[0].device
-    kinds = ("main",) + MOMENT_KEYS
-    flat = torch.zeros(len(kinds), sum(sizes), dtype=torch.float32, device=device)
+    local = [_local_state(slot) for slot in slots]
     # [has-moments flag, step]: MAX over the group (ranks owning nothing contribute zeros).
     meta = torch.zeros(2, dtype=torch.float64, device=device)
-    for slot, base, out in zip(slots, starts, outs):
-        main, moments, step = _local_state(slot)
-        if main is None:
-            continue
-        lo, hi = slot.flat_range
-        flat[0, base + lo:base + hi] = main.detach().view(-1).float()
-        if step is not None:
-            for k, name in enumerate(MOMENT_KEYS, start=1):
-                flat[k, base + lo:base + hi] = moments[name].detach().view(-1).float()
+    for main, _, step in local:
+        if main is not None and step is not None:
             meta[0] = 1.0
             meta[1] = max(float(meta[1]), step)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, group=group)  # owned ranges are disjoint: the sum is the concatenation
+    many = dist.is_initialized() and dist.get_world_size(group) > 1
+    if many:
         dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
-    flat, has_moments, step = flat.cpu(), bool(meta[0] > 0), float(meta[1])
-    for p, base, out in zip(params, starts, outs):
-        n = p.numel()
-        out["main"] = flat[0, base:base + n].view(p.shape).clone()
-        if has_moments:
-            out.update({name: flat[k, base:base + n].view(p.shape).clone()
-                        for k, name in enumerate(MOMENT_KEYS, start=1)}, step=step)
+    has_moments, step = bool(meta[0] > 0), float(meta[1])
+    kinds = ("main",) + MOMENT_KEYS
+    for run in _chunks([p.numel() for p in params], GATHER_CHUNK_ELEMENTS):
+        sizes = [params[i].numel() for i in run]
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        flat = torch.zeros(len(kinds), sum(sizes), dtype=torch.float32, device=device)
+        for i, base in zip(run, starts):
+            main, moments, st = local[i]
+            if main is None:
+                continue
+            lo, hi = slots[i].flat_range
+            flat[0, base + lo:base + hi] = main.detach().view(-1).float()
+            if st is not None:
+                for k, name in enumerate(MOMENT_KEYS, start=1):
+                    flat[k, base + lo:base + hi] = moments[name].detach().view(-1).float()
+        if many:
+            dist.all_reduce(flat, group=group)  # owned ranges are disjoint: the sum is the concatenation
+        flat = flat.cpu()
+        for i, base in zip(run, starts):
+            p, out, n = params[i], outs[i], params[i].numel()
+            out["main"] = flat[0, base:base + n].view(p.shape).clone()
+            if has_moments:
+                out.update({name: flat[k, base:base + n].view(p.shape).clone()
+                            for k, name in enumerate(MOMENT_KEYS, start=1)}, step=step)
 
 
 def restore_param_states(optimizer: Any, params: list[torch.Tensor], states: list[dict[str, Any]], *,

@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
-from megatron_ext.runtime import distributed  # noqa: E402
+from megatron_ext.runtime import distributed, optimizer  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
 
 BASE = {"train_iters": 10, "eval_iters": 0, "progress": False, "global_batch_size": 8, "micro_batch_size": 2,
@@ -51,6 +51,8 @@ def run(ctx, values: dict) -> tuple[list[float], distributed.DistContext]:
 
 def main() -> None:
     out_path, root = sys.argv[1], sys.argv[2]
+    # Many small all-reduces instead of one: the round trips below then also check the chunking.
+    optimizer.GATHER_CHUNK_ELEMENTS = 3000
     ctx = distributed.setup(config_from_values(dict(BASE)).parallel, seed=1234)
     res: dict[str, object] = {}
     # fp32: megatron's DistributedOptimizer (ZeRO-1 over DP2) against the plain AdamW runtime.

@@ -17,7 +17,7 @@ from megatron_ext.config.run import config_from_values
 from megatron_ext.runtime import checkpoint as ckpt
 from megatron_ext.runtime import distributed
 from megatron_ext.runtime.loop import Trainer
-from megatron_ext.runtime.optimizer import MegatronOptimizerOnCPU, collect_param_states
+from megatron_ext.runtime.optimizer import MegatronOptimizerOnCPU, _chunks, collect_param_states
 
 VALUES = {"eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
           "seq_length": 32, "global_batch_size": 4, "micro_batch_size": 2, "lr_decay_style": "constant",
@@ -133,3 +133,12 @@ def test_loading_weights_only_still_resets_masters(ctx, runs):
         assert torch.equal(saved, now)
     inner = t.optimizer.chained_optimizers[0].optimizer
     assert not inner.state, "load_optim=False must not load moments"
+
+
+def test_gather_chunks_are_consecutive_and_bounded():
+    assert _chunks([3, 3, 3, 10, 1], 6) == [[0, 1], [2], [3], [4]]
+    assert _chunks([7], 5) == [[0]] and _chunks([], 5) == []
+    sizes = [5, 1, 4, 4, 2, 9, 1]
+    runs = _chunks(sizes, 6)
+    assert [i for r in runs for i in r] == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in r) <= 6 or len(r) == 1 for r in runs)
