@@ -28,6 +28,7 @@ def test_defaults_run_every_section():
     (["--sections", ","], "--sections: unknown section(s) (none given)"),
     (["--iters", "7"], "--iters must be an even number >= 4 (the resume check restarts at half), got 7"),
     (["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
+    (["--budget-s", "-1"], "--budget-s must be > 0, got -1.0"),
     (["--record", "--cpu-smoke"], "--record keeps GPU figures only: drop --cpu-smoke"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
@@ -147,3 +148,29 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     llama = report["llama"]  # skipped until the runtime's config has the LLaMA-style flags
     assert llama.get("skipped", "").startswith("the runtime has no LLaMA-style model family yet (no --") or (
         llama["dtype"] == "bfloat16" and llama["resume_max_rel_diff"] == 0.0 and llama["params"] != gpt["params"])
+
+
+def test_sections_past_the_budget_are_skipped(monkeypatch, capsys):
+    # Only env and hydro (no megatron model): the hydro section starts after the budget is spent.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--cpu-smoke", "--sections", "env,hydro", "--budget-s", "1e-9"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["hydro"]["skipped"].startswith("time budget spent (")
+    assert report["hydro"]["fused_b8_speedup"] is None and report["env"]["device"] == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_check_correctness_on_cuda():
+    # Correctness only (speed figures are the check's report, not assertions).
+    proc = run_python("tools/gpu_check.py", timeout=900)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = {k: v["error"] for k, v in report.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, errors
+    gpt = report["gpt"]
+    assert gpt["loss_falls"] and gpt["layer_impl"].startswith("TE") and gpt["dtype"] == "bfloat16"
+    assert gpt["resume_max_rel_diff"] < 1e-6
+    assert report["packed"]["documents_isolated"]
+    assert report["helix"]["compiled"] and report["helix"]["loss_max_rel_diff"] < 1e-3

@@ -105,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30, help="training iterations of the gpt section (default 30)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device peak bf16 TFLOP/s for MFU (default: looked up from the device name)")
+    p.add_argument("--budget-s", type=float, default=450.0,
+                   help="start no section after this many seconds (default 450: the run stays under 8 "
+                        "minutes; the rest are reported as skipped)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run every section on CPU with tiny sizes (exercises the code; not GPU figures)")
     args = p.parse_args(argv)
@@ -115,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"choose from {', '.join(SECTIONS)}")
     if args.iters < 4 or args.iters % 2:
         p.error(f"--iters must be an even number >= 4 (the resume check restarts at half), got {args.iters}")
+    if args.budget_s <= 0:
+        p.error(f"--budget-s must be > 0, got {args.budget_s}")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if args.record and args.cpu_smoke:
@@ -689,6 +694,10 @@ def main(argv: list[str] | None = None) -> int:
     if needs_dist:
         ctx["dist"] = _dist_context(seed=1234)
     for name in args.sections:
+        spent = time.perf_counter() - started
+        if name != "env" and spent > args.budget_s:
+            results[name] = {"skipped": f"time budget spent ({spent:.0f} s > --budget-s {args.budget_s:g})"}
+            continue
         results[name] = env if name == "env" else run_section(name, SECTION_FUNCS[name], ctx)
         logger.warning("gpu-check: %s done (%.0f s so far)", name, time.perf_counter() - started)
     if needs_dist:
