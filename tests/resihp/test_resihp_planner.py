@@ -410,3 +410,49 @@ def test_predicted_time_is_the_simulator_and_infinite_with_a_dead_device():
     # A 4x slow stage of four becomes the bottleneck (the last stage, with the output layer, was:
     # about 10 layers' worth against 24 now).
     assert predict_iteration_s(lay, M350, speeds_of(4, {1: 0.25}), c, WORKLOAD) > 2 * t
+
+
+# ---- the two inner solvers against brute force -----------------------------------------------
+
+def compositions(total: int, parts: int, low: int = 1):
+    if parts == 1:
+        if total >= low:
+            yield (total,)
+        return
+    for first in range(low, total - low * (parts - 1) + 1):
+        for rest in compositions(total - first, parts - 1, low):
+            yield (first,) + rest
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.2, 3.0), min_size=1, max_size=4), st.integers(4, 12), st.floats(0.0, 2.0),
+       st.lists(st.integers(1, 12), min_size=4, max_size=4))
+def test_layer_partition_is_the_min_max_optimum(unit, layers, head, cap):
+    from megatron_ext.resihp.planner import _greedy_layers
+    pp = len(unit)
+    unit_a, cap_a = np.array(unit), np.array(cap[:pp])
+    fixed = np.zeros(pp)
+    fixed[-1] = head
+    got = _greedy_layers(unit_a, fixed, layers, cap_a)
+    feasible = [c for c in compositions(layers, pp) if all(n <= k for n, k in zip(c, cap_a))]
+    if not feasible:
+        assert got is None
+        return
+    best = min(max(n * u + f for n, u, f in zip(c, unit_a, fixed)) for c in feasible)
+    assert sum(got) == layers and all(1 <= n <= k for n, k in zip(got, cap_a))
+    assert max(n * u + f for n, u, f in zip(got, unit_a, fixed)) == pytest.approx(best)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.5, 5.0), st.floats(0.1, 2.0)), min_size=1, max_size=4), st.integers(4, 16))
+def test_microbatch_split_is_the_min_max_optimum(reps, total):
+    from megatron_ext.resihp.planner import _allocate_microbatches
+    a = np.array([r[0] for r in reps])
+    b = np.array([r[1] for r in reps])
+    got = _allocate_microbatches(a, b, total, 1)
+    if total < len(reps):
+        assert got is None
+        return
+    best = min(max(a + (np.array(c) - 1) * b) for c in compositions(total, len(reps)))
+    assert sum(got) == total and min(got) >= 1
+    assert max(a + (np.array(got) - 1) * b) == pytest.approx(best)
