@@ -24,7 +24,8 @@ from megatron_ext.cluster.config import ClusterSimConfig
 from megatron_ext.cluster.engine import SimRun, simulate
 from megatron_ext.cluster.metrics import format_table, jcts, summarize, write_outputs
 from megatron_ext.cluster.trace import Trace, TraceError, default_trace, read_trace, read_vc_config
-from megatron_ext.config.base import (ConfigError, add_flags, build, check_unknown, field_names,
+from megatron_ext.errors import report
+from megatron_ext.config.base import (ArgumentParser, ConfigError, add_flags, build, check_unknown, field_names,
                                       load_yaml)
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def _cmd_bubbles(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_ext.cluster",
+    parser = ArgumentParser(prog="python -m megatron_ext.cluster",
                                      description="Trace-driven GPU-cluster scheduler simulator.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -178,11 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as exc:
+        return report(parser.prog, exc)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)
     except (ConfigError, TraceError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(parser.prog, exc)

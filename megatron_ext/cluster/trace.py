@@ -26,6 +26,8 @@ import os
 from importlib import resources
 from typing import Iterable, Mapping
 
+from megatron_ext.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("train", "hpo", "pipeline")
@@ -37,7 +39,7 @@ _MAX_REPORTED = 5
 _EPOCH_ORDINAL = datetime.date(1970, 1, 1).toordinal()
 
 
-class TraceError(ValueError):
+class TraceError(UserError, ValueError):
     """A trace or VC file that cannot be used; the message names the file, line and reason."""
 
 

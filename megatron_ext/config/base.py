@@ -33,8 +33,15 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(suggest_flag(one_line(message), self._option_strings()))
 
     def _option_strings(self) -> list[str]:
-        return [o for a in self._actions for o in a.option_strings
-                if o.startswith("--") and a.help is not argparse.SUPPRESS]
+        """Every documented long flag, those of sub-commands included (the top-level parser is
+        the one that reports a flag no sub-command took)."""
+        out = []
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    out += sub._option_strings() if isinstance(sub, ArgumentParser) else []
+            out += [o for o in a.option_strings if o.startswith("--") and a.help is not argparse.SUPPRESS]
+        return list(dict.fromkeys(out))
 
 
 def suggest_flag(message: str, known: Iterable[str]) -> str:

@@ -13,10 +13,12 @@ import os
 import numpy as np
 import torch
 
+from megatron_ext.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """The data source named in the config cannot be read; the message says which and why."""
 
 

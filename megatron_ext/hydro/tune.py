@@ -17,12 +17,15 @@ import sys
 import threading
 from typing import Any
 
-from megatron_ext.config.base import ConfigError, add_flags
+from megatron_ext.config.base import ArgumentParser, ConfigError, add_flags
+from megatron_ext.errors import one_line, report
 
 from .config import HydroTuneConfig, load_config
 from .data import DataError
 from .fx_common import PassError
 from .tuner import HydroTuner, TuneResult, results_table
+
+PROG = "python -m megatron_ext.hydro.tune"
 
 
 class Interrupted(BaseException):
@@ -53,17 +56,16 @@ def no_result_reason(res: TuneResult, study_name: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_ext.hydro.tune", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML file with the study (flat keys; see docs/hydro.md)")
     add_flags(parser, HydroTuneConfig, "study")
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        args = parser.parse_args(argv)
+        overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
         cfg, space, defaults, dropout = load_config(args.config, overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(PROG, exc)
     if not space:
         print("warning: empty search_space: every trial uses the defaults", file=sys.stderr)
     print(f"hydro: study '{cfg.study_name}' at {cfg.resolved_storage()}: {cfg.n_trials} trials, "
@@ -83,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             where = f"study '{cfg.study_name}' at {cfg.resolved_storage()} (state unreadable: {err})"
         print(f"interrupted ({exc}): {where}", file=sys.stderr, flush=True)
         return 128 + exc.signum
-    except (DataError, PassError, MemoryError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except DataError as exc:  # the user's data: a user error like a bad config
+        return report(PROG, exc)
+    except (PassError, MemoryError, RuntimeError) as exc:
+        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return 1
     finally:
         for s, h in previous.items():
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(results_table(res, space), flush=True)
     reason = no_result_reason(res, cfg.study_name)
     if reason:
-        print(f"error: {reason}", file=sys.stderr)
+        print(f"{PROG}: error: {reason}", file=sys.stderr)
         return 1
     return 0
 

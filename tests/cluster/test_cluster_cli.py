@@ -78,7 +78,10 @@ def test_yaml_config_and_flags_override(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--trace", data("philly_bad_rows.csv"), "--vc-config", data("philly_vc.csv")],
      "11 bad row(s): line 3: timestamp '2017-10-9 07:01:55' is not YYYY-MM-DD HH:MM:SS"),
-    (["simulate", *BASE, "--load-scale", "0"], "error: --load-scale must be > 0, got 0.0"),
+    (["simulate", *BASE, "--load-scale", "0"],
+     "python -m megatron_ext.cluster: error: --load-scale must be > 0, got 0.0"),
+    (["simulate", *BASE, "--polcy", "sjf"],
+     "python -m megatron_ext.cluster: error: unrecognized arguments: --polcy sjf; did you mean --policy?"),
     (["simulate", *BASE, "--policy", "ftf", "--helios-compat"], "--policy ftf has no counterpart"),
 ])
 def test_errors_exit_2_with_a_message(capsys, argv, message):
@@ -160,7 +163,7 @@ def test_half_an_input_pair_is_an_error_not_the_default(given, capsys):
     assert main(["simulate", *given]) == 2
     flag, other = given[0], "--vc-config" if given[0] == "--trace" else "--trace"
     assert capsys.readouterr().err.strip() == (
-        f"error: {flag} needs {other} too (give both, or neither for the embedded Philly trace)")
+        f"python -m megatron_ext.cluster: error: {flag} needs {other} too (give both, or neither for the embedded Philly trace)")
 
 
 def test_a_truncated_gzip_trace_is_a_located_error(tmp_path, capsys):
@@ -171,4 +174,4 @@ def test_a_truncated_gzip_trace_is_a_located_error(tmp_path, capsys):
     bad.write_bytes(whole[: len(whole) // 2])
     assert main(["simulate", "--trace", str(bad), "--vc-config", data("philly_vc.csv")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: {bad}: cannot be read (EOFError: ") and "\n" not in err
+    assert err.startswith(f"python -m megatron_ext.cluster: error: {bad}: cannot be read (EOFError: ") and "\n" not in err

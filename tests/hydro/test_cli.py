@@ -40,12 +40,19 @@ search_space:
 """
 
 
+def test_misspelled_flag_is_one_line_with_a_suggestion(capsys):
+    assert main(["--n-trails", "4"]) == 2
+    assert capsys.readouterr().err.strip() == ("python -m megatron_ext.hydro.tune: error: unrecognized arguments: "
+                                               "--n-trails 4; did you mean --n-trials?")
+
+
 def test_bad_search_space_exits_2_with_location(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("n_trials: 2\nsearch_space:\n  lr: {type: float, low: 1.0, high: 0.5}\n")
     assert main(["--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == f"error: {path}:3: search_space.lr: 'low' (1.0) must be < 'high' (0.5)"
+    assert err.strip() == (f"python -m megatron_ext.hydro.tune: error: {path}:3: search_space.lr: 'low' (1.0) "
+                           "must be < 'high' (0.5)")
 
 
 def _study(storage):
@@ -122,7 +129,8 @@ def test_a_study_without_a_complete_trial_exits_1_and_says_why(tmp_path, capsys)
     assert main(["--config", str(path)]) == 1
     cap = capsys.readouterr()
     assert cap.out.count("diverged") == 2
-    assert cap.err.strip() == ("error: study 'cli' has no complete trial (0 complete, 2 pruned, 0 failed): there is "
+    assert cap.err.strip() == ("python -m megatron_ext.hydro.tune: error: study 'cli' has no complete trial "
+                               "(0 complete, 2 pruned, 0 failed): there is "
                                "no best config and no target was trained. Every finished trial was pruned or "
                                "diverged; run more trials (--n-trials, the study continues), narrow the search "
                                "space, or use a milder pruner")
