@@ -9,6 +9,12 @@ added after the matmul (megatron's ``skip_bias_add`` + bias-dropout-add), a fina
 output head tied to the word embedding (``TiedLayerSpec``), the vocabulary padded to a multiple of 128,
 and megatron's per-token cross entropy averaged over the loss mask.
 
+The LLaMA-style family (runtime/families.py) is mirrored the same way: RMSNorm (torch's, as
+megatron's ``WrappedTorchNorm``), SwiGLU (``linear_fc1`` = [W; V], ``silu(x W^T) * (x V^T)``), rotary
+embeddings (megatron's ``RotaryEmbedding`` + ``_apply_rotary_pos_emb_bshd``, not interleaved) in place of
+learned positions, grouped-query attention (``linear_qkv`` per group: [q heads of the group; k; v], K and V
+``repeat_interleave``d to the query heads), per-head q/k norms before the rotation, and no biases.
+
 Every parameter is named by its megatron ``sharded_state_dict`` key and global layer
 (``shard_entries``), so weights are initialised by the same (seed, key, layer) rule as the megatron
 engine (same seed, same model) and checkpoints use the same files: a checkpoint moves between engines.
@@ -35,6 +41,10 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 # megatron's local spec publishes its norms under the Transformer Engine names (fused into the next
 # linear), so checkpoints are interchangeable between specs; we use the same names.
 LAYER_KEYS = {
+    "q_layernorm.weight": "self_attention.q_layernorm.weight",
+    "q_layernorm.bias": "self_attention.q_layernorm.bias",
+    "k_layernorm.weight": "self_attention.k_layernorm.weight",
+    "k_layernorm.bias": "self_attention.k_layernorm.bias",
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
     "linear_qkv.weight": "self_attention.linear_qkv.weight",
@@ -73,7 +83,9 @@ class EmbeddingPipe(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, position_ids = inputs
-        x = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:  # learned positions; rotary ones live in the layers
+            x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h], megatron's activation layout
         return F.dropout(x, self.dropout, self.training)
 
@@ -88,30 +100,66 @@ def output_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tenso
     return _linear(hidden, embedding.word_embeddings.weight)
 
 
-class TransformerLayerPipe(nn.Module):
-    """One pre-LN transformer layer; ``layer_number`` is its global index (0-based)."""
+def _norm(kind: str, size: int, eps: float) -> nn.Module:
+    return nn.RMSNorm(size, eps=eps) if kind == "RMSNorm" else nn.LayerNorm(size, eps=eps)
 
-    def __init__(self, layer_number: int, hidden_size: int, num_heads: int, ffn_hidden_size: int, eps: float,
-                 hidden_dropout: float, attention_dropout: float) -> None:
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class TransformerLayerPipe(nn.Module):
+    """One pre-norm transformer layer of the GPT or LLaMA-style block; ``layer_number`` is its global
+    index (0-based); ``model_cfg`` is the run's ModelConfig."""
+
+    def __init__(self, layer_number: int, model_cfg: Any, eps: float) -> None:
         super().__init__()
+        m = model_cfg
+        h = m.hidden_size
         self.layer_number = layer_number
-        self.num_heads = num_heads
-        self.head_dim = hidden_size // num_heads
-        self.hidden_dropout = hidden_dropout
-        self.attention_dropout = attention_dropout
-        self.input_layernorm = nn.LayerNorm(hidden_size, eps=eps)
-        self.linear_qkv = nn.Linear(hidden_size, 3 * hidden_size)
-        self.linear_proj = nn.Linear(hidden_size, hidden_size)
-        self.pre_mlp_layernorm = nn.LayerNorm(hidden_size, eps=eps)
-        self.linear_fc1 = nn.Linear(hidden_size, ffn_hidden_size)
-        self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size)
+        self.num_heads = m.num_attention_heads
+        self.num_groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+        self.head_dim = h // m.num_attention_heads
+        self.hidden_dropout = m.hidden_dropout
+        self.attention_dropout = m.attention_dropout
+        self.swiglu = m.swiglu
+        bias = not m.disable_bias_linear
+        qkv_out = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        self.input_layernorm = _norm(m.normalization, h, eps)
+        self.linear_qkv = nn.Linear(h, qkv_out, bias=bias)
+        self.linear_proj = nn.Linear(h, h, bias=bias)
+        self.q_layernorm = _norm(m.normalization, self.head_dim, eps) if m.qk_layernorm else None
+        self.k_layernorm = _norm(m.normalization, self.head_dim, eps) if m.qk_layernorm else None
+        self.pre_mlp_layernorm = _norm(m.normalization, h, eps)
+        self.linear_fc1 = nn.Linear(h, (2 if m.swiglu else 1) * m.ffn_hidden_size, bias=bias)
+        self.linear_fc2 = nn.Linear(m.ffn_hidden_size, h, bias=bias)
+        self.rotary_inv_freq: torch.Tensor | None = None
+        if m.position_embedding_type == "rope":
+            d = self.head_dim  # megatron's RotaryEmbedding(kv_channels, rotary_percent=1.0)
+            self.rotary_inv_freq = 1.0 / (m.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+    def _rotary(self, t: torch.Tensor) -> torch.Tensor:
+        """megatron's ``_apply_rotary_pos_emb_bshd`` (not interleaved) on [s, b, heads, d]."""
+        seq = torch.arange(t.shape[0], dtype=torch.float32, device=t.device)
+        freqs = torch.outer(seq, self.rotary_inv_freq.to(t.device))
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        return t * torch.cos(emb).to(t.dtype) + _rotate_half(t) * torch.sin(emb).to(t.dtype)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
-        n, d = self.num_heads, self.head_dim
+        n, g, d = self.num_heads, self.num_groups, self.head_dim
         qkv = _linear(x, self.linear_qkv.weight, self.linear_qkv.bias)
-        # per head: [q_h; k_h; v_h] (megatron with num_query_groups == num_heads)
-        q, k, v = torch.split(qkv.view(s, b, n, 3 * d), [d, d, d], dim=3)
+        # per group: [q heads of the group; k; v] (megatron's get_query_key_value_tensors)
+        q, k, v = torch.split(qkv.view(s, b, g, (n // g + 2) * d), [n // g * d, d, d], dim=3)
+        q = q.reshape(s, b, n, d)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if self.rotary_inv_freq is not None:
+            q, k = self._rotary(q), self._rotary(k)
+        if n // g > 1:
+            k = k.repeat_interleave(n // g, dim=2)
+            v = v.repeat_interleave(n // g, dim=2)
         q = q.reshape(s, b * n, d).transpose(0, 1)                  # [b n, s, d]
         k = k.reshape(s, b * n, d).transpose(0, 1).transpose(1, 2)  # [b n, d, s]
         scores = torch.baddbmm(torch.empty(b * n, s, s, dtype=x.dtype, device=x.device), q, k,
@@ -122,23 +170,41 @@ class TransformerLayerPipe(nn.Module):
         ctx = torch.bmm(probs.view(b * n, s, s), v.reshape(s, b * n, d).transpose(0, 1))
         return ctx.view(b, n, s, d).permute(2, 0, 1, 3).contiguous().view(s, b, h)
 
+    def _bias_dropout_add(self, residual: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # megatron's bias_dropout_add: residual + dropout(out + bias)
+        return residual + F.dropout(out if bias is None else out + bias, self.hidden_dropout, self.training)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # bias-dropout-add: residual + dropout(out + bias), as megatron's bias_dropout_add
         attn = _linear(self._attention(self.input_layernorm(x)), self.linear_proj.weight)
-        x = x + F.dropout(attn + self.linear_proj.bias, self.hidden_dropout, self.training)
-        hidden = F.gelu(_linear(self.pre_mlp_layernorm(x), self.linear_fc1.weight) + self.linear_fc1.bias)
+        x = self._bias_dropout_add(x, attn, self.linear_proj.bias)
+        hidden = _linear(self.pre_mlp_layernorm(x), self.linear_fc1.weight)
+        if self.linear_fc1.bias is not None:
+            hidden = hidden + self.linear_fc1.bias
+        if self.swiglu:
+            gate, up = torch.chunk(hidden, 2, dim=-1)  # megatron's glu: activation(x[0]) * x[1]
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden)
         mlp = _linear(hidden, self.linear_fc2.weight)
-        return x + F.dropout(mlp + self.linear_fc2.bias, self.hidden_dropout, self.training)
+        return self._bias_dropout_add(x, mlp, self.linear_fc2.bias)
 
     def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
         for name, param in self.named_parameters():
             yield "decoder.layers." + LAYER_KEYS[name], (self.layer_number,), param
 
 
-class FinalNormPipe(nn.LayerNorm):
+class FinalNormPipe(nn.Module):
+    def __init__(self, normalization: str, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = _norm(normalization, hidden_size, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
     def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
-        yield "decoder.final_layernorm.weight", (), self.weight
-        yield "decoder.final_layernorm.bias", (), self.bias
+        yield "decoder.final_layernorm.weight", (), self.norm.weight
+        if getattr(self.norm, "bias", None) is not None:
+            yield "decoder.final_layernorm.bias", (), self.norm.bias
 
 
 class OutputHeadPipe(nn.Module):
@@ -174,11 +240,11 @@ def layer_specs(model_cfg: Any, vocab_size: int) -> list[Any]:
     eps = 1e-5  # megatron TransformerConfig.layernorm_epsilon default
     embed = dict(vocab_size=vocab_size, hidden_size=m.hidden_size, max_positions=m.max_position_embeddings,
                  dropout=m.hidden_dropout)
-    specs: list[Any] = [TiedLayerSpec(TIED_KEY, EmbeddingPipe, **embed, with_positions=True,
+    learned = m.position_embedding_type == "learned_absolute"
+    specs: list[Any] = [TiedLayerSpec(TIED_KEY, EmbeddingPipe, **embed, with_positions=learned,
                                       tied_weight_attr="word_embeddings.weight")]
-    specs += [LayerSpec(TransformerLayerPipe, i, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, eps,
-                        m.hidden_dropout, m.attention_dropout) for i in range(m.num_layers)]
-    specs.append(LayerSpec(FinalNormPipe, m.hidden_size, eps=eps))
+    specs += [LayerSpec(TransformerLayerPipe, i, m, eps) for i in range(m.num_layers)]
+    specs.append(LayerSpec(FinalNormPipe, m.normalization, m.hidden_size, eps))
     if m.untie_embeddings_and_output_weights:
         specs.append(LayerSpec(OutputHeadPipe, m.hidden_size, vocab_size))
     else:

@@ -42,6 +42,9 @@ class ModelSpec:
     num_query_groups: int | None = None      # GQA; default num_attention_heads (plain MHA)
     kv_channels: int | None = None           # default hidden_size // num_attention_heads
     gated_linear_unit: bool = False          # SwiGLU-style MLP: three matrices instead of two
+    num_experts: int | None = None           # MoE: every layer's MLP is a router + this many experts
+    moe_router_topk: int = 2                 # experts per token (MoE only)
+    moe_ffn_hidden_size: int | None = None   # each expert's MLP width; default ffn
     flash_attention: bool = False            # attention backward recomputes the scores
     recompute: bool = False                  # full activation recomputation in backward
 
@@ -55,10 +58,17 @@ class ModelSpec:
         if self.num_attention_heads % self.groups:
             raise ValueError(f"ModelSpec: num_attention_heads {self.num_attention_heads} is not a multiple "
                              f"of num_query_groups {self.groups}")
+        if self.num_experts is not None and not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(f"ModelSpec: moe_router_topk {self.moe_router_topk} must be between 1 and "
+                             f"num_experts {self.num_experts}")
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
 
     @property
     def groups(self) -> int:
@@ -118,7 +128,13 @@ def layer_linear_flops_per_token(spec: ModelSpec) -> float:
     q, kv = spec.num_attention_heads * d, spec.groups * d
     qkv = 2 * h * (q + 2 * kv)
     proj = 2 * q * h
-    mlp = 2 * h * spec.ffn * (3 if spec.gated_linear_unit else 2)
+    matrices = 3 if spec.gated_linear_unit else 2
+    if spec.num_experts is None:
+        mlp = 2 * h * spec.ffn * matrices
+    else:
+        # Router logits, then every token through exactly top-k experts (no capacity drop), so the
+        # layer's total is exact whatever the routing; how it splits over expert-parallel ranks is not.
+        mlp = 2 * h * spec.num_experts + spec.moe_router_topk * 2 * h * spec.expert_ffn * matrices
     return float(qkv + proj + mlp)
 
 

@@ -35,13 +35,13 @@ ABORT_EXIT_CODE = 75
 
 
 def model_spec(trainer: "Trainer"):
-    from megatron_ext.resihp.flops import ModelSpec
+    """The run's model as the FLOPs model sees it, from the model family's registry entry (GQA,
+    SwiGLU and MoE included)."""
+    from megatron_ext.runtime.families import flops_spec
     from megatron_ext.runtime.model import padded_vocab_size
 
-    m = trainer.cfg.model
     vocab = padded_vocab_size(trainer.splits.tokenizer.vocab_size, trainer.ctx.layout.tp)
-    return ModelSpec(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                     vocab_size=vocab, ffn_hidden_size=m.ffn_hidden_size)
+    return flops_spec(trainer.cfg.model, vocab)
 
 
 def model_chunks(trainer: "Trainer") -> list:
@@ -138,6 +138,23 @@ class ResiHPExtension(Extension):
             if self.cfg.resihp_verdicts_out:
                 self.verdict_log = VerdictLog(self.cfg.resihp_verdicts_out)
         self._start_heartbeat(trainer)
+
+    def detach(self, trainer: "Trainer") -> None:
+        if self.throttle is not None:
+            self.throttle.remove()
+
+    def attach(self, trainer: "Trainer") -> None:
+        """After a re-layout: slow the new chunks of an injected slow rank, describe the new model
+        split. The detector, its files and the heartbeat stay where they are (the detector re-keys
+        its calibration by layout)."""
+        if self.throttle is not None:
+            active = self.throttle.active
+            self.throttle = Throttle(model_chunks(trainer), self.throttle.factor, self.faults.inject_slow_mode)
+            self.throttle.active = active
+        if self.detect:
+            self.spec = model_spec(trainer)
+            if self.heartbeat is not None:
+                self.heartbeat.tracker.stage_of = {r: c.pp for r, c in trainer.ctx.layout.coords()}
 
     def _start_heartbeat(self, trainer: "Trainer") -> None:
         import torch.distributed as dist

@@ -44,10 +44,7 @@ class ModelFamily:
 
 
 GPT = ModelFamily("gpt", "GPT-2/3 block: LayerNorm, GELU MLP, learned positions, biases", None)
-LLAMA = ModelFamily("llama", "LLaMA-3-style block: RMSNorm, SwiGLU, rotary positions, GQA, no biases",
-                    "--engine deepspeed builds the GPT block only (deepspeed_patches/gpt.py mirrors megatron's "
-                    "GPT layer op for op, and has no RMSNorm / SwiGLU / rotary / GQA / qk-norm twin yet); "
-                    "use --engine megatron")
+LLAMA = ModelFamily("llama", "LLaMA-3-style block: RMSNorm, SwiGLU, rotary positions, GQA, no biases", None)
 MOE = ModelFamily("moe", "Qwen3-MoE-style block: the llama block with megatron's MoELayer as MLP",
                   "--engine deepspeed does not train mixture-of-experts models (--num-experts): DeepSpeed's "
                   "PipelineModule here is a dense GPT; use --engine megatron")
@@ -227,4 +224,5 @@ def flops_spec(m: "ModelConfig", vocab_size: int) -> Any:
     return ModelSpec(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                      vocab_size=vocab_size, ffn_hidden_size=m.ffn_hidden_size,
                      num_query_groups=m.num_query_groups if m.group_query_attention else None,
-                     gated_linear_unit=m.swiglu)
+                     gated_linear_unit=m.swiglu, num_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                     moe_ffn_hidden_size=m.moe_ffn_hidden_size)

@@ -184,8 +184,9 @@ def _main(argv, monkeypatch, capsys, world: int = 1):
      "--num-layers (4) is not divisible by --pipeline-model-parallel-size (3)"),
     (["--pipeline-model-parallel-size", "3"], 4,
      "world size 4 is not divisible by --tensor-model-parallel-size (1) x --pipeline-model-parallel-size (3) = 3"),
-    (["--position-embedding-type", "rope"], 1,
-     "--engine deepspeed supports --position-embedding-type learned_absolute only, got rope"),
+    (["--num-experts", "2"], 1,
+     "--engine deepspeed does not train mixture-of-experts models (--num-experts): DeepSpeed's PipelineModule "
+     "here is a dense GPT; use --engine megatron (model flags: --num-experts)"),
     (["--bf16"], 1, "--engine deepspeed trains in fp32: drop --bf16 or use --engine megatron"),
     (["--doc-length-dist", "fixed:16"], 1,
      "--doc-length-dist (packed documents) is not supported by --engine deepspeed yet: use --engine megatron"),

@@ -1,7 +1,7 @@
 """LLaMA-style and MoE training scenarios for test_families_multirank.py.
 
-Under ``torchrun --nproc_per_node 4`` one launch runs every parallel layout of both families in the
-same 4 processes (relayouting between them) and writes each loss curve (and the MoE load-balancing
+Under ``torchrun --nproc_per_node 4`` one launch runs every parallel layout of both families (and the
+LLaMA-style model on DeepSpeed's engine) in the same 4 processes (relayouting between them) and writes each loss curve (and the MoE load-balancing
 loss curve) to a JSON file. Run as a lone process it writes the single-rank reference curves.
 """
 from __future__ import annotations
@@ -58,6 +58,19 @@ def run(ctx, values: dict, results: dict, name: str, *, load: str | None = None)
     return ctx
 
 
+def run_deepspeed(values: dict, world: int) -> list[float] | None:
+    """The LLaMA-style model on DeepSpeed's PipelineEngine (deepspeed_patches/gpt.py)."""
+    from deepspeed_patches import trainer as ds
+
+    cfg = config_from_values({**BASE, **values, "engine": "deepspeed"})
+    cfg.validate(world)
+    ds.check_config(cfg)
+    ctx = ds.setup_distributed(cfg.parallel, seed=cfg.training.seed)
+    trainer = ds.DeepSpeedTrainer(cfg, ctx, build_extensions(cfg)).setup()
+    trainer.run()
+    return gathered(trainer, "loss")
+
+
 def main() -> None:
     out_path, ckpt_root = sys.argv[1], sys.argv[2]
     ctx = distributed.setup(config_from_values(dict(BASE)).parallel, seed=1234)
@@ -83,6 +96,12 @@ def main() -> None:
                   "moe/ep2_first5")
         ctx = run(ctx, {**MOE, "expert_model_parallel_size": 4}, results, "moe/reshard_ep4", load=first)
         ctx = run(ctx, {**MOE, **pp2}, results, "moe/reshard_pp2ep1", load=first)
+        # DeepSpeed's engine: 5 iterations of the LLaMA-style model under PP2 x DP2, saved, and
+        # continued by the megatron engine (the checkpoint moves between engines).
+        first = os.path.join(ckpt_root, "llama_ds")
+        results["llama/deepspeed_pp2_first5"] = run_deepspeed({**LLAMA, **pp2, "train_iters": 5, "save": first},
+                                                              ctx.world_size)
+        ctx = run(ctx, {**LLAMA, **pp2}, results, "llama/megatron_from_deepspeed", load=first)
     if ctx.rank == 0:
         with open(out_path, "w", encoding="utf-8") as fh:
             json.dump(results, fh)

@@ -55,7 +55,6 @@ def test_field_checks_name_the_flags(argv, message):
      "kernel on a GPU (Transformer Engine); this run is on CPU: leave it off"),
     (MOE + ["--engine", "deepspeed"], 1, families.MOE.deepspeed_refusal + " (model flags: --normalization --swiglu "
      "--group-query-attention --position-embedding-type --disable-bias-linear --qk-layernorm --num-experts)"),
-    (["--swiglu", "--engine", "deepspeed"], 1, families.LLAMA.deepspeed_refusal + " (model flags: --swiglu)"),
 ])
 def test_layout_checks_run_before_any_model(argv, world, message):
     cfg = parse_run_config(argv)

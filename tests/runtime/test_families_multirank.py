@@ -56,6 +56,9 @@ def test_moe_load_balancing_loss_is_logged_and_layout_independent(curves, case):
     ("llama/reshard_pp2", "llama/tp2pp2_first5", "llama"),    # TP2 x PP2 -> PP2 x DP2
     ("moe/reshard_ep4", "moe/ep2_first5", "moe"),             # DP4 x EP2 -> EP4
     ("moe/reshard_pp2ep1", "moe/ep2_first5", "moe"),          # DP4 x EP2 -> PP2 x DP2, EP1
+    # DeepSpeed's PipelineEngine trains the LLaMA-style block (PP2 x DP2) on the single-rank curve, and
+    # megatron continues its checkpoint (SwiGLU fc1 saved whole by DeepSpeed, as two halves by megatron).
+    ("llama/megatron_from_deepspeed", "llama/deepspeed_pp2_first5", "llama"),
 ])
 def test_checkpoints_reshard_between_layouts(curves, case, first, family):
     # 5 iterations saved under one layout, 5 more loaded under another: together the single-rank
