@@ -32,17 +32,22 @@ class HelixExtension(Extension):
         self.backend = None
 
     def setup(self, trainer: "Trainer") -> None:
-        import torch
-
-        from megatron_ext.helix.adapter import make_traceable
         from megatron_ext.helix.compiler import backend_from_config
-        from megatron_ext.runtime.model import unwrap
 
         chunks = getattr(trainer.model, "chunks", None)
         if chunks is None:
             raise ConfigError("--helix needs the megatron engine (--engine megatron)")
         self.backend = backend_from_config(self.cfg, batch_size=trainer.cfg.training.micro_batch_size)
-        for chunk in chunks:
+        self.attach(trainer)
+
+    def attach(self, trainer: "Trainer") -> None:
+        """Compile this layout's model chunks (a re-layout brings new chunks: new graphs)."""
+        import torch
+
+        from megatron_ext.helix.adapter import make_traceable
+        from megatron_ext.runtime.model import unwrap
+
+        for chunk in trainer.model.chunks:
             model = unwrap(chunk)
             report = make_traceable(model)
             model.forward = torch.compile(model.forward, backend=self.backend, dynamic=False)
@@ -52,6 +57,9 @@ class HelixExtension(Extension):
                             "cost model %s", report.total, self.cfg.helix_tiles,
                             f"{self.cfg.helix_memory_budget_gb} GiB" if self.cfg.helix_memory_budget_gb else "none",
                             self.cfg.helix_cost_model)
+
+    def detach(self, trainer: "Trainer") -> None:
+        self.teardown(trainer)
 
     def teardown(self, trainer: "Trainer") -> None:
         from megatron_ext.helix.adapter import restore

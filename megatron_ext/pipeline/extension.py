@@ -54,20 +54,29 @@ class TimelineExtension(Extension):
 
     def setup(self, trainer: "Trainer") -> None:
         from megatron_ext.pipeline.collect import clock_offsets
-        from megatron_ext.pipeline.events import EventRecorder, Phase, timing_for
-        from megatron_ext.pipeline.megatron_hooks import MegatronPipelineHooks, wrap_phase
+        from megatron_ext.pipeline.events import EventRecorder, timing_for
 
         # CUDA events on a GPU (also for ResiHP's op durations, read from this recorder).
         self.recorder = EventRecorder(self.cfg.timeline_capacity, timing=timing_for(trainer.ctx.device))
+        self.attach(trainer)
+        self.offset_s = clock_offsets(self.recorder.clock)
+        last = trainer.cfg.training.train_iters
+        self.export = set(self.cfg.timeline_iters or [last])
+
+    def attach(self, trainer: "Trainer") -> None:
+        """Wrap this layout's model chunks, optimizer step and gradient finalisation."""
+        from megatron_ext.pipeline.events import Phase
+        from megatron_ext.pipeline.megatron_hooks import MegatronPipelineHooks, wrap_phase
+
         self.hooks = MegatronPipelineHooks(self.recorder, trainer.model.chunks).install()
         trainer.optimizer.step = wrap_phase(self.recorder, trainer.optimizer.step, Phase.OPTIMIZER)
         tconf = trainer.model.config
         tconf.finalize_model_grads_func = wrap_phase(self.recorder, tconf.finalize_model_grads_func,
                                                      Phase.GRAD_REDUCE)
-        self.offset_s = clock_offsets(self.recorder.clock)
         self.schedule = "interleaved" if trainer.ctx.vpp else "1f1b"
-        last = trainer.cfg.training.train_iters
-        self.export = set(self.cfg.timeline_iters or [last])
+
+    def detach(self, trainer: "Trainer") -> None:
+        self.teardown(trainer)
 
     def before_iteration(self, trainer: "Trainer", iteration: int) -> None:
         self.recorder.reset()

@@ -175,21 +175,12 @@ def _state_is_sharded(optimizer: Any) -> bool:
     return any(isinstance(p, DistributedOptimizer) for p in getattr(opt, "chained_optimizers", [opt]))
 
 
-def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config: dict[str, Any],
-         layout: dict[str, int], keep_last: int = 0) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
-    rank, world = _rank_world()
-    name = iter_dir_name(state.iteration)
-    final = os.path.join(save_dir, name)
-    partial = final + ".partial"
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
-        os.makedirs(partial)
-    _barrier()
+def collect_payload(model: Any, optimizer: Any) -> list[dict[str, Any]]:
+    """Collective. This rank's main-replica shards: weight, fp32 master, Adam moments and step, each
+    with its place in the unsharded tensor. What a checkpoint file holds, and what a live re-layout
+    sends to the new owners."""
     payload = []
-    # Only main replicas are written. The distributed optimizer's state is gathered over the
+    # Only main replicas are kept. The distributed optimizer's state is gathered over the
     # data-parallel group, a collective every replica joins for every entry; other optimizers
     # hold whole local state, and copying it off the device is needed for main replicas only.
     entries = _local_entries(model, main_only=not _state_is_sharded(optimizer))
@@ -206,6 +197,23 @@ def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config
         if "main" in ostate:  # fp32 master weights of a mixed-precision optimizer
             item["main"] = ostate["main"]
         payload.append(item)
+    return payload
+
+
+def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config: dict[str, Any],
+         layout: dict[str, int], keep_last: int = 0) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    rank, world = _rank_world()
+    name = iter_dir_name(state.iteration)
+    final = os.path.join(save_dir, name)
+    partial = final + ".partial"
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(partial):
+            shutil.rmtree(partial)
+        os.makedirs(partial)
+    _barrier()
+    payload = collect_payload(model, optimizer)
     shard_file = f"shards_rank{rank:05d}.pt"
     rng_file = f"rng_rank{rank:05d}.pt"
     torch.save(payload, os.path.join(partial, shard_file))
@@ -311,25 +319,23 @@ def _overlap(a_off, a_shape, b_off, b_shape):
     return lo, hi
 
 
-def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
-         load_optim: bool = True, load_rng: bool = True) -> TrainState:
-    """Collective. Verifies, assembles every needed tensor, then copies into model and optimizer."""
-    rank, world = _rank_world()
-    ckpt = resolve(load_dir)
-    meta = read_meta(ckpt)
-    entries = _local_entries(model, main_only=False)
+def plan_reshard(entries: list[ShardEntry], shards: list[dict[str, Any]], where: str) -> list[tuple]:
+    """For each local entry, the saved shards that overlap it and where: ``[(entry, [(shard, (lo, hi))])]``.
+
+    ``shards`` is the index of what was saved (``meta.json``'s "shards": key, index, offset, shape,
+    global shape and a ``source``, a file or a peer rank). Pure; raises CheckpointError naming
+    ``where`` when a local slice is not covered or a shape differs."""
     by_key: dict[tuple, list[dict[str, Any]]] = {}
-    for s in meta["shards"]:
+    for s in shards:
         by_key.setdefault((s["key"], tuple(s["index"])), []).append(s)
     plan = []
-    needed_files: set[str] = set()
     for e in entries:
         saved = by_key.get((e.key, tuple(e.index)))
         if not saved:
-            raise CheckpointError(f"{ckpt}: no tensor {e.key}{list(e.index) or ''} in the checkpoint "
+            raise CheckpointError(f"{where}: no tensor {e.key}{list(e.index) or ''} in the checkpoint "
                                   "(model shape differs from the saved run?)")
         if tuple(saved[0]["global_shape"]) != tuple(e.global_shape):
-            raise CheckpointError(f"{ckpt}: {e.key} has shape {saved[0]['global_shape']} in the checkpoint, "
+            raise CheckpointError(f"{where}: {e.key} has shape {saved[0]['global_shape']} in the checkpoint, "
                                   f"{list(e.global_shape)} in this model")
         parts = []
         covered = 0
@@ -338,20 +344,19 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
             if ov is not None:
                 parts.append((s, ov))
                 covered += int(np.prod([h - l for l, h in zip(*ov)]))
-                needed_files.add(s["file"])
         if covered != int(np.prod(e.shape)):
-            raise CheckpointError(f"{ckpt}: saved shards of {e.key} do not cover this rank's slice")
+            raise CheckpointError(f"{where}: saved shards of {e.key} do not cover this rank's slice")
         plan.append((e, parts))
-    rng_file = f"rng_rank{rank:05d}.pt"
-    same_layout = meta["layout"] == layout and meta["world_size"] == world
-    want_rng = load_rng and same_layout and rng_file in meta["files"]
-    verify(ckpt, meta, sorted(needed_files) + ([rng_file] if want_rng else []))
+    return plan
 
-    loaded = {f: torch.load(os.path.join(ckpt, f), map_location="cpu", weights_only=False) for f in needed_files}
-    lookup = {}
-    for f, payload in loaded.items():
-        for p in payload:
-            lookup[(f, p["key"], tuple(p["index"]), tuple(p["offset"]))] = p
+
+def _shard_id(source: Any, item: dict[str, Any]) -> tuple:
+    return (source, item["key"], tuple(item["index"]), tuple(item["offset"]))
+
+
+def assemble(plan: list[tuple], lookup: dict[tuple, dict[str, Any]], where: str) -> list[tuple]:
+    """Cut every local slice out of the saved shards (``lookup``: ``_shard_id`` -> payload item).
+    Touches no model: ``[(entry, value, optimizer state)]`` to hand to ``apply``."""
     staged = []
     for e, parts in plan:
         value = torch.empty(e.shape, dtype=e.param.dtype)
@@ -362,7 +367,7 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
         step = None
         have_optim = True
         for s, (lo, hi) in parts:
-            p = lookup[(s["file"], s["key"], tuple(s["index"]), tuple(s["offset"]))]
+            p = lookup[_shard_id(s["source"], s)]
             dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, e.offset))
             src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, s["offset"]))
             master = (p["main"] if "main" in p else p["tensor"])[src]
@@ -374,7 +379,7 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
                 for k in OPT_KEYS:
                     optim[k][dst] = p["optim"][k][src]
                 if step is not None and step != p["step"]:
-                    raise CheckpointError(f"{ckpt}: shards of {e.key} disagree on the step count "
+                    raise CheckpointError(f"{where}: shards of {e.key} disagree on the step count "
                                           f"({step} vs {p['step']})")
                 step = p["step"]
             else:
@@ -383,17 +388,54 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
         if have_optim and step is not None:
             state.update(optim, step=step)
         staged.append((e, value, state))
-    rng = torch.load(os.path.join(ckpt, rng_file), map_location="cpu", weights_only=False) if want_rng else None
+    return staged
 
-    # Nothing above touched the model: a bad checkpoint raised before this point.
+
+def apply(staged: list[tuple], optimizer: Any, *, load_optim: bool = True) -> None:
+    """Copy assembled slices into the model's parameters and the optimizer's state."""
     with torch.no_grad():
         for e, value, _ in staged:
             e.param.copy_(value.to(e.param.device))
     restore_param_states(optimizer, [e.param for e, _, _ in staged], [st for _, _, st in staged],
                          load_moments=load_optim)
+
+
+def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
+         load_optim: bool = True, load_rng: bool = True) -> TrainState:
+    """Collective. Verifies, assembles every needed tensor, then copies into model and optimizer."""
+    rank, world = _rank_world()
+    ckpt = resolve(load_dir)
+    meta = read_meta(ckpt)
+    shards = [{**s, "source": s["file"]} for s in meta["shards"]]
+    plan = plan_reshard(_local_entries(model, main_only=False), shards, ckpt)
+    needed_files = {s["source"] for _, parts in plan for s, _ in parts}
+    rng_file = f"rng_rank{rank:05d}.pt"
+    same_layout = meta["layout"] == layout and meta["world_size"] == world
+    want_rng = load_rng and same_layout and rng_file in meta["files"]
+    verify(ckpt, meta, sorted(needed_files) + ([rng_file] if want_rng else []))
+
+    lookup = {}
+    for f in needed_files:
+        for p in torch.load(os.path.join(ckpt, f), map_location="cpu", weights_only=False):
+            lookup[_shard_id(f, p)] = p
+    staged = assemble(plan, lookup, ckpt)
+    rng = torch.load(os.path.join(ckpt, rng_file), map_location="cpu", weights_only=False) if want_rng else None
+
+    # Nothing above touched the model: a bad checkpoint raised before this point.
+    apply(staged, optimizer, load_optim=load_optim)
     if rng is not None:
         _set_rng_state(rng)
     elif load_rng and not same_layout and rank == 0:
         logger.info("layout changed (%s -> %s): RNG states not restored", meta["layout"], layout)
     return TrainState(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"],
                       scheduler=meta["scheduler"], extra=meta.get("extra", {}))
+
+
+def reshard_from_peers(payloads: list[list[dict[str, Any]]], *, model: Any, optimizer: Any) -> None:
+    """The live transport: ``payloads[r]`` is what rank r's ``collect_payload`` returned under the old
+    layout; the same plan and apply as ``load``, with peers instead of files as the source."""
+    shards = [{k: p[k] for k in ("key", "index", "offset", "shape", "global_shape")} | {"source": r}
+              for r, payload in enumerate(payloads) for p in payload]
+    plan = plan_reshard(_local_entries(model, main_only=False), shards, "live re-layout")
+    lookup = {_shard_id(r, p): p for r, payload in enumerate(payloads) for p in payload}
+    apply(assemble(plan, lookup, "live re-layout"), optimizer)

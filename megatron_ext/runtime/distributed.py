@@ -134,16 +134,34 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def destroy_parallel_state() -> int:
+    """Destroy megatron's parallel state and every process group it created on this rank.
+
+    ``destroy_model_parallel`` only forgets most groups (it really destroys the ``*_GLOO`` ones), so
+    each re-layout would leak a full set of groups; the groups this rank joined are listed in
+    ``parallel_state._global_process_group_list``, read before megatron clears it. Returns how
+    many groups were destroyed here. The default group stays."""
+    from megatron.core import parallel_state as ps
+
+    groups = [g for g in (getattr(ps, "_global_process_group_list", None) or []) if g is not None]
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    live = dist.distributed_c10d._world.pg_map
+    destroyed = 0
+    for group in groups:
+        if group in live:  # megatron already destroyed its gloo twins
+            dist.destroy_process_group(group)
+            destroyed += 1
+    return destroyed
+
+
 def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1) -> DistContext:
     """Rebuild megatron's parallel state for a new layout over the same processes.
 
-    The default process group stays; megatron's groups are rebuilt from ``Layout``. (gloo groups of
-    the old layout are not destroyed by megatron: a known leak, bounded by the number of relayouts.)
+    The default process group stays; every group of the old layout is destroyed and megatron's
+    groups are rebuilt from ``Layout``. Collective: every rank of the default group calls it.
     """
-    from megatron.core import parallel_state as ps
-
     layout = Layout.from_world(ctx.world_size, tp, pp)
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    destroy_parallel_state()
     build_parallel_state(layout, ctx.rank, vpp=vpp, seed=seed, ep=ep)
     return dataclasses.replace(ctx, layout=layout, vpp=vpp if vpp and vpp > 1 else None)

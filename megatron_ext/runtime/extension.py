@@ -45,6 +45,15 @@ class Extension:
     def teardown(self, trainer: "Trainer") -> None:
         pass
 
+    # A live re-layout (``Trainer.relayout``) replaces the model, optimizer, process groups and data
+    # streams. An extension that wrapped or patched any of them lets go in ``detach`` and wraps the
+    # new ones in ``attach``; state of its own (files, detectors, threads) carries over.
+    def detach(self, trainer: "Trainer") -> None:
+        pass
+
+    def attach(self, trainer: "Trainer") -> None:
+        pass
+
 
 ExtensionFactory = Callable[["RunConfig"], "Extension | None"]
 _FACTORIES: dict[str, ExtensionFactory] = {}

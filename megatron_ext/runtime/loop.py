@@ -55,18 +55,7 @@ class Trainer:
             sizes=split_sizes(t.train_iters, t.global_batch_size, lg.eval_interval, lg.eval_iters),
             cache=d.data_cache_dir)
         self._build_model()
-        coord = ctx.coord
-        packing = None
-        if d.doc_length_dist:
-            from megatron_ext.data.packing import LengthDistribution
-
-            packing = LengthDistribution.parse(d.doc_length_dist)
-        stream = dict(global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_rank=coord.dp,
-                      dp_size=ctx.layout.dp, eod=self.splits.tokenizer.eod, packing=packing, seed=t.seed)
-        self.train_stream = MicroBatchStream(self.splits.train, **stream)
-        self.valid_stream = None
-        if self.splits.valid is not None and len(self.splits.valid) > 0 and lg.eval_iters > 0:
-            self.valid_stream = MicroBatchStream(self.splits.valid, **stream)
+        self._build_streams()
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load)
         else:
@@ -92,6 +81,76 @@ class Trainer:
         for ext in self.extensions:
             ext.setup(self)
         return self
+
+    def _build_streams(self, consumed_samples: int = 0) -> None:
+        """This rank's share of each global batch (its data-parallel index), from ``consumed_samples``."""
+        cfg, ctx = self.cfg, self.ctx
+        t, d, lg = cfg.training, cfg.data, cfg.logging
+        packing = None
+        if d.doc_length_dist:
+            from megatron_ext.data.packing import LengthDistribution
+
+            packing = LengthDistribution.parse(d.doc_length_dist)
+        stream = dict(global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_rank=ctx.coord.dp,
+                      dp_size=ctx.layout.dp, eod=self.splits.tokenizer.eod, packing=packing, seed=t.seed)
+        self.train_stream = MicroBatchStream(self.splits.train, **stream)
+        self.train_stream.consumed_samples = consumed_samples
+        self.valid_stream = None
+        if self.splits.valid is not None and len(self.splits.valid) > 0 and lg.eval_iters > 0:
+            self.valid_stream = MicroBatchStream(self.splits.valid, **stream)
+
+    # --- live re-layout ----------------------------------------------------------------------
+    def relayout(self, *, tp: int, pp: int, vpp: int | None = None) -> dict[str, Any]:
+        """Collective, at an iteration boundary: continue this run under another TP x PP (x DP) layout
+        in the same processes, without a restart.
+
+        Model and optimizer state (weights, fp32 masters, Adam moments, step counts) move to their
+        new owners in memory, cut with the same geometry and code as checkpoint resharding
+        (``checkpoint.collect_payload`` -> peers -> ``checkpoint.reshard_from_peers``); every process
+        group of the old layout is destroyed and megatron's groups rebuilt; model chunks, DDP,
+        optimizer and LR scheduler are rebuilt and the LR schedule's state carried over; the data
+        stream continues at the same sample. Extensions detach from the old objects first and
+        attach to the new ones after. Returns what it did (layouts, bytes moved, seconds)."""
+        import time as _time
+
+        if type(self)._build_model is not Trainer._build_model:
+            raise NotImplementedError(f"{type(self).__name__} cannot re-layout live yet (megatron engine only)")
+        start = _time.perf_counter()
+        old_name = self.layout_name()
+        new_parallel = dataclasses.replace(self.cfg.parallel, tensor_model_parallel_size=tp,
+                                           pipeline_model_parallel_size=pp,
+                                           virtual_pipeline_model_parallel_size=vpp)
+        new_cfg = dataclasses.replace(self.cfg, parallel=new_parallel)
+        new_cfg.validate(self.ctx.world_size)  # a bad target raises here, before anything changes
+        payload = ckpt.collect_payload(self.model, self.optimizer)
+        payloads: list[Any] = [payload]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            payloads = [None] * dist.get_world_size()
+            dist.all_gather_object(payloads, payload)
+        moved = sum(p["tensor"].numel() * p["tensor"].element_size() for p in payload)
+        scheduler_state = self.scheduler.state_dict()
+        consumed = self.train_stream.consumed_samples
+        for ext in self.extensions:
+            ext.detach(self)
+        from megatron_ext.runtime import distributed
+
+        self.ctx = distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed,
+                                        ep=getattr(new_parallel, "expert_model_parallel_size", 1))
+        self.cfg = new_cfg
+        self._build_model()
+        ckpt.reshard_from_peers(payloads, model=self.model, optimizer=self.optimizer)
+        self.scheduler.load_state_dict(scheduler_state)
+        self.scheduler.step(0)
+        self._build_streams(consumed)
+        self._prepare_schedule()
+        for ext in self.extensions:
+            ext.attach(self)
+        info = {"from": old_name, "to": self.layout_name(), "iteration": self.iteration,
+                "bytes_sent_by_rank0": moved, "pause_s": _time.perf_counter() - start}
+        if self.ctx.rank == 0:
+            logger.info("re-laid out %s -> %s at iteration %d in %.2f s", old_name, info["to"], self.iteration,
+                        info["pause_s"])
+        return info
 
     # Engine hooks: a subclass for another engine (deepspeed_patches/trainer.py) overrides these and
     # keeps data, LR schedule, checkpoints, logging and extensions.

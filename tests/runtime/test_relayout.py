@@ -1,0 +1,47 @@
+"""Live re-layout in the same processes continues the straight run (4 gloo ranks)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_torchrun
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("relayout") / "result.json"
+    run_torchrun("tests/runtime/relayout_scenarios.py", str(out))
+    return json.loads(out.read_text())
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == 20
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("start,target", [("tp2pp2", "pp4"), ("pp2dp2", "tp2pp2"), ("tp2pp2", "tp2dp2")])
+def test_relayout_at_iteration_10_continues_the_straight_run(result, start, target):
+    # Weights, Adam moments and step counts moved to their new owners, the LR schedule's position
+    # and the data position carried over: the curve is the straight 20-iteration run's.
+    live = result[f"{start}->{target}"]
+    assert max_rel_diff(live["losses"], result[f"straight_{start}"]) < 1e-5
+    assert live["info"]["from"] != live["info"]["to"] and live["info"]["iteration"] == 10
+
+
+@pytest.mark.multirank
+def test_relayout_destroys_the_old_groups(result):
+    # Every group of the old layout is destroyed before the new ones are built: a re-layout to a
+    # layout with as many groups leaves as many live groups, not twice as many.
+    before, after = result["pp2dp2->tp2pp2"]["groups"]
+    assert after == before
+
+
+@pytest.mark.multirank
+def test_pipeline_events_follow_the_relayout(result):
+    tl = result["timeline"]
+    assert max_rel_diff(tl["losses"], result["straight_pp2dp2"]) < 1e-5
+    assert {"bubble_s0", "bubble_s1"} <= set(tl["keys_before"]) and "bubble_s2" not in tl["keys_before"]
+    assert {"bubble_s0", "bubble_s1", "bubble_s2", "bubble_s3"} <= set(tl["keys_after"])
+    assert tl["stages_recorded"] == 4
