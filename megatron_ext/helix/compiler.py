@@ -40,7 +40,7 @@ from megatron_ext.helix.ir import GraphIR, Kind, collective_kind, iter_subgraph_
 from megatron_ext.helix.passes.bucketing import BucketingReport, bucket_graphs
 from megatron_ext.helix.passes.reorder import ReorderReport, reorder_graph
 from megatron_ext.helix.passes.tiling import TilingReport, tile_graph
-from megatron_ext.helix.simulator import SimResult, simulate, step_ops
+from megatron_ext.helix.simulator import SimResult, interference_of, simulate, step_ops
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +313,8 @@ class HelixBackend:
         elif isinstance(cost, MeasuredCostModel):
             scale = self._scale or 1.0
         model = MeasuredCostModel(table, fallback, scale=scale)
-        return simulate(step_ops(irs[0], irs[1] if len(irs) > 1 else None, model), record=True)
+        return simulate(step_ops(irs[0], irs[1] if len(irs) > 1 else None, model), record=True,
+                        interference=interference_of(model))
 
     # -- compile -----------------------------------------------------------------------------------
 
@@ -360,7 +361,8 @@ class HelixBackend:
                 if self._decision_cost is not None:  # re-price the baseline with the same table
                     gs = self._group_size()
                     base.sim = simulate(step_ops(GraphIR(base.fw, gs), GraphIR(base.bw, gs) if base.bw is not None
-                                                 else None, self._decision_cost), record=True)
+                                                 else None, self._decision_cost), record=True,
+                                        interference=interference_of(self._decision_cost))
                     summary.baseline = base.sim
                     self._scale = helix.scale
                 summary.helix, summary.reorder, summary.bucketing = helix.sim, helix.reorder, helix.bucketing
@@ -478,7 +480,7 @@ class HelixBackend:
                 fw_ir = GraphIR(v.fw, gs)
                 bw_ir = GraphIR(v.bw, gs) if v.bw is not None else None
                 ops = step_ops(fw_ir, bw_ir, cost)
-        v.sim = simulate(ops, record=True)
+        v.sim = simulate(ops, record=True, interference=interference_of(cost))
 
 
 def _inductor_overlap(g: fx.GraphModule, cost: CostModel, group_size: Callable[[str], int] | None) -> None:

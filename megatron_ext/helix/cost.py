@@ -67,16 +67,27 @@ class Interconnect:
 
     The payload is the larger of input and output (the gathered side for all-gather and
     reduce-scatter). Collectives on one process group share its link and run one after another.
+
+    ``compute_interference``: the share of compute throughput lost while a collective is in
+    flight. On a GPU the communication kernels (NCCL) occupy SMs and memory bandwidth, so the
+    computation they overlap runs slower than alone; overlap hides the transfer but not this.
+    Work ``w`` done at ``1 - share`` of full speed takes ``w / (1 - share)``: each compute second
+    overlapping an in-flight collective costs ``share / (1 - share)`` extra seconds, charged at
+    the collective's wait (the emulation and the simulator use the same rule). 0: no slowdown.
     """
 
     name: str
     latency_s: float
     bandwidth_Bps: float
+    compute_interference: float = 0.0
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or not self.bandwidth_Bps > 0:
             raise ValueError(f"Interconnect {self.name!r}: need latency >= 0 and bandwidth > 0, "
                              f"got {self.latency_s}, {self.bandwidth_Bps}")
+        if not 0.0 <= self.compute_interference < 1.0:
+            raise ValueError(f"Interconnect {self.name!r}: compute_interference is a share of compute "
+                             f"throughput in [0, 1), got {self.compute_interference}")
 
     def collective_time_s(self, kind: str, payload_bytes: int, group_size: int) -> float:
         if group_size <= 1:

@@ -9,8 +9,16 @@ the simulator). Waiting sleeps: it uses no CPU, like a GPU stream waiting on a N
 Every figure measured with it is an *emulated* figure; label it so.
 
 The rewrite replaces, in an AOT graph that is executed by Python, each
-``wait_tensor(collective)`` with ``emulated_wait(collective, deadline)`` where ``deadline`` is
-computed by ``emulated_issue`` right after the collective is issued.
+``wait_tensor(collective)`` with ``emulated_wait(collective, flight)`` where ``flight`` (the
+link window: start, deadline) is computed by ``emulated_issue`` right after the collective is
+issued.
+
+With ``Interconnect.compute_interference`` > 0 the emulation also charges the compute slowdown
+that communication kernels cause on a GPU (they take SMs and memory bandwidth from the kernels
+they overlap; a CPU loopback collective takes nothing comparable): at each wait, the compute
+thread's time inside the collective's window costs ``share / (1 - share)`` extra seconds
+(``simulator.InterferenceLedger``, the rule the simulator applies too), slept before the wait
+returns and counted as ``interference_s``, not as exposed communication.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import torch.fx as fx
 
 from megatron_ext.helix.cost import Interconnect
 from megatron_ext.helix.ir import GraphIR, is_wait
+from megatron_ext.helix.simulator import InterferenceLedger
 
 logger = logging.getLogger(__name__)
 
@@ -38,25 +47,40 @@ class EmulationStats:
     exposed_s: float = 0.0     # time the compute thread sat in waits
     link_s: float = 0.0        # the part of it spent on the emulated link (after the peers arrived)
     waits: int = 0
+    interference_s: float = 0.0  # compute slowdown charged at waits (compute_interference); not exposed
 
     def reset(self) -> None:
         self.collectives = 0
-        self.comm_s = self.exposed_s = self.link_s = 0.0
+        self.comm_s = self.exposed_s = self.link_s = self.interference_s = 0.0
         self.waits = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Flight:
+    """A collective's window on its emulated link (``time.perf_counter`` seconds)."""
+
+    start: float
+    deadline: float
+    interference: float = 0.0
+
+
 class _Links:
-    """Per-process link state: when each group's link is free again."""
+    """Per-process link state: when each group's link is free again, and the compute-slowdown
+    ledgers (one per interference share in use)."""
 
     def __init__(self) -> None:
         self.free_at: dict[str, float] = {}
         self.stats = EmulationStats()
         self.lock = threading.Lock()
+        self.ledgers: dict[float, InterferenceLedger] = {}
+        self.in_flight: dict[int, float] = {}  # id(flight) -> window start, until its wait
 
     def reset(self) -> None:
         with self.lock:
             self.free_at.clear()
             self.stats.reset()
+            self.ledgers.clear()
+            self.in_flight.clear()
 
 
 LINKS = _Links()
@@ -70,8 +94,11 @@ def reset_emulation() -> None:
     LINKS.reset()
 
 
-def emulated_issue(issued: torch.Tensor, group: str, seconds: float) -> float:
-    """Reserve the group's link for ``seconds`` starting now (or when it frees); return the deadline."""
+def emulated_issue(issued: torch.Tensor, group: str, seconds: float, interference: float = 0.0) -> Flight:
+    """Reserve the group's link for ``seconds`` starting now (or when it frees); return the window."""
+    if not 0.0 <= interference < 1.0:
+        raise ValueError(f"emulated_issue: interference is a share of compute throughput in [0, 1), "
+                         f"got {interference}")
     now = time.perf_counter()
     with LINKS.lock:
         start = max(now, LINKS.free_at.get(group, 0.0))
@@ -79,20 +106,47 @@ def emulated_issue(issued: torch.Tensor, group: str, seconds: float) -> float:
         LINKS.free_at[group] = end
         LINKS.stats.collectives += 1
         LINKS.stats.comm_s += seconds
-    return end
+        flight = Flight(start, end, interference)
+        if interference > 0:
+            LINKS.in_flight[id(flight)] = start
+    return flight
 
 
-def emulated_wait(issued: torch.Tensor, deadline: float) -> torch.Tensor:
-    """Complete the real collective, then sleep until the emulated transfer is over."""
+def _interference_s(flight: Flight, now: float) -> float:
+    """Extra compute seconds owed at the wait of ``flight`` reached at ``now`` (see the module doc)."""
+    with LINKS.lock:
+        LINKS.in_flight.pop(id(flight), None)
+        ledger = LINKS.ledgers.setdefault(flight.interference, InterferenceLedger(flight.interference))
+        extra = ledger.charge(flight.start, flight.deadline, now)
+        # Nothing in flight started before the oldest pending window: older intervals are settled.
+        ledger.forget_before(min(LINKS.in_flight.values(), default=now))
+    return extra
+
+
+def emulated_wait(issued: torch.Tensor, flight: Flight | float) -> torch.Tensor:
+    """Complete the real collective, then sleep until the emulated transfer is over (and, with
+    compute interference, until the slowed compute before the wait would have reached it)."""
+    if not isinstance(flight, Flight):
+        flight = Flight(float("-inf"), float(flight))
     t0 = time.perf_counter()
+    extra = _interference_s(flight, t0) if flight.interference > 0 else 0.0
     out = torch.ops._c10d_functional.wait_tensor.default(issued)
     t1 = time.perf_counter()
-    remaining = deadline - t1
+    # The slowed compute would have reached this wait at t0 + extra; the collective cannot
+    # complete before its peers (t1) nor before the emulated link is done (deadline).
+    remaining = max(flight.deadline, t0 + extra) - t1
     if remaining > 0:
         time.sleep(remaining)
     t2 = time.perf_counter()
-    LINKS.stats.exposed_s += t2 - t0
-    LINKS.stats.link_s += t2 - t1
+    slowed = max(0.0, min(t2, t0 + extra) - max(flight.deadline, t1))
+    if flight.interference > 0:
+        with LINKS.lock:
+            ledger = LINKS.ledgers.get(flight.interference)
+            if ledger is not None:
+                ledger.block(t0, t2)
+    LINKS.stats.exposed_s += t2 - t0 - slowed
+    LINKS.stats.link_s += max(0.0, t2 - t1 - slowed)
+    LINKS.stats.interference_s += slowed
     LINKS.stats.waits += 1
     return out
 
@@ -109,7 +163,8 @@ def install_emulation(gm: fx.GraphModule, link: Interconnect,
             continue
         seconds = link.time_of(n.collective)
         with gm.graph.inserting_after(coll):
-            deadline = gm.graph.call_function(emulated_issue, (coll, n.collective.group, seconds))
+            deadline = gm.graph.call_function(emulated_issue, (coll, n.collective.group, seconds,
+                                                              link.compute_interference))
         for w in waits:
             w.target = emulated_wait
             w.args = (coll, deadline)

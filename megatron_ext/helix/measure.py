@@ -25,6 +25,7 @@ class StepSample:
     exposed_comm_s: float   # time in waits (the real collective, i.e. the slower peer, + the link)
     link_s: float           # the emulated link's share of it
     collectives: int
+    interference_s: float = 0.0  # emulated compute slowdown from in-flight collectives (not in exposed)
 
 
 def peak_bytes_of(fn: Callable[[], object]) -> int:
@@ -73,7 +74,8 @@ def timed_step(step: Callable[[], None], barrier: Callable[[], None] | None = No
     step()
     dt = time.perf_counter() - t0
     st = emulation_stats()
-    return StepSample(step_s=dt, exposed_comm_s=st.exposed_s, link_s=st.link_s, collectives=st.collectives)
+    return StepSample(step_s=dt, exposed_comm_s=st.exposed_s, link_s=st.link_s, collectives=st.collectives,
+                      interference_s=st.interference_s)
 
 
 class ComputeTimer:

@@ -57,6 +57,9 @@ class SimResult:
     exposed_comm_s: float
     peak_bytes: int
     events: list[Event]
+    # Extra compute time from communication kernels slowing the compute they overlap
+    # (``Interconnect.compute_interference``); part of the makespan, not of the exposed communication.
+    interference_s: float = 0.0
 
     @property
     def hidden_comm_s(self) -> float:
@@ -94,20 +97,82 @@ def peak_memory(ops: Sequence[SimOp]) -> int:
     return peak
 
 
-def simulate(ops: Sequence[SimOp], record: bool = False) -> SimResult:
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+class InterferenceLedger:
+    """The compute slowdown that in-flight collectives cause, charged at their waits.
+
+    One rule for the emulated interconnect (wall-clock times) and the simulator (simulated
+    times), so their figures stay comparable: at the wait of a collective in flight over
+    ``[start, end]``, reached at ``now``, the compute stream's time in ``[start, min(end, now)]``
+    -- less the time it sat blocked in waits, less what an earlier wait already charged (two
+    collectives in flight at once slow the same compute only once) -- costs
+    ``share / (1 - share)`` extra seconds (``Interconnect.compute_interference``).
+    """
+
+    def __init__(self, share: float) -> None:
+        if not 0.0 <= share < 1.0:
+            raise ValueError(f"compute interference is a share of compute throughput in [0, 1), got {share}")
+        self.factor = share / (1.0 - share)
+        self._blocked: list[tuple[float, float]] = []   # the compute stream sat in a wait
+        self._charged: list[tuple[float, float]] = []   # windows already charged
+
+    def charge(self, start: float, end: float, now: float) -> float:
+        """Extra compute seconds for the wait, reached at ``now``, of a collective in flight over
+        ``[start, end]``."""
+        a, b = start, min(end, now)
+        if self.factor == 0.0 or b <= a:
+            return 0.0
+        covered = 0.0
+        for x, y in _merge(self._charged + self._blocked):
+            covered += max(0.0, min(b, y) - max(a, x))
+        self._charged = _merge(self._charged + [(a, b)])
+        return self.factor * max(0.0, (b - a) - covered)
+
+    def block(self, start: float, end: float) -> None:
+        """The compute stream was blocked in a wait over ``[start, end]`` (computing nothing)."""
+        if end > start:
+            self._blocked = _merge(self._blocked + [(start, end)])
+
+    def forget_before(self, t: float) -> None:
+        """Drop what ends before ``t`` (no collective in flight started earlier)."""
+        self._blocked = [iv for iv in self._blocked if iv[1] > t]
+        self._charged = [iv for iv in self._charged if iv[1] > t]
+
+
+def simulate(ops: Sequence[SimOp], record: bool = False, interference: float = 0.0) -> SimResult:
+    """Makespan, exposed communication and peak memory of ``ops`` in order; ``interference``:
+    the share of compute throughput lost while a collective is in flight (``InterferenceLedger``)."""
     t = 0.0
     channel_free: dict[str, float] = {}
     coll_end: dict[int, float] = {}
-    compute = comm = exposed = 0.0
+    coll_start: dict[int, float] = {}
+    compute = comm = exposed = slowed = 0.0
+    ledger = InterferenceLedger(interference)
     events: list[Event] = []
     for i, op in enumerate(ops):
         if op.kind == Kind.WAIT and op.wait_of is not None:
             end = coll_end.get(op.wait_of, t)
+            extra = ledger.charge(coll_start.get(op.wait_of, t), end, t) if op.wait_of in coll_end else 0.0
+            done = max(end, t + extra)
             if end > t:
                 exposed += end - t
                 if record:
                     events.append(Event(op.name, "wait", t, end, "wait", op.tile))
-                t = end
+            if done > max(end, t):
+                slowed += done - max(end, t)
+                if record:
+                    events.append(Event(op.name, "compute", max(end, t), done, "interference", op.tile))
+            ledger.block(t, done)
+            t = done
         start = t
         t += op.compute_s
         compute += op.compute_s
@@ -119,13 +184,14 @@ def simulate(ops: Sequence[SimOp], record: bool = False) -> SimResult:
             c_end = c_start + op.comm_s
             channel_free[ch] = c_end
             coll_end[i] = c_end
+            coll_start[i] = c_start
             comm += op.comm_s
             if record:
                 events.append(Event(op.name, f"comm:{ch}", c_start, c_end, "collective", op.tile))
     # A collective nobody waits for still has to finish before the step is over.
     makespan = max([t, *coll_end.values()]) if coll_end else t
     return SimResult(makespan_s=makespan, compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
-                     peak_bytes=peak_memory(ops), events=events)
+                     peak_bytes=peak_memory(ops), events=events, interference_s=slowed)
 
 
 def _op_from_ir(n: IRNode, cost: CostModel, offset: int) -> SimOp:
@@ -210,5 +276,11 @@ def step_ops(fw: GraphIR, bw: GraphIR | None, cost: CostModel) -> list[SimOp]:
     return ops
 
 
+def interference_of(cost: CostModel) -> float:
+    """The compute-interference share of the link ``cost`` prices collectives on (0 without one)."""
+    link = getattr(cost, "interconnect", None)
+    return float(getattr(link, "compute_interference", 0.0) or 0.0)
+
+
 def simulate_graphs(fw: GraphIR, bw: GraphIR | None, cost: CostModel, record: bool = False) -> SimResult:
-    return simulate(step_ops(fw, bw, cost), record=record)
+    return simulate(step_ops(fw, bw, cost), record=record, interference=interference_of(cost))

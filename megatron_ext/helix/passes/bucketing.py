@@ -27,7 +27,7 @@ import torch.fx as fx
 from megatron_ext.helix.cost import CostModel
 from megatron_ext.helix.ir import CollectiveInfo, GraphIR, Kind, set_tile, value_of
 from megatron_ext.helix.passes.checks import check_dependencies, impure_names
-from megatron_ext.helix.simulator import SimOp, SimResult, simulate
+from megatron_ext.helix.simulator import SimOp, SimResult, interference_of, simulate
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +159,11 @@ def merged_ops(ops: Sequence[SimOp], merges: Sequence[Candidate], cost: CostMode
 def choose_merges(ops: Sequence[SimOp], cands: Sequence[Candidate], cost: CostModel,
                   budget_bytes: int | None, report: BucketingReport) -> tuple[list[Candidate], SimResult]:
     """Knapsack DP over per-candidate simulator estimates, then whole-set verification."""
-    base = simulate(ops)
+    share = interference_of(cost)  # price merges under the same compute slowdown as the schedule
+    base = simulate(ops, interference=share)
     items = []
     for c in cands:
-        r = simulate(merged_ops(ops, [c], cost))
+        r = simulate(merged_ops(ops, [c], cost), interference=share)
         gain = base.makespan_s - r.makespan_s
         extra = max(r.peak_bytes - base.peak_bytes, 0)
         if gain <= 0:
@@ -202,7 +203,7 @@ def choose_merges(ops: Sequence[SimOp], cands: Sequence[Candidate], cost: CostMo
     best_single = max(gains[id(c)] for c in chosen) if chosen else 0.0
     chosen.sort(key=lambda c: -gains[id(c)])
     while chosen:
-        r = simulate(merged_ops(ops, chosen, cost))
+        r = simulate(merged_ops(ops, chosen, cost), interference=share)
         fits = budget_bytes is None or r.peak_bytes <= budget_bytes
         if fits and base.makespan_s - r.makespan_s >= best_single - 1e-12:
             return chosen, r
