@@ -99,11 +99,16 @@ SMALL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "group_qu
 
 @pytest.fixture(scope="module")
 def moe_model():
+    from megatron_ext.compat import megatron_cpu
+
+    shims_before = megatron_cpu.applied()
     cfg = config_from_values(dict(SMALL))
     ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
     bundle = build_model(cfg, ctx, vocab_size=100, wrap_ddp=False)
     yield cfg, bundle
     distributed.teardown()
+    if not shims_before:  # leave the process as found (tests/compat checks apply() from scratch)
+        megatron_cpu.remove()
 
 
 def test_every_parameter_is_initialised_by_global_name(moe_model):
