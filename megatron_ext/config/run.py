@@ -150,6 +150,10 @@ class ParallelConfig:
                                           "data-parallel ranks.", 1)
     virtual_pipeline_model_parallel_size: int | None = doc(
         "Model chunks per pipeline stage (interleaved 1F1B); unset = plain 1F1B.", None)
+    pipeline_stage_layers: list[int] | None = doc(
+        "Transformer layers of each pipeline stage, first to last (uneven stages, e.g. 3 1 for 4 layers on "
+        "PP2; megatron's pipeline layout with the embedding on the first stage and the loss on the last); "
+        "unset = an even split.", None)
     sequence_parallel: bool = doc("Megatron sequence parallelism inside tensor-parallel regions.", False)
     overlap_grad_reduce: bool = doc("Overlap data-parallel gradient reduce with backward.", False)
     use_distributed_optimizer: bool = doc(
@@ -173,6 +177,16 @@ class ParallelConfig:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         if self.use_distributed_optimizer and self.engine != "megatron":
             raise ConfigError("--use-distributed-optimizer is megatron's optimizer: it needs --engine megatron")
+        stages = self.pipeline_stage_layers
+        if stages is not None:
+            if len(stages) != self.pipeline_model_parallel_size or min(stages) < 1:
+                raise ConfigError(f"--pipeline-stage-layers needs one count >= 1 per pipeline stage "
+                                  f"(--pipeline-model-parallel-size {self.pipeline_model_parallel_size}), got {stages}")
+            if (vpp or 1) > 1:
+                raise ConfigError("--pipeline-stage-layers and --virtual-pipeline-model-parallel-size cannot be "
+                                  "combined (uneven stages are for plain 1F1B)")
+            if self.engine != "megatron":
+                raise ConfigError("--pipeline-stage-layers needs --engine megatron")
         if self.engine == "deepspeed" and (self.tensor_model_parallel_size > 1 or (vpp or 1) > 1):
             raise ConfigError("--engine deepspeed trains PP x DP: it needs --tensor-model-parallel-size 1 "
                               "and no --virtual-pipeline-model-parallel-size")
@@ -318,7 +332,11 @@ class RunConfig:
                 f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
         dp = world_size // (tp * pp)
         vpp = self.parallel.virtual_pipeline_model_parallel_size or 1
-        if self.model.num_layers % (pp * vpp):
+        stages = self.parallel.pipeline_stage_layers
+        if stages is not None and sum(stages) != self.model.num_layers:
+            raise ConfigError(f"--pipeline-stage-layers {' '.join(map(str, stages))} sums to {sum(stages)}, "
+                              f"not --num-layers ({self.model.num_layers})")
+        if stages is None and self.model.num_layers % (pp * vpp):
             what = f"--pipeline-model-parallel-size ({pp})" + (
                 f" x --virtual-pipeline-model-parallel-size ({vpp})" if vpp > 1 else "")
             raise ConfigError(f"--num-layers ({self.model.num_layers}) is not divisible by {what}")

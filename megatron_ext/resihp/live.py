@@ -51,7 +51,7 @@ def model_chunks(trainer: "Trainer") -> list:
 
 
 def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults: tuple[FaultLabel, ...] = (),
-                    time_s: float | None = None) -> TraceRecord:
+                    time_s: float | None = None, stage_layers: list[int] | None = None) -> TraceRecord:
     """The detector's view of a joined pipeline iteration."""
     world = len(rec.ranks)
     vp, m = rec.num_chunks, rec.num_microbatches
@@ -71,8 +71,10 @@ def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults
     for d in dps:
         per_mb = rec.replica_doc_lengths.get(d, rec.doc_lengths)
         documents.append([[int(n) for seq in per_mb[i] for n in seq] for i in range(m)])
+    # Uneven stages (--pipeline-stage-layers, or a re-layout): the detector's FLOPs per stage follow them.
+    layers = [[int(n)] for n in stage_layers] if stage_layers else None
     return TraceRecord(iteration=rec.iteration, iteration_s=iteration_s, layout=layout, model=model,
-                       documents=documents, fwd_s=fwd, bwd_s=bwd, time_s=time_s, faults=faults)
+                       documents=documents, fwd_s=fwd, bwd_s=bwd, time_s=time_s, faults=faults, layers=layers)
 
 
 def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], last_iteration: int) -> list[str]:
@@ -217,7 +219,8 @@ class ResiHPExtension(Extension):
         if record is None or self.detector is None:
             return
         trace = to_trace_record(record, model=self.spec, iteration_s=metrics.iter_time_s,
-                                faults=self._active_faults(metrics.iteration), time_s=time.time())
+                                faults=self._active_faults(metrics.iteration), time_s=time.time(),
+                                stage_layers=getattr(trainer.cfg.parallel, "pipeline_stage_layers", None))
         if self.trace_writer is not None:
             self.trace_writer.write(trace)
         report = self.detector.observe(trace)

@@ -100,7 +100,8 @@ class Trainer:
             self.valid_stream = MicroBatchStream(self.splits.valid, **stream)
 
     # --- live re-layout ----------------------------------------------------------------------
-    def relayout(self, *, tp: int, pp: int, vpp: int | None = None) -> dict[str, Any]:
+    def relayout(self, *, tp: int, pp: int, vpp: int | None = None,
+                 stage_layers: list[int] | None = None) -> dict[str, Any]:
         """Collective, at an iteration boundary: continue this run under another TP x PP (x DP) layout
         in the same processes, without a restart.
 
@@ -109,8 +110,9 @@ class Trainer:
         (``checkpoint.collect_payload`` -> peers -> ``checkpoint.reshard_from_peers``); every process
         group of the old layout is destroyed and megatron's groups rebuilt; model chunks, DDP,
         optimizer and LR scheduler are rebuilt and the LR schedule's state carried over; the data
-        stream continues at the same sample. Extensions detach from the old objects first and
-        attach to the new ones after. Returns what it did (layouts, bytes moved, seconds)."""
+        stream continues at the same sample. ``stage_layers`` gives uneven pipeline stages (layers
+        per stage). Extensions detach from the old objects first and attach to the new ones after.
+        Returns what it did (layouts, bytes moved, seconds)."""
         import time as _time
 
         if type(self)._build_model is not Trainer._build_model:
@@ -119,7 +121,8 @@ class Trainer:
         old_name = self.layout_name()
         new_parallel = dataclasses.replace(self.cfg.parallel, tensor_model_parallel_size=tp,
                                            pipeline_model_parallel_size=pp,
-                                           virtual_pipeline_model_parallel_size=vpp)
+                                           virtual_pipeline_model_parallel_size=vpp,
+                                           pipeline_stage_layers=list(stage_layers) if stage_layers else None)
         new_cfg = dataclasses.replace(self.cfg, parallel=new_parallel)
         new_cfg.validate(self.ctx.world_size)  # a bad target raises here, before anything changes
         payload = ckpt.collect_payload(self.model, self.optimizer)
@@ -146,6 +149,7 @@ class Trainer:
         for ext in self.extensions:
             ext.attach(self)
         info = {"from": old_name, "to": self.layout_name(), "iteration": self.iteration,
+                "stage_layers": new_parallel.pipeline_stage_layers,
                 "bytes_sent_by_rank0": moved, "pause_s": _time.perf_counter() - start}
         if self.ctx.rank == 0:
             logger.info("re-laid out %s -> %s at iteration %d in %.2f s", old_name, info["to"], self.iteration,

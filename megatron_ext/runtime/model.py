@@ -65,6 +65,16 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def stage_layout(stage_layers: list[int] | None) -> list[list[str]] | None:
+    """megatron's pipeline layout for uneven stages: the embedding on the first stage, the loss on
+    the last, ``stage_layers[s]`` decoder layers on stage s (None: megatron's even split)."""
+    if stage_layers is None:
+        return None
+    last = len(stage_layers) - 1
+    return [(["embedding"] if s == 0 else []) + ["decoder"] * n + (["loss"] if s == last else [])
+            for s, n in enumerate(stage_layers)]
+
+
 def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -79,6 +89,7 @@ def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
         expert_model_parallel_size=p.expert_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=ctx.vpp,
+        pipeline_model_parallel_layout=stage_layout(p.pipeline_stage_layers),
         sequence_parallel=p.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -14,7 +14,7 @@ CORE_FLAGS = [
     "moe_router_topk", "moe_ffn_hidden_size", "moe_token_dispatcher_type", "moe_router_load_balancing_type",
     "moe_aux_loss_coeff", "moe_grouped_gemm",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "pipeline_stage_layers",
     "sequence_parallel", "overlap_grad_reduce", "use_distributed_optimizer", "distributed_backend", "device", "engine",
     "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
     "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
@@ -155,3 +155,21 @@ def test_pretrain_reports_config_errors_before_building(tmp_path, monkeypatch, c
     assert pretrain_gpt.main(["--config", path]) == 2
     err = capsys.readouterr().err
     assert "pretrain_gpt.py: error: --num-layers (3) is not divisible by --pipeline-model-parallel-size (2)" in err
+
+
+def test_pipeline_stage_layers_checks():
+    cfg = parse_run_config(["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                            "--pipeline-stage-layers", "3", "1"])
+    cfg.validate(2)
+    assert cfg.parallel.pipeline_stage_layers == [3, 1]
+    with pytest.raises(ConfigError, match=r"needs one count >= 1 per pipeline stage \(--pipeline-model-parallel-size 2\), "
+                                          r"got \[4\]"):
+        parse_run_config(["--pipeline-model-parallel-size", "2", "--pipeline-stage-layers", "4"])
+    with pytest.raises(ConfigError, match=r"--pipeline-stage-layers 2 1 sums to 3, not --num-layers \(4\)"):
+        parse_run_config(["--pipeline-model-parallel-size", "2", "--pipeline-stage-layers", "2", "1"]).validate(2)
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        parse_run_config(["--pipeline-model-parallel-size", "2", "--pipeline-stage-layers", "3", "1",
+                          "--virtual-pipeline-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="needs --engine megatron"):
+        parse_run_config(["--pipeline-model-parallel-size", "2", "--pipeline-stage-layers", "3", "1",
+                          "--engine", "deepspeed"])

@@ -21,13 +21,20 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("start,target", [("tp2pp2", "pp4"), ("pp2dp2", "tp2pp2"), ("tp2pp2", "tp2dp2")])
+@pytest.mark.parametrize("start,target", [("tp2pp2", "pp4"), ("pp2dp2", "tp2pp2"), ("tp2pp2", "tp2dp2"),
+                                          ("pp2dp2", "pp2dp2_3+1"), ("pp2dp2_3+1", "tp2pp2_1+3")])
 def test_relayout_at_iteration_10_continues_the_straight_run(result, start, target):
     # Weights, Adam moments and step counts moved to their new owners, the LR schedule's position
     # and the data position carried over: the curve is the straight 20-iteration run's.
     live = result[f"{start}->{target}"]
     assert max_rel_diff(live["losses"], result[f"straight_{start}"]) < 1e-5
-    assert live["info"]["from"] != live["info"]["to"] and live["info"]["iteration"] == 10
+    assert live["info"]["iteration"] == 10
+
+
+@pytest.mark.multirank
+def test_uneven_stages_train_the_same_model(result):
+    # 3 + 1 layers on PP2 x DP2 from the start: the same curve as the even split.
+    assert max_rel_diff(result["straight_pp2dp2_3+1"], result["straight_pp2dp2"]) < 1e-5
 
 
 @pytest.mark.multirank
