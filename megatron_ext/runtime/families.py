@@ -176,6 +176,15 @@ def validate(cfg: "RunConfig", world_size: int) -> None:
         if not on_gpu:
             raise ConfigError("--moe-grouped-gemm runs experts as one grouped GEMM kernel on a GPU "
                               "(Transformer Engine); this run is on CPU: leave it off")
+        import importlib.util
+
+        helix = cfg.ext("helix")
+        local = [f for f, on in (("--helix", bool(helix is not None and helix.helix)),
+                                 ("--doc-length-dist", bool(cfg.data.doc_length_dist))) if on]
+        if local or importlib.util.find_spec("transformer_engine") is None:
+            why = (f"{' and '.join(local)} build{'s' if len(local) == 1 else ''} on megatron's local layer spec"
+                   if local else "transformer_engine is not installed")
+            raise ConfigError(f"--moe-grouped-gemm needs Transformer Engine's layer spec, but {why}: leave it off")
 
 
 # --- MoE auxiliary loss in the progress line ----------------------------------------------------

@@ -53,6 +53,9 @@ def test_field_checks_name_the_flags(argv, message):
               "--ffn-hidden-size", "128"], 4, "--num-query-groups (2) is not divisible by --tensor-model-parallel-size (4)"),
     (MOE + ["--moe-grouped-gemm", "--device", "cpu"], 1, "--moe-grouped-gemm runs experts as one grouped GEMM "
      "kernel on a GPU (Transformer Engine); this run is on CPU: leave it off"),
+    (MOE + ["--moe-grouped-gemm", "--device", "cuda", "--doc-length-dist", "fixed:16"], 1,
+     "--moe-grouped-gemm needs Transformer Engine's layer spec, but --doc-length-dist builds on megatron's "
+     "local layer spec: leave it off"),
     (MOE + ["--engine", "deepspeed"], 1, families.MOE.deepspeed_refusal + " (model flags: --normalization --swiglu "
      "--group-query-attention --position-embedding-type --disable-bias-linear --qk-layernorm --num-experts)"),
 ])
