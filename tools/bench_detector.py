@@ -1,20 +1,33 @@
 """Benchmark the ResiHP fail-slow detector against the raw busy-time baseline.
 
-(a) Synthetic: random labelled jobs (8-64 stages, 1F1B and interleaved, TP/DP 1-2, heavy-tailed
-    packed documents, unlabelled short slow bursts; half of the jobs with one or two spans of
-    data from a long-document corpus), half of them with one fail-slow fault of a random factor
-    in [1.1, 3] at a random rank and iteration. Both detectors see the same traces
-    with the same settings (defaults of ResiHPConfig); the headline figures (JSON) are over the
-    jobs whose fault is at least 1.3x (the target) plus the healthy jobs; the table also shows the
-    1.1-1.3x faults.
+Three detectors see the same traces with the same settings (defaults of ResiHPConfig):
+  resihp                FLOPs-normalised, pipeline-simulated, common-mode normalised
+  baseline              per-rank busy time against its own healthy median (no FLOPs model)
+  baseline_common_mode  the same busy time with ResiHP's common-mode step (each rank against the
+                        other ranks of the iteration, job-wide and within its stage), so the
+                        difference to resihp is the FLOPs model's own contribution
+
+(a) Synthetic, device model (``megatron_ext.resihp.synthetic_device``, a cost form the detector
+    does not share: tiled attention whose efficiency grows with document length, a per-document
+    kernel overhead, data-mix phases of four corpora, a noisy host and nodes, short healthy stalls
+    of 1-3 iterations at 1.5-2.5x that must not be named). Healthy jobs, jobs with one step fault
+    of each factor 1.3, 1.5, 2, 3 ("per_factor") and jobs with a throttling ramp to 1.5-3x over
+    20-60 iterations ("ramps"). "false_recoveries": 'recovered' verdicts issued while the rank's
+    fault is still active.
+(a') The same detectors on the older generator (``synthetic.py``), whose op times follow the
+    detector's own FLOPs form: "synthetic_flops_form" (kept for comparison; it flatters resihp).
+(c) Live traces: every trace under tests/resihp/data/ (recorded on 4 CPU ranks, misses included)
+    replayed with resihp: recall per factor, within 10 iterations and at all ("live_traces").
 (b) Live: pretrain_gpt.py on 4 CPU ranks (PP2 x DP2, packed documents) with --resihp: one run
     with rank 2 made 2x slower from iteration 30 (throttled, --inject-slow), one where rank 3 dies
     (SIGKILL, --inject-stop) with a 3 s heartbeat timeout; ranks are started directly so only the
     heartbeat names the dead rank. stop_delay_s is the time from the last heartbeat the survivors saw
     to the verdict (an upper bound of the time from the death). ``--no-live`` skips it.
 
-Prints a table, then one JSON line:
-  {"synthetic": {"resihp": {...}, "baseline": {...}}, "live": {...}}
+Prints tables, then one JSON line:
+  {"synthetic": {"resihp": {...}, "baseline": {...}, "baseline_common_mode": {...},
+   "per_factor": {"1.3": {"f1": ..., ...}, ...}, "ramps": {...}, "healthy": {...},
+   "false_recoveries": ..., ...}, "synthetic_flops_form": {...}, "live_traces": {...}, "live": {...}}
 """
 from __future__ import annotations
 
@@ -30,11 +43,48 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.resihp.config import ResiHPConfig  # noqa: E402
-from megatron_ext.resihp.detector import RawTimeDetector, ResiHPDetector  # noqa: E402
+from megatron_ext.resihp.detector import RawTimeDetector, ResiHPDetector, relative_scores  # noqa: E402
 from megatron_ext.resihp.metrics import DetectionMetrics, labels_of, score  # noqa: E402
 from megatron_ext.resihp.synthetic import generate, random_spec  # noqa: E402
+from megatron_ext.resihp.synthetic_device import FACTORS, generate_device, random_job  # noqa: E402
+from megatron_ext.resihp.trace import read_trace  # noqa: E402
 
-DETECTORS = (("resihp", ResiHPDetector), ("baseline", RawTimeDetector))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIVE_TRACES = os.path.join(ROOT, "tests", "resihp", "data")
+
+
+class CommonModeRawDetector(RawTimeDetector):
+    """The raw busy-time baseline with ResiHP's common-mode step (``relative_scores``): scores
+    and their healthy noise are taken against the other ranks of the same iteration. Only the
+    FLOPs model (and the pipeline simulation, which does not score) separates it from resihp."""
+
+    name = "raw_cm"
+    common_mode = True
+
+    def _fit(self) -> None:
+        super()._fit()
+        busy = np.stack([b["busy"] for b in self.buffer])
+        healthy = np.stack([b["healthy"] for b in self.buffer])
+        rel, _ = relative_scores(busy / self.center, self.by_stage)
+        self._set_sigma(rel, healthy)
+
+
+DETECTORS = (("resihp", ResiHPDetector), ("baseline", RawTimeDetector),
+             ("baseline_common_mode", CommonModeRawDetector))
+
+
+def false_recoveries(records, verdicts) -> int:
+    """'recovered' verdicts on a rank whose slow fault is still active at that iteration."""
+    active = {r.iteration: {f.rank for f in r.faults if f.kind == "slow"} for r in records}
+    return sum(1 for v in verdicts if v.kind == "recovered" and v.rank in active.get(v.iteration, ()))
+
+
+def stall_alarms(records, stalls, verdicts, window: int) -> int:
+    """fail_slow verdicts on a rank without an active fault within ``window`` iterations after one
+    of its healthy stalls began (the stall is what was named)."""
+    active = {r.iteration: {f.rank for f in r.faults if f.kind == "slow"} for r in records}
+    return sum(1 for v in verdicts if v.kind == "fail_slow" and v.rank not in active.get(v.iteration, ())
+               and any(s.rank == v.rank and s.first <= v.iteration <= s.last + window for s in stalls))
 
 
 def bucket(spec) -> str:
@@ -43,7 +93,8 @@ def bucket(spec) -> str:
     return "slow>=1.3x" if spec.faults[0].factor >= 1.3 else "slow<1.3x"
 
 
-def run(args: argparse.Namespace) -> dict:
+def run_flops_form(args: argparse.Namespace) -> dict:
+    """(a') the older generator, whose op times follow the detector's own FLOPs form."""
     cfg = ResiHPConfig()
     rng = np.random.default_rng(args.seed)
     per: dict[tuple[str, str], DetectionMetrics] = {}
@@ -52,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
     cost_ms: dict[str, list[float]] = {name: [] for name, _ in DETECTORS}
     jobs = []
     t0 = time.time()
-    for k in range(args.jobs):
+    for k in range(args.flops_jobs):
         spec = random_spec(rng, iterations=args.iterations, fault_prob=args.fault_prob, warmup=cfg.resihp_warmup,
                            seed=args.seed * 100_003 + k)
         records = generate(spec)
@@ -80,11 +131,11 @@ def run(args: argparse.Namespace) -> dict:
     def fmt(x: float, spec: str = ".3f") -> str:
         return "-" if x != x else format(x, spec)
 
-    print(f"ResiHP detector benchmark (a): {args.jobs} synthetic jobs x {args.iterations} iterations, "
-          f"seed {args.seed}, {wall:.0f} s")
+    print(f"\nResiHP detector benchmark (a'): generator with the detector's FLOPs form (synthetic.py), "
+          f"{args.flops_jobs} jobs x {args.iterations} iterations, seed {args.seed}, {wall:.0f} s")
     print(f"settings: threshold {cfg.resihp_threshold}, zscore {cfg.resihp_zscore}, window {cfg.resihp_window}, "
           f"warm-up {cfg.resihp_warmup}")
-    header = f"{'detector':<9} {'jobs':<12} {'n':>4} {'faults':>6} {'prec':>6} {'recall':>6} {'f1':>6} " \
+    header = f"{'detector':<20} {'jobs':<12} {'n':>4} {'faults':>6} {'prec':>6} {'recall':>6} {'f1':>6} " \
              f"{'delay':>6} {'FA/10k':>7} {'healthy it':>10}"
     print(header)
     print("-" * len(header))
@@ -92,12 +143,12 @@ def run(args: argparse.Namespace) -> dict:
     for name, _ in DETECTORS:
         for b in ("healthy", "slow>=1.3x", "slow<1.3x"):
             m = per.get((name, b), DetectionMetrics())
-            print(f"{name:<9} {b:<12} {counts[b]:>4} {m.faults:>6} {fmt(m.precision):>6} {fmt(m.recall):>6} "
+            print(f"{name:<20} {b:<12} {counts[b]:>4} {m.faults:>6} {fmt(m.precision):>6} {fmt(m.recall):>6} "
                   f"{fmt(m.f1):>6} {fmt(m.delay_iters, '.1f'):>6} {fmt(m.false_alarms_per_10k, '.2f'):>7} "
                   f"{m.healthy_iterations:>10}")
     print("\nby data (all jobs; 'data-mix shifts': spans of 10-40 iterations from a long-document corpus)")
     for name, _ in DETECTORS:
-        row = [f"{name:<9}"]
+        row = [f"{name:<20}"]
         for data in ("steady data", "data-mix shifts"):
             m = by_data.get((name, data), DetectionMetrics())
             row.append(f"{data}: prec {fmt(m.precision)} recall {fmt(m.recall)} FA/10k "
@@ -105,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
         print("  ".join(row))
     print("\nby pipeline size (all jobs)")
     for name, _ in DETECTORS:
-        row = [f"{name:<9}"]
+        row = [f"{name:<20}"]
         for stages in sorted({s.stages for s in jobs}):
             m = by_size[(name, stages)]
             row.append(f"{stages:>2} stages: f1 {fmt(m.f1)} FA/10k {fmt(m.false_alarms_per_10k, '.1f')}")
@@ -116,7 +167,135 @@ def run(args: argparse.Namespace) -> dict:
     for name, _ in DETECTORS:
         m = per.get((name, "healthy"), DetectionMetrics()) + per.get((name, "slow>=1.3x"), DetectionMetrics())
         headline[name] = m.summary()
-    return {"synthetic": headline, "live": None}
+    return headline
+
+
+def fmt(x: float, spec: str = ".3f") -> str:
+    return "-" if x != x else format(x, spec)
+
+
+def run_device(args: argparse.Namespace) -> dict:
+    """(a) the device-model generator: healthy jobs, step faults per factor, throttling ramps."""
+    cfg = ResiHPConfig()
+    rng = np.random.default_rng(args.seed + 7919)
+    plan = [("healthy", None)] * args.healthy_jobs
+    plan += [("step", f) for f in FACTORS for _ in range(args.jobs_per_factor)]
+    plan += [("ramp", float(rng.choice([1.5, 2.0, 3.0]))) for _ in range(args.ramp_jobs)]
+    per: dict[tuple[str, str], DetectionMetrics] = {}
+    recov = {name: 0 for name, _ in DETECTORS}
+    stalled = {name: 0 for name, _ in DETECTORS}
+    cost_ms: dict[str, list[float]] = {name: [] for name, _ in DETECTORS}
+    stalls_total = 0
+    t0 = time.time()
+    for k, (kind, factor) in enumerate(plan):
+        job = random_job(rng, iterations=args.iterations, kind=kind, factor=factor, warmup=cfg.resihp_warmup,
+                         seed=args.seed * 100_003 + 50_000 + k)
+        trace = generate_device(job)
+        stalls_total += len(trace.stalls)
+        labels = [lab for lab in labels_of(trace.records) if lab[0] > cfg.resihp_warmup]
+        bucket = "healthy" if kind == "healthy" else ("ramps" if kind == "ramp" else f"{factor:g}")
+        for name, cls in DETECTORS:
+            det = cls(cfg)
+            verdicts = []
+            t = time.perf_counter()
+            for rec in trace.records:
+                verdicts += det.observe(rec).verdicts
+            cost_ms[name].append(1e3 * (time.perf_counter() - t) / len(trace.records))
+            m = score(labels, verdicts)
+            per[(name, bucket)] = per.get((name, bucket), DetectionMetrics()) + m
+            recov[name] += false_recoveries(trace.records, verdicts)
+            stalled[name] += stall_alarms(trace.records, trace.stalls, verdicts, cfg.resihp_window)
+        if args.verbose:
+            print(f"device job {k}: {kind} {factor} {job.stages} stages x {job.microbatches} mb, {job.schedule}, "
+                  f"tp{job.tp} dp{job.dp}, faults {job.faults}", file=sys.stderr)
+    wall = time.time() - t0
+    buckets = ["healthy"] + [f"{f:g}" for f in FACTORS] + ["ramps"]
+    print(f"ResiHP detector benchmark (a): device-model generator (synthetic_device.py), {len(plan)} jobs x "
+          f"{args.iterations} iterations ({args.healthy_jobs} healthy, {args.jobs_per_factor} per step factor, "
+          f"{args.ramp_jobs} ramps), seed {args.seed}, {wall:.0f} s; {stalls_total} healthy stalls")
+    print(f"settings: threshold {cfg.resihp_threshold}, zscore {cfg.resihp_zscore}, window {cfg.resihp_window}, "
+          f"warm-up {cfg.resihp_warmup}")
+    header = f"{'detector':<20} {'jobs':<8} {'faults':>6} {'prec':>6} {'recall':>6} {'f1':>6} {'delay':>6} " \
+             f"{'FA/10k':>8} {'healthy it':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, _ in DETECTORS:
+        for b in buckets:
+            m = per.get((name, b), DetectionMetrics())
+            print(f"{name:<20} {b:<8} {m.faults:>6} {fmt(m.precision):>6} {fmt(m.recall):>6} {fmt(m.f1):>6} "
+                  f"{fmt(m.delay_iters, '.1f'):>6} {fmt(m.false_alarms_per_10k, '.2f'):>8} {m.healthy_iterations:>10}")
+    print("false recoveries ('recovered' while the fault is active): " +
+          ", ".join(f"{n} {c}" for n, c in recov.items()))
+    print("verdicts on a rank in or just after a healthy stall: " + ", ".join(f"{n} {c}" for n, c in stalled.items()))
+    print("detector cost per iteration (median over jobs): " +
+          ", ".join(f"{n} {np.median(c):.2f} ms" for n, c in cost_ms.items()))
+    out: dict = {}
+    for name, _ in DETECTORS:
+        total = DetectionMetrics()
+        for b in buckets:
+            total = total + per.get((name, b), DetectionMetrics())
+        out[name] = total.summary()
+
+    def with_baselines(b: str) -> dict:
+        d = per.get(("resihp", b), DetectionMetrics()).summary()
+        d["faults"] = per.get(("resihp", b), DetectionMetrics()).faults
+        for name, _ in DETECTORS[1:]:
+            d[f"{name}_f1"] = per.get((name, b), DetectionMetrics()).summary()["f1"]
+        return d
+
+    out["per_factor"] = {f"{f:g}": with_baselines(f"{f:g}") for f in FACTORS}
+    out["ramps"] = with_baselines("ramps")
+    out["healthy"] = {name: {"false_alarms_per_10k": per.get((name, "healthy"), DetectionMetrics()).summary()[
+        "false_alarms_per_10k"]} for name, _ in DETECTORS}
+    out["false_recoveries"] = recov["resihp"]
+    out["false_recoveries_baselines"] = {n: c for n, c in recov.items() if n != "resihp"}
+    out["stall_verdicts"] = stalled
+    out["stalls"] = stalls_total
+    return out
+
+
+def run_live_traces(directory: str = LIVE_TRACES, max_delay: int = 10) -> dict:
+    """(c) replay every recorded live trace with resihp: recall per factor over all of them."""
+    cfg = ResiHPConfig()
+    paths = sorted(p for p in os.listdir(directory) if p.endswith(".trace.jsonl.gz") or p.endswith(".trace.jsonl"))
+    per: dict[str, dict[str, int]] = {}
+    healthy = {"traces": 0, "verdicts": 0, "iterations": 0}
+    wrong_rank = 0
+    recov = 0
+    for name in paths:
+        records = list(read_trace(os.path.join(directory, name)))
+        det = ResiHPDetector(cfg)
+        verdicts = []
+        for rec in records:
+            verdicts += det.observe(rec).verdicts
+        recov += false_recoveries(records, verdicts)
+        slow = [v for v in verdicts if v.kind == "fail_slow"]
+        faults = {(f.rank, f.since, f.factor) for r in records for f in r.faults if f.kind == "slow"}
+        if not faults:
+            healthy["traces"] += 1
+            healthy["verdicts"] += len(slow)
+            healthy["iterations"] += sum(1 for r in records if r.iteration > cfg.resihp_warmup)
+            continue
+        (rank, since, factor), = faults
+        cell = per.setdefault(f"{factor:g}", {"traces": 0, "named": 0, "named_within": 0})
+        cell["traces"] += 1
+        right = [v for v in slow if v.rank == rank and v.iteration >= since]
+        wrong_rank += sum(1 for v in slow if v.rank != rank)
+        if right:
+            cell["named"] += 1
+            cell["named_within"] += int(right[0].iteration - since <= max_delay)
+    for cell in per.values():
+        cell["recall"] = round(cell["named"] / cell["traces"], 4)
+        cell[f"recall_within_{max_delay}"] = round(cell["named_within"] / cell["traces"], 4)
+    out = {"traces": len(paths), "per_factor": dict(sorted(per.items(), key=lambda kv: float(kv[0]))),
+           "healthy": healthy, "wrong_rank_verdicts": wrong_rank, "false_recoveries": recov}
+    print(f"\n(c) live traces ({len(paths)} under {os.path.relpath(directory, ROOT)}, resihp, default settings):")
+    for f, cell in out["per_factor"].items():
+        print(f"  {f}x: {cell['traces']} traces, named {cell['named']} (recall {cell['recall']:.2f}), within "
+              f"{max_delay} iterations {cell['named_within']}")
+    print(f"  healthy: {healthy['traces']} traces, {healthy['verdicts']} verdicts in {healthy['iterations']} "
+          f"scored iterations; verdicts on another rank than the faulty one: {wrong_rank}; false recoveries: {recov}")
+    return out
 
 
 def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
@@ -159,17 +338,30 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=80, help="synthetic jobs (default 80)")
+    parser.add_argument("--healthy-jobs", type=int, default=24, help="(a) healthy device-model jobs (default 24)")
+    parser.add_argument("--jobs-per-factor", type=int, default=12,
+                        help="(a) device-model jobs per step factor 1.3/1.5/2/3 (default 12)")
+    parser.add_argument("--ramp-jobs", type=int, default=12, help="(a) jobs with a throttling ramp (default 12)")
+    parser.add_argument("--flops-jobs", "--jobs", type=int, default=40,
+                        help="(a') jobs of the FLOPs-form generator (default 40; 0 skips it)")
     parser.add_argument("--iterations", type=int, default=300, help="iterations per job (default 300)")
-    parser.add_argument("--fault-prob", type=float, default=0.5, help="share of jobs with a fault")
+    parser.add_argument("--fault-prob", type=float, default=0.5, help="(a') share of jobs with a fault")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--live-traces", default=LIVE_TRACES, help="(c) directory of recorded traces")
     parser.add_argument("--no-live", action="store_true", help="skip part (b), the live 4-rank runs")
     args = parser.parse_args()
+    for key in ("healthy_jobs", "jobs_per_factor", "ramp_jobs", "flops_jobs", "iterations"):
+        if getattr(args, key) < 0:
+            parser.error(f"--{key.replace('_', '-')} must be >= 0, got {getattr(args, key)}")
+    if not os.path.isdir(args.live_traces):
+        parser.error(f"--live-traces: no directory {args.live_traces}")
     logging.basicConfig(level=logging.ERROR)
-    result = run(args)
-    if not args.no_live:
-        result["live"] = run_live()
+    result = {"synthetic": run_device(args)}
+    if args.flops_jobs:
+        result["synthetic_flops_form"] = run_flops_form(args)
+    result["live_traces"] = run_live_traces(args.live_traces)
+    result["live"] = None if args.no_live else run_live()
     print(json.dumps(result))
     return 0
 

@@ -131,7 +131,16 @@ class Persistence:
     """Per-rank verdict state: a rank is convicted when all but one of its last ``window`` scored
     iterations are flagged (score at least ``threshold`` and z-score at least ``zscore``), the
     current one included; it is released (``recovered``) after ``window`` consecutive unflagged
-    iterations.
+    iterations *and* when the median of its last ``2 * window`` scores is below the release level
+    (default halfway between 1 and the threshold, where calibration trusts a score again).
+
+    Why the second condition: a fault near the threshold, or one the expectation partly absorbs
+    (a data-mix phase the FLOPs model under-predicts, a rank bias learned during a slow ramp),
+    sits at 1.15-1.25 for dozens of iterations: unflagged, yet still slow. Releasing on that
+    alone issued 'recovered' verdicts while the fault was active (3 in 20 faulty device-model
+    jobs of tools/bench_detector.py), and a re-layout acting on a flapping verdict would thrash.
+    A rank that really recovers scores about 1.0 and is released ``window`` to ``2 * window``
+    iterations later.
 
     One quiet iteration inside a fault does not hide it, while a healthy rank needs a slowdown
     that lasts nearly the whole window: two short independent pauses (one to three iterations
@@ -140,10 +149,15 @@ class Persistence:
     64-stage synthetic jobs (tools/bench_detector.py).
     """
 
-    def __init__(self, world_size: int, *, threshold: float, zscore: float, window: int):
+    def __init__(self, world_size: int, *, threshold: float, zscore: float, window: int,
+                 release: float | None = None):
         self.threshold, self.zscore, self.window = threshold, zscore, window
+        self.release = 1.0 + 0.5 * (threshold - 1.0) if release is None else release
+        if not 1.0 <= self.release <= threshold:
+            raise ValueError(f"Persistence: release level must be in [1, threshold={threshold}], got {self.release}")
         self.min_flagged = max(1, window - 1)
         self.scores = [collections.deque(maxlen=window) for _ in range(world_size)]
+        self.recent = [collections.deque(maxlen=2 * window) for _ in range(world_size)]
         self.zs = [collections.deque(maxlen=window) for _ in range(world_size)]
         self.flags = [collections.deque(maxlen=window) for _ in range(world_size)]
         self.suspect = np.zeros(world_size, dtype=bool)
@@ -160,11 +174,12 @@ class Persistence:
         flags = self.flagged(score, sigma)
         for r in np.flatnonzero(np.isfinite(score)):
             self.scores[r].append(float(score[r]))
+            self.recent[r].append(float(score[r]))
             self.zs[r].append(float(z[r]))
             self.flags[r].append(bool(flags[r]))
             if self.suspect[r]:
                 self.calm[r] = 0 if flags[r] else self.calm[r] + 1
-                if self.calm[r] >= self.window:
+                if self.calm[r] >= self.window and float(np.median(self.recent[r])) < self.release:
                     self.suspect[r] = False
                     out.append(PersistenceDecision(int(r), "recovered", float(np.median(self.scores[r])), 1.0,
                                                    float(np.median(self.zs[r]))))

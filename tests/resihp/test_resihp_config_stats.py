@@ -123,3 +123,24 @@ def test_loo_median_is_the_median_of_the_others():
     # With two ranks, each is measured against the other, not against the mean of both.
     np.testing.assert_equal(loo_median(np.array([1.0, 2.0])), [2.0, 1.0])
     np.testing.assert_equal(loo_median(np.array([1.0, 1.0, 1.0, 3.0])), [1.0, 1.0, 1.0, 1.0])
+
+
+def test_persistence_does_not_release_a_rank_still_between_release_level_and_threshold():
+    """A convicted rank whose scores fall just under the threshold (unflagged, still ~1.2x slow)
+    stays convicted; back at ~1.0 it is released within 2 * window iterations."""
+    p = Persistence(1, threshold=1.25, zscore=2.0, window=8)
+    sig = np.array([0.02])
+    feed = lambda s: p.update(np.array([s]), sig)  # noqa: E731
+    verdicts = [d for _ in range(8) for d in feed(1.3)]
+    assert [d.kind for d in verdicts] == ["fail_slow"]
+    assert [d for s in [1.2, 1.18, 1.22] * 20 for d in feed(s)] == []   # 60 unflagged, still slow
+    assert bool(p.suspect[0])
+    out = [feed(1.0) for _ in range(16)]
+    released = [k for k, d in enumerate(out) if d]
+    assert released and released[0] <= 15 and out[released[0]][0].kind == "recovered"
+    assert not p.suspect[0]
+
+
+def test_persistence_release_level_is_checked():
+    with pytest.raises(ValueError, match="release level"):
+        Persistence(1, threshold=1.25, zscore=2.0, window=8, release=1.3)

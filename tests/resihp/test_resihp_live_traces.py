@@ -1,9 +1,12 @@
-"""Regression: replay of traces recorded live on 4 CPU ranks (both engines, PP2xDP2 and PP4), stored
-under tests/resihp/data/ (provenance and selection: data/README.md).
+"""Regression: replay of every trace recorded live on 4 CPU ranks (both engines, PP2xDP2 and PP4),
+stored under tests/resihp/data/ (provenance: data/README.md), the detector's misses included.
 
-The injected slow rank must be named within 10 iterations of the fault, no other rank ever; a
-healthy run must get no verdict. Replay is deterministic, so these pin the detector's behaviour on
-real, noisy timings (a shared 2-core host), not on the synthetic generator's model of noise.
+Replay is deterministic, so each trace's outcome is pinned: the injected slow rank named within
+10 iterations of the fault ("within"), named later ("late"), or not named ("missed"); never
+another rank; no verdict at all on a healthy trace. A change of any outcome, better or worse,
+fails here and must be recorded (with the figures in docs/resihp.md, "Live traces"). These pin
+the detector's behaviour on real, noisy timings (a shared 2-core host), not on a generator's
+model of noise. ``tools/bench_detector.py`` reports the recall per factor over the same set.
 """
 from __future__ import annotations
 
@@ -20,17 +23,47 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 TRACES = sorted(glob.glob(os.path.join(DATA, "*.trace.jsonl.gz")))
 MAX_DELAY = 10
 
+# Outcome of every fault trace under the default settings (healthy traces: no verdict).
+EXPECTED = {
+    "deepspeed-pp2dp2-slow2x1.3@30-r0": "missed",
+    "deepspeed-pp2dp2-slow2x1.6@35-r0": "missed",
+    "deepspeed-pp2dp2-slow2x2@25-r0": "within",
+    "deepspeed-pp2dp2-slow2x3@40-r0": "within",
+    "deepspeed-pp4-slow1x1.3@30-r0": "within",
+    "deepspeed-pp4-slow1x1.6@35-r0": "late",
+    "deepspeed-pp4-slow1x2@25-r0": "within",
+    "deepspeed-pp4-slow1x3@40-r0": "within",
+    "megatron-pp2dp2-slow2x1.3@30-r0": "missed",
+    "megatron-pp2dp2-slow2x1.6@35-r0": "missed",
+    "megatron-pp2dp2-slow2x2@25-r0": "within",
+    "megatron-pp2dp2-slow2x3@40-r0": "within",
+    "megatron-pp4-slow1x1.3@30-r0": "missed",
+    "megatron-pp4-slow1x1.6@35-r0": "within",
+    "megatron-pp4-slow1x2@25-r0": "within",
+    "megatron-pp4-slow1x3@40-r0": "within",
+}
+
+
+def _name(path: str) -> str:
+    return os.path.basename(path).split(".trace")[0]
+
 
 def test_there_are_traces_of_both_engines_layouts_and_kinds():
-    names = [os.path.basename(t) for t in TRACES]
+    names = [_name(t) for t in TRACES]
     for engine in ("megatron", "deepspeed"):
         for layout in ("pp2dp2", "pp4"):
             mine = [n for n in names if n.startswith(f"{engine}-{layout}-")]
             assert any("healthy" in n for n in mine), (engine, layout, names)
-            assert any("slow" in n for n in mine), (engine, layout, names)
+            for factor in ("1.3", "1.6", "2", "3"):
+                assert any(f"x{factor}@" in n for n in mine), (engine, layout, factor, names)
 
 
-@pytest.mark.parametrize("path", TRACES, ids=[os.path.basename(t).split(".trace")[0] for t in TRACES])
+def test_every_fault_trace_has_a_pinned_outcome():
+    faulty = {_name(t) for t in TRACES if "healthy" not in _name(t)}
+    assert faulty == set(EXPECTED), sorted(faulty ^ set(EXPECTED))
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[_name(t) for t in TRACES])
 def test_live_trace_replay(path):
     records = list(read_trace(path))
     res = replay(records, ResiHPConfig(), "resihp")
@@ -40,7 +73,12 @@ def test_live_trace_replay(path):
         assert slow == [], [v.describe() for v in slow]
         return
     (rank, since), = faults
-    assert slow, f"rank {rank} (slow from iteration {since}) was not named"
-    assert {v.rank for v in slow} == {rank}, [v.describe() for v in slow]
-    assert since <= slow[0].iteration <= since + MAX_DELAY, slow[0].describe()
-    assert res.metrics is not None and res.metrics.precision == 1.0 and res.metrics.recall == 1.0
+    assert {v.rank for v in slow} <= {rank}, [v.describe() for v in slow]
+    if not slow:
+        outcome = "missed"
+    else:
+        assert slow[0].iteration >= since, slow[0].describe()
+        outcome = "within" if slow[0].iteration <= since + MAX_DELAY else "late"
+    assert outcome == EXPECTED[_name(path)], [v.describe() for v in slow]
+    # A recovery is only ever reported after the fault ended (these faults last to the end).
+    assert not [v for v in res.verdicts if v.kind == "recovered"], [v.describe() for v in res.verdicts]
