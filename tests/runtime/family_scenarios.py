@@ -88,6 +88,13 @@ def main() -> None:
         ctx = run(ctx, {**LLAMA, **tp2, **pp2, "train_iters": 5, "save": first}, results, "llama/tp2pp2_first5")
         ctx = run(ctx, {**LLAMA, **pp2}, results, "llama/reshard_pp2", load=first)
 
+        # megatron's distributed optimizer (Adam state sharded over DP): the SwiGLU halves' state is
+        # gathered at save (DP4) and sliced back at load under another layout (TP2 x DP2).
+        first = os.path.join(ckpt_root, "llama_distopt")
+        distopt = {**LLAMA, "use_distributed_optimizer": True}
+        ctx = run(ctx, {**distopt, "train_iters": 5, "save": first}, results, "llama/distopt_dp4_first5")
+        ctx = run(ctx, {**distopt, **tp2}, results, "llama/distopt_reshard_tp2", load=first)
+
         ctx = run(ctx, {**MOE, **tp2, "sequence_parallel": True}, results, "moe/tp2sp")
         ctx = run(ctx, {**MOE, **pp2, "expert_model_parallel_size": 2}, results, "moe/pp2ep2")
         # Saved under DP4 x EP2 after 5 iterations, continued under EP4 and under PP2 x EP1.

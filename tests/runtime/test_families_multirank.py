@@ -54,6 +54,7 @@ def test_moe_load_balancing_loss_is_logged_and_layout_independent(curves, case):
 
 @pytest.mark.parametrize("case, first, family", [
     ("llama/reshard_pp2", "llama/tp2pp2_first5", "llama"),    # TP2 x PP2 -> PP2 x DP2
+    ("llama/distopt_reshard_tp2", "llama/distopt_dp4_first5", "llama"),  # distributed optimizer, DP4 -> TP2 x DP2
     ("moe/reshard_ep4", "moe/ep2_first5", "moe"),             # DP4 x EP2 -> EP4
     ("moe/reshard_pp2ep1", "moe/ep2_first5", "moe"),          # DP4 x EP2 -> PP2 x DP2, EP1
     # DeepSpeed's PipelineEngine trains the LLaMA-style block (PP2 x DP2) on the single-rank curve, and
