@@ -456,3 +456,17 @@ def test_microbatch_split_is_the_min_max_optimum(reps, total):
     best = min(max(a + (np.array(c) - 1) * b) for c in compositions(total, len(reps)))
     assert sum(got) == total and min(got) >= 1
     assert max(a + (np.array(got) - 1) * b) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("schedule,vp", [("interleaved", 2), ("deepspeed", 1)])
+def test_other_schedules_plan_with_their_own_simulation(schedule, vp):
+    p = planner(memory=12e9)
+    lay = PlanLayout.even(num_layers=24, tp=1, pp=4, dp=2, num_microbatches=32, vp=vp, schedule=schedule)
+    sp = speeds_of(8, {1: 0.5})
+    plan = p.plan(lay, sp)
+    check_invariants(p, plan, sp)
+    if plan.new.vp > 1:
+        # Interleaved: micro-batches per replica stay multiples of the pipeline depth (megatron's
+        # microbatch_group_size_per_vp_stage), every chunk keeps a layer.
+        assert all(m % plan.new.pp == 0 for m in plan.new.microbatches)
+    assert plan.new.schedule == schedule or plan.new.vp != vp
