@@ -22,7 +22,9 @@ per-micro-batch stage times ``c_s`` takes about ``sum c_s + (m - 1) max c_s``); 
 then scored by the pipeline simulator (``pipesim``) with FLOPs from ``flops``, plus the time to
 move state (bytes each device must receive / link bandwidth, the largest per device, plus a fixed
 pause) amortized over a horizon. A plan is proposed only when it gains more than a threshold and
-fits in every device's memory. Pure: numpy only, no torch.
+fits in every device's memory. Pure: numpy only, no torch. The data it works on (``PlanLayout``,
+``Cluster``, ``Workload``, ``PlannerConfig``, ``Plan``) lives in ``planner_types`` and is
+re-exported here; ``planner_policy.PlanPolicy`` decides when to ask.
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ class _Costs:
     layer_bwd: float
     head_fwd: float
     head_bwd: float
-    tp_allreduce_s: float   # one all-reduce of a micro-batch's activations at tp=2 ring factor 1
+    tp_allreduce_s: float   # a micro-batch's activation bytes / TP link bandwidth (before the ring factor)
 
     def layer(self, tp: int) -> tuple[float, float]:
         """Seconds per layer and micro-batch on one device of a TP group of ``tp``: the FLOPs
@@ -124,7 +126,8 @@ def _chunk_seconds(costs: _Costs, layers: Sequence[Sequence[int]], tp: int) -> t
 def _tail_seconds(spec: ModelSpec, workload: Workload, cluster: Cluster, tp: int, dp: int,
                   stage_layers: Sequence[int]) -> np.ndarray:
     """Per-stage gradient all-reduce after the last op (ring: 2 (dp - 1) / dp of the bytes), not
-    overlapped: the conservative case, and the same for every candidate of one shape."""
+    overlapped with the backward: the conservative case. It grows with a stage's layers, so an
+    uneven partition pays for its heaviest stage here too."""
     if dp == 1:
         return np.zeros(len(stage_layers))
     grad = stage_params(spec, stage_layers) / tp * workload.grad_bytes_per_param
