@@ -32,7 +32,8 @@
     Planner-based policies pay each plan's move time (bytes / link bandwidth + a fixed pause).
     Throughput is reported relative to the healthy job (2,000 healthy iterations / wall time).
 
-(a) Live on CPU ranks: needs the live executor (issue #10 part 2), not built yet; this script
+(a) Live on CPU ranks: needs plans applied to a running job (issue #10 part 2: rank
+    permutations, uneven micro-batches and fail-stop continue have no executor yet); this script
     says so and leaves the "live" part out of its JSON line.
 
 Prints a table, then one JSON line:
@@ -475,7 +476,7 @@ def main() -> int:
     print(f"decision at 4,096 devices ({dec['layout']}, 5 slow + 1 dead), CPU s of one core, median of "
           f"{args.decision_runs}: cold {dec['cold_s']:.3f} s (schedules compiled), warm {dec['warm_s']:.3f} s")
     print(f"  {dec['plan']}")
-    print("live part (a): not built yet (needs the live executor, issue #10 part 2); no live figures")
+    print("live part (a): not measured yet (needs the plan executor, issue #10 part 2); no live figures")
     print(json.dumps({"sim": {"policies": {p: round(mean[p], 4) for p in POLICIES},
                               "speedup_vs_best_baseline": round(speedup, 4), "best_baseline": best_base,
                               "decision_s_4096": round(dec["cold_s"], 4), "decision_warm_s_4096": round(dec["warm_s"], 4),
