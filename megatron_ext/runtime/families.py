@@ -170,9 +170,16 @@ def validate(cfg: "RunConfig", world_size: int) -> None:
         # megatron-core's MoELayer refuses to train this: with TP, the router and experts take the
         # sequence-parallel shard of the tokens (otherwise every TP rank routes every token).
         raise ConfigError(f"--num-experts with --tensor-model-parallel-size > 1 ({tp}) needs --sequence-parallel")
+    want = p.device
+    on_gpu = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    gloo = p.distributed_backend == "gloo" or (p.distributed_backend == "auto" and not on_gpu)
+    if gloo and tp > 1 and ep > 1 and m.moe_token_dispatcher_type == "alltoall":
+        # With expert TP > 1 the all-to-all dispatcher gathers a different token count from each TP
+        # rank (all_gather with uneven sizes), which NCCL does and gloo refuses.
+        raise ConfigError("--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size > 1 and "
+                          "--expert-model-parallel-size > 1 needs NCCL (uneven all-gathers); on gloo use "
+                          "--moe-token-dispatcher-type allgather")
     if m.moe_grouped_gemm:
-        want = p.device
-        on_gpu = want == "cuda" or (want == "auto" and torch.cuda.is_available())
         if not on_gpu:
             raise ConfigError("--moe-grouped-gemm runs experts as one grouped GEMM kernel on a GPU "
                               "(Transformer Engine); this run is on CPU: leave it off")

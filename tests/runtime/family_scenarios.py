@@ -96,6 +96,9 @@ def main() -> None:
         ctx = run(ctx, {**distopt, **tp2}, results, "llama/distopt_reshard_tp2", load=first)
 
         ctx = run(ctx, {**MOE, **tp2, "sequence_parallel": True}, results, "moe/tp2sp")
+        # TP2 x EP2 (expert TP 2): the all-gather dispatcher; gloo cannot all-to-all here (refused).
+        ctx = run(ctx, {**MOE, **tp2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+                        "moe_token_dispatcher_type": "allgather"}, results, "moe/tp2ep2sp")
         ctx = run(ctx, {**MOE, **pp2, "expert_model_parallel_size": 2}, results, "moe/pp2ep2")
         # Saved under DP4 x EP2 after 5 iterations, continued under EP4 and under PP2 x EP1.
         first = os.path.join(ckpt_root, "moe")

@@ -56,6 +56,10 @@ def test_field_checks_name_the_flags(argv, message):
     (MOE + ["--moe-grouped-gemm", "--device", "cuda", "--doc-length-dist", "fixed:16"], 1,
      "--moe-grouped-gemm needs Transformer Engine's layer spec, but --doc-length-dist builds on megatron's "
      "local layer spec: leave it off"),
+    (MOE + ["--moe-token-dispatcher-type", "alltoall", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--expert-model-parallel-size", "2", "--device", "cpu"], 4,
+     "--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size > 1 and --expert-model-parallel-size "
+     "> 1 needs NCCL (uneven all-gathers); on gloo use --moe-token-dispatcher-type allgather"),
     (MOE + ["--engine", "deepspeed"], 1, families.MOE.deepspeed_refusal + " (model flags: --normalization --swiglu "
      "--group-query-attention --position-embedding-type --disable-bias-linear --qk-layernorm --num-experts)"),
 ])

@@ -39,13 +39,13 @@ def test_single_rank_reference_learns(curves, family):
     assert ref[-1] < ref[0] - 0.3, f"the {family} reference run did not learn: {ref}"
 
 
-@pytest.mark.parametrize("case", ["llama/tp2", "llama/pp2", "moe/tp2sp", "moe/pp2ep2"])
+@pytest.mark.parametrize("case", ["llama/tp2", "llama/pp2", "moe/tp2sp", "moe/pp2ep2", "moe/tp2ep2sp"])
 def test_parallel_layouts_reproduce_single_rank_curve(curves, case):
     family = case.split("/")[0]
     assert max_rel(curves[case], curves[family]) < RTOL
 
 
-@pytest.mark.parametrize("case", ["moe/tp2sp", "moe/pp2ep2"])
+@pytest.mark.parametrize("case", ["moe/tp2sp", "moe/pp2ep2", "moe/tp2ep2sp"])
 def test_moe_load_balancing_loss_is_logged_and_layout_independent(curves, case):
     aux = curves[case + "/aux"]
     # 1.0 is a perfectly balanced router (megatron logs the loss divided by its coefficient).
