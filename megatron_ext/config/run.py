@@ -77,7 +77,8 @@ class ModelConfig:
     moe_router_load_balancing_type: str = doc(
         "Router load balancing: aux_loss (GShard/Switch, over the micro-batch), seq_aux_loss (per sequence), "
         "sinkhorn, or none.", "aux_loss", choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none"))
-    moe_aux_loss_coeff: float = doc("Weight of the load-balancing loss (logged as moe_load_balancing_loss).", 0.0)
+    moe_aux_loss_coeff: float = doc("Weight of the load-balancing loss; when > 0 the loss is also logged "
+                                    "(moe_load_balancing_loss / moe_seq_load_balancing_loss).", 0.0)
     moe_grouped_gemm: bool = doc("Run a rank's experts as one grouped GEMM (GPU with Transformer Engine only).",
                                  False)
 
