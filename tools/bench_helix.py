@@ -103,6 +103,9 @@ def effective_flops(model: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor, r
 
 
 def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interference: float = 0.0) -> dict:
+    # Every case compiles the same layer class with three new backends; without a reset Dynamo's
+    # per-function recompile limit (8) is reached after three runs of one layer.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = build(case, args, g)
     x = torch.randn(args.batch, args.seq, args.hidden, requires_grad=True)
@@ -308,8 +311,19 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(worker, args=(2, _free_port(), args, queue), nprocs=2)
-    results = queue.get()
+    procs = mp.spawn(worker, args=(2, _free_port(), args, queue), nprocs=2, join=False)
+    # Read before joining: rank 0 blocks in put() until the pipe is drained, and the results
+    # (two blocks, simulated timelines) are larger than its buffer.
+    results = None
+    while results is None:
+        if not queue.empty():
+            results = queue.get()
+        elif procs.join(timeout=1):  # every rank exited (a failed one raises here)
+            if queue.empty():
+                raise RuntimeError("bench_helix: the ranks exited without results")
+            results = queue.get()
+    while not procs.join():
+        pass
 
     plain = summarise(results["plain"], args, "")
     out: dict = {"cases": plain}
