@@ -44,6 +44,14 @@ class ResiHPConfig:
     resihp_verdicts_out: str = doc("Append verdicts as JSON lines to this file.", "")
     resihp_on_stop: str = doc("On a fail-stop verdict: 'abort' the job at once (naming the rank; the last "
                               "checkpoint stays) or only 'report' it.", "abort", choices=("abort", "report"))
+    resihp_act: str = doc("What a verdict leads to: 'off' (nothing), 'plan' (the re-layout planner's plan is "
+                          "logged only), 'relayout' (the plan is applied live: pipeline layers per stage and "
+                          "TP/PP sizes; plans that need a rank permutation, uneven micro-batches per replica "
+                          "or fewer ranks are logged, not applied, until the executor can).", "off",
+                          choices=("off", "plan", "relayout"))
+    resihp_act_min_gain: float = doc("Act only on a plan that shortens the iteration by more than this "
+                                     "fraction, after its pause is amortized over --resihp-act-horizon.", 0.05)
+    resihp_act_horizon: int = doc("Iterations over which a re-layout's pause is amortized.", 500)
 
     def __post_init__(self) -> None:
         if self.resihp_detector not in DETECTORS:
@@ -74,6 +82,10 @@ class ResiHPConfig:
             raise ConfigError(f"--resihp-p2p-latency-s must be >= 0, got {self.resihp_p2p_latency_s}")
         if self.resihp_heartbeat_interval_s <= 0:
             raise ConfigError(f"--resihp-heartbeat-interval-s must be > 0, got {self.resihp_heartbeat_interval_s}")
+        if not 0 <= self.resihp_act_min_gain < 1:
+            raise ConfigError(f"--resihp-act-min-gain must be in [0, 1), got {self.resihp_act_min_gain}")
+        if self.resihp_act_horizon < 1:
+            raise ConfigError(f"--resihp-act-horizon must be >= 1, got {self.resihp_act_horizon}")
         if self.resihp_heartbeat_timeout_s <= self.resihp_heartbeat_interval_s:
             raise ConfigError(f"--resihp-heartbeat-timeout-s ({self.resihp_heartbeat_timeout_s}) must exceed "
                               f"--resihp-heartbeat-interval-s ({self.resihp_heartbeat_interval_s})")

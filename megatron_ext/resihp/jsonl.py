@@ -3,6 +3,7 @@ so a crashed run keeps everything written before the crash."""
 from __future__ import annotations
 
 import io
+import json
 import os
 from typing import Any
 
@@ -21,6 +22,11 @@ class JsonLinesWriter:
 
     def write(self, item: Any) -> None:
         self._fh.write(item.to_json() + "\n")
+        self._fh.flush()
+
+    def write_line(self, obj: dict[str, Any]) -> None:
+        """A plain JSON object (e.g. a re-layout plan beside the verdicts)."""
+        self._fh.write(json.dumps(obj) + "\n")
         self._fh.flush()
 
     def close(self) -> None:

@@ -112,6 +112,7 @@ class ResiHPExtension(Extension):
         self.verdict_log = None
         self.timeline = None
         self.verdicts: list[Verdict] = []
+        self.actor = None
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
@@ -139,6 +140,10 @@ class ResiHPExtension(Extension):
                 self.trace_writer = TraceWriter(self.cfg.resihp_trace_out)
             if self.cfg.resihp_verdicts_out:
                 self.verdict_log = VerdictLog(self.cfg.resihp_verdicts_out)
+        if self.cfg.resihp_act != "off":
+            from megatron_ext.resihp.act import Actor
+
+            self.actor = Actor(self.cfg, rank=rank, decider=self.detector_rank)
         self._start_heartbeat(trainer)
 
     def detach(self, trainer: "Trainer") -> None:
@@ -216,8 +221,13 @@ class ResiHPExtension(Extension):
         if not self.detect:
             return
         record = self.timeline.record(trainer, metrics.iteration, dst=self.detector_rank)
-        if record is None or self.detector is None:
-            return
+        new_verdicts = self._detect(trainer, metrics, record) if record is not None and self.detector is not None else []
+        if self.actor is not None:
+            plan = self.actor.observe(trainer, metrics.iteration, new_verdicts, metrics.iter_time_s)
+            if plan is not None and self.verdict_log is not None:
+                self.verdict_log.write_line({"kind": "plan", "iteration": metrics.iteration, **plan.to_dict()})
+
+    def _detect(self, trainer: "Trainer", metrics: IterationMetrics, record: "IterationRecord") -> list["Verdict"]:
         trace = to_trace_record(record, model=self.spec, iteration_s=metrics.iter_time_s,
                                 faults=self._active_faults(metrics.iteration), time_s=time.time(),
                                 stage_layers=getattr(trainer.cfg.parallel, "pipeline_stage_layers", None))
@@ -242,6 +252,7 @@ class ResiHPExtension(Extension):
                 self.verdict_log.write(v)
             if tb is not None and v.kind == "fail_slow":
                 tb.add_scalar(f"resihp/fail_slow_rank{v.rank}", v.factor, metrics.iteration)
+        return list(report.verdicts)
 
     def teardown(self, trainer: "Trainer") -> None:
         failure = sys.exc_info()[1]

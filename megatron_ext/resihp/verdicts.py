@@ -74,14 +74,17 @@ class VerdictLog(JsonLinesWriter):
 
 
 def read_verdicts(path: str | os.PathLike) -> list[Verdict]:
-    """Read a verdict log; errors name the file and line."""
+    """Read a verdict log (the plans logged beside verdicts are skipped); errors name the file and line."""
     out = []
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                out.append(Verdict.from_dict(json.loads(line)))
+                data = json.loads(line)
+                if isinstance(data, dict) and data.get("kind") == "plan":
+                    continue  # a re-layout plan logged beside the verdicts (--resihp-act)
+                out.append(Verdict.from_dict(data))
             except (json.JSONDecodeError, TypeError, ValueError) as exc:
                 raise ValueError(f"{os.fspath(path)}:{lineno}: not a verdict: {exc}") from None
     return out

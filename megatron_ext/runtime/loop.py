@@ -44,6 +44,8 @@ class Trainer:
         self._metrics_fh = None
         self.forward_backward_func = None
         self.last_batches: list[dict[str, Any]] = []
+        self.relayouts: list[dict[str, Any]] = []
+        self._pending_relayout: dict[str, Any] | None = None
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> "Trainer":
@@ -66,18 +68,10 @@ class Trainer:
                         "of %d per iteration", self.layout_name(), ctx.world_size, ctx.device, ctx.backend,
                         self._num_parameters(), self.splits.prefix, self.train_stream.num_microbatches,
                         t.micro_batch_size)
-        if ctx.is_logging_rank:
-            if lg.tensorboard_dir:
-                from torch.utils.tensorboard import SummaryWriter
-
-                # On a resume, TensorBoard drops the events a crashed run wrote after the checkpoint.
-                purge = self.iteration + 1 if cfg.checkpoint.load else None
-                self._tb = SummaryWriter(log_dir=lg.tensorboard_dir, purge_step=purge)
-            if lg.metrics_file:
-                os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
-                if cfg.checkpoint.load:
-                    rundir.truncate_metrics(lg.metrics_file, self.iteration)
-                self._metrics_fh = open(lg.metrics_file, "a", encoding="utf-8")
+        if ctx.is_logging_rank and lg.metrics_file and cfg.checkpoint.load:
+            rundir.truncate_metrics(lg.metrics_file, self.iteration)
+        # On a resume, TensorBoard drops the events a crashed run wrote after the checkpoint.
+        self._open_outputs(purge_step=self.iteration + 1 if cfg.checkpoint.load else None)
         for ext in self.extensions:
             ext.setup(self)
         return self
@@ -99,7 +93,50 @@ class Trainer:
         if self.splits.valid is not None and len(self.splits.valid) > 0 and lg.eval_iters > 0:
             self.valid_stream = MicroBatchStream(self.splits.valid, **stream)
 
+    def _open_outputs(self, purge_step: int | None = None) -> None:
+        """The logging rank writes metrics lines and TensorBoard events (appending)."""
+        lg = self.cfg.logging
+        if not self.ctx.is_logging_rank:
+            return
+        if lg.tensorboard_dir and self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=lg.tensorboard_dir, purge_step=purge_step)
+        if lg.metrics_file and self._metrics_fh is None:
+            os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
+            self._metrics_fh = open(lg.metrics_file, "a", encoding="utf-8")
+
+    def _close_outputs(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+        if self._metrics_fh is not None:
+            self._metrics_fh.close()
+            self._metrics_fh = None
+
     # --- live re-layout ----------------------------------------------------------------------
+    def request_relayout(self, *, tp: int, pp: int, vpp: int | None = None, stage_layers: list[int] | None = None,
+                         reason: str = "") -> None:
+        """Ask for a re-layout after the current iteration (extensions call this from
+        ``after_iteration``, on every rank with the same arguments: it is collective)."""
+        self._pending_relayout = dict(tp=tp, pp=pp, vpp=vpp, stage_layers=stage_layers, reason=reason)
+
+    def _apply_pending_relayout(self) -> dict[str, Any] | None:
+        pending, self._pending_relayout = getattr(self, "_pending_relayout", None), None
+        if pending is None:
+            return None
+        reason = pending.pop("reason")
+        info = self.relayout(**pending)
+        info["reason"] = reason
+        self.relayouts.append(info)
+        if self.ctx.is_logging_rank and self.cfg.logging.progress:
+            print(f" re-laid out {info['from']} -> {info['to']}"
+                  + (f" (layers per stage {' '.join(map(str, info['stage_layers']))})" if info["stage_layers"] else "")
+                  + f" at iteration {info['iteration']} in {info['pause_s']:.2f} s", flush=True)
+        self._record("relayout", {k: v for k, v in info.items() if k != "reason"} | {"plan": reason})
+        return info
+
     def relayout(self, *, tp: int, pp: int, vpp: int | None = None,
                  stage_layers: list[int] | None = None) -> dict[str, Any]:
         """Collective, at an iteration boundary: continue this run under another TP x PP (x DP) layout
@@ -135,6 +172,9 @@ class Trainer:
         consumed = self.train_stream.consumed_samples
         for ext in self.extensions:
             ext.detach(self)
+        self._close_outputs()  # the logging rank may change: the new one appends to the same outputs
+        if dist.is_initialized():
+            dist.barrier()
         from megatron_ext.runtime import distributed
 
         self.ctx = distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed,
@@ -146,6 +186,7 @@ class Trainer:
         self.scheduler.step(0)
         self._build_streams(consumed)
         self._prepare_schedule()
+        self._open_outputs()
         for ext in self.extensions:
             ext.attach(self)
         info = {"from": old_name, "to": self.layout_name(), "iteration": self.iteration,
@@ -374,6 +415,8 @@ class Trainer:
                 times.append(m.iter_time_s)
                 recent = times[-20:]
                 self._log(m, sum(recent) / len(recent))
+                if self._apply_pending_relayout() is not None:
+                    times.clear()  # the ETA follows the new layout's speed
                 if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.iteration < t.train_iters:
                     self._log_eval(self.evaluate())
                 if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
@@ -385,9 +428,5 @@ class Trainer:
         finally:
             for ext in self.extensions:
                 ext.teardown(self)
-            if self._tb is not None:
-                self._tb.flush()
-                self._tb.close()
-            if self._metrics_fh is not None:
-                self._metrics_fh.close()
+            self._close_outputs()
         return self.history

@@ -49,6 +49,23 @@ def test_slow_rank_is_named(live):
 
 
 @pytest.mark.multirank
+def test_acting_on_the_verdict_relays_out_the_live_job(live):
+    # --resihp-act relayout: the fail-slow verdict on rank 2 (stage 1) becomes a plan that gives
+    # stage 1 fewer layers, applied between two iterations; training goes on to the end.
+    rows = verdicts(live / "act.verdicts.jsonl")
+    slow = [v for v in rows if v["kind"] == "fail_slow"]
+    plans = [v for v in rows if v["kind"] == "plan"]
+    assert slow and plans, "no verdict or no plan"
+    assert plans[0]["iteration"] >= slow[0]["iteration"]
+    done = json.loads((live / "act.relayouts.json").read_text())
+    assert done["iterations"] == 60
+    (first, *_) = done["relayouts"]
+    assert first["iteration"] == plans[0]["iteration"] and first["stage_layers"] is not None
+    stage0, stage1 = first["stage_layers"]
+    assert stage0 > stage1, f"the slow stage kept {stage1} of {stage0 + stage1} layers"
+
+
+@pytest.mark.multirank
 def test_replay_of_live_trace_finds_the_same_rank(live):
     proc = run_python("-m", "megatron_ext.resihp.replay", str(live / "slow.trace.jsonl"))
     text = proc.stdout
