@@ -32,9 +32,12 @@
     Planner-based policies pay each plan's move time (bytes / link bandwidth + a fixed pause).
     Throughput is reported relative to the healthy job (2,000 healthy iterations / wall time).
 
-(a) Live on CPU ranks: needs plans applied to a running job (issue #10 part 2: rank
-    permutations, uneven micro-batches and fail-stop continue have no executor yet); this script
-    says so and leaves the "live" part out of its JSON line.
+(a) Live on CPU ranks (``tools/relayout_live_worker.py`` under torchrun, 2 ranks, one core each):
+    a 12-layer tiny GPT on PP2, m = 8, rank 1 slowed 2x (throttle); tokens/s healthy, slowed with
+    no action, slowed after the planner's plan was applied by ``Trainer.relayout``, and the
+    capacity-proportional optimum (healthy x mean device speed); the pause; the loss curve against
+    a straight run. The PP2 x DP2 case (DP migration) and fail-stop continue have no executor yet:
+    reported as not built. ``--no-live`` skips part (a).
 
 Prints a table, then one JSON line:
   {"sim": {"policies": {...}, "speedup_vs_best_baseline": ..., "decision_s_4096": ..., ...}}
@@ -405,6 +408,43 @@ def decision_time(cl: Cluster, args: argparse.Namespace) -> dict:
             "layout": start.shape}
 
 
+def run_live(iters: int) -> dict:
+    """Part (a): prints its table, returns the "live" JSON block."""
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "live.json")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               os.path.join(root, "tools", "relayout_live_worker.py"), out, str(iters)],
+                              cwd=root, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError("live part failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
+        r = json.load(open(out, encoding="utf-8"))
+    tokens = 8 * 128  # global batch x sequence of the worker's model
+    healthy, slow = tokens / r["healthy_s"], tokens / r["slow_s"]
+    after = tokens / r["relayout_s"] if "relayout_s" in r else None
+    optimum = healthy * (1.0 + 0.5) / 2
+    print("ResiHP re-layout benchmark (a), live: PP2 on 2 CPU ranks (one core each), 12-layer tiny GPT, m=8, "
+          f"rank 1 slowed 2x; medians of {iters} iterations per phase")
+    print(f"  plan: {r['plan']}")
+    print(f"  tokens/s healthy {healthy:.0f} | slowed, no action {slow:.0f} | slowed, after re-layout "
+          + (f"{after:.0f} (layers {r['stage_layers']})" if after else "n/a") + f" | optimum {optimum:.0f}")
+    if after:
+        print(f"  after / optimum {after / optimum:.3f}; pause {r['pause_s']:.2f} s = "
+              f"{r['pause_s'] / r['relayout_s']:.1f} iterations; planner decision {r['decide_s'] * 1e3:.0f} ms; "
+              f"loss vs straight run max rel diff {r['loss_max_rel_diff']:.2e}")
+    not_built = "not built: needs DP migration (uneven micro-batches) / fail-stop continue in the executor"
+    return {"pp2": {"healthy_tok_s": round(healthy, 1), "slow_no_action_tok_s": round(slow, 1),
+                    "slow_relayout_tok_s": round(after, 1) if after else None,
+                    "optimum_fraction": round(after / optimum, 4) if after else None,
+                    "pause_s": round(r.get("pause_s", float("nan")), 3),
+                    "loss_max_rel_diff": r["loss_max_rel_diff"], "plan": r["plan"]},
+            "pp2dp2": not_built, "fail_stop": not_built}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, nargs="+", default=[1024, 4096])
@@ -434,7 +474,14 @@ def main() -> int:
                     help="restart baseline: amortization horizons tried, the best kept (0: fail-stops only)")
     ap.add_argument("--decision-runs", type=int, default=5)
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--no-live", action="store_true", help="skip part (a), the live CPU run")
+    ap.add_argument("--live-iters", type=int, default=15, help="measured iterations per live phase")
+    ap.add_argument("--no-sim", action="store_true", help="skip part (b), the simulation")
     args = ap.parse_args()
+    live = None if args.no_live else run_live(args.live_iters)
+    if args.no_sim:
+        print(json.dumps({"live": live}))
+        return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     cl = Cluster(device_flops=args.device_tflops * 1e12, memory_bytes=args.memory_gb * 1e9,
                  link_bytes_per_s=args.link_gbps * 1e9, tp_bytes_per_s=args.nvlink_gbps * 1e9,
@@ -476,8 +523,7 @@ def main() -> int:
     print(f"decision at 4,096 devices ({dec['layout']}, 5 slow + 1 dead), CPU s of one core, median of "
           f"{args.decision_runs}: cold {dec['cold_s']:.3f} s (schedules compiled), warm {dec['warm_s']:.3f} s")
     print(f"  {dec['plan']}")
-    print("live part (a): not measured yet (needs the plan executor, issue #10 part 2); no live figures")
-    print(json.dumps({"sim": {"policies": {p: round(mean[p], 4) for p in POLICIES},
+    print(json.dumps({"live": live, "sim": {"policies": {p: round(mean[p], 4) for p in POLICIES},
                               "speedup_vs_best_baseline": round(speedup, 4), "best_baseline": best_base,
                               "decision_s_4096": round(dec["cold_s"], 4), "decision_warm_s_4096": round(dec["warm_s"], 4),
                               "by_devices": {n: {p: round(v, 4) for p, v in d.items()} for n, d in by_n.items()}}}))

@@ -20,6 +20,7 @@ from megatron_ext.resihp.planner_types import Cluster, Plan, PlanLayout, Planner
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_ext.resihp.config import ResiHPConfig
+    from megatron_ext.resihp.planner import Planner
     from megatron_ext.resihp.planner_policy import PlanPolicy
     from megatron_ext.resihp.verdicts import Verdict
     from megatron_ext.runtime.loop import Trainer
@@ -61,6 +62,31 @@ def not_applicable(plan: Plan, world_size: int) -> str | None:
     return None
 
 
+def make_planner(trainer: "Trainer", *, executable_only: bool, min_gain: float = 0.05, horizon: int = 500,
+                 healthy_times: list[float] | None = None) -> "Planner":
+    """A planner for the running job. ``executable_only``: search only what ``Trainer.relayout``
+    applies (layers per stage). The device speed is scaled so that the model predicts the healthy
+    iterations measured so far: plans compare layouts relative to each other, but the pause is
+    amortized in seconds."""
+    from megatron_ext.resihp.live import model_spec
+    from megatron_ext.resihp.planner import Planner
+
+    spec = model_spec(trainer)
+    t = trainer.cfg.training
+    workload = Workload(seq_length=trainer.cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
+                        state_bytes_per_param=12.0 if not t.bf16 else 16.0)
+    config = PlannerConfig(min_gain=min_gain, horizon_iterations=horizon, tp_regroup=not executable_only,
+                           dp_migration=not executable_only, drop_replicas=not executable_only,
+                           reshape=not executable_only)
+    probe = Cluster(device_flops=1e12, memory_bytes=float("inf"), link_bytes_per_s=CPU_LINK_BYTES_PER_S)
+    predicted = Planner(spec, probe, workload, config).iteration_s(plan_layout(trainer),
+                                                                   np.ones(trainer.ctx.world_size))
+    measured = statistics.median(healthy_times) if healthy_times else predicted
+    cluster = Cluster(device_flops=1e12 * predicted / max(measured, 1e-9), memory_bytes=float("inf"),
+                      link_bytes_per_s=CPU_LINK_BYTES_PER_S, relayout_pause_s=CPU_RELAYOUT_PAUSE_S)
+    return Planner(spec, cluster, workload, config)
+
+
 class Actor:
     """One per rank; ``decides`` on the detector's rank."""
 
@@ -73,27 +99,12 @@ class Actor:
         self.plans: list[dict[str, Any]] = []
 
     def _policy(self, trainer: "Trainer") -> "PlanPolicy":
-        from megatron_ext.resihp.live import model_spec
-        from megatron_ext.resihp.planner import Planner
         from megatron_ext.resihp.planner_policy import PlanPolicy
 
-        spec = model_spec(trainer)
-        t = trainer.cfg.training
-        workload = Workload(seq_length=trainer.cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-                            state_bytes_per_param=12.0 if not t.bf16 else 16.0)
-        layout = plan_layout(trainer)
-        relayout = self.cfg.resihp_act == "relayout"
-        config = PlannerConfig(min_gain=self.cfg.resihp_act_min_gain, horizon_iterations=self.cfg.resihp_act_horizon,
-                               tp_regroup=not relayout, dp_migration=not relayout, drop_replicas=not relayout,
-                               reshape=not relayout)
-        # Scale the device speed so that the model predicts the healthy iterations measured so far:
-        # plans compare layouts relative to each other, but the pause is amortized in seconds.
-        probe = Cluster(device_flops=1e12, memory_bytes=float("inf"), link_bytes_per_s=CPU_LINK_BYTES_PER_S)
-        predicted = Planner(spec, probe, workload, config).iteration_s(layout, np.ones(trainer.ctx.world_size))
-        measured = statistics.median(self.healthy_times) if self.healthy_times else predicted
-        cluster = Cluster(device_flops=1e12 * predicted / max(measured, 1e-9), memory_bytes=float("inf"),
-                          link_bytes_per_s=CPU_LINK_BYTES_PER_S, relayout_pause_s=CPU_RELAYOUT_PAUSE_S)
-        return PlanPolicy(Planner(spec, cluster, workload, config), layout, trainer.ctx.world_size)
+        planner = make_planner(trainer, executable_only=self.cfg.resihp_act == "relayout",
+                               min_gain=self.cfg.resihp_act_min_gain, horizon=self.cfg.resihp_act_horizon,
+                               healthy_times=self.healthy_times)
+        return PlanPolicy(planner, plan_layout(trainer), trainer.ctx.world_size)
 
     def observe(self, trainer: "Trainer", iteration: int, verdicts: list["Verdict"], iter_time_s: float) -> Plan | None:
         """Collective: every rank calls it after each iteration; returns the agreed plan, if any."""
