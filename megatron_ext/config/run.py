@@ -155,6 +155,10 @@ class ParallelConfig:
         "Transformer layers of each pipeline stage, first to last (uneven stages, e.g. 3 1 for 4 layers on "
         "PP2; megatron's pipeline layout with the embedding on the first stage and the loss on the last); "
         "unset = an even split.", None)
+    data_parallel_microbatches: list[int] | None = doc(
+        "Micro-batches of each data-parallel replica, first to last (uneven work split, e.g. 3 1); they sum "
+        "to --global-batch-size / --micro-batch-size, and the loss is weighted per token so the global "
+        "batch's gradient is the even split's; unset = an even split.", None)
     sequence_parallel: bool = doc("Megatron sequence parallelism inside tensor-parallel regions.", False)
     overlap_grad_reduce: bool = doc("Overlap data-parallel gradient reduce with backward.", False)
     use_distributed_optimizer: bool = doc(
@@ -188,6 +192,13 @@ class ParallelConfig:
                                   "combined (uneven stages are for plain 1F1B)")
             if self.engine != "megatron":
                 raise ConfigError("--pipeline-stage-layers needs --engine megatron")
+        split = self.data_parallel_microbatches
+        if split is not None:
+            if min(split) < 1:
+                raise ConfigError(f"--data-parallel-microbatches needs counts >= 1, got {split}")
+            if (vpp or 1) > 1 or self.engine != "megatron":
+                raise ConfigError("--data-parallel-microbatches needs --engine megatron and plain 1F1B "
+                                  "(no --virtual-pipeline-model-parallel-size)")
         if self.engine == "deepspeed" and (self.tensor_model_parallel_size > 1 or (vpp or 1) > 1):
             raise ConfigError("--engine deepspeed trains PP x DP: it needs --tensor-model-parallel-size 1 "
                               "and no --virtual-pipeline-model-parallel-size")
@@ -348,6 +359,11 @@ class RunConfig:
             raise ConfigError(f"--ffn-hidden-size ({self.model.ffn_hidden_size}) is not divisible by "
                               f"--tensor-model-parallel-size ({tp})")
         mbs, gbs = self.training.micro_batch_size, self.training.global_batch_size
+        split = self.parallel.data_parallel_microbatches
+        if split is not None and (len(split) != dp or sum(split) * mbs != gbs):
+            raise ConfigError(f"--data-parallel-microbatches {' '.join(map(str, split))} needs one count per "
+                              f"data-parallel replica ({dp}) summing to --global-batch-size ({gbs}) / "
+                              f"--micro-batch-size ({mbs}) = {gbs // mbs}")
         if gbs % (mbs * dp):
             raise ConfigError(
                 f"--global-batch-size ({gbs}) is not divisible by --micro-batch-size ({mbs}) x "

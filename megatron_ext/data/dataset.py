@@ -91,9 +91,17 @@ class MicroBatchStream:
     """Yields this data-parallel rank's micro-batches of one iteration at a time."""
 
     def __init__(self, dataset: Any, *, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 eod: int, consumed_samples: int = 0, packing: Any = None, seed: int = 0) -> None:
-        if global_batch % (micro_batch * dp_size):
+                 eod: int, consumed_samples: int = 0, packing: Any = None, seed: int = 0,
+                 replica_microbatches: list[int] | None = None) -> None:
+        if replica_microbatches is None and global_batch % (micro_batch * dp_size):
             raise ValueError(f"global batch {global_batch} not divisible by micro batch {micro_batch} x dp {dp_size}")
+        if replica_microbatches is not None and (len(replica_microbatches) != dp_size
+                                                 or sum(replica_microbatches) * micro_batch != global_batch):
+            raise ValueError(f"replica micro-batches {replica_microbatches} do not split global batch {global_batch} "
+                             f"over {dp_size} replicas of micro batch {micro_batch}")
+        # Uneven work split: replica r takes replica_microbatches[r] micro-batches of the global batch,
+        # right after those of the replicas before it (the global batch's samples are the same).
+        self.replica_microbatches = list(replica_microbatches) if replica_microbatches else None
         self.dataset = dataset
         self.global_batch = global_batch
         self.micro_batch = micro_batch
@@ -106,7 +114,14 @@ class MicroBatchStream:
 
     @property
     def num_microbatches(self) -> int:
+        if self.replica_microbatches is not None:
+            return self.replica_microbatches[self.dp_rank]
         return self.global_batch // (self.micro_batch * self.dp_size)
+
+    def _first_sample(self, start: int) -> int:
+        if self.replica_microbatches is not None:
+            return start + sum(self.replica_microbatches[:self.dp_rank]) * self.micro_batch
+        return start + self.dp_rank * (self.global_batch // self.dp_size)
 
     def _sample(self, index: int) -> dict[str, torch.Tensor]:
         return self.dataset[index % len(self.dataset)]
@@ -114,8 +129,7 @@ class MicroBatchStream:
     def iteration(self, start: int | None = None) -> list[dict[str, torch.Tensor]]:
         """The micro-batches of the global batch starting at ``start`` (default: the data position)."""
         start = self.consumed_samples if start is None else start
-        per_rank = self.global_batch // self.dp_size
-        first = start + self.dp_rank * per_rank
+        first = self._first_sample(start)
         batches = []
         for m in range(self.num_microbatches):
             samples = [self._sample(first + m * self.micro_batch + j) for j in range(self.micro_batch)]

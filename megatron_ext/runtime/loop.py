@@ -87,7 +87,8 @@ class Trainer:
             packing = LengthDistribution.parse(d.doc_length_dist)
         stream = dict(global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_rank=ctx.coord.dp,
                       dp_size=ctx.layout.dp, eod=self.splits.tokenizer.eod, packing=packing, seed=t.seed)
-        self.train_stream = MicroBatchStream(self.splits.train, **stream)
+        self.train_stream = MicroBatchStream(self.splits.train, **stream,
+                                             replica_microbatches=cfg.parallel.data_parallel_microbatches)
         self.train_stream.consumed_samples = consumed_samples
         self.valid_stream = None
         if self.splits.valid is not None and len(self.splits.valid) > 0 and lg.eval_iters > 0:
@@ -117,10 +118,11 @@ class Trainer:
 
     # --- live re-layout ----------------------------------------------------------------------
     def request_relayout(self, *, tp: int, pp: int, vpp: int | None = None, stage_layers: list[int] | None = None,
-                         reason: str = "") -> None:
+                         replica_microbatches: list[int] | None = None, reason: str = "") -> None:
         """Ask for a re-layout after the current iteration (extensions call this from
         ``after_iteration``, on every rank with the same arguments: it is collective)."""
-        self._pending_relayout = dict(tp=tp, pp=pp, vpp=vpp, stage_layers=stage_layers, reason=reason)
+        self._pending_relayout = dict(tp=tp, pp=pp, vpp=vpp, stage_layers=stage_layers,
+                                      replica_microbatches=replica_microbatches, reason=reason)
 
     def _apply_pending_relayout(self) -> dict[str, Any] | None:
         pending, self._pending_relayout = getattr(self, "_pending_relayout", None), None
@@ -137,8 +139,8 @@ class Trainer:
         self._record("relayout", {k: v for k, v in info.items() if k != "reason"} | {"plan": reason})
         return info
 
-    def relayout(self, *, tp: int, pp: int, vpp: int | None = None,
-                 stage_layers: list[int] | None = None) -> dict[str, Any]:
+    def relayout(self, *, tp: int, pp: int, vpp: int | None = None, stage_layers: list[int] | None = None,
+                 replica_microbatches: list[int] | None = None) -> dict[str, Any]:
         """Collective, at an iteration boundary: continue this run under another TP x PP (x DP) layout
         in the same processes, without a restart.
 
@@ -159,7 +161,9 @@ class Trainer:
         new_parallel = dataclasses.replace(self.cfg.parallel, tensor_model_parallel_size=tp,
                                            pipeline_model_parallel_size=pp,
                                            virtual_pipeline_model_parallel_size=vpp,
-                                           pipeline_stage_layers=list(stage_layers) if stage_layers else None)
+                                           pipeline_stage_layers=list(stage_layers) if stage_layers else None,
+                                           data_parallel_microbatches=(list(replica_microbatches)
+                                                                       if replica_microbatches else None))
         new_cfg = dataclasses.replace(self.cfg, parallel=new_parallel)
         new_cfg.validate(self.ctx.world_size)  # a bad target raises here, before anything changes
         payload = ckpt.collect_payload(self.model, self.optimizer)
@@ -191,6 +195,7 @@ class Trainer:
             ext.attach(self)
         info = {"from": old_name, "to": self.layout_name(), "iteration": self.iteration,
                 "stage_layers": new_parallel.pipeline_stage_layers,
+                "replica_microbatches": new_parallel.data_parallel_microbatches,
                 "bytes_sent_by_rank0": moved, "pause_s": _time.perf_counter() - start}
         if self.ctx.rank == 0:
             logger.info("re-laid out %s -> %s at iteration %d in %.2f s", old_name, info["to"], self.iteration,
@@ -226,7 +231,8 @@ class Trainer:
         position_ids = batch["position_ids"].to(dev, non_blocking=True)
         mask = batch.get("attention_mask")
         output = model(tokens, position_ids, None if mask is None else mask.to(dev), labels=labels)
-        return output, stage_loss_func(batch["loss_mask"].to(dev))
+        per_token = self.cfg.parallel.data_parallel_microbatches is not None
+        return output, stage_loss_func(batch["loss_mask"].to(dev), per_token=per_token)
 
     def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool) -> list[dict[str, Any]]:
         chunks = self.model.chunks
@@ -247,6 +253,12 @@ class Trainer:
 
         if not self.ctx.is_last_stage:
             return None
+        if self.cfg.parallel.data_parallel_microbatches is not None:  # [sum, count] per micro-batch
+            sums = torch.stack([d["lm loss"].float().cpu() for d in losses]).sum(0) if losses else torch.zeros(2)
+            if self.ctx.layout.dp > 1:
+                sums = sums.to(self.ctx.device)
+                dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            return float(sums[0] / sums[1].clamp(min=1.0))
         value = torch.stack([d["lm loss"].float().cpu() for d in losses]).mean() if losses else torch.tensor(0.0)
         if self.ctx.layout.dp > 1:
             value = value.to(self.ctx.device)

@@ -90,6 +90,7 @@ def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=ctx.vpp,
         pipeline_model_parallel_layout=stage_layout(p.pipeline_stage_layers),
+        calculate_per_token_loss=p.data_parallel_microbatches is not None,
         sequence_parallel=p.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -253,14 +254,23 @@ def count_parameters(chunks: list[torch.nn.Module]) -> int:
     return sum(p.numel() for c in chunks for p in c.parameters())
 
 
-def stage_loss_func(loss_mask: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]:
+def stage_loss_func(loss_mask: torch.Tensor, *, per_token: bool = False) -> Callable[[torch.Tensor], tuple]:
     """Mean token loss of one micro-batch (every micro-batch has the same token count, so the mean
-    over micro-batches and data-parallel ranks is the global mean)."""
+    over micro-batches and data-parallel ranks is the global mean).
+
+    ``per_token`` (uneven micro-batches per replica, ``calculate_per_token_loss``): the loss *sum*
+    and the token count, megatron's three-part form; the schedule and ``finalize_model_grads`` then
+    divide by the tokens of the whole global batch, so a replica's share weighs what its tokens do.
+    The reported value is ``[sum, count]``."""
 
     def loss_func(output_tensor: torch.Tensor):
         losses = output_tensor.float().view(-1)
         mask = loss_mask.view(-1).float()
-        loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+        total = torch.sum(losses * mask)
+        if per_token:
+            count = mask.sum().to(torch.int)
+            return total, count, {"lm loss": torch.stack([total.detach(), mask.sum()])}
+        loss = total / mask.sum().clamp(min=1.0)
         return loss, {"lm loss": loss.detach().clone()}
 
     return loss_func

@@ -15,6 +15,7 @@ CORE_FLAGS = [
     "moe_aux_loss_coeff", "moe_grouped_gemm",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
     "virtual_pipeline_model_parallel_size", "pipeline_stage_layers",
+    "data_parallel_microbatches",
     "sequence_parallel", "overlap_grad_reduce", "use_distributed_optimizer", "distributed_backend", "device", "engine",
     "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
     "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
@@ -173,3 +174,18 @@ def test_pipeline_stage_layers_checks():
     with pytest.raises(ConfigError, match="needs --engine megatron"):
         parse_run_config(["--pipeline-model-parallel-size", "2", "--pipeline-stage-layers", "3", "1",
                           "--engine", "deepspeed"])
+
+
+def test_data_parallel_microbatches_checks():
+    cfg = parse_run_config(["--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                            "--micro-batch-size", "2", "--data-parallel-microbatches", "3", "1"])
+    cfg.validate(4)
+    with pytest.raises(ConfigError, match=r"--data-parallel-microbatches 2 1 needs one count per data-parallel "
+                                          r"replica \(2\) summing to --global-batch-size \(8\) / "
+                                          r"--micro-batch-size \(2\) = 4"):
+        parse_run_config(["--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                          "--micro-batch-size", "2", "--data-parallel-microbatches", "2", "1"]).validate(4)
+    with pytest.raises(ConfigError, match="needs counts >= 1"):
+        parse_run_config(["--data-parallel-microbatches", "4", "0"])
+    with pytest.raises(ConfigError, match="needs --engine megatron and plain 1F1B"):
+        parse_run_config(["--data-parallel-microbatches", "3", "1", "--engine", "deepspeed"])

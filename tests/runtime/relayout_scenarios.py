@@ -23,7 +23,7 @@ from megatron_ext.runtime.loop import Trainer  # noqa: E402
 BASE = {"train_iters": 20, "eval_iters": 0, "progress": False, "global_batch_size": 8, "micro_batch_size": 2,
         "lr": 2e-3, "min_lr": 2e-4, "lr_warmup_iters": 3, "lr_decay_style": "cosine"}
 LAYOUTS = {"tp2pp2": (2, 2), "pp4": (1, 4), "pp2dp2": (1, 2), "tp2dp2": (2, 1), "pp2dp2_3+1": (1, 2, [3, 1]),
-           "tp2pp2_1+3": (2, 2, [1, 3])}
+           "tp2pp2_1+3": (2, 2, [1, 3]), "pp2dp2_mb3+1": (1, 2, None, [3, 1])}
 
 
 def losses(trainer: Trainer, iterations: int, extra_keys: list | None = None) -> list[float]:
@@ -39,9 +39,10 @@ def losses(trainer: Trainer, iterations: int, extra_keys: list | None = None) ->
 
 
 def trainer_for(ctx, layout: str, values: dict | None = None) -> tuple[Trainer, distributed.DistContext]:
-    tp, pp, *stages = LAYOUTS[layout]
+    tp, pp, stages, split = (list(LAYOUTS[layout]) + [None, None])[:4]
     cfg = config_from_values({**BASE, **(values or {}), "tensor_model_parallel_size": tp,
-                              "pipeline_model_parallel_size": pp, "pipeline_stage_layers": stages[0] if stages else None})
+                              "pipeline_model_parallel_size": pp, "pipeline_stage_layers": stages,
+                              "data_parallel_microbatches": split})
     ctx = distributed.relayout(ctx, tp=tp, pp=pp, vpp=None, seed=cfg.training.seed)
     return Trainer(cfg, ctx, build_extensions(cfg)).setup(), ctx
 
@@ -54,16 +55,16 @@ def main() -> None:
     out_path = sys.argv[1]
     ctx = distributed.setup(config_from_values(dict(BASE)).parallel, seed=1234)
     result: dict = {}
-    for start in ("tp2pp2", "pp2dp2", "pp2dp2_3+1"):
+    for start in ("tp2pp2", "pp2dp2", "pp2dp2_3+1", "pp2dp2_mb3+1"):
         trainer, ctx = trainer_for(ctx, start)
         result[f"straight_{start}"] = losses(trainer, 20)
     for start, target in (("tp2pp2", "pp4"), ("pp2dp2", "tp2pp2"), ("tp2pp2", "tp2dp2"),
-                          ("pp2dp2", "pp2dp2_3+1"), ("pp2dp2_3+1", "tp2pp2_1+3")):
+                          ("pp2dp2", "pp2dp2_3+1"), ("pp2dp2_3+1", "tp2pp2_1+3"), ("pp2dp2", "pp2dp2_mb3+1")):
         trainer, ctx = trainer_for(ctx, start)
         first = losses(trainer, 10)
         groups_before = live_groups()
-        tp, pp, *stages = LAYOUTS[target]
-        info = trainer.relayout(tp=tp, pp=pp, stage_layers=stages[0] if stages else None)
+        tp, pp, stages, split = (list(LAYOUTS[target]) + [None, None])[:4]
+        info = trainer.relayout(tp=tp, pp=pp, stage_layers=stages, replica_microbatches=split)
         ctx = trainer.ctx
         second = losses(trainer, 10)
         result[f"{start}->{target}"] = {"losses": first + second, "info": info,

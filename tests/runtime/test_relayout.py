@@ -22,7 +22,8 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("start,target", [("tp2pp2", "pp4"), ("pp2dp2", "tp2pp2"), ("tp2pp2", "tp2dp2"),
-                                          ("pp2dp2", "pp2dp2_3+1"), ("pp2dp2_3+1", "tp2pp2_1+3")])
+                                          ("pp2dp2", "pp2dp2_3+1"), ("pp2dp2_3+1", "tp2pp2_1+3"),
+                                          ("pp2dp2", "pp2dp2_mb3+1")])
 def test_relayout_at_iteration_10_continues_the_straight_run(result, start, target):
     # Weights, Adam moments and step counts moved to their new owners, the LR schedule's position
     # and the data position carried over: the curve is the straight 20-iteration run's.
@@ -35,6 +36,13 @@ def test_relayout_at_iteration_10_continues_the_straight_run(result, start, targ
 def test_uneven_stages_train_the_same_model(result):
     # 3 + 1 layers on PP2 x DP2 from the start: the same curve as the even split.
     assert max_rel_diff(result["straight_pp2dp2_3+1"], result["straight_pp2dp2"]) < 1e-5
+
+
+@pytest.mark.multirank
+def test_uneven_replica_work_keeps_the_global_batch_gradient(result):
+    # Replica 0 takes 3 of the 4 micro-batches, replica 1 one; per-token loss weighting keeps the
+    # global batch's gradient, so the curve is the even split's.
+    assert max_rel_diff(result["straight_pp2dp2_mb3+1"], result["straight_pp2dp2"]) < 1e-5
 
 
 @pytest.mark.multirank
