@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -96,7 +96,6 @@ class Actor:
         self.decides = rank == decider
         self.policy: PlanPolicy | None = None
         self.healthy_times: list[float] = []
-        self.plans: list[dict[str, Any]] = []
 
     def _policy(self, trainer: "Trainer") -> "PlanPolicy":
         from megatron_ext.resihp.planner_policy import PlanPolicy
@@ -131,8 +130,6 @@ class Actor:
             print(f" resihp: {plan.describe()}", flush=True)
             if self.cfg.resihp_act == "relayout" and why:
                 print(f" resihp: plan not applied: {why}", flush=True)
-        self.plans.append({"iteration": iteration, "plan": plan.to_dict(),
-                           "applied": self.cfg.resihp_act == "relayout" and why is None})
         if self.cfg.resihp_act == "relayout" and why is None:
             new = plan.new
             if self.policy is not None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_ext.config.run import RunConfig
 from megatron_ext.data.dataset import MicroBatchStream, build_splits, split_sizes
 from megatron_ext.runtime import checkpoint as ckpt
-from megatron_ext.runtime import rundir
+from megatron_ext.runtime import distributed, rundir
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.extension import Extension, IterationMetrics
 from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, stage_loss_func
@@ -151,12 +151,10 @@ class Trainer:
         optimizer and LR scheduler are rebuilt and the LR schedule's state carried over; the data
         stream continues at the same sample. ``stage_layers`` gives uneven pipeline stages (layers
         per stage). Extensions detach from the old objects first and attach to the new ones after.
-        Returns what it did (layouts, bytes moved, seconds)."""
-        import time as _time
-
+        Returns what it did (layouts, this rank's shard bytes, seconds)."""
         if type(self)._build_model is not Trainer._build_model:
             raise NotImplementedError(f"{type(self).__name__} cannot re-layout live yet (megatron engine only)")
-        start = _time.perf_counter()
+        start = time.perf_counter()
         old_name = self.layout_name()
         new_parallel = dataclasses.replace(self.cfg.parallel, tensor_model_parallel_size=tp,
                                            pipeline_model_parallel_size=pp,
@@ -179,10 +177,8 @@ class Trainer:
         self._close_outputs()  # the logging rank may change: the new one appends to the same outputs
         if dist.is_initialized():
             dist.barrier()
-        from megatron_ext.runtime import distributed
-
         self.ctx = distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed,
-                                        ep=getattr(new_parallel, "expert_model_parallel_size", 1))
+                                        ep=new_parallel.expert_model_parallel_size)
         self.cfg = new_cfg
         self._build_model()
         ckpt.reshard_from_peers(payloads, model=self.model, optimizer=self.optimizer)
@@ -196,7 +192,7 @@ class Trainer:
         info = {"from": old_name, "to": self.layout_name(), "iteration": self.iteration,
                 "stage_layers": new_parallel.pipeline_stage_layers,
                 "replica_microbatches": new_parallel.data_parallel_microbatches,
-                "bytes_sent_by_rank0": moved, "pause_s": _time.perf_counter() - start}
+                "payload_bytes": moved, "pause_s": time.perf_counter() - start}
         if self.ctx.rank == 0:
             logger.info("re-laid out %s -> %s at iteration %d in %.2f s", old_name, info["to"], self.iteration,
                         info["pause_s"])
