@@ -66,7 +66,7 @@ from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
 from megatron_ext.helix.blocks import MoELayer, TPEPLayer, TPTransformerLayer, capacity_for  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
-from megatron_ext.helix.measure import step_peak_bytes, timed_step, train_step  # noqa: E402
+from megatron_ext.helix.measure import all_ranks_agree, step_peak_bytes, timed_step, train_step  # noqa: E402
 
 LINKS = {"intra": "intra_node", "xnode": "cross_node"}
 VARIANTS = ("baseline", "inductor", "helix")
@@ -131,7 +131,8 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
         backends[name].adopt_links(backends["baseline"])
         for _ in range(args.warmup):
             step(name)()
-    base_peak = step_peak_bytes(fns["baseline"], x, gy, models["baseline"].parameters())
+    agree = all_ranks_agree()
+    base_peak = step_peak_bytes(fns["baseline"], x, gy, models["baseline"].parameters(), agree=agree)
     budget = int(base_peak * 1.05)
     backends["helix"] = HelixBackend(memory_budget_bytes=budget, **common)
     backends["helix"].adopt_links(backends["baseline"])
@@ -142,9 +143,8 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
     for _ in range(args.steps):
         for name in VARIANTS:
             samples[name].append(timed_step(step(name), dist.barrier))
-    # Peak memory: median of three profiled steps (gloo frees some buffers from its own threads).
-    peaks = {name: statistics.median(step_peak_bytes(fns[name], x, gy, models[name].parameters())
-                                     for _ in range(3)) for name in VARIANTS}
+    # Peak memory of a profiled step whose allocator accounting closes (see step_peak_bytes).
+    peaks = {name: step_peak_bytes(fns[name], x, gy, models[name].parameters(), agree=agree) for name in VARIANTS}
     out = {"budget": budget, "link": {"latency_s": wire.latency_s, "bandwidth_Bps": wire.bandwidth_Bps,
                                        "layer_flops_per_s": rate}}
     for name in VARIANTS:

@@ -3,7 +3,8 @@
 Used by ``tools/bench_helix.py`` and the tests. Peak memory is read from the profiler's
 allocator events (``profile_memory=True``), so it also works on CPU where there is no
 ``max_memory_allocated``: the peak of the running sum of allocations and frees made during the
-step, by any thread -- the quantity the simulator's lifetime model predicts.
+step -- the quantity the simulator's lifetime model predicts. The profiler sees only the thread
+that runs the step; ``step_peak_bytes`` re-runs a step whose accounting does not close.
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ class StepSample:
     interference_s: float = 0.0  # emulated compute slowdown from in-flight collectives (not in exposed)
 
 
-def peak_bytes_of(fn: Callable[[], object]) -> int:
-    """Peak bytes allocated (net of frees) while ``fn`` runs, from profiler allocator events."""
+def _profile_memory(fn: Callable[[], object]) -> tuple[int, int]:
+    """(peak, net) bytes allocated while ``fn`` runs, from profiler allocator events: the peak of
+    the running sum of allocations and frees, and the sum at the end."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -41,7 +43,12 @@ def peak_bytes_of(fn: Callable[[], object]) -> int:
     for e in events:
         live += e.nbytes()
         peak = max(peak, live)
-    return peak
+    return peak, live
+
+
+def peak_bytes_of(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated (net of frees) while ``fn`` runs, from profiler allocator events."""
+    return _profile_memory(fn)[0]
 
 
 def clear_grads(x: torch.Tensor, params: Iterable[torch.nn.Parameter]) -> None:
@@ -57,13 +64,48 @@ def train_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad
     fn(x).backward(grad)
 
 
+def all_ranks_agree(group=None) -> Callable[[bool], bool]:
+    """``agree`` for ``step_peak_bytes`` on several ranks: True only where every rank said True."""
+    import torch.distributed as dist
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    return agree
+
+
+class UnclosedAccounting(RuntimeError):
+    """No profiled step had allocator accounting that closed (see ``step_peak_bytes``)."""
+
+
 def step_peak_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor,
-                    params: Iterable[torch.nn.Parameter]) -> int:
-    """Peak memory of one forward + backward. Old gradients are dropped *before* profiling: a
-    free of memory allocated before the profiler started would lower the running sum."""
+                    params: Iterable[torch.nn.Parameter], attempts: int = 20,
+                    agree: Callable[[bool], bool] | None = None) -> int:
+    """Peak memory of one forward + backward.
+
+    Old gradients are dropped *before* profiling: a free of memory allocated before the profiler
+    started would lower the running sum. The profiler records the allocator events of the thread
+    that runs the step only; when gloo's worker thread happens to drop the last reference to a
+    collective's buffer (a race with the wait), that free is missing and every later running sum
+    is too high by its size. Such a step is recognised exactly: its net bytes exceed what the step
+    leaves alive (the gradients). Only a step whose accounting closes is measured; a step that
+    does not is re-run, up to ``attempts`` times. When the step runs collectives, every rank must
+    re-run together: ``agree`` maps this rank's verdict to the verdict of all ranks
+    (``all_ranks_agree(group)``)."""
     params = list(params)
-    clear_grads(x, params)
-    return peak_bytes_of(lambda: fn(x).backward(grad))
+    tensors = [x, *params]
+    for _ in range(attempts):
+        clear_grads(x, params)
+        peak, net = _profile_memory(lambda: fn(x).backward(grad))
+        kept = sum(t.grad.untyped_storage().nbytes() for t in tensors if t.grad is not None)
+        closed = net == kept
+        if (agree(closed) if agree is not None else closed):
+            return peak
+        logger.debug("step_peak_bytes: accounting did not close (net %d bytes, %d kept): re-run", net, kept)
+    raise UnclosedAccounting(f"step_peak_bytes: allocator accounting did not close in {attempts} profiled "
+                             f"steps (frees made on threads the profiler does not record)")
 
 
 def timed_step(step: Callable[[], None], barrier: Callable[[], None] | None = None) -> StepSample:
