@@ -178,6 +178,24 @@ class HydroTuner:
     def _study(self) -> tuple[optuna.Study, list[optuna.trial.FrozenTrial]]:
         """Create or load the study; return it with the trials a killed tuner left running."""
         c = self.cfg
+        study = self._open_study()
+        stale = sorted(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), key=lambda t: t.number)
+        done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        if done or stale:
+            msg = f"resuming study '{c.study_name}': {len(done)} of {c.n_trials} trials done"
+            if stale:
+                # Marking them failed and re-running the configs as new trials (what this did before)
+                # lost their pruner verdicts: the copies were judged again against a population that had
+                # grown meanwhile (and against the failed originals' own rung values), and were pruned.
+                msg += (f", {len(stale)} interrupted trials resume under their own numbers (" +
+                        ", ".join(f"#{t.number}@{t.last_step or 0}" for t in stale) +
+                        "): retrained from step 0, earlier pruner verdicts kept")
+            self.log(msg)
+        return study, stale
+
+    def _open_study(self) -> optuna.Study:
+        """Create or load the study; refuse one created with other settings."""
+        c = self.cfg
         storage = c.resolved_storage()
         if storage == "memory":   # no persistence (benchmarks); cannot resume
             storage = None
@@ -195,19 +213,20 @@ class HydroTuner:
             diff = sorted(k for k in sig if old.get(k) != sig[k])
             raise RuntimeError(f"study '{c.study_name}' in {c.resolved_storage()} was created with different {', '.join(diff)}; "
                                "use another study_name or the original settings to resume")
-        stale = sorted(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)), key=lambda t: t.number)
-        done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-        if done or stale:
-            msg = f"resuming study '{c.study_name}': {len(done)} of {c.n_trials} trials done"
-            if stale:
-                # Marking them failed and re-running the configs as new trials (what this did before)
-                # lost their pruner verdicts: the copies were judged again against a population that had
-                # grown meanwhile (and against the failed originals' own rung values), and were pruned.
-                msg += (f", {len(stale)} interrupted trials resume under their own numbers (" +
-                        ", ".join(f"#{t.number}@{t.last_step or 0}" for t in stale) +
-                        "): retrained from step 0, earlier pruner verdicts kept")
-            self.log(msg)
-        return study, stale
+        return study
+
+    # Hooks for a tuner that shares its study with other workers (the Bubble Squeezer's guests).
+    def _askable(self, free: int, n_finished: int, n_open: int) -> int:
+        """How many new trials to ask now: the free slots, never beyond the trials still to finish
+        (``n_open``: trials in training or waiting to resume)."""
+        return max(0, min(free, self.cfg.n_trials - n_finished - n_open))
+
+    def _on_ask(self, trial: optuna.Trial) -> None:
+        """A new trial was asked (before it trains)."""
+
+    def _fusion_now(self, fusion: int) -> int:
+        """The fusion count for the next refill (a caller may lower it while the study runs)."""
+        return fusion
 
     # ---- the study --------------------------------------------------------------------------------
     def _spec(self, trial: optuna.Trial) -> TrialSpec:
@@ -292,15 +311,16 @@ class HydroTuner:
             # Refill free slots: interrupted trials first, then new ones, never more than the trials
             # still to finish. Leavers and newcomers change the bundle in one resize (one copy of the
             # survivors' state).
-            free = fusion - len(active)
+            free = self._fusion_now(fusion) - len(active)
             new_specs = []
             while pending and free > 0:
                 trial = optuna.trial.Trial(study, pending.pop(0)._trial_id)   # params come back from storage
                 active[trial.number] = trial
                 new_specs.append(self._spec(trial))
                 free -= 1
-            for _ in range(max(0, min(free, c.n_trials - n_finished - len(active) - len(pending)))):
+            for _ in range(self._askable(free, n_finished, len(active) + len(pending))):
                 trial = study.ask()
+                self._on_ask(trial)
                 active[trial.number] = trial
                 new_specs.append(self._spec(trial))
             if bundle is not None and (leaving or new_specs):
