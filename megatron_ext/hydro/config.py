@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import yaml
 
@@ -18,7 +18,13 @@ from .optim import OPTIMIZERS, TrialHParams
 from .schedule import LRSchedule
 from .search_space import SEARCHABLE, Param, parse_search_space
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .models import GPTShape
+
 PRUNERS = ("none", "median", "successive_halving", "hyperband")
+FAMILIES = ("gpt", "llama")
+# What the llama block is made of, and the gpt-family keys that would contradict it.
+LLAMA_BLOCK = {"norm": "rmsnorm", "activation": "silu"}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -36,12 +42,20 @@ class HydroTuneConfig:
     reduction_factor: int = doc("Keep 1 of this many trials per rung (successive halving / Hyperband).", 3)
     seed: int = doc("Seed of the sampler, the data order and trial initializations.", 1234)
     # target model
+    model_family: str = doc("Block of the target, as the runtime's model families: gpt (LayerNorm, GELU MLP, "
+                            "learned positions, biases) or llama (RMSNorm, SwiGLU, rotary positions, grouped-query "
+                            "attention, no biases).", "gpt", choices=FAMILIES)
     num_layers: int = doc("Target GPT layers.", 2)
     hidden_size: int = doc("Target GPT hidden size (the full width that the best config is transferred to).", 256)
     num_attention_heads: int = doc("Target GPT attention heads.", 8)
-    ffn_mult: int = doc("MLP hidden size as a multiple of hidden-size.", 4)
-    activation: str = doc("MLP activation.", "gelu", choices=("gelu", "silu"))
-    norm: str = doc("Normalization layer.", "layernorm", choices=("layernorm", "rmsnorm"))
+    num_query_groups: int = doc("llama: key/value head groups (grouped-query attention, as --num-query-groups); "
+                                "0 = one per attention head.", 0)
+    rotary_base: int = doc("llama: base period of the rotary position embeddings (--rotary-base).", 10000)
+    ffn_mult: int = doc("gpt: MLP hidden size as a multiple of hidden-size (unless ffn-hidden-size is set).", 4)
+    ffn_hidden_size: int = doc("MLP hidden size; 0 = ffn-mult x hidden-size (gpt), or Megatron-LM's --swiglu "
+                               "default int(8h/3/64)*64 (llama).", 0)
+    activation: str = doc("gpt: MLP activation (llama: SiLU in the SwiGLU).", "gelu", choices=("gelu", "silu"))
+    norm: str = doc("gpt: normalization layer (llama: RMSNorm).", "layernorm", choices=("layernorm", "rmsnorm"))
     seq_length: int = doc("Tokens per training sequence.", 64)
     vocab_size: int = doc("Vocabulary size; 0 = from the tokenizer or the data.", 0)
     # shrinking and parametrization
@@ -89,12 +103,60 @@ class HydroTuneConfig:
             bad("shrink_ratio", f"must be in (0, 1], got {self.shrink_ratio}")
         if self.hidden_size % self.num_attention_heads:
             bad("hidden_size", f"{self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
+        for key in ("num_query_groups", "ffn_hidden_size"):
+            if getattr(self, key) < 0:
+                bad(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.model_family == "llama":
+            for key, want in LLAMA_BLOCK.items():
+                # The gpt-family defaults stand for "not set"; anything else would contradict the block.
+                if getattr(self, key) not in (want, dataclasses.fields(self)[_FIELD_INDEX[key]].default):
+                    bad(key, f"is {getattr(self, key)!r}, but the llama block uses {want!r}")
+                setattr(self, key, want)
+            g = self.num_query_groups
+            if g and self.num_attention_heads % g:
+                bad("num_query_groups", f"{g} does not divide num_attention_heads {self.num_attention_heads}")
+            if self.rotary_base < 1:
+                bad("rotary_base", f"must be >= 1, got {self.rotary_base}")
+            if (self.hidden_size // self.num_attention_heads) % 2:
+                bad("num_attention_heads", f"gives head dim {self.hidden_size // self.num_attention_heads}; rotary "
+                                           "embeddings need an even head dim")
+            if not self.ffn_hidden_size and self.ffn_hidden() < 1:
+                bad("ffn_hidden_size", f"is 0 and Megatron-LM's --swiglu default for hidden_size {self.hidden_size} "
+                                       "is 0: set ffn_hidden_size")
+        else:
+            if self.num_query_groups:
+                bad("num_query_groups", "needs model_family llama (the gpt block has multi-head attention)")
+            if self.rotary_base != 10000:
+                bad("rotary_base", "needs model_family llama (the gpt block has learned positions)")
+
+    def ffn_hidden(self) -> int:
+        """The MLP hidden size of the target (``ffn_hidden_size``, else the family's default)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.model_family == "llama":
+            from .models import megatron_swiglu_ffn
+            return megatron_swiglu_ffn(self.hidden_size)
+        return self.ffn_mult * self.hidden_size
         if self.memory_budget_mb < 0:
             bad("memory_budget_mb", "must be >= 0")
+
+    def target_shape(self, vocab_size: int) -> "GPTShape":
+        """The target model's shape: the family's block at full width."""
+        from .models import GPTShape
+        llama = self.model_family == "llama"
+        return GPTShape(vocab_size=vocab_size, seq_len=self.seq_length, d_model=self.hidden_size,
+                        n_layers=self.num_layers, n_heads=self.num_attention_heads, ffn_mult=self.ffn_mult,
+                        ffn_hidden=self.ffn_hidden(), activation=self.activation, norm=self.norm,
+                        parametrization=self.parametrization, swiglu=llama,
+                        n_query_groups=self.num_query_groups if llama else 0,
+                        position="rope" if llama else "learned", rotary_base=float(self.rotary_base), bias=not llama)
 
     def resolved_storage(self) -> str:
         import os
         return self.storage or f"sqlite:///{os.path.join(self.output_dir, self.study_name + '.db')}"
+
+
+_FIELD_INDEX = {f.name: i for i, f in enumerate(dataclasses.fields(HydroTuneConfig))}
 
 
 def key_lines(path: str) -> dict[str, int]:
@@ -133,6 +195,12 @@ def load_config(path: str | None, overrides: Mapping[str, Any] | None = None
     for k, v in (overrides or {}).items():
         if v is not None:
             values[k] = yaml.safe_load(v) if k in ("search_space", "defaults") and isinstance(v, str) else v
+    if values.get("model_family") == "llama":
+        for key, want in LLAMA_BLOCK.items():
+            if key in values and values[key] != want:
+                loc = f"{where}:{lines[key]}" if key in lines else where
+                raise ConfigError(f"{loc}: key '{key}' is {values[key]!r}, but model_family llama uses {want!r} "
+                                  "(remove the key)")
     try:
         cfg = build(HydroTuneConfig, values, where)
     except ConfigError as exc:

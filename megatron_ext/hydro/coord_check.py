@@ -6,7 +6,9 @@ each width we train a few fused trials (different seeds, averaged) for ``steps``
 same LR and record mean |activation| of chosen layers at each step; SP's curves grow with width
 (logits and attention blow up after a few steps), muP's stay flat.
 
-``python -m megatron_ext.hydro.coord_check --out coord.png`` writes the plot and prints the table.
+``python -m megatron_ext.hydro.coord_check --out coord.png`` writes the plot and prints the table;
+``--family llama`` checks the LLaMA-style block (RMSNorm, SwiGLU, rotary positions, grouped-query
+attention with two query heads per key/value group, no biases) instead of the GPT block.
 We use our own fused bundles (and ``FusedOptimizer`` with ``mup``'s multipliers) rather than
 ``mup.coord_check``: that checks our fused muP path end to end and avoids its pandas/seaborn stack.
 """
@@ -21,7 +23,7 @@ import torch
 
 from .bundle import TrialBundle, TrialSpec
 from .data import TokenBatches, synthetic_tokens
-from .models import GPT, GPTShape
+from .models import GPT, GPTShape, llama_shape
 from .nn import fused_cross_entropy
 from .optim import TrialHParams
 from .parametrization import apply_mup, mup_multipliers, param_shapes
@@ -30,14 +32,23 @@ LAYERS = ("tok", "blocks.0.attn", "blocks.0.mlp.fc2", "head")
 
 
 def coord_data(widths: Sequence[int], parametrization: str, *, steps: int = 4, lr: float = 1e-2, seeds: int = 3,
-               vocab: int = 64, seq_len: int = 16, batch: int = 8, head_dim: int = 8, optimizer: str = "adam"
-               ) -> dict[int, dict[str, list[float]]]:
-    """{width: {layer: [mean |act| after 0..steps-1 updates]}}, averaged over ``seeds`` fused trials."""
+               vocab: int = 64, seq_len: int = 16, batch: int = 8, head_dim: int = 8, optimizer: str = "adam",
+               family: str = "gpt") -> dict[int, dict[str, list[float]]]:
+    """{width: {layer: [mean |act| after 0..steps-1 updates]}}, averaged over ``seeds`` fused trials.
+
+    ``family="llama"``: the LLaMA-style block, with half as many key/value groups as heads and a
+    SwiGLU of 4 x width (Megatron-LM's 8h/3 rounding is not proportional at these widths)."""
+    if family not in ("gpt", "llama"):
+        raise ValueError(f"family must be gpt or llama, got {family!r}")
     data = TokenBatches(synthetic_tokens(20_000, vocab, seed=0), seq_len, batch, seed=0)
     batches = [data.train_batch() for _ in range(steps)]
 
     def shape(d: int) -> GPTShape:
-        return GPTShape(vocab_size=vocab, seq_len=seq_len, d_model=d, n_layers=1, n_heads=max(1, d // head_dim),
+        heads = max(1, d // head_dim)
+        if family == "llama":
+            return llama_shape(vocab_size=vocab, seq_len=seq_len, d_model=d, n_layers=1, n_heads=heads,
+                               n_query_groups=max(1, heads // 2), ffn_hidden=4 * d, parametrization=parametrization)
+        return GPTShape(vocab_size=vocab, seq_len=seq_len, d_model=d, n_layers=1, n_heads=heads,
                         parametrization=parametrization)
 
     base, delta = param_shapes(GPT(shape(widths[0]))), param_shapes(GPT(shape(2 * widths[0])))
@@ -106,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    ap.add_argument("--family", default="gpt", choices=("gpt", "llama"), help="block of the model checked")
     ap.add_argument("--out", default="coord_check.png")
     args = ap.parse_args(argv)
-    results = {p: coord_data(args.widths, p, steps=args.steps, lr=args.lr, optimizer=args.optimizer)
-               for p in ("sp", "mup")}
+    results = {p: coord_data(args.widths, p, steps=args.steps, lr=args.lr, optimizer=args.optimizer,
+                             family=args.family) for p in ("sp", "mup")}
     print(f"{'param':5} {'layer':18} " + " ".join(f"w={w:<7}" for w in args.widths) + "  (last step)")
     for p, data in results.items():
         for layer in LAYERS:

@@ -38,7 +38,7 @@ SEARCHABLE: dict[str, tuple[str, Any]] = {
 }
 # Shape or batch settings a user may try to search, and why that cannot be done in one bundle.
 NOT_FUSABLE = {"batch_size", "seq_len", "d_model", "n_layers", "n_heads", "ffn_mult", "vocab_size",
-               "optimizer", "shrink_ratio"}
+               "optimizer", "shrink_ratio", "model_family", "num_query_groups", "ffn_hidden_size", "rotary_base"}
 SPEC_KEYS = {"type", "low", "high", "log", "step", "choices"}
 
 

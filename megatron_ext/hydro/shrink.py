@@ -247,6 +247,7 @@ def shrink_model(model: nn.Module, ratio: float, *, example_inputs: Sequence[Any
 
     new_size: dict[int, int] = {}
     heads_for: dict[int, tuple[int, int]] = {}   # root slot -> (n_heads, head_dim) after scaling
+    attn_plan: dict[str, tuple[int, int, int]] = {}   # attention module -> (n_heads, head_dim, kv_heads)
     for target, ms in mods.items():
         m = gm.get_submodule(target)
         if isinstance(m, SelfAttention):
@@ -254,13 +255,20 @@ def shrink_model(model: nn.Module, ratio: float, *, example_inputs: Sequence[Any
             if slots.info[r].fixed_reason:
                 continue
             hd = m.d_model // m.n_heads
+            kv = getattr(m, "kv_heads", m.n_heads)
             if mode == "heads":
                 h2, hd2 = max(1, int(round(m.n_heads * ratio))), hd
+                g2 = _kv_heads(h2, kv * h2 / m.n_heads) if kv != m.n_heads else h2
             else:
-                h2, hd2 = m.n_heads, max(1, int(round(hd * ratio)))
+                h2, hd2, g2 = m.n_heads, max(1, int(round(hd * ratio))), kv
+                if getattr(m, "rotary_base", 0.0) and hd2 % 2:
+                    # Rotary embeddings rotate pairs of a head's features: the nearest even head dim
+                    # towards the original (which is even), reported with the new width.
+                    hd2 = hd2 + 1 if hd2 < hd else hd2 - 1
             if r in heads_for and heads_for[r][0] * heads_for[r][1] != h2 * hd2:
                 raise PassError(f"shrink_model: attention layers on one residual stream disagree on width ({target})")
             heads_for[r] = (h2, hd2)
+            attn_plan[target] = (h2, hd2, g2)
             new_size[r] = h2 * hd2
     for i in range(len(slots.parent)):
         r = slots.find(i)
@@ -274,7 +282,7 @@ def shrink_model(model: nn.Module, ratio: float, *, example_inputs: Sequence[Any
 
     for target, ms in mods.items():
         m = gm.get_submodule(target)
-        new, desc = _rebuild(m, {k: width(v) for k, v in ms.items()}, heads_for.get(slots.find(ms.get("dim", ms.get("in", 0)))))
+        new, desc = _rebuild(m, {k: width(v) for k, v in ms.items()}, attn_plan.get(target))
         if new is not None:
             gm.set_submodule(target, new.to(_device_dtype(m)))
             report.changed[target] = desc
@@ -299,19 +307,30 @@ def _device_dtype(m: nn.Module) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def _rebuild(m: nn.Module, w: dict[str, int], heads: tuple[int, int] | None) -> tuple[nn.Module | None, str]:
+def _kv_heads(n_heads: int, want: float) -> int:
+    """Key/value heads for ``n_heads`` query heads: the divisor of ``n_heads`` nearest ``want``
+    (the scaled group count), the larger one on a tie, so the group size stays near the original."""
+    divisors = [g for g in range(1, n_heads + 1) if n_heads % g == 0]
+    return min(divisors, key=lambda g: (abs(g - want), -g))
+
+
+def _rebuild(m: nn.Module, w: dict[str, int], heads: tuple[int, int, int] | None) -> tuple[nn.Module | None, str]:
     if isinstance(m, SelfAttention):
-        if heads is None or heads[0] * heads[1] == m.d_model:
+        kv = getattr(m, "kv_heads", m.n_heads)
+        if heads is None or (heads[0] * heads[1] == m.d_model and heads[2] == kv):
             return None, ""
-        h2, hd2 = heads
+        h2, hd2, g2 = heads
         hd = m.d_model // m.n_heads
         # Keep the parametrization's rule: 1/sqrt(d) stays 1/sqrt(d'), c/d becomes c/d'.
         if math.isclose(m.scale, 1 / math.sqrt(hd), rel_tol=1e-9):
             scale = 1 / math.sqrt(hd2)
         else:
             scale = m.scale * hd / hd2
-        new = SelfAttention(h2 * hd2, h2, scale, m.causal, m.qkv.bias is not None)
-        return new, f"attention {m.d_model} ({m.n_heads} heads) -> {h2 * hd2} ({h2} heads)"
+        new = SelfAttention(h2 * hd2, h2, scale, m.causal, m.qkv.bias is not None,
+                            n_query_groups=g2 if g2 != h2 else 0, rotary_base=getattr(m, "rotary_base", 0.0))
+        groups = (lambda h, g: f", {g} query group{'s' if g > 1 else ''}" if g != h else "")
+        return new, (f"attention {m.d_model} ({m.n_heads} heads{groups(m.n_heads, kv)}, head dim {hd}) -> "
+                     f"{h2 * hd2} ({h2} heads{groups(h2, g2)}, head dim {hd2})")
     if isinstance(m, nn.Linear):
         if (w["in"], w["out"]) == (m.in_features, m.out_features):
             return None, ""

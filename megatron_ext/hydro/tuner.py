@@ -1,7 +1,7 @@
 """The Hydro tuner: an Optuna study whose trials run as fused bundles of shrunk models.
 
-1. Shrink the target GPT (``shrink_model``) and parametrize it with muP, so the proxy's best
-   hyperparameters are the target's too.
+1. Shrink the target (a GPT- or LLaMA-style block, ``model_family``) with ``shrink_model`` and
+   parametrize it with muP, so the proxy's best hyperparameters are the target's too.
 2. Ask Optuna for as many configs as the bundle holds (fusion count from the memory model) and
    train them as one fused bundle; every ``eval_interval`` steps of a trial, report its validation
    loss. The pruner (successive halving / Hyperband / median) stops weak trials; finished and
@@ -121,10 +121,7 @@ class HydroTuner:
             self.vocab_size = int(max(self.data.train.max(), self.data.val.max())) + 1
 
     def _target_shape(self) -> GPTShape:
-        c = self.cfg
-        return GPTShape(vocab_size=self.vocab_size, seq_len=c.seq_length, d_model=c.hidden_size, n_layers=c.num_layers,
-                        n_heads=c.num_attention_heads, ffn_mult=c.ffn_mult, activation=c.activation, norm=c.norm,
-                        parametrization=c.parametrization)
+        return self.cfg.target_shape(self.vocab_size)
 
     def _setup_models(self) -> None:
         c = self.cfg
@@ -206,11 +203,12 @@ class HydroTuner:
         self.study = study
         sig = {"search_space": space_signature(self.space), "trial_steps": c.trial_steps,
                "shrink_ratio": c.shrink_ratio, "hidden_size": c.hidden_size, "optimizer": c.optimizer}
+        sig.update(_non_default(c, ("model_family", "num_query_groups")))   # keys of earlier studies unchanged
         old = study.user_attrs.get("hydro")
         if old is None:
             study.set_user_attr("hydro", sig)
         elif old != sig:
-            diff = sorted(k for k in sig if old.get(k) != sig[k])
+            diff = sorted(k for k in {**old, **sig} if old.get(k) != sig.get(k))
             raise RuntimeError(f"study '{c.study_name}' in {c.resolved_storage()} was created with different {', '.join(diff)}; "
                                "use another study_name or the original settings to resume")
         return study
@@ -398,7 +396,9 @@ class HydroTuner:
                   "eval_iters", "num_layers", "hidden_size", "num_attention_heads", "ffn_mult", "activation", "norm",
                   "shrink_ratio", "shrink_mode", "parametrization", "optimizer", "defaults", "device")
         return {"best_trial": best_t.number, "params": dict(best_t.params),
-                **{f: getattr(c, f) for f in fields}}
+                **{f: getattr(c, f) for f in fields},
+                # added with the llama block: only where set, so earlier studies' keys still match
+                **_non_default(c, ("model_family", "num_query_groups", "rotary_base", "ffn_hidden_size"))}
 
     def _finish(self, study: optuna.Study, fusion: int, t0: float, tuning_s: float,
                 history: list[tuple[float, float]]) -> TuneResult:
@@ -481,6 +481,11 @@ class HydroTuner:
         v = _plain_eval(model, val, self.device)
         self.log(f"[transfer {time.perf_counter() - t0:6.1f}s] target width {c.hidden_size} step {steps}/{steps} val {v:.4f}")
         return v
+
+
+def _non_default(cfg: HydroTuneConfig, names: tuple[str, ...]) -> dict[str, Any]:
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    return {n: getattr(cfg, n) for n in names if getattr(cfg, n) != defaults[n]}
 
 
 def _plain_optimizer(model: torch.nn.Module, kind: str, hp: TrialHParams, mup_on: bool) -> torch.optim.Optimizer:

@@ -30,3 +30,7 @@ def token_batch(seed, n=4, vocab=VOCAB, seq=SEQ):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, vocab, (n, seq + 1), generator=g)
     return x[:, :-1], x[:, 1:]
+
+# GPTShape flags of the LLaMA-style block (as models.llama_shape), with the MLP size left to
+# ffn_mult so that it scales with width (muP needs base and delta models of proportional widths).
+LLAMA_KW = dict(norm="rmsnorm", activation="silu", swiglu=True, n_query_groups=2, position="rope", bias=False)

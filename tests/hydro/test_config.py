@@ -93,5 +93,36 @@ def test_flag_list_is_pinned():
         "--eval-iters", "--ffn-mult", "--fusion", "--hidden-size", "--max-fusion", "--max-tokens",
         "--memory-budget-mb", "--micro-batch-size", "--min-resource", "--n-trials", "--norm", "--num-attention-heads",
         "--num-layers", "--optimizer", "--output-dir", "--parametrization", "--pruner", "--reduction-factor",
+        "--model-family", "--num-query-groups", "--rotary-base", "--ffn-hidden-size",
         "--sampler", "--search-space", "--seed", "--seq-length", "--shrink-mode", "--shrink-ratio", "--storage",
         "--study-name", "--target-steps", "--threads", "--trial-steps", "--vocab-size", "--help"])
+
+
+def test_llama_example_config_loads_as_the_llama_block():
+    cfg, space, hp, _ = load_config(os.path.join(ROOT, "configs", "tune_llama_tiny.yaml"))
+    assert cfg.model_family == "llama" and (cfg.norm, cfg.activation) == ("rmsnorm", "silu")
+    shape = cfg.target_shape(vocab_size=100)
+    assert shape.family == "llama" and shape.swiglu and shape.position == "rope" and not shape.bias
+    assert shape.kv_heads == cfg.num_query_groups < shape.n_heads
+    assert shape.ffn_size == int(cfg.hidden_size * 8 / 3 / 64) * 64          # Megatron-LM's --swiglu default
+    assert set(space) == {"lr", "beta2", "warmup_steps"}
+
+
+@pytest.mark.parametrize("body,message", [
+    ("num_query_groups: 2\n", "tune.yaml:1: key 'num_query_groups' needs model_family llama"),
+    ("rotary_base: 500000\n", "tune.yaml:1: key 'rotary_base' needs model_family llama"),
+    ("model_family: llama\nnum_attention_heads: 8\nnum_query_groups: 3\n",
+     "tune.yaml:3: key 'num_query_groups' 3 does not divide num_attention_heads 8"),
+    ("model_family: llama\nnorm: layernorm\n",
+     "tune.yaml:2: key 'norm' is 'layernorm', but model_family llama uses 'rmsnorm' (remove the key)"),
+    ("model_family: llama\nhidden_size: 16\nnum_attention_heads: 2\n",
+     "key 'ffn_hidden_size' is 0 and Megatron-LM's --swiglu default for hidden_size 16 is 0"),
+    ("model_family: mamba\n", "key 'model_family' must be one of 'gpt', 'llama', got 'mamba'"),
+    ("search_space:\n  num_query_groups: {type: int, low: 1, high: 4}\n",
+     "search_space.num_query_groups: cannot be searched"),
+])
+def test_bad_family_settings_are_named(tmp_path, body, message):
+    path = write(tmp_path, body)
+    with pytest.raises(ConfigError) as ei:
+        load_config(path)
+    assert message in str(ei.value)

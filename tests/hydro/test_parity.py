@@ -10,7 +10,9 @@ from megatron_ext.hydro.optim import TrialHParams
 from megatron_ext.hydro.parametrization import mup_multipliers
 from megatron_ext.hydro.schedule import LRSchedule
 
-from hydro_helpers import gpt_factory, token_batch
+from hydro_helpers import LLAMA_KW, gpt_factory, token_batch
+
+FAMILIES = {"gpt": {}, "llama": LLAMA_KW}   # GPTShape flags per block
 
 STEPS = 6
 
@@ -61,10 +63,11 @@ def specs_for(kind):
     ]
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
 @pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
 @pytest.mark.parametrize("parametrization", ["sp", "mup"])
-def test_fused_trials_equal_trials_alone_float64(kind, parametrization):
-    factory = gpt_factory(d_model=32, n_heads=4, parametrization=parametrization, base_d=16)
+def test_fused_trials_equal_trials_alone_float64(kind, parametrization, family):
+    factory = gpt_factory(d_model=32, n_heads=4, parametrization=parametrization, base_d=16, **FAMILIES[family])
     specs = specs_for(kind)
     mults = None
     if parametrization == "mup":
@@ -78,14 +81,15 @@ def test_fused_trials_equal_trials_alone_float64(kind, parametrization):
     for spec in specs:
         ref = train_alone(factory, spec, kind, batches, parametrization == "mup")
         got = bundle.trial_state(spec.trial_id)
-        assert max_rel_diff(got, ref) < 1e-10, (kind, parametrization, spec.trial_id)
+        assert max_rel_diff(got, ref) < 1e-10, (kind, parametrization, family, spec.trial_id)
         # the trial moved: parity is not the trivial "nothing trained"
         assert max_rel_diff(got, factory(spec.seed).state_dict()) > 1e-4
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
 @pytest.mark.parametrize("kind", ["adam", "sgd"])
-def test_fused_parity_float32_within_1e5(kind):
-    factory = gpt_factory(d_model=32, n_heads=4, dtype=torch.float32)
+def test_fused_parity_float32_within_1e5(kind, family):
+    factory = gpt_factory(d_model=32, n_heads=4, dtype=torch.float32, **FAMILIES[family])
     specs = specs_for(kind)
     batches = [token_batch(200 + i) for i in range(STEPS)]
     bundle = TrialBundle(factory, specs, optimizer=kind, loss_fn=fused_cross_entropy,

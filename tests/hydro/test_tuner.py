@@ -157,3 +157,22 @@ def test_python_api_takes_defaults_from_the_config(tmp_path):
     t = HydroTuner(cfg, SPACE, data=data(), vocab_size=VOCAB, log=lambda s: None)
     assert t.defaults.schedule.kind == "cosine" and t.defaults.beta2 == 0.95 and t.defaults.grad_clip == 1.0
     assert t.defaults.schedule.total_steps == cfg.trial_steps
+
+
+def test_a_llama_study_tunes_a_shrunk_llama_proxy_and_transfers(tmp_path):
+    cfg = cfg_for(tmp_path, model_family="llama", hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=64, rotary_base=500000, n_trials=3, pruner="none", trial_steps=8, target_steps=16,
+                  parametrization="mup", optimizer="adamw")
+    t = tuner(cfg)
+    res = t.run()
+    assert res.n_complete == 3 and res.target_loss is not None and res.target_loss < math.log(VOCAB) - 0.5
+    attn = t.proxy_template.get_submodule("blocks.0.attn")
+    assert (attn.n_heads, attn.kv_heads, attn.rotary_base) == (2, 1, 500000.0)      # shrunk 0.5: 4/2 -> 2/1
+    assert t.proxy_template.get_submodule("blocks.0.mlp.gate").out_features == 32    # SwiGLU 64 -> 32
+    target = t.target_factory(0)
+    assert target.shape.family == "llama" and target.blocks[0].attn.kv_heads == 2
+    assert mup_multipliers(target, "adamw")["blocks.0.mlp.gate.weight"][0] == 0.5    # muP on the SwiGLU widths
+    study = optuna.load_study(study_name="t", storage=cfg.resolved_storage())
+    assert study.user_attrs["hydro"]["model_family"] == "llama"
+    with pytest.raises(RuntimeError, match="was created with different model_family, num_query_groups"):
+        tuner(cfg_for(tmp_path, n_trials=3, pruner="none", trial_steps=8, optimizer="adamw")).run()   # gpt, same name

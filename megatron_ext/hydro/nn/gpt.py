@@ -22,14 +22,29 @@ def _fused_norm(kind: str, B: int, d: int) -> FusedModule:
 
 
 class FusedMLP(FusedModule):
-    def __init__(self, num_trials: int, d_model: int, hidden: int, activation: str = "gelu") -> None:
+    def __init__(self, num_trials: int, d_model: int, hidden: int, activation: str = "gelu", bias: bool = True) -> None:
         super().__init__()
-        self.fc1 = FusedLinear(num_trials, d_model, hidden)
+        self.fc1 = FusedLinear(num_trials, d_model, hidden, bias)
         self.act = nn.GELU() if activation == "gelu" else nn.SiLU()
-        self.fc2 = FusedLinear(num_trials, hidden, d_model)
+        self.fc2 = FusedLinear(num_trials, hidden, d_model, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+
+class FusedSwiGLU(FusedModule):
+    """B copies of ``hydro.models.SwiGLU``: the gate product is elementwise, so only the three
+    matrices are fused."""
+
+    def __init__(self, num_trials: int, d_model: int, hidden: int, bias: bool = True) -> None:
+        super().__init__()
+        self.gate = FusedLinear(num_trials, d_model, hidden, bias)
+        self.fc1 = FusedLinear(num_trials, d_model, hidden, bias)
+        self.act = nn.SiLU()
+        self.fc2 = FusedLinear(num_trials, hidden, d_model, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.gate(x)) * self.fc1(x))
 
 
 class FusedGPTBlock(FusedModule):
@@ -37,9 +52,11 @@ class FusedGPTBlock(FusedModule):
         super().__init__()
         B = num_trials
         self.ln1 = _fused_norm(shape.norm, B, shape.d_model)
-        self.attn = FusedSelfAttention(B, shape.d_model, shape.n_heads, shape.attn_scale(), bias=shape.attn_bias)
+        self.attn = FusedSelfAttention(B, shape.d_model, shape.n_heads, shape.attn_scale(), bias=shape.attn_bias,
+                                       n_query_groups=shape.n_query_groups, rotary_base=shape.rope_base)
         self.ln2 = _fused_norm(shape.norm, B, shape.d_model)
-        self.mlp = FusedMLP(B, shape.d_model, shape.ffn_mult * shape.d_model, shape.activation)
+        self.mlp = (FusedSwiGLU(B, shape.d_model, shape.ffn_size, shape.bias) if shape.swiglu
+                    else FusedMLP(B, shape.d_model, shape.ffn_size, shape.activation, shape.bias))
         self.drop = FusedDropout(B, shape.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,11 +72,11 @@ class FusedGPT(FusedModule):
         B = num_trials
         self.shape = shape
         self.tok = FusedEmbedding(B, shape.vocab_size, shape.d_model)
-        self.pos = FusedEmbedding(B, shape.seq_len, shape.d_model)
+        self.pos = FusedEmbedding(B, shape.seq_len, shape.d_model) if shape.position == "learned" else None
         self.drop = FusedDropout(B, shape.dropout)
         self.blocks = nn.ModuleList(FusedGPTBlock(B, shape) for _ in range(shape.n_layers))
         self.ln_f = _fused_norm(shape.norm, B, shape.d_model)
-        self.head = FusedLinear(B, shape.d_model, shape.vocab_size, input_mult=readout_mult)
+        self.head = FusedLinear(B, shape.d_model, shape.vocab_size, shape.bias, input_mult=readout_mult)
 
     @classmethod
     def from_plain(cls, plains: Sequence[GPT]) -> "FusedGPT":
@@ -79,9 +96,11 @@ class FusedGPT(FusedModule):
         B = self.tok.weight.shape[0]
         if shared_input:
             idx = idx.repeat(B, 1)
-        n, t = idx.shape
-        pos = torch.arange(t, device=idx.device).unsqueeze(0).expand(n, t)
-        x = self.drop(self.tok(idx) + self.pos(pos))
+        x = self.tok(idx)
+        if self.pos is not None:
+            n, t = idx.shape
+            x = x + self.pos(torch.arange(t, device=idx.device).unsqueeze(0).expand(n, t))
+        x = self.drop(x)
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln_f(x))
