@@ -34,3 +34,23 @@ def token_batch(seed, n=4, vocab=VOCAB, seq=SEQ):
 # GPTShape flags of the LLaMA-style block (as models.llama_shape), with the MLP size left to
 # ffn_mult so that it scales with width (muP needs base and delta models of proportional widths).
 LLAMA_KW = dict(norm="rmsnorm", activation="silu", swiglu=True, n_query_groups=2, position="rope", bias=False)
+
+
+def import_transformers():
+    """``transformers``, or None when it is not installed. A torchvision that cannot load (a CUDA
+    wheel next to a CPU torch raises on import) is hidden first, since transformers imports it
+    whenever it is present; None in ``sys.modules`` reads as "not installed"."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    if "torchvision" not in sys.modules and importlib.util.find_spec("torchvision") is not None:
+        try:
+            import torchvision  # noqa: F401
+        except Exception:  # noqa: BLE001 - any failure means unusable; hide it from transformers
+            for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+                del sys.modules[name]
+            sys.modules["torchvision"] = None
+    import transformers
+    return transformers

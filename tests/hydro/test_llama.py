@@ -9,6 +9,8 @@ from megatron_ext.hydro.nn import FusedGPT, FusedSelfAttention, expand_trials
 from megatron_ext.hydro.parametrization import apply_mup, mup_multipliers, param_shapes
 from megatron_ext.hydro.shrink import shrink_model
 
+from hydro_helpers import import_transformers
+
 V, T = 37, 12
 
 
@@ -30,11 +32,9 @@ def test_llama_block_computes_what_transformers_llama_computes():
     """An independent implementation: transformers' LlamaForCausalLM with our weights gives our
     logits, so RMSNorm, SwiGLU, rotary positions (base, half pairing) and the query-head-to-group
     map mean what they mean in LLaMA (and in megatron's llama family)."""
-    from megatron_ext.runtime.hf_export import ConversionError, transformers_module
-    try:
-        tr = transformers_module()
-    except ConversionError as exc:
-        pytest.skip(str(exc))
+    tr = import_transformers()
+    if tr is None:
+        pytest.skip("transformers is not installed (the dev extra)")
     ours = llama(d=32, heads=4, groups=2, ffn_hidden=48)
     for p in ours.parameters():   # RMSNorm gains away from 1, so a gain mapped wrongly shows
         if p.dim() == 1:
