@@ -37,20 +37,28 @@ LLAMA_KW = dict(norm="rmsnorm", activation="silu", swiglu=True, n_query_groups=2
 
 
 def import_transformers():
-    """``transformers``, or None when it is not installed. A torchvision that cannot load (a CUDA
-    wheel next to a CPU torch raises on import) is hidden first, since transformers imports it
-    whenever it is present; None in ``sys.modules`` reads as "not installed"."""
+    """``transformers``, or None when it is not installed.
+
+    transformers imports torchvision whenever one is installed, and a CUDA torchvision wheel next
+    to a CPU torch raises on import. Such a torchvision is hidden first (None in ``sys.modules``
+    reads as "not installed"); it is recognised from its version string without importing it,
+    since a failed import leaves half-registered operators behind."""
     import importlib.util
+    import os
+    import re
     import sys
 
     if importlib.util.find_spec("transformers") is None:
         return None
-    if "torchvision" not in sys.modules and importlib.util.find_spec("torchvision") is not None:
+    spec = None if "torchvision" in sys.modules else importlib.util.find_spec("torchvision")
+    if spec is not None and spec.submodule_search_locations and torch.version.cuda is None:
+        path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
         try:
-            import torchvision  # noqa: F401
-        except Exception:  # noqa: BLE001 - any failure means unusable; hide it from transformers
-            for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-                del sys.modules[name]
+            with open(path, encoding="utf-8") as fh:
+                cuda_build = re.search(r"__version__\s*=\s*['\"][^'\"]*\+cu\d+", fh.read()) is not None
+        except OSError:
+            cuda_build = False
+        if cuda_build:
             sys.modules["torchvision"] = None
     import transformers
     return transformers
