@@ -1,0 +1,685 @@
+"""Export a megatron-ext checkpoint (any layout) to Hugging Face ``transformers``, and import one back.
+
+    GPT block      <-> GPT2LMHeadModel       (gpt2)
+    LLaMA-style    <-> LlamaForCausalLM      (llama; with --qk-layernorm: Qwen3ForCausalLM, qwen3)
+    MoE            <-> Qwen3MoeForCausalLM   (qwen3_moe)
+
+A checkpoint is read as full tensors: every saved shard is placed at its global offset, whatever
+TP/PP/DP/EP layout wrote it, so export does not depend on the layout. One table of ``Rule`` s per
+model (``rules``) maps each full megatron tensor to its Hugging Face tensors and back; export and
+import walk the same table in opposite directions, and both refuse a tensor the table has no place
+for, so nothing is dropped silently.
+
+The parts that are not renames, from megatron-core's and transformers' model code:
+
+* ``linear_qkv`` holds, per query group, that group's query heads, then its key head, then its value
+  head (``SelfAttention.get_query_key_value_tensors``); HF keeps q, k and v apart (GPT-2: one
+  ``c_attn`` as [q | k | v]). HF's ``repeat_kv`` serves query heads g*r..g*r+r-1 from key/value head
+  g, the same grouping.
+* GPT-2's ``Conv1D`` stores weights as [in, out]: megatron's [out, in] transposed.
+* A SwiGLU ``linear_fc1`` is [W; V] with ``silu(x W^T) * (x V^T)``: HF's ``gate_proj`` is W and
+  ``up_proj`` is V (experts likewise).
+* Router: megatron's default (``moe_router_pre_softmax=False``) takes the top-k logits and softmaxes
+  them, which is Qwen3-MoE's softmax, top-k and renormalise (``norm_topk_prob=True``). Sinkhorn
+  routing evaluates as softmax then top-k without renormalising (``norm_topk_prob=False``); during
+  training it picks experts by Sinkhorn, which no HF model does.
+* Norm epsilon: megatron's ``layernorm_epsilon`` (1e-5; the project has no flag for another), GELU:
+  exact (``F.gelu``, HF ``"gelu"``), rotary: not interleaved, rotate-half as HF's.
+
+``transformers`` and ``safetensors`` are imported only here, lazily (the ``dev`` extra installs them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+from typing import Any, Callable
+
+import torch
+
+from megatron_ext.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, tuple[int, ...]]  # (megatron checkpoint key, index along stacked axes: layer, expert)
+Tensors = dict[Key, torch.Tensor]
+
+# megatron's layernorm_epsilon: TransformerConfig's default, which the runtime never changes.
+NORM_EPS = 1e-5
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM"}
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+class ConversionError(UserError):
+    """A checkpoint or Hugging Face model that cannot be converted; the message names what and where."""
+
+
+def transformers_module() -> Any:
+    """``import transformers``, keeping an unloadable torchvision out of its way.
+
+    transformers imports torchvision whenever it is installed (image utilities, reached from every
+    config class). PyPI's torchvision wheels are CUDA builds whose ops library needs libtorch_cuda,
+    which a CPU torch does not have, so that import raises; ``mup`` pulls such a torchvision into a
+    CPU venv. A ``None`` in ``sys.modules`` makes ``find_spec`` answer "not installed", which is true
+    for all purposes of this process (nothing can import it)."""
+    if "torchvision" not in sys.modules and _torchvision_needs_cuda_libs():
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ConversionError(f"transformers is not installed ({exc}): pip install -e \".[dev]\"") from None
+    return transformers
+
+
+def _torchvision_needs_cuda_libs() -> bool:
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations or torch.version.cuda is not None:
+        return False
+    try:  # read, not import: importing it is what fails
+        text = open(os.path.join(list(spec.submodule_search_locations)[0], "version.py"), encoding="utf-8").read()
+    except OSError:
+        return False
+    found = re.search(r"__version__\s*=\s*['\"][^'\"]*\+cu\d+", text)
+    return found is not None
+
+
+# --- reading a checkpoint in any layout ----------------------------------------------------------
+
+def read_full_tensors(path: str) -> tuple[dict[str, Any], Tensors]:
+    """(meta.json, every saved tensor assembled whole) of the checkpoint ``path`` points at (a save
+    directory's latest or one ``iter_N``). Files are verified against meta.json first."""
+    from megatron_ext.runtime import checkpoint as ckpt
+
+    if not os.path.isdir(path):
+        raise ConversionError(f"{path}: no such checkpoint directory")
+    where = ckpt.resolve(path)
+    meta = ckpt.read_meta(where)
+    files = sorted(f for f in meta["files"] if f.startswith("shards_"))
+    ckpt.verify(where, meta, files)
+    full: Tensors = {}
+    covered: dict[Key, int] = {}
+    for f in files:
+        for item in torch.load(os.path.join(where, f), map_location="cpu", weights_only=False):
+            key = (item["key"], tuple(item["index"]))
+            t = item["tensor"]
+            if key not in full:
+                full[key] = torch.zeros(tuple(item["global_shape"]), dtype=t.dtype)
+            full[key][tuple(slice(o, o + n) for o, n in zip(item["offset"], t.shape))] = t
+            covered[key] = covered.get(key, 0) + t.numel()
+    for key, n in covered.items():
+        if n != full[key].numel():
+            raise ConversionError(f"{where}: the saved shards of {key[0]}{list(key[1]) or ''} cover {n} of its "
+                                  f"{full[key].numel()} elements")
+    # The Transformer Engine spec keeps an MoE layer's pre-MLP norm as its own module; the local
+    # spec files it under the fused-linear name of the dense block. Same tensor, one name here.
+    for key in [k for k in full if k[0] == "decoder.layers.pre_mlp_layernorm.weight"]:
+        full[("decoder.layers.mlp.linear_fc1.layer_norm_weight", key[1])] = full.pop(key)
+    return meta, full
+
+
+def model_config_of(meta: dict[str, Any], where: str) -> Any:
+    """The checkpoint's ``ModelConfig`` (from the run config saved in meta.json)."""
+    from megatron_ext.config.base import build, field_names
+    from megatron_ext.config.run import ModelConfig
+
+    values = meta.get("config") or {}
+    return build(ModelConfig, {k: values[k] for k in field_names(ModelConfig) if k in values}, f"{where}/meta.json")
+
+
+# --- which Hugging Face architecture ---------------------------------------------------------------
+
+def hf_model_type(m: Any, where: str) -> str:
+    """The HF ``model_type`` equal to the model ``m`` describes, or ConversionError saying which flag
+    has no counterpart there."""
+    from megatron_ext.runtime import families
+
+    fam = families.family_of(m)
+    if fam is families.GPT:
+        return "gpt2"
+    need = [flag for flag, ok in (("--normalization RMSNorm", m.normalization == "RMSNorm"), ("--swiglu", m.swiglu),
+                                  ("--position-embedding-type rope", m.position_embedding_type == "rope")) if not ok]
+    target = "Qwen3-MoE" if fam is families.MOE else ("Qwen3" if m.qk_layernorm else "Llama")
+    if need:
+        raise ConversionError(f"{where}: the {fam.name} model ({' '.join(families.non_gpt_flags(m))}) has no "
+                              f"Hugging Face equivalent: {target} needs {', '.join(need)}")
+    if fam is families.LLAMA:
+        if m.qk_layernorm and not m.disable_bias_linear:
+            raise ConversionError(f"{where}: --qk-layernorm with biases has no Hugging Face equivalent: Qwen3 "
+                                  "(the HF model with q/k norms) has no MLP biases; use --disable-bias-linear")
+        return "qwen3" if m.qk_layernorm else "llama"
+    if not m.disable_bias_linear:
+        raise ConversionError(f"{where}: the MoE model with biases has no Hugging Face equivalent: Qwen3-MoE has "
+                              "no biases; use --disable-bias-linear")
+    if not m.qk_layernorm:
+        raise ConversionError(f"{where}: the MoE model without --qk-layernorm has no Hugging Face equivalent: "
+                              "Qwen3-MoE normalises queries and keys per head")
+    if m.moe_router_load_balancing_type == "sinkhorn" and m.moe_router_topk == 1:
+        raise ConversionError(f"{where}: Sinkhorn routing with --moe-router-topk 1 weighs the expert by a sigmoid, "
+                              "which Qwen3-MoE's router does not")
+    return "qwen3_moe"
+
+
+def hf_config_kwargs(m: Any, model_type: str, vocab_size: int, eod: int | None, pad: int | None) -> dict[str, Any]:
+    """Keyword arguments of the transformers config class of ``model_type`` for the model ``m``."""
+    tied = not m.untie_embeddings_and_output_weights
+    common = dict(vocab_size=vocab_size, initializer_range=m.init_method_std, bos_token_id=eod, eos_token_id=eod,
+                  pad_token_id=pad, tie_word_embeddings=tied, architectures=[HF_CLASSES[model_type]])
+    if model_type == "gpt2":
+        return dict(common, n_positions=m.max_position_embeddings, n_embd=m.hidden_size, n_layer=m.num_layers,
+                    n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function="gelu",
+                    resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
+                    layer_norm_epsilon=NORM_EPS, scale_attn_weights=True)
+    kw = dict(common, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+              num_attention_heads=m.num_attention_heads, num_key_value_heads=_groups(m), hidden_act="silu",
+              max_position_embeddings=m.max_position_embeddings, rms_norm_eps=NORM_EPS,
+              rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
+              attention_dropout=m.attention_dropout, attention_bias=not m.disable_bias_linear)
+    if model_type == "llama":
+        kw.update(mlp_bias=not m.disable_bias_linear, head_dim=m.hidden_size // m.num_attention_heads)
+    elif model_type == "qwen3":
+        kw.update(head_dim=m.hidden_size // m.num_attention_heads, use_sliding_window=False)
+    else:
+        kw.update(use_sliding_window=False, num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                  moe_intermediate_size=m.moe_ffn_hidden_size, decoder_sparse_step=1, mlp_only_layers=[],
+                  norm_topk_prob=m.moe_router_load_balancing_type != "sinkhorn",
+                  router_aux_loss_coef=m.moe_aux_loss_coeff)
+    return kw
+
+
+def _groups(m: Any) -> int:
+    return m.num_query_groups if m.group_query_attention else m.num_attention_heads
+
+
+# --- one table, both directions --------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One megatron tensor and the Hugging Face tensors it becomes (``to_hf``) and comes from (``from_hf``)."""
+
+    ours: Key
+    theirs: tuple[str, ...]
+    to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
+    from_hf: Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def _same(ours: Key, theirs: str) -> Rule:
+    return Rule(ours, (theirs,), lambda t: [t], lambda ts: ts[0])
+
+
+def _transposed(ours: Key, theirs: str) -> Rule:
+    return Rule(ours, (theirs,), lambda t: [t.t().contiguous()], lambda ts: ts[0].t().contiguous())
+
+
+def _halves(ours: Key, gate: str, up: str) -> Rule:
+    # SwiGLU [W; V]: W is gated by SiLU (megatron's glu: chunk(2)[0]), HF's gate_proj.
+    return Rule(ours, (gate, up), lambda t: [c.contiguous() for c in torch.chunk(t, 2, dim=0)],
+                lambda ts: torch.cat(ts, dim=0))
+
+
+def split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
+    """megatron's per-group [q heads of the group; k; v] rows -> [q, k, v] (weights or biases)."""
+    r, rest = heads // groups, t.shape[1:]
+    g = t.reshape(groups, (r + 2) * head_dim, *rest)
+    return [g[:, : r * head_dim].reshape(heads * head_dim, *rest).contiguous(),
+            g[:, r * head_dim:(r + 1) * head_dim].reshape(groups * head_dim, *rest).contiguous(),
+            g[:, (r + 1) * head_dim:].reshape(groups * head_dim, *rest).contiguous()]
+
+
+def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int,
+             head_dim: int) -> torch.Tensor:
+    """Inverse of ``split_qkv``."""
+    r, rest = heads // groups, q.shape[1:]
+    return torch.cat([q.reshape(groups, r * head_dim, *rest), k.reshape(groups, head_dim, *rest),
+                      v.reshape(groups, head_dim, *rest)], dim=1).reshape(-1, *rest).contiguous()
+
+
+def _qkv(ours: Key, theirs: tuple[str, str, str], m: Any) -> Rule:
+    shape = (m.num_attention_heads, _groups(m), m.hidden_size // m.num_attention_heads)
+    return Rule(ours, theirs, lambda t: split_qkv(t, *shape), lambda ts: join_qkv(*ts, *shape))
+
+
+def _gpt2_qkv(ours: Key, theirs: str, m: Any, weight: bool) -> Rule:
+    """GPT-2's one ``c_attn``: [q | k | v] along its output axis, a Conv1D ([in, out]) for the weight."""
+    shape = (m.num_attention_heads, m.num_attention_heads, m.hidden_size // m.num_attention_heads)
+    h = m.hidden_size
+
+    def to_hf(t: torch.Tensor) -> list[torch.Tensor]:
+        qkv = torch.cat(split_qkv(t, *shape), dim=0)
+        return [qkv.t().contiguous() if weight else qkv]
+
+    def from_hf(ts: list[torch.Tensor]) -> torch.Tensor:
+        qkv = ts[0].t() if weight else ts[0]
+        return join_qkv(qkv[:h], qkv[h:2 * h], qkv[2 * h:], *shape)
+
+    return Rule(ours, (theirs,), to_hf, from_hf)
+
+
+def rules(m: Any, model_type: str) -> list[Rule]:
+    """Every tensor of the model ``m`` and its place in the HF model ``model_type``."""
+    L = "decoder.layers."
+    out: list[Rule] = []
+    tied = not m.untie_embeddings_and_output_weights
+    bias = not m.disable_bias_linear
+    if model_type == "gpt2":
+        out.append(_same(("embedding.word_embeddings.weight", ()), "transformer.wte.weight"))
+        out.append(_same(("embedding.position_embeddings.weight", ()), "transformer.wpe.weight"))
+        for i in range(m.num_layers):
+            h, ix = f"transformer.h.{i}.", (i,)
+            out += [_same((L + "self_attention.linear_qkv.layer_norm_weight", ix), h + "ln_1.weight"),
+                    _same((L + "self_attention.linear_qkv.layer_norm_bias", ix), h + "ln_1.bias"),
+                    _gpt2_qkv((L + "self_attention.linear_qkv.weight", ix), h + "attn.c_attn.weight", m, True),
+                    _gpt2_qkv((L + "self_attention.linear_qkv.bias", ix), h + "attn.c_attn.bias", m, False),
+                    _transposed((L + "self_attention.linear_proj.weight", ix), h + "attn.c_proj.weight"),
+                    _same((L + "self_attention.linear_proj.bias", ix), h + "attn.c_proj.bias"),
+                    _same((L + "mlp.linear_fc1.layer_norm_weight", ix), h + "ln_2.weight"),
+                    _same((L + "mlp.linear_fc1.layer_norm_bias", ix), h + "ln_2.bias"),
+                    _transposed((L + "mlp.linear_fc1.weight", ix), h + "mlp.c_fc.weight"),
+                    _same((L + "mlp.linear_fc1.bias", ix), h + "mlp.c_fc.bias"),
+                    _transposed((L + "mlp.linear_fc2.weight", ix), h + "mlp.c_proj.weight"),
+                    _same((L + "mlp.linear_fc2.bias", ix), h + "mlp.c_proj.bias")]
+        out += [_same(("decoder.final_layernorm.weight", ()), "transformer.ln_f.weight"),
+                _same(("decoder.final_layernorm.bias", ()), "transformer.ln_f.bias")]
+        if not tied:
+            out.append(_same(("output_layer.weight", ()), "lm_head.weight"))
+        return out
+
+    out.append(_same(("embedding.word_embeddings.weight", ()), "model.embed_tokens.weight"))
+    for i in range(m.num_layers):
+        h, ix = f"model.layers.{i}.", (i,)
+        a = h + "self_attn."
+        out += [_same((L + "self_attention.linear_qkv.layer_norm_weight", ix), h + "input_layernorm.weight"),
+                _qkv((L + "self_attention.linear_qkv.weight", ix), (a + "q_proj.weight", a + "k_proj.weight",
+                                                                     a + "v_proj.weight"), m),
+                _same((L + "self_attention.linear_proj.weight", ix), a + "o_proj.weight"),
+                _same((L + "mlp.linear_fc1.layer_norm_weight", ix), h + "post_attention_layernorm.weight")]
+        if bias:
+            out += [_qkv((L + "self_attention.linear_qkv.bias", ix), (a + "q_proj.bias", a + "k_proj.bias",
+                                                                   a + "v_proj.bias"), m),
+                    _same((L + "self_attention.linear_proj.bias", ix), a + "o_proj.bias")]
+        if m.qk_layernorm:
+            out += [_same((L + "self_attention.q_layernorm.weight", ix), a + "q_norm.weight"),
+                    _same((L + "self_attention.k_layernorm.weight", ix), a + "k_norm.weight")]
+        if model_type == "qwen3_moe":
+            out.append(_same((L + "mlp.router.weight", ix), h + "mlp.gate.weight"))
+            for e in range(m.num_experts):
+                x, ex = f"{h}mlp.experts.{e}.", (i, e)
+                out += [_halves((L + "mlp.experts.experts.linear_fc1.weight", ex), x + "gate_proj.weight",
+                                x + "up_proj.weight"),
+                        _same((L + "mlp.experts.experts.linear_fc2.weight", ex), x + "down_proj.weight")]
+            continue
+        out += [_halves((L + "mlp.linear_fc1.weight", ix), h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                _same((L + "mlp.linear_fc2.weight", ix), h + "mlp.down_proj.weight")]
+        if bias:
+            out += [_halves((L + "mlp.linear_fc1.bias", ix), h + "mlp.gate_proj.bias", h + "mlp.up_proj.bias"),
+                    _same((L + "mlp.linear_fc2.bias", ix), h + "mlp.down_proj.bias")]
+    out.append(_same(("decoder.final_layernorm.weight", ()), "model.norm.weight"))
+    if not tied:
+        out.append(_same(("output_layer.weight", ()), "lm_head.weight"))
+    return out
+
+
+def _name(key: Key) -> str:
+    return key[0] + (str(list(key[1])) if key[1] else "")
+
+
+def to_hf_tensors(full: Tensors, m: Any, model_type: str, where: str) -> dict[str, torch.Tensor]:
+    table = rules(m, model_type)
+    missing = [_name(r.ours) for r in table if r.ours not in full]
+    extra = sorted(_name(k) for k in set(full) - {r.ours for r in table})
+    if missing or extra:
+        raise ConversionError(f"{where}: the checkpoint's tensors do not match its model config "
+                              f"({HF_CLASSES[model_type]} mapping): "
+                              + "; ".join(p for p in (f"missing {', '.join(missing[:4])}" if missing else "",
+                                                      f"not mapped {', '.join(extra[:4])}" if extra else "") if p))
+    out = {}
+    for r in table:
+        for name, t in zip(r.theirs, r.to_hf(full[r.ours])):
+            out[name] = t
+    return out
+
+
+def from_hf_tensors(hf: dict[str, torch.Tensor], m: Any, model_type: str, where: str) -> Tensors:
+    table = rules(m, model_type)
+    wanted = {n for r in table for n in r.theirs}
+    missing = sorted(wanted - set(hf))
+    # A tied model may still carry lm_head.weight (a copy of the embedding); nothing else is ignored.
+    extra = sorted(set(hf) - wanted - ({"lm_head.weight"} if not m.untie_embeddings_and_output_weights else set()))
+    if missing or extra:
+        raise ConversionError(f"{where}: the weights do not match config.json ({HF_CLASSES[model_type]}): "
+                              + "; ".join(p for p in (f"missing {', '.join(missing[:4])}" if missing else "",
+                                                      f"not mapped {', '.join(extra[:4])}" if extra else "") if p))
+    return {r.ours: r.from_hf([hf[n] for n in r.theirs]) for r in table}
+
+
+# --- export ----------------------------------------------------------------------------------------
+
+def tokenizer_file_for(meta: dict[str, Any], explicit: str | None) -> str:
+    """The tokenizers JSON of the run that saved the checkpoint: --tokenizer-file, else the run's
+    ``tokenizer_file``, else its dataset's (``<data_path>.tokenizer.json``, the default corpus when unset)."""
+    from megatron_ext.data.tokenizer import tokenizer_path_for
+
+    if explicit:
+        return explicit
+    cfg = meta.get("config") or {}
+    if cfg.get("tokenizer_file"):
+        return cfg["tokenizer_file"]
+    if cfg.get("data_path"):
+        return tokenizer_path_for(cfg["data_path"])
+    from megatron_ext.data.corpus import default_corpus
+
+    return tokenizer_path_for(default_corpus(cfg.get("data_cache_dir")))
+
+
+def _bpe(path: str, where: str) -> Any:
+    from megatron_ext.data.tokenizer import BPETokenizer
+
+    try:
+        return BPETokenizer(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConversionError(f"{where}: {exc}") from None
+
+
+@dataclasses.dataclass
+class Exported:
+    out_dir: str
+    model_type: str
+    hf_class: str
+    num_tensors: int
+
+
+def export(path: str, out_dir: str, *, tokenizer_file: str | None = None, dtype: torch.dtype = torch.float32
+           ) -> Exported:
+    """Write the checkpoint at ``path`` as a Hugging Face model directory ``out_dir``: config.json,
+    model.safetensors (the hub's layout: one tensor per expert, no tied copy) and the tokenizer."""
+    from safetensors.torch import save_file
+
+    from megatron_ext.data.tokenizer import PAD
+
+    meta, full = read_full_tensors(path)
+    where = path
+    m = model_config_of(meta, where)
+    model_type = hf_model_type(m, where)
+    hf = to_hf_tensors(full, m, model_type, where)
+    vocab = full[("embedding.word_embeddings.weight", ())].shape[0]
+    tok_path = tokenizer_file_for(meta, tokenizer_file)
+    tok = _bpe(tok_path, where)
+    from megatron_ext.runtime.model import padded_vocab_size
+
+    if padded_vocab_size(tok.vocab_size, 1) != vocab:
+        raise ConversionError(f"{where}: tokenizer {tok_path} has {tok.vocab_size} tokens (padded "
+                              f"{padded_vocab_size(tok.vocab_size, 1)}), the checkpoint's embedding {vocab} rows: "
+                              "pass the run's --tokenizer-file")
+    pad = tok.vocab.get(PAD)
+    tf = transformers_module()
+    config = tf.AutoConfig.for_model(model_type, **hf_config_kwargs(m, model_type, vocab, tok.eod, pad))
+    config.dtype = str(dtype).removeprefix("torch.")
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    if model_type != "gpt2":
+        # transformers < 5 reads the rotary base from rope_theta (5 writes rope_parameters only).
+        cfg_path = os.path.join(out_dir, "config.json")
+        data = json.load(open(cfg_path, encoding="utf-8"))
+        data.setdefault("rope_theta", float(m.rotary_base))
+        with open(cfg_path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in hf.items()}, os.path.join(out_dir, WEIGHTS),
+              metadata={"format": "pt"})
+    from megatron_ext.data.tokenizer import EOD
+
+    hf_tok = tf.PreTrainedTokenizerFast(tokenizer_file=tok_path, bos_token=EOD, eos_token=EOD,
+                                        pad_token=PAD if pad is not None else None)
+    hf_tok.save_pretrained(out_dir)
+    logger.info("exported %s (iteration %s) to %s as %s", path, meta.get("iteration"), out_dir, HF_CLASSES[model_type])
+    return Exported(out_dir=out_dir, model_type=model_type, hf_class=HF_CLASSES[model_type], num_tensors=len(hf))
+
+
+# --- import ----------------------------------------------------------------------------------------
+
+def model_values(hf_config: Any, where: str) -> tuple[str, dict[str, Any]]:
+    """(model_type, the ``ModelConfig`` values of the architecture) for a transformers config, or
+    ConversionError naming the key that megatron-ext's blocks cannot reproduce."""
+    c = hf_config
+    mt = getattr(c, "model_type", None)
+    if mt not in HF_CLASSES:
+        raise ConversionError(f"{where}: model_type {mt!r} is not one of {', '.join(HF_CLASSES)}")
+
+    def refuse(key: str, value: Any, why: str) -> None:
+        raise ConversionError(f"{where}: {key} {value!r} cannot be mapped: {why}")
+
+    tied = bool(getattr(c, "tie_word_embeddings", True))
+    if mt == "gpt2":
+        if c.activation_function != "gelu":
+            refuse("activation_function", c.activation_function, "megatron-ext's GPT block uses the exact GELU "
+                   "(\"gelu\")")
+        if not math.isclose(c.layer_norm_epsilon, NORM_EPS):
+            refuse("layer_norm_epsilon", c.layer_norm_epsilon, f"megatron's norms use epsilon {NORM_EPS}")
+        for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                          ("add_cross_attention", False)):
+            if bool(getattr(c, key, want)) != want:
+                refuse(key, getattr(c, key), f"megatron's attention has {key} {want}")
+        return mt, dict(num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head,
+                        ffn_hidden_size=c.n_inner or 4 * c.n_embd, max_position_embeddings=c.n_positions,
+                        position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=not tied,
+                        normalization="LayerNorm", swiglu=False, group_query_attention=False,
+                        disable_bias_linear=False, qk_layernorm=False)
+    if c.hidden_act != "silu":
+        refuse("hidden_act", c.hidden_act, "megatron-ext's --swiglu uses SiLU")
+    if not math.isclose(c.rms_norm_eps, NORM_EPS):
+        refuse("rms_norm_eps", c.rms_norm_eps, f"megatron's norms use epsilon {NORM_EPS} (no flag sets another)")
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        refuse("rope_parameters.rope_type", rope.get("rope_type"), "megatron-ext's rotary embedding is unscaled")
+    theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    if theta != int(theta):
+        refuse("rope_theta", theta, "--rotary-base is an integer")
+    heads, kv = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    if head_dim * heads != c.hidden_size:
+        refuse("head_dim", head_dim, f"megatron-ext's heads are hidden_size / num_attention_heads "
+               f"({c.hidden_size} / {heads}) wide")
+    attn_bias = bool(getattr(c, "attention_bias", False))
+    if mt == "llama":
+        if attn_bias != bool(getattr(c, "mlp_bias", False)):
+            refuse("attention_bias", attn_bias, f"megatron's --disable-bias-linear covers attention and MLP alike "
+                   f"(mlp_bias is {getattr(c, 'mlp_bias', False)})")
+    elif attn_bias:
+        refuse("attention_bias", attn_bias, f"{HF_CLASSES[mt]} has no MLP biases, megatron's biases cover both")
+    if mt != "llama" and getattr(c, "use_sliding_window", False):
+        refuse("use_sliding_window", True, "megatron-ext's attention is full causal attention")
+    values: dict[str, Any] = dict(
+        num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=heads,
+        ffn_hidden_size=c.intermediate_size, max_position_embeddings=c.max_position_embeddings,
+        position_embedding_type="rope", rotary_base=int(theta), untie_embeddings_and_output_weights=not tied,
+        normalization="RMSNorm", swiglu=True, group_query_attention=kv != heads,
+        num_query_groups=kv if kv != heads else None, disable_bias_linear=not attn_bias,
+        qk_layernorm=mt != "llama")
+    if mt == "qwen3_moe":
+        if c.decoder_sparse_step != 1 or list(c.mlp_only_layers or []):
+            refuse("decoder_sparse_step / mlp_only_layers", (c.decoder_sparse_step, c.mlp_only_layers),
+                   "every MLP of megatron-ext's MoE model is an MoE layer")
+        if not c.norm_topk_prob:
+            refuse("norm_topk_prob", False, "megatron's router (softmax over the top-k logits) renormalises the "
+                   "top-k weights")
+        values.update(num_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
+                      moe_ffn_hidden_size=c.moe_intermediate_size)
+    return mt, values
+
+
+def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``model.safetensors`` (or its shards), with fused expert tensors
+    (``mlp.experts.gate_up_proj``, [E, 2I, H]; ``down_proj``, [E, H, I]) split into the hub's one
+    tensor per expert."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(hf_dir, WEIGHTS_INDEX)
+    if os.path.isfile(index):
+        files = sorted(set(json.load(open(index, encoding="utf-8"))["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, WEIGHTS)):
+        files = [WEIGHTS]
+    else:
+        raise ConversionError(f"{hf_dir}: no {WEIGHTS} or {WEIGHTS_INDEX} (only safetensors weights are read)")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(os.path.join(hf_dir, f)))
+    for name in [n for n in out if n.endswith("mlp.experts.gate_up_proj")]:
+        base = name.removesuffix("gate_up_proj")
+        gate_up, down = out.pop(name), out.pop(base + "down_proj")
+        for e in range(gate_up.shape[0]):
+            gate, up = torch.chunk(gate_up[e], 2, dim=0)
+            out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+            out[f"{base}{e}.down_proj.weight"] = down[e]
+    return out
+
+
+@dataclasses.dataclass
+class Imported:
+    save_dir: str
+    model_type: str
+    model_yaml: str
+    tokenizer_file: str
+
+
+def import_hf(hf_dir: str, out_dir: str, run_argv: list[str] | None = None, *,
+              tokenizer_file: str | None = None) -> Imported:
+    """Write the Hugging Face model ``hf_dir`` as a megatron-ext save directory ``out_dir``
+    (iteration 0, one shard file, no optimizer state) that ``pretrain_gpt.py --load out_dir`` continues.
+
+    ``run_argv``: the flags of the run that will continue it (its learning-rate schedule is written,
+    because a checkpoint's schedule wins on resume); model flags among them must agree with the HF
+    model. Also writes ``out_dir/model.yaml`` (the model section, for ``--config``) and
+    ``out_dir/tokenizer.json``."""
+    import yaml
+
+    from megatron_ext.config.base import flag_name
+    from megatron_ext.config.run import parse_run_config
+    from megatron_ext.runtime import checkpoint as ckpt
+    from megatron_ext.runtime.model import padded_vocab_size
+    from megatron_ext.runtime.optimizer import build_scheduler
+
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir}: no such Hugging Face model directory")
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConversionError(f"{hf_dir}: no config.json: not a Hugging Face model directory")
+    tf = transformers_module()
+    try:
+        hf_config = tf.AutoConfig.from_pretrained(hf_dir)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ConversionError(f"{cfg_path}: {str(exc).splitlines()[0]}") from None
+    model_type, values = model_values(hf_config, cfg_path)
+    # Training choices that HF's config records too (initialisation, load-balancing loss): defaults
+    # the run's flags may change, unlike the architecture.
+    soft = {"init_method_std": hf_config.initializer_range}
+    if model_type == "qwen3_moe":
+        soft["moe_aux_loss_coeff"] = hf_config.router_aux_loss_coef
+    cfg = parse_run_config(list(run_argv or []), defaults={**soft, **values})
+    for k, v in values.items():
+        if getattr(cfg.model, k) != v:
+            raise ConversionError(f"{flag_name(k)} {getattr(cfg.model, k)} contradicts the Hugging Face model "
+                                  f"{cfg_path} ({v}): leave it out")
+    m = cfg.model
+    tok_src = tokenizer_file or os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.isfile(tok_src):
+        raise ConversionError(f"{hf_dir}: no tokenizer.json: pass --tokenizer-file")
+    tok = _bpe(tok_src, tok_src)
+    hf = read_hf_weights(hf_dir)
+    full = from_hf_tensors(hf, m, model_type, hf_dir)
+    vocab = padded_vocab_size(tok.vocab_size, 1)
+    hf_vocab = hf_config.vocab_size
+    if tok.vocab_size > hf_vocab:
+        raise ConversionError(f"{tok_src} has {tok.vocab_size} tokens, more than the model's vocab_size {hf_vocab}")
+    for key in [("embedding.word_embeddings.weight", ()), ("output_layer.weight", ())]:
+        if key in full and full[key].shape[0] != vocab:
+            # The runtime pads the tokenizer's vocabulary to a multiple of 128; rows past the
+            # tokenizer's tokens carry no token, so cutting or zero-padding them changes no logit of one.
+            rows = torch.zeros(vocab, full[key].shape[1], dtype=full[key].dtype)
+            n = min(vocab, full[key].shape[0])
+            rows[:n] = full[key][:n]
+            full[key] = rows
+
+    scheduler = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.training.lr),
+                                cfg.training).state_dict()
+    write_checkpoint(out_dir, {k: v.float() for k, v in full.items()}, config=cfg.flat(), scheduler=scheduler,
+                     extra={"imported_from": os.path.abspath(hf_dir), "hf_model_type": model_type})
+    model_yaml = os.path.join(out_dir, "model.yaml")
+    with open(model_yaml, "w", encoding="utf-8") as fh:
+        fh.write(f"# The model of {HF_CLASSES[model_type]} (imported by tools/convert_checkpoint.py); "
+                 "train on with --config this file --load this directory\n")
+        yaml.safe_dump({k: v for k, v in dataclasses.asdict(m).items() if v is not None}, fh, sort_keys=False)
+    tok_dst = os.path.join(out_dir, "tokenizer.json")
+    shutil.copyfile(tok_src, tok_dst)
+    logger.info("imported %s (%s) into %s (%s)", hf_dir, HF_CLASSES[model_type], out_dir, ckpt.iter_dir_name(0))
+    return Imported(save_dir=out_dir, model_type=model_type, model_yaml=model_yaml, tokenizer_file=tok_dst)
+
+
+def write_checkpoint(save_dir: str, full: Tensors, *, config: dict[str, Any], scheduler: dict[str, Any],
+                     extra: dict[str, Any], iteration: int = 0) -> str:
+    """A single-rank checkpoint of whole tensors in the runtime's format (``runtime/checkpoint.py``):
+    weights only (no optimizer state, no RNG), loadable in any layout."""
+    from megatron_ext.runtime import checkpoint as ckpt
+
+    name = ckpt.iter_dir_name(iteration)
+    final = os.path.join(save_dir, name)
+    if os.path.exists(os.path.join(save_dir, ckpt.LATEST)) or os.path.exists(final):
+        raise ConversionError(f"{save_dir}: already holds a checkpoint; import into a new directory")
+    partial = final + ".partial"
+    os.makedirs(partial, exist_ok=True)
+    payload = [{"key": k, "index": ix, "offset": (0,) * t.dim(), "shape": tuple(t.shape),
+                "global_shape": tuple(t.shape), "tensor": t, "optim": {}, "step": None}
+               for (k, ix), t in full.items()]
+    shard_file = "shards_rank00000.pt"
+    torch.save(payload, os.path.join(partial, shard_file))
+    digest = hashlib.sha256(open(os.path.join(partial, shard_file), "rb").read()).hexdigest()
+    meta = {"format_version": ckpt.FORMAT_VERSION, "iteration": iteration, "consumed_samples": 0,
+            "scheduler": scheduler, "extra": extra, "layout": {"tp": 1, "pp": 1, "dp": 1, "vpp": 1},
+            "world_size": 1, "config": config,
+            "files": {shard_file: {"bytes": os.path.getsize(os.path.join(partial, shard_file)), "sha256": digest}},
+            "shards": [{"key": p["key"], "index": list(p["index"]), "offset": list(p["offset"]),
+                        "shape": list(p["shape"]), "global_shape": list(p["global_shape"]), "file": shard_file}
+                       for p in payload]}
+    with open(os.path.join(partial, "meta.json"), "w", encoding="utf-8") as fh:
+        json.dump(meta, fh, indent=1, default=str)
+    os.replace(partial, final)
+    with open(os.path.join(save_dir, ckpt.LATEST), "w", encoding="utf-8") as fh:
+        fh.write(name + "\n")
+    return final
+
+
+# --- ours: the runtime's model on the same tokens ---------------------------------------------------
+
+def megatron_logits(path: str, tokens: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """Logits [batch, seq, vocab] of the runtime's megatron-core model loaded from the checkpoint
+    ``path`` by the runtime's own loader, on one rank (``ctx``: a TP1 x PP1 context, any layout saved)."""
+    from megatron_ext.config.run import all_keys, config_from_values
+    from megatron_ext.runtime import checkpoint as ckpt
+    from megatron_ext.runtime.model import build_model
+    from megatron_ext.runtime.optimizer import build_optimizer
+
+    meta = ckpt.read_meta(ckpt.resolve(path))
+    known = set(all_keys())
+    values = {k: v for k, v in (meta.get("config") or {}).items() if k in known}
+    # One rank, plain causal attention: the same model whatever layout or packing trained it.
+    values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                  virtual_pipeline_model_parallel_size=None, pipeline_stage_layers=None,
+                  data_parallel_microbatches=None, sequence_parallel=False, use_distributed_optimizer=False,
+                  doc_length_dist=None, helix=False, engine="megatron", load=None, save=None)
+    cfg = config_from_values({k: v for k, v in values.items() if k in known})
+    vocab = next(s["global_shape"][0] for s in meta["shards"] if s["key"] == "embedding.word_embeddings.weight")
+    bundle = build_model(cfg, ctx, vocab)
+    optimizer = build_optimizer(list(bundle.parameters()), cfg.training, ctx.device.type == "cuda", bundle.chunks)
+    ckpt.load(path, model=bundle, optimizer=optimizer, layout={"tp": 1, "pp": 1, "dp": ctx.layout.dp, "vpp": 1},
+              load_optim=False, load_rng=False)
+    bundle.eval()
+    tokens = tokens.to(ctx.device)
+    positions = torch.arange(tokens.shape[1], device=ctx.device).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return bundle.chunks[0](tokens, positions, None).float().cpu()
