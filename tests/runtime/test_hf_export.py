@@ -148,6 +148,24 @@ def test_import_gives_back_the_checkpoint_and_trains_on(ctx, checkpoints, root, 
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
 
+def test_import_reads_fused_experts(checkpoints, root):
+    """transformers 5 holds a Qwen3-MoE layer's experts as two 3-D tensors (gate_up_proj, down_proj);
+    a directory saved from that state dict imports to the same tensors as the hub's per-expert one."""
+    from safetensors.torch import save_file
+
+    out = str(root / "hf_fused")
+    hf_export.export(checkpoints["moe"], out)
+    state = hf_model(out).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()},
+              os.path.join(out, hf_export.WEIGHTS), metadata={"format": "pt"})
+    back = str(root / "imported_fused")
+    hf_export.import_hf(out, back, ["--seq-length", "32"])
+    _, original = hf_export.read_full_tensors(checkpoints["moe"])
+    _, imported = hf_export.read_full_tensors(back)
+    assert set(imported) == set(original) and all(torch.equal(imported[k], original[k]) for k in original)
+
+
 def test_import_refuses_flags_that_contradict_the_model(checkpoints, root):
     out = str(root / "hf_flags")
     hf_export.export(checkpoints["llama"], out)
