@@ -8,6 +8,9 @@ Every flag is also a YAML key; flags override YAML. ``--help`` lists them all. B
 reported before any model is built: one line ``pretrain_gpt.py: error: ...``, exit code 2.
 ``--nproc-per-node N`` checks the configuration for N ranks first and then starts them (through
 torch's elastic launcher, as torchrun would), so a bad layout is reported before any rank starts.
+With ``--resihp-on-stop continue`` it starts them itself instead (``runtime/launch.py``): this
+process hosts the rendezvous store and outlives every rank, and a rank that dies does not stop the
+others, so the survivors can go on without it.
 """
 from __future__ import annotations
 
@@ -40,10 +43,17 @@ def _split_launcher_args(argv: list[str]) -> tuple[int | None, list[str]]:
     return nproc, rest
 
 
-def _check(cfg, world: int) -> None:
+def _continues(cfg) -> bool:
+    resihp = cfg.ext("resihp")
+    return resihp is not None and resihp.resihp_on_stop == "continue"
+
+
+def _check(cfg, world: int, *, launcher: bool = False) -> None:
+    from megatron_ext.resihp import failstop
     from megatron_ext.runtime.rundir import check_outputs
 
     cfg.validate(world)
+    failstop.check(cfg, world, launcher=launcher)
     demo = os.path.basename(cfg.source) == "demo.yaml"
     check_outputs(save=cfg.checkpoint.save, load=cfg.checkpoint.load, metrics_file=cfg.logging.metrics_file,
                   tensorboard_dir=cfg.logging.tensorboard_dir, clean_hint=" (make clean-demo)" if demo else "")
@@ -81,6 +91,25 @@ def _launch(nproc: int, argv: list[str]) -> int:
     return 0
 
 
+def _launch_own(nproc: int, argv: list[str]) -> int:
+    """``--resihp-on-stop continue``: start the ranks without torch's agent (which stops every rank
+    when one dies), with the store in this process."""
+    from megatron_ext.runtime.launch import run_job
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        code, codes = run_job([os.path.abspath(__file__), *argv], nproc)
+    except KeyboardInterrupt:
+        return 130
+    lost = [r for r, c in enumerate(codes) if c < 0]
+    if lost and code == 0:
+        print(f"{PROG}: rank(s) {', '.join(map(str, lost))} were lost; the others trained on without them",
+              file=sys.stderr, flush=True)
+    elif code != 0:
+        print(f"{PROG}: error: exit codes per rank {codes}; their output is above", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
@@ -108,14 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         nproc, argv = _split_launcher_args(argv)
         cfg = parse_run_config(argv)
         if nproc is not None and "LOCAL_RANK" not in os.environ:
-            _check(cfg, nproc)
-            return _launch(nproc, argv)
+            _check(cfg, nproc, launcher=_continues(cfg))
+            return _launch_own(nproc, argv) if _continues(cfg) else _launch(nproc, argv)
         _check(cfg, world)
     except UserError as exc:
         return fail(exc)
 
     from megatron_ext.runtime import distributed
     from megatron_ext.runtime.extension import build_extensions
+    from megatron_ext.runtime.failover import RESTART_EXIT_CODE, RestartNeeded
 
     if cfg.parallel.engine == "deepspeed":
         from deepspeed_patches import trainer as ds
@@ -125,13 +155,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from megatron_ext.runtime.loop import Trainer
 
-        ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
+        # With continue, nothing may wait for a lost rank longer than the continue timeout.
+        timeout_s = cfg.ext("resihp").resihp_continue_timeout_s if _continues(cfg) else 600.0
+        ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed, timeout_s=timeout_s)
         trainer_cls, teardown = Trainer, distributed.teardown
     try:
         trainer = trainer_cls(cfg, ctx, build_extensions(cfg)).setup()
         trainer.run()
     except UserError as exc:
         return fail(exc)
+    except RestartNeeded as exc:
+        # The process groups may be broken: no teardown (it could wait on a lost rank), no traceback.
+        where = cfg.checkpoint.save or cfg.checkpoint.load
+        print(f"resihp: cannot continue: {exc}; restart from the last checkpoint"
+              + (f" (--load {where})" if where else " (none was saved: --save DIR)"), file=sys.stderr, flush=True)
+        os._exit(RESTART_EXIT_CODE)
     finally:
         teardown()
     return 0

@@ -43,20 +43,21 @@ def plan_layout(trainer: "Trainer") -> PlanLayout:
         layers = tuple(tuple([per_chunk] * vp) for _ in range(lay.pp))
     else:
         layers = tuple((int(n),) for n in stages)
+    split = cfg.parallel.data_parallel_microbatches
     m = trainer.train_stream.num_microbatches
     return PlanLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=vp, schedule="interleaved" if vp > 1 else "1f1b",
-                      layers=layers, microbatches=(m,) * lay.dp, devices=tuple(range(ctx.world_size)))
+                      layers=layers, microbatches=tuple(split) if split else (m,) * lay.dp,
+                      devices=tuple(range(ctx.world_size)))
 
 
-def not_applicable(plan: Plan, world_size: int) -> str | None:
-    """Why the executor cannot apply ``plan`` yet, or None when it can."""
+def not_applicable(plan: Plan, world_size: int, *, after_loss: bool = False) -> str | None:
+    """Why the executor cannot apply ``plan``, or None when it can. ``after_loss``: the survivors
+    of a fail-stop form a new process group, so a smaller world and a rank permutation are free."""
     new = plan.new
-    if new.world_size != world_size:
-        return f"it runs on {new.world_size} of {world_size} ranks (shrinking the job is not built yet)"
-    if tuple(new.devices) != tuple(range(world_size)):
-        return "it permutes ranks between groups (not built yet)"
-    if len(set(new.microbatches)) > 1:
-        return "it splits micro-batches unevenly over replicas (not built yet)"
+    if not after_loss and new.world_size != world_size:
+        return f"it runs on {new.world_size} of {world_size} ranks (only after a fail-stop, with --resihp-on-stop continue)"
+    if not after_loss and tuple(new.devices) != tuple(range(world_size)):
+        return "it permutes ranks between groups (not built for a live job yet)"
     if new.vp > 1 and len({n for row in new.layers for n in row}) > 1:
         return "it needs uneven interleaved chunks"
     return None

@@ -43,7 +43,14 @@ class ResiHPConfig:
                                 "file (trace format v1, docs/resihp_trace_format.md).", "")
     resihp_verdicts_out: str = doc("Append verdicts as JSON lines to this file.", "")
     resihp_on_stop: str = doc("On a fail-stop verdict: 'abort' the job at once (naming the rank; the last "
-                              "checkpoint stays) or only 'report' it.", "abort", choices=("abort", "report"))
+                              "checkpoint stays), only 'report' it, or 'continue' on the survivors without a "
+                              "restart (needs the project's launcher, pretrain_gpt.py --nproc-per-node N, or a "
+                              "store from python -m megatron_ext.runtime.store).", "abort",
+                              choices=("abort", "report", "continue"))
+    resihp_continue_timeout_s: float = doc("With --resihp-on-stop continue: the timeout of every collective and "
+                                           "of each step of a regroup, so that nothing waits for a lost rank "
+                                           "longer (it must exceed the longest wait of a healthy run, e.g. a "
+                                           "checkpoint save).", 120.0)
     resihp_act: str = doc("What a verdict leads to: 'off' (nothing), 'plan' (the re-layout planner's plan is "
                           "logged only), 'relayout' (the plan is applied live: pipeline layers per stage and "
                           "TP/PP sizes; plans that need a rank permutation, uneven micro-batches per replica "
@@ -86,6 +93,9 @@ class ResiHPConfig:
             raise ConfigError(f"--resihp-act-min-gain must be in [0, 1), got {self.resihp_act_min_gain}")
         if self.resihp_act_horizon < 1:
             raise ConfigError(f"--resihp-act-horizon must be >= 1, got {self.resihp_act_horizon}")
+        if self.resihp_continue_timeout_s <= self.resihp_heartbeat_timeout_s:
+            raise ConfigError(f"--resihp-continue-timeout-s ({self.resihp_continue_timeout_s}) must exceed "
+                              f"--resihp-heartbeat-timeout-s ({self.resihp_heartbeat_timeout_s})")
         if self.resihp_heartbeat_timeout_s <= self.resihp_heartbeat_interval_s:
             raise ConfigError(f"--resihp-heartbeat-timeout-s ({self.resihp_heartbeat_timeout_s}) must exceed "
                               f"--resihp-heartbeat-interval-s ({self.resihp_heartbeat_interval_s})")

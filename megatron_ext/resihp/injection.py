@@ -5,8 +5,12 @@ model chunks takes ``FACTOR`` times its real duration: inside the op, the rank i
 ``(FACTOR - 1)`` times what the op took, so every clock that times the op sees a slower device; no
 timestamp is edited. ``--inject-slow-mode throttle`` (default) holds the rank idle, like a throttled
 device, which leaves the shared CPU cores to the other ranks; ``work`` burns the time on extra real
-matrix multiplies instead (on a box with fewer cores than ranks that also slows the neighbours). ``--inject-stop RANK:ITER`` — at the start of iteration ITER rank RANK
-kills itself with SIGKILL (no cleanup, as a lost device or node would).
+matrix multiplies instead (on a box with fewer cores than ranks that also slows the neighbours).
+``--inject-stop RANK:ITER[:POINT]`` — in iteration ITER rank RANK kills itself with SIGKILL (no
+cleanup, as a lost device or node would), at POINT: ``start`` (default, before the forward),
+``step`` (gradients reduced, before the optimizer update), ``save`` (inside a checkpoint save that
+iteration, after writing its own files) or ``relayout`` (while the survivors of an earlier loss
+regroup: a second fault). RANK is the rank at launch, also after a fail-stop renumbered the ranks.
 
 ``fail_at`` / ``slow_from`` build the same specs for tests.
 """
@@ -35,10 +39,14 @@ class SlowFault:
     factor: float
 
 
+STOP_POINTS = ("start", "step", "save", "relayout")
+
+
 @dataclasses.dataclass(frozen=True)
 class StopFault:
     rank: int
     at: int
+    point: str = "start"
 
 
 def parse_slow(spec: str, where: str = "--inject-slow") -> SlowFault:
@@ -57,13 +65,15 @@ def parse_slow(spec: str, where: str = "--inject-slow") -> SlowFault:
 def parse_stop(spec: str, where: str = "--inject-stop") -> StopFault:
     parts = spec.split(":")
     try:
-        if len(parts) != 2:
+        if len(parts) not in (2, 3):
             raise ValueError
-        fault = StopFault(int(parts[0]), int(parts[1]))
+        fault = StopFault(int(parts[0]), int(parts[1]), *parts[2:])
     except ValueError:
-        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER, e.g. 3:40") from None
+        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER[:POINT], e.g. 3:40 or 3:40:step") from None
     if fault.rank < 0 or fault.at < 1:
         raise ConfigError(f"{where} {spec!r}: need RANK >= 0 and ITER >= 1")
+    if fault.point not in STOP_POINTS:
+        raise ConfigError(f"{where} {spec!r}: POINT must be one of {', '.join(STOP_POINTS)}, got {fault.point!r}")
     return fault
 
 
@@ -71,8 +81,8 @@ def slow_from(rank: int, iteration: int, factor: float) -> str:
     return f"{rank}:{iteration}:{factor}"
 
 
-def fail_at(rank: int, iteration: int) -> str:
-    return f"{rank}:{iteration}"
+def fail_at(rank: int, iteration: int, point: str = "start") -> str:
+    return f"{rank}:{iteration}" + ("" if point == "start" else f":{point}")
 
 
 @section("faults")
@@ -82,7 +92,9 @@ class FaultInjectionConfig:
 
     inject_slow: list[str] | None = doc("RANK:ITER:FACTOR — from ITER on, RANK computes FACTOR times slower "
                                         "(repeatable).", None)
-    inject_stop: list[str] | None = doc("RANK:ITER — RANK dies (SIGKILL) at the start of ITER (repeatable).", None)
+    inject_stop: list[str] | None = doc("RANK:ITER[:POINT] — RANK (its rank at launch) dies (SIGKILL) in ITER at "
+                                        "POINT: start (default), step (before the optimizer update), save (inside "
+                                        "a checkpoint save), relayout (while survivors regroup) (repeatable).", None)
     inject_slow_mode: str = doc("How a slow rank is slowed: 'throttle' (held idle inside each op) or 'work' "
                                 "(extra real matrix multiplies inside each op).", "throttle",
                                 choices=("throttle", "work"))
@@ -164,8 +176,9 @@ class Throttle:
         self._handles.clear()
 
 
-def die_now(rank: int, iteration: int) -> None:
+def die_now(rank: int, iteration: int, point: str = "start") -> None:
     """The injected fail-stop: a message, then SIGKILL (nothing is flushed or cleaned up after)."""
-    print(f"[fault injection] rank {rank}: stopping at iteration {iteration} (SIGKILL)", file=sys.stderr,
+    where = "" if point == "start" else f" ({point})"
+    print(f"[fault injection] rank {rank}: stopping at iteration {iteration}{where} (SIGKILL)", file=sys.stderr,
           flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -29,7 +29,7 @@ import logging
 import os
 import random
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -175,18 +175,25 @@ def _state_is_sharded(optimizer: Any) -> bool:
     return any(isinstance(p, DistributedOptimizer) for p in getattr(opt, "chained_optimizers", [opt]))
 
 
-def collect_payload(model: Any, optimizer: Any) -> list[dict[str, Any]]:
+def collect_payload(model: Any, optimizer: Any, *, every_replica: bool = False) -> list[dict[str, Any]]:
     """Collective. This rank's main-replica shards: weight, fp32 master, Adam moments and step, each
     with its place in the unsharded tensor. What a checkpoint file holds, and what a live re-layout
-    sends to the new owners."""
+    sends to the new owners.
+
+    ``every_replica``: also the shards this rank holds as a DP or TP replica, and without any
+    collective (after a fail-stop the groups are broken, and a lost main replica's state lives on
+    in its replicas). Refused for the distributed optimizer, whose state exists only sharded."""
+    if every_replica and _state_is_sharded(optimizer):
+        raise CheckpointError("the distributed optimizer's state is sharded over data-parallel ranks: "
+                              "it has no replica to collect without a collective")
     payload = []
     # Only main replicas are kept. The distributed optimizer's state is gathered over the
     # data-parallel group, a collective every replica joins for every entry; other optimizers
     # hold whole local state, and copying it off the device is needed for main replicas only.
-    entries = _local_entries(model, main_only=not _state_is_sharded(optimizer))
+    entries = _local_entries(model, main_only=not every_replica and not _state_is_sharded(optimizer))
     states = collect_param_states(optimizer, [e.param for e in entries])
     for e, ostate in zip(entries, states):
-        if not e.main:
+        if not e.main and not every_replica:
             continue
         item = {
             "key": e.key, "index": e.index, "offset": e.offset, "shape": e.shape, "global_shape": e.global_shape,
@@ -201,8 +208,10 @@ def collect_payload(model: Any, optimizer: Any) -> list[dict[str, Any]]:
 
 
 def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config: dict[str, Any],
-         layout: dict[str, int], keep_last: int = 0) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+         layout: dict[str, int], keep_last: int = 0, on_written: Callable[[], None] | None = None) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory. ``on_written`` runs
+    after this rank's files are written, before the ranks agree on the index (fault injection
+    kills a rank there)."""
     rank, world = _rank_world()
     name = iter_dir_name(state.iteration)
     final = os.path.join(save_dir, name)
@@ -218,6 +227,8 @@ def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config
     rng_file = f"rng_rank{rank:05d}.pt"
     torch.save(payload, os.path.join(partial, shard_file))
     torch.save(_rng_state(), os.path.join(partial, rng_file))
+    if on_written is not None:
+        on_written()
     mine = {}
     for f in (shard_file, rng_file):
         path = os.path.join(partial, f)
@@ -431,11 +442,62 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
                       scheduler=meta["scheduler"], extra=meta.get("extra", {}))
 
 
-def reshard_from_peers(payloads: list[list[dict[str, Any]]], *, model: Any, optimizer: Any) -> None:
+def _shard_geometry(p: dict[str, Any]) -> tuple:
+    return (p["key"], tuple(p["index"]), tuple(p["offset"]), tuple(p["shape"]))
+
+
+def _uncovered(entries: list[ShardEntry], shards: list[dict[str, Any]]) -> list[ShardEntry]:
+    """The entries whose slice ``shards`` do not cover in full."""
+    by_key: dict[tuple, list[dict[str, Any]]] = {}
+    for s in shards:
+        by_key.setdefault((s["key"], tuple(s["index"])), []).append(s)
+    out = []
+    for e in entries:
+        try:
+            plan_reshard([e], by_key.get((e.key, tuple(e.index)), []), "")
+        except CheckpointError:
+            out.append(e)
+    return out
+
+
+def reshard_from_peers(payloads: list[list[dict[str, Any]] | None], *, model: Any, optimizer: Any,
+                       fallback: str | None = None) -> dict[str, Any]:
     """The live transport: ``payloads[r]`` is what rank r's ``collect_payload`` returned under the old
-    layout; the same plan and apply as ``load``, with peers instead of files as the source."""
-    shards = [{k: p[k] for k in ("key", "index", "offset", "shape", "global_shape")} | {"source": r}
-              for r, payload in enumerate(payloads) for p in payload]
-    plan = plan_reshard(_local_entries(model, main_only=False), shards, "live re-layout")
-    lookup = {_shard_id(r, p): p for r, payload in enumerate(payloads) for p in payload}
-    apply(assemble(plan, lookup, "live re-layout"), optimizer)
+    layout (None: nothing usable from r); the same plan and apply as ``load``, with peers instead of
+    files as the source.
+
+    Replicas of one shard (``collect_payload(every_replica=True)``) are read once. A slice no peer
+    holds — its only holder was lost in a fail-stop — is cut from the checkpoint at ``fallback``
+    instead, whole entry by whole entry, while every other slice keeps its live state. Returns
+    ``{"from_checkpoint": [keys], "checkpoint": dir or None, "checkpoint_iteration": n or None}``."""
+    seen: set[tuple] = set()
+    shards, lookup = [], {}
+    for r, payload in enumerate(payloads):
+        for p in payload or []:
+            geometry = _shard_geometry(p)
+            if geometry in seen:
+                continue
+            seen.add(geometry)
+            shards.append({k: p[k] for k in ("key", "index", "offset", "shape", "global_shape")} | {"source": r})
+            lookup[_shard_id(r, p)] = p
+    entries = _local_entries(model, main_only=False)
+    missing = _uncovered(entries, shards) if fallback is not None else []
+    live = [e for e in entries if all(e is not m for m in missing)]
+    staged = assemble(plan_reshard(live, shards, "live re-layout"), lookup, "live re-layout")
+    report: dict[str, Any] = {"from_checkpoint": [], "checkpoint": None, "checkpoint_iteration": None}
+    if missing:
+        ckpt = resolve(fallback)
+        meta = read_meta(ckpt)
+        saved = [{**s, "source": s["file"]} for s in meta["shards"]]
+        plan = plan_reshard(missing, saved, ckpt)
+        files = sorted({s["source"] for _, parts in plan for s, _ in parts})
+        verify(ckpt, meta, files)
+        from_files = {}
+        for f in files:
+            for p in torch.load(os.path.join(ckpt, f), map_location="cpu", weights_only=False):
+                from_files[_shard_id(f, p)] = p
+        staged += assemble(plan, from_files, ckpt)
+        report = {"from_checkpoint": sorted({e.key for e in missing}), "checkpoint": ckpt,
+                  "checkpoint_iteration": int(meta["iteration"])}
+    apply(staged, optimizer)
+    return report

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config.run import ParallelConfig
+from megatron_ext.runtime import store as store_lib
 from megatron_ext.runtime.layout import Coord, Layout
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,17 @@ class DistContext:
     backend: str
     layout: Layout
     vpp: int | None = None
+    member: int = 0
+    """This process's rank at launch: its name for fault injection and logs. Stays the same when a
+    fail-stop renumbers the ranks of a smaller world."""
+    members: tuple[int, ...] = ()
+    """Launch rank of each rank of the current world, in rank order (empty: 0..world-1)."""
+    generation: int = 0
+    """How many times the default process group was re-formed over survivors."""
+    store_addr: str | None = None
+    """``host:port`` of a rendezvous store outside every rank (``runtime/store.py``), or None."""
+    timeout_s: float = 600.0
+    """Timeout of every collective and rendezvous of this job's process groups."""
 
     @property
     def coord(self) -> Coord:
@@ -81,16 +93,23 @@ def world_from_env() -> tuple[int, int, int]:
 def init_process_group(parallel: ParallelConfig, *, timeout_s: float = 600.0) -> tuple[int, int, int, torch.device, str]:
     rank, world, local_rank = world_from_env()
     device, backend = resolve_device(parallel)
-    if world == 1 and "MASTER_ADDR" not in os.environ:
+    addr = store_lib.address_from_env()
+    if world == 1 and "MASTER_ADDR" not in os.environ and addr is None:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if addr is not None:  # the launcher hosts the store: generation 0 of the default group
+            base = store_lib.connect(addr, timeout_s=timeout_s)
+            dist.init_process_group(backend=backend, store=store_lib.generation(base, 0, "pg"), rank=rank,
+                                    world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
     return rank, world, local_rank, device, backend
 
 
-def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: int, ep: int = 1) -> None:
+def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: int, ep: int = 1,
+                         timeout_s: float = 1800.0) -> None:
     """megatron-core parallel state for ``layout`` (same rank order as Layout), then RNG seeding."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -103,6 +122,7 @@ def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: in
         # Layout describes) do not change with it.
         expert_model_parallel_size=ep,
         order="tp-cp-ep-dp-pp",
+        distributed_timeout_minutes=timeout_s / 60.0,
     )
     c = layout.coord(rank)
     got = Coord(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
@@ -120,9 +140,10 @@ def setup(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> D
         megatron_cpu.apply()
     layout = Layout.from_world(world, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
     vpp = parallel.virtual_pipeline_model_parallel_size
-    build_parallel_state(layout, rank, vpp=vpp, seed=seed, ep=parallel.expert_model_parallel_size)
+    build_parallel_state(layout, rank, vpp=vpp, seed=seed, ep=parallel.expert_model_parallel_size, timeout_s=timeout_s)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
-                       layout=layout, vpp=vpp if vpp and vpp > 1 else None)
+                       layout=layout, vpp=vpp if vpp and vpp > 1 else None, member=rank,
+                       members=tuple(range(world)), store_addr=store_lib.address_from_env(), timeout_s=timeout_s)
 
 
 def teardown() -> None:
@@ -163,5 +184,36 @@ def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int, 
     """
     layout = Layout.from_world(ctx.world_size, tp, pp)
     destroy_parallel_state()
-    build_parallel_state(layout, ctx.rank, vpp=vpp, seed=seed, ep=ep)
+    build_parallel_state(layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
     return dataclasses.replace(ctx, layout=layout, vpp=vpp if vpp and vpp > 1 else None)
+
+
+def regroup(ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None, seed: int,
+            ep: int = 1) -> DistContext:
+    """After a fail-stop: a new default process group over ``members`` (launch ranks, in their
+    new rank order; this process among them) on the store keys of the next generation, and
+    megatron's parallel state for ``tp`` x ``pp`` over it.
+
+    gloo cannot shrink a group, so the old default group and every group built on it are
+    destroyed and a new one rendezvouses on fresh keys (torchft's pattern). Collective over
+    ``members``; bounded by ``ctx.timeout_s``."""
+    if ctx.store_addr is None:
+        raise RuntimeError("regroup needs a store outside the ranks (runtime/store.py)")
+    gen = ctx.generation + 1
+    rank, world = members.index(ctx.member), len(members)
+    try:
+        destroy_parallel_state()
+    except Exception as exc:  # a group with a dead member may refuse a clean shutdown
+        logger.debug("destroying the old parallel state: %s", exc)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:
+            logger.debug("destroying the old default group: %s", exc)
+    base = store_lib.connect(ctx.store_addr, timeout_s=ctx.timeout_s)
+    dist.init_process_group(backend=ctx.backend, store=store_lib.generation(base, gen, "pg"), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=ctx.timeout_s))
+    layout = Layout.from_world(world, tp, pp)
+    build_parallel_state(layout, rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
+    return dataclasses.replace(ctx, rank=rank, world_size=world, layout=layout, vpp=vpp if vpp and vpp > 1 else None,
+                               members=tuple(members), generation=gen)

@@ -11,15 +11,16 @@ import logging
 import math
 import os
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.config.run import RunConfig
+from megatron_ext.errors import one_line
 from megatron_ext.data.dataset import MicroBatchStream, build_splits, split_sizes
 from megatron_ext.runtime import checkpoint as ckpt
-from megatron_ext.runtime import distributed, rundir
+from megatron_ext.runtime import distributed, failover, rundir
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.extension import Extension, IterationMetrics
 from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, stage_loss_func
@@ -46,6 +47,14 @@ class Trainer:
         self.last_batches: list[dict[str, Any]] = []
         self.relayouts: list[dict[str, Any]] = []
         self._pending_relayout: dict[str, Any] | None = None
+        # Fail-stop continue (runtime/failover.py): set by the extension that knows who is lost.
+        self.failover: failover.Failover | None = None
+        self.continued: list[dict[str, Any]] = []
+        self._inflight: dict[str, Any] | None = None   # the iteration between its start and its end
+        self._saving = False
+        self.rolled_back: int | None = None
+        # Fault injection points inside an iteration: callables (point, iteration) -> None.
+        self.fault_points: list[Callable[[str, int], None]] = []
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self) -> "Trainer":
@@ -170,25 +179,15 @@ class Trainer:
             payloads = [None] * dist.get_world_size()
             dist.all_gather_object(payloads, payload)
         moved = sum(p["tensor"].numel() * p["tensor"].element_size() for p in payload)
-        scheduler_state = self.scheduler.state_dict()
-        consumed = self.train_stream.consumed_samples
-        for ext in self.extensions:
-            ext.detach(self)
-        self._close_outputs()  # the logging rank may change: the new one appends to the same outputs
         if dist.is_initialized():
             dist.barrier()
-        self.ctx = distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed,
+
+        def new_ctx() -> DistContext:
+            return distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed,
                                         ep=new_parallel.expert_model_parallel_size)
-        self.cfg = new_cfg
-        self._build_model()
-        ckpt.reshard_from_peers(payloads, model=self.model, optimizer=self.optimizer)
-        self.scheduler.load_state_dict(scheduler_state)
-        self.scheduler.step(0)
-        self._build_streams(consumed)
-        self._prepare_schedule()
-        self._open_outputs()
-        for ext in self.extensions:
-            ext.attach(self)
+
+        self._rebuild(new_cfg, new_ctx, lambda: ckpt.reshard_from_peers(payloads, model=self.model,
+                                                                         optimizer=self.optimizer))
         info = {"from": old_name, "to": self.layout_name(), "iteration": self.iteration,
                 "stage_layers": new_parallel.pipeline_stage_layers,
                 "replica_microbatches": new_parallel.data_parallel_microbatches,
@@ -197,6 +196,29 @@ class Trainer:
             logger.info("re-laid out %s -> %s at iteration %d in %.2f s", old_name, info["to"], self.iteration,
                         info["pause_s"])
         return info
+
+    def _rebuild(self, new_cfg: RunConfig, new_ctx: Callable[[], DistContext], reshard: Callable[[], Any]) -> Any:
+        """Swap in another layout: extensions let go, the process groups change (``new_ctx``), model,
+        DDP, optimizer and scheduler are rebuilt, ``reshard()`` fills them, the LR schedule's state and
+        the data position carry over, extensions attach to the new objects. Returns what
+        ``reshard`` returned."""
+        scheduler_state = self.scheduler.state_dict()
+        consumed = self.train_stream.consumed_samples
+        for ext in self.extensions:
+            ext.detach(self)
+        self._close_outputs()  # the logging rank may change: the new one appends to the same outputs
+        self.ctx = new_ctx()
+        self.cfg = new_cfg
+        self._build_model()
+        result = reshard()
+        self.scheduler.load_state_dict(scheduler_state)
+        self.scheduler.step(0)
+        self._build_streams(consumed)
+        self._prepare_schedule()
+        self._open_outputs()
+        for ext in self.extensions:
+            ext.attach(self)
+        return result
 
     # Engine hooks: a subclass for another engine (deepspeed_patches/trainer.py) overrides these and
     # keeps data, LR schedule, checkpoints, logging and extensions.
@@ -283,11 +305,15 @@ class Trainer:
         for ext in self.extensions:
             ext.before_iteration(self, it)
         start = time.perf_counter()
+        # What a fail-stop in the middle needs to settle this iteration (``_settle_inflight``).
+        self._inflight = {"iteration": it, "consumed_samples": self.train_stream.consumed_samples,
+                          "committed": None, "applied": False, "scheduled": False}
         batches = self.train_stream.next_iteration()
         self.last_batches = batches
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
         losses, applied, grad_norm = self._train_batches(batches)
         self.scheduler.step(1)
+        self._inflight["scheduled"] = True
         self._sync()
         elapsed = time.perf_counter() - start
         self.iteration = it
@@ -299,10 +325,23 @@ class Trainer:
             consumed_samples=self.train_stream.consumed_samples, skipped=not applied)
         for ext in self.extensions:
             ext.after_iteration(self, metrics)
+        self._inflight = None
         return metrics
 
+    def _fault_point(self, point: str, iteration: int | None = None) -> None:
+        it = iteration if iteration is not None else self._inflight["iteration"] if self._inflight else self.iteration
+        for hook in self.fault_points:
+            hook(point, it)
+
     def _optimizer_step(self) -> tuple[bool, float | None]:
+        self._fault_point("step")
+        if self.failover is not None and self._inflight is not None:
+            # No rank updates before every rank is ready to (runtime/failover.py, "Commit").
+            self.failover.ledger.vote(self._inflight["iteration"])
+            self._inflight["committed"] = True
         out = self.optimizer.step()
+        if self._inflight is not None:
+            self._inflight["applied"] = True
         if isinstance(out, tuple):
             return bool(out[0]), (None if out[1] is None else float(out[1]))
         return bool(out), None
@@ -329,8 +368,12 @@ class Trainer:
     def save_checkpoint(self) -> str:
         state = ckpt.TrainState(iteration=self.iteration, consumed_samples=self.train_stream.consumed_samples,
                                 scheduler=self.scheduler.state_dict())
-        return ckpt.save(self.cfg.checkpoint.save, model=self.model, optimizer=self.optimizer, state=state,
-                         config=self.cfg.flat(), layout=self.layout_dict(), keep_last=self.cfg.checkpoint.keep_last)
+        self._saving = True  # a fail-stop during the save saves again after the survivors regroup
+        path = ckpt.save(self.cfg.checkpoint.save, model=self.model, optimizer=self.optimizer, state=state,
+                         config=self.cfg.flat(), layout=self.layout_dict(), keep_last=self.cfg.checkpoint.keep_last,
+                         on_written=lambda: self._fault_point("save"))
+        self._saving = False
+        return path
 
     def load_checkpoint(self, path: str) -> None:
         # Each rank verifies only the files it reads: a rank whose shard is bad must not leave the
@@ -419,22 +462,169 @@ class Trainer:
         times: list[float] = []
         try:
             while self.iteration < t.train_iters:
-                m = self.train_step()
-                times.append(m.iter_time_s)
-                recent = times[-20:]
-                self._log(m, sum(recent) / len(recent))
-                if self._apply_pending_relayout() is not None:
-                    times.clear()  # the ETA follows the new layout's speed
-                if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.iteration < t.train_iters:
+                try:
+                    if self.failover is not None and self.failover.lost():
+                        raise failover.RankLost("a rank is gone")  # named between two iterations
+                    self._iterate(times)
+                except Exception as exc:
+                    if self.failover is None or isinstance(exc, failover.RestartNeeded):
+                        raise
+                    try:
+                        self._continue_after_loss(exc)
+                    except failover.LeftOut as left:
+                        print(f" resihp: {left}", flush=True)
+                        break
+                    times.clear()
+            else:
+                if lg.eval_iters > 0:
                     self._log_eval(self.evaluate())
-                if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
+                if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
                     self.save_checkpoint()
-            if lg.eval_iters > 0:
-                self._log_eval(self.evaluate())
-            if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
-                self.save_checkpoint()
         finally:
             for ext in self.extensions:
                 ext.teardown(self)
             self._close_outputs()
         return self.history
+
+    def _iterate(self, times: list[float]) -> None:
+        """One iteration and what follows it (progress line, a requested re-layout, validation,
+        checkpoint)."""
+        t, lg, ck = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
+        m = self.train_step()
+        times.append(m.iter_time_s)
+        recent = times[-20:]
+        self._log(m, sum(recent) / len(recent))
+        if self._pending_relayout is not None:
+            try:
+                self._apply_pending_relayout()
+            except Exception as exc:
+                if self.failover is None:
+                    raise
+                # Half the state may be in the new layout: nothing consistent is left to continue from.
+                raise failover.RestartNeeded(f"a rank was lost during a live re-layout ({one_line(exc)[:160]})"
+                                             ) from exc
+            times.clear()  # the ETA follows the new layout's speed
+        if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.iteration < t.train_iters:
+            self._log_eval(self.evaluate())
+        if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
+            self.save_checkpoint()
+
+    # --- fail-stop: continue ---------------------------------------------------------------
+    def _settle_inflight(self) -> int:
+        """Close the iteration a fail-stop interrupted: keep it when every rank had reached its
+        update (the ledger's decision), else roll it back (gradients dropped, data position and
+        iteration as before it). Returns the last iteration whose update this rank applied."""
+        f, self._inflight = self._inflight, None
+        gbs = self.cfg.training.global_batch_size
+        if f is None:
+            return self.iteration
+        committed = f["committed"] if f["committed"] is not None else self.failover.ledger.settle(f["iteration"])
+        if committed:
+            if not f["scheduled"]:
+                self.scheduler.step(1)
+            self.iteration = f["iteration"]
+            self.train_stream.consumed_samples = f["consumed_samples"] + gbs
+            return f["iteration"] if f["applied"] else f["iteration"] - 1
+        self.iteration = f["iteration"] - 1
+        self.train_stream.consumed_samples = f["consumed_samples"]
+        self.model.zero_grad_buffer()
+        self.rolled_back = f["iteration"]
+        return self.iteration
+
+    def _continue_after_loss(self, error: BaseException) -> None:
+        """Collective over the survivors: go on without the lost rank(s), in these processes.
+
+        Settle the interrupted iteration; meet the other survivors in the store; the lowest of them
+        plans their layout (``failover.plan``: DP shrink, PP re-partition, ...); form a new default
+        process group on the next generation's keys; move the state: every slice from a survivor
+        that holds it at the committed iteration (a DP or TP replica of a lost rank's), else from
+        the last checkpoint; go on from the committed iteration and data position. Raises
+        ``RestartNeeded`` when that is impossible, ``LeftOut`` on a survivor the layout does not use."""
+        fo, ctx = self.failover, self.ctx
+        start = time.perf_counter()
+        failover.abort_connections(ctx.store_addr)  # survivors still waiting on this rank fail now too
+        lost = fo.wait_for_loss()
+        if not lost:
+            raise error  # a failure that no lost rank explains: not ours to handle
+        fo.phase, fo.handled = "joining", set(lost)
+        self.rolled_back = None
+        applied = self._settle_inflight()
+        saving, self._saving = self._saving, False
+        old_name, gen = self.layout_name(), ctx.generation + 1
+        joined = failover.join(fo.base, generation=gen, member=ctx.member,
+                               info={"iteration": self.iteration, "consumed_samples": self.train_stream.consumed_samples},
+                               expected=ctx.members, lost=fo.lost, timeout_s=ctx.timeout_s)
+        leader = min(joined)
+        if ctx.member == leader:
+            failover.publish(fo.base, generation=gen, decision=fo.decide(self, sorted(joined), sorted(lost)))
+        decision = failover.wait_decision(fo.base, generation=gen, leader=leader, lost=fo.lost,
+                                          timeout_s=ctx.timeout_s)
+        gone = ", ".join(map(str, sorted(set(ctx.members) - set(joined))))
+        if "restart" in decision:
+            raise failover.RestartNeeded(f"lost rank(s) {gone}: {decision['restart']}")
+        if ctx.member not in decision["members"]:
+            fo.stop()
+            raise failover.LeftOut(f"rank {ctx.member} has no place in the survivors' layout "
+                                   f"({decision['plan']}); it leaves the job")
+        iteration, _ = failover.agree_iteration(joined)
+        fo.phase = "regrouping"  # from here on another loss cannot be absorbed: restart instead
+        self._fault_point("relayout", self.iteration + 1)  # the iteration the loss interrupted
+        payload = ckpt.collect_payload(self.model, self.optimizer, every_replica=True)
+        mine = payload if applied == iteration else None  # a stale copy (its update failed) is not used
+        new_parallel = dataclasses.replace(
+            self.cfg.parallel, tensor_model_parallel_size=decision["tp"], pipeline_model_parallel_size=decision["pp"],
+            virtual_pipeline_model_parallel_size=decision["vpp"], pipeline_stage_layers=decision["stage_layers"],
+            data_parallel_microbatches=decision["replica_microbatches"])
+        new_cfg = dataclasses.replace(self.cfg, parallel=new_parallel)
+
+        def new_ctx() -> DistContext:
+            return distributed.regroup(ctx, members=decision["members"], tp=decision["tp"], pp=decision["pp"],
+                                       vpp=decision["vpp"], seed=self.cfg.training.seed,
+                                       ep=new_parallel.expert_model_parallel_size)
+
+        def reshard() -> dict[str, Any]:
+            payloads: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(payloads, mine)
+            fallback = self.cfg.checkpoint.save or self.cfg.checkpoint.load
+            try:
+                report = ckpt.reshard_from_peers(payloads, model=self.model, optimizer=self.optimizer,
+                                                 fallback=fallback)
+            except ckpt.CheckpointError as exc:
+                report = {"error": str(exc)}
+            reports: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, report)  # every rank learns a failure, and the oldest source
+            return reports
+
+        try:
+            new_cfg.validate(len(decision["members"]))
+            reports = self._rebuild(new_cfg, new_ctx, reshard)
+        except failover.RestartNeeded:
+            raise
+        except Exception as exc:
+            raise failover.RestartNeeded(f"lost rank(s) {gone}; the survivors could not regroup: "
+                                         f"{one_line(exc)[:300]}") from exc
+        errors = [r["error"] for r in reports if "error" in r]
+        if errors:
+            raise failover.RestartNeeded(f"lost rank(s) {gone}: state of a lost rank has no replica in memory and "
+                                         f"no checkpoint to come from ({errors[0]})")
+        from_ckpt = [r["checkpoint_iteration"] for r in reports if r["checkpoint_iteration"] is not None]
+        lost_iterations = iteration - min(from_ckpt) if from_ckpt else 0
+        fo.arm(self.ctx)
+        fo.phase = "training"
+        info = {"lost_ranks": sorted(set(ctx.members) - set(joined)), "from": old_name, "to": self.layout_name(),
+                "members": list(self.ctx.members), "iteration": iteration, "rolled_back": self.rolled_back,
+                "lost_iterations": lost_iterations,
+                "restored_from_checkpoint": sorted({k for r in reports for k in r["from_checkpoint"]}),
+                "checkpoint_iteration": min(from_ckpt) if from_ckpt else None, "generation": self.ctx.generation,
+                "plan": decision["plan"], "pause_s": time.perf_counter() - start}
+        self.continued.append(info)
+        if self.ctx.rank == 0:
+            redo = f"iteration {info['rolled_back']} rolled back, " if info["rolled_back"] else ""
+            where = (f" (the lost ranks' shards of {len(info['restored_from_checkpoint'])} tensor(s) from the "
+                     f"checkpoint of iteration {info['checkpoint_iteration']})") if from_ckpt else ""
+            print(f" resihp: continuing without rank(s) {gone} after iteration {iteration}: {old_name} -> "
+                  f"{info['to']} on rank(s) {','.join(map(str, self.ctx.members))}; {redo}"
+                  f"{lost_iterations} iteration(s) lost{where}; pause {info['pause_s']:.2f} s", flush=True)
+        self._record("fail_stop_continue", info)
+        if saving and self.cfg.checkpoint.save:
+            self.save_checkpoint()  # the save the loss interrupted, now by the survivors

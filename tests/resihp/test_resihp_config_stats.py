@@ -17,7 +17,7 @@ def test_flag_list_is_pinned():
         "resihp_calibration_window", "resihp_refit_every", "resihp_rank_bias_max", "resihp_common_mode",
         "resihp_noise_floor",
         "resihp_p2p_latency_s", "resihp_heartbeat_interval_s", "resihp_heartbeat_timeout_s",
-        "resihp_trace_out", "resihp_verdicts_out", "resihp_on_stop", "resihp_act", "resihp_act_min_gain",
+        "resihp_trace_out", "resihp_verdicts_out", "resihp_on_stop", "resihp_continue_timeout_s", "resihp_act", "resihp_act_min_gain",
         "resihp_act_horizon"]
 
 
@@ -38,6 +38,7 @@ def test_flags_and_yaml_values_build():
     ({"resihp_rank_bias_max": 1.3}, "--resihp-rank-bias-max (1.3) must be below --resihp-threshold (1.25)"),
     ({"resihp_heartbeat_timeout_s": 1.0}, "--resihp-heartbeat-timeout-s (1.0) must exceed --resihp-heartbeat-interval-s (1.0)"),
     ({"resihp_detector": "fancy"}, "--resihp-detector must be one of resihp, raw, got 'fancy'"),
+    ({"resihp_continue_timeout_s": 5.0}, "--resihp-continue-timeout-s (5.0) must exceed --resihp-heartbeat-timeout-s (10.0)"),
 ])
 def test_bad_values_are_named(kw, message):
     with pytest.raises(ConfigError) as err:
