@@ -111,6 +111,12 @@ def test_fault_flags():
         config_from_values({"inject_slow": ["1:5:0.5"]})
     with pytest.raises(ConfigError, match=r"--inject-stop 'x': expected RANK:ITER"):
         config_from_values({"inject_stop": ["x"]})
+    assert parse_stop(fail_at(3, 40, "step")) == parse_stop("3:40:step")
+    assert parse_stop("3:40:step").point == "step" and parse_stop("3:40").point == "start"
+    with pytest.raises(ConfigError) as err:
+        config_from_values({"inject_stop": ["1:5:later"]})
+    assert str(err.value) == ("--inject-stop '1:5:later': POINT must be one of start, step, save, relayout, "
+                              "got 'later'")
     cfg = config_from_values({"inject_stop": ["9:3"]})
     with pytest.raises(ConfigError, match="names rank 9, but the world has 4 ranks"):
         cfg.ext("faults").check_world(4)
