@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Iterable
 from megatron_ext.cluster.config import ClusterSimConfig
 from megatron_ext.cluster.trace import Job, VCSpec
 from megatron_ext.config.base import ConfigError, doc
+from megatron_ext.pipeline.bubbles import idle_fraction
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_ext.cluster.engine import JobState
@@ -31,16 +32,8 @@ logger = logging.getLogger(__name__)
 def bubble_fraction_from_timeline(busy: "Iterable[tuple[float, float]]", start: float, end: float) -> float:
     """Idle share of one GPU over ``[start, end)`` from its busy intervals (e.g. the forward/backward
     events of one pipeline stage over a few iterations): a measured value for a trace's
-    ``bubble_fraction`` column. Overlapping intervals count once."""
-    if end <= start:
-        raise ValueError(f"empty window [{start}, {end})")
-    covered, reach = 0.0, start
-    for t0, t1 in sorted((max(a, start), min(b, end)) for a, b in busy):
-        if t1 <= reach:
-            continue
-        covered += t1 - max(t0, reach)
-        reach = t1
-    return 1.0 - covered / (end - start)
+    ``bubble_fraction`` column. The definition the timeline and the squeezer use."""
+    return idle_fraction(busy, start, end)
 
 
 class BubbleSlot:

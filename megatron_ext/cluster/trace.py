@@ -27,6 +27,7 @@ from importlib import resources
 from typing import Iterable, Mapping
 
 from megatron_ext.errors import UserError
+from megatron_ext.pipeline.bubbles import schedule_bubble_fraction
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,7 @@ class Job:
             return 0.0
         if self.bubble_fraction is not None:
             return self.bubble_fraction
-        p, m = self.pp_stages, self.micro_batches
-        return (p - 1) / (m + p - 1)
+        return schedule_bubble_fraction(self.pp_stages, self.micro_batches)
 
     def __repr__(self) -> str:
         return (f"Job({self.job_id!r}, vc={self.vc!r}, submit={self.submit}, duration={self.duration}, "

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext.pipeline.bubbles import busy_seconds
 from megatron_ext.pipeline.events import EventRecorder
 from megatron_ext.pipeline.timeline import IterationRecord, RankEvents
 
@@ -66,7 +67,7 @@ def stage_bubble_fractions(recorder: EventRecorder, *, stage: int, num_stages: i
     comp = ev[ev["phase"] <= 1]
     first = float(ev["t0"].min()) - offset_s if len(ev) else float("inf")
     last = float(comp["t1"].max()) - offset_s if len(comp) else float("-inf")
-    busy = float((comp["t1"] - comp["t0"]).sum())
+    busy = busy_seconds(zip(comp["t0"] - offset_s, comp["t1"] - offset_s), first, last) if len(comp) else 0.0
     bounds = torch.tensor([-first, last], dtype=torch.float64)
     busy_per_stage = torch.zeros(num_stages, dtype=torch.float64)
     if is_representative:

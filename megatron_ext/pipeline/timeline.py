@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.pipeline.bubbles import idle_fraction, idle_windows, schedule_bubble_fraction
 from megatron_ext.pipeline.events import COMPUTE, Phase, assign_p2p_microbatches
 from megatron_ext.pipeline.schedule_orders import BACKWARD, FORWARD, Op, ScheduleOrder, schedule_order
 
@@ -94,8 +95,8 @@ class IterationRecord:
         busy = float((comp["t1"] - comp["t0"]).sum())
         p2p = ev[np.isin(ev["phase"], [int(Phase.SEND), int(Phase.RECV)])]
         wait = float(np.clip(np.minimum(p2p["t1"], self.pipeline_end) - p2p["t0"], 0, None).sum())
-        return {"span_s": span, "busy_s": busy, "wait_s": wait, "idle_s": span - busy,
-                "bubble_fraction": (span - busy) / span if span > 0 else 0.0}
+        bubble = idle_fraction(zip(comp["t0"], comp["t1"]), self.t_start, self.pipeline_end) if span > 0 else 0.0
+        return {"span_s": span, "busy_s": busy, "wait_s": wait, "idle_s": span - busy, "bubble_fraction": bubble}
 
     def stage_bubble_fractions(self) -> list[float]:
         return [self.busy_wait(self.representative(s).rank)["bubble_fraction"] for s in range(self.num_stages)]
@@ -168,15 +169,13 @@ class IterationRecord:
         t0, end = self.t_start, self.pipeline_end
         out = []
         for r in self.ranks.values():
-            t = t0
-            for e in r.compute():
-                name = str(Op(_PHASE_LETTER[Phase(int(e["phase"]))], int(e["microbatch"]), int(e["chunk"])))
-                if e["t0"] - t > min_s:
-                    out.append(BubbleWindow(r.rank, r.stage, t, float(e["t0"]), name,
-                                            expected[r.stage].get(name, 0.0)))
-                t = max(t, float(e["t1"]))
-            if end - t > min_s:
-                out.append(BubbleWindow(r.rank, r.stage, t, end, "end", expected[r.stage].get("end", 0.0)))
+            comp = r.compute()
+            # the op that ends a window is the one starting at its end
+            ends = {float(e["t0"]): str(Op(_PHASE_LETTER[Phase(int(e["phase"]))], int(e["microbatch"]), int(e["chunk"])))
+                    for e in comp}
+            for a, b in idle_windows(zip(comp["t0"], comp["t1"]), t0, end, min_s):
+                name = ends.get(b, "end")
+                out.append(BubbleWindow(r.rank, r.stage, a, b, name, expected[r.stage].get(name, 0.0)))
         return sorted(out, key=lambda w: (w.rank, w.t0))
 
     # --- p2p -------------------------------------------------------------------------------
@@ -247,10 +246,8 @@ class IterationRecord:
                 "span_s": self.pipeline_end - self.t_start, "bubble_fraction": self.stage_bubble_fractions()}
 
 
-def theoretical_bubble_fraction(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
-    """(p - 1) / (v m + p - 1): the idle share of a stage when every op takes the same time."""
-    p, m, v = num_stages, num_microbatches, num_chunks
-    return (p - 1) / (v * m + p - 1)
+# The schedule's bubble (pipeline/bubbles.py), under the name the timeline tools use.
+theoretical_bubble_fraction = schedule_bubble_fraction
 
 
 def doc_lengths_of(record: IterationRecord, microbatch: int) -> list[list[int]]:
