@@ -53,6 +53,8 @@ def _timed_p2p(name: str) -> Callable:
             return original(tensor, stage, async_op)
         if span.slot < 0:
             span.slot = span.recorder.begin(span.phase, 0, span.microbatch, span.call)
+        else:
+            span.recorder.reopen(span.slot)
         try:
             return original(tensor, stage, async_op)
         finally:

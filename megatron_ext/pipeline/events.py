@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -36,6 +36,8 @@ class Phase(enum.IntEnum):
 
 
 COMPUTE = (Phase.FORWARD, Phase.BACKWARD)
+# Spans in which a stage waits for others (its device idle): bubble windows at run time.
+WAITS = (Phase.SEND, Phase.RECV, Phase.GRAD_REDUCE)
 
 
 class Call(enum.IntEnum):
@@ -82,8 +84,22 @@ EVENT_DTYPE = np.dtype([("t0", "f8"), ("t1", "f8"), ("phase", "i1"), ("call", "i
                         ("microbatch", "i4")])
 
 
+class WaitObserver(Protocol):
+    """Told, as they happen, when this rank starts and stops waiting (``WAITS`` phases), and when a
+    new iteration starts. Called on the training thread: keep it to a few stores."""
+
+    def wait_begin(self, phase: int, call: int) -> None: ...
+
+    def wait_end(self) -> None: ...
+
+    def iteration_reset(self) -> None: ...
+
+
 class EventRecorder:
     """Per-rank event buffer. ``begin`` returns a slot (or -1 when disabled or full); ``end`` closes it.
+
+    An ``observer`` (``WaitObserver``) hears every wait begin and end live, also when the buffer is
+    full: the engines drive bubble windows through the recorder they already feed.
 
     ``timing="cuda"`` (see the module docstring) takes ``event_factory`` (default: timing-enabled
     ``torch.cuda.Event``) and ``synchronize`` (default ``torch.cuda.synchronize``); both are
@@ -107,6 +123,8 @@ class EventRecorder:
         self._mb = self._buf["microbatch"]
         self._n = 0
         self.enabled = enabled
+        self.observer: WaitObserver | None = None
+        self._wait_slot: int | None = None   # the slot of the wait the observer was told of
         self.clock = clock
         self.dropped = 0
         self.timing = timing
@@ -137,6 +155,9 @@ class EventRecorder:
         if not self.enabled:
             return -1
         i = self._n
+        if self.observer is not None and phase in WAITS:
+            self._wait_slot = i if i < len(self._buf) else -1
+            self.observer.wait_begin(phase, call)
         if i >= len(self._buf):
             self.dropped += 1
             return -1
@@ -155,6 +176,9 @@ class EventRecorder:
         return i
 
     def end(self, slot: int) -> None:
+        if self._wait_slot is not None and slot == self._wait_slot:
+            self._wait_slot = None
+            self.observer.wait_end()
         if slot >= 0:
             if self.timing == "host":
                 self._t1[slot] = self.clock()
@@ -183,6 +207,13 @@ class EventRecorder:
         open_ = np.flatnonzero(np.isnan(self._t1[self._resolved:self._n]))
         self._resolved = self._resolved + int(open_[0]) if len(open_) else self._n
 
+    def reopen(self, slot: int) -> None:
+        """The wait of ``slot`` goes on after a pause (DeepSpeed's Send/Recv instruction makes one
+        blocking call per tensor; the event spans them all): the observer hears a new begin."""
+        if self.observer is not None and slot >= 0 and self._wait_slot is None:
+            self._wait_slot = slot
+            self.observer.wait_begin(int(self._phase[slot]), int(self._call[slot]))
+
     def set_microbatch(self, slot: int, microbatch: int) -> None:
         if slot >= 0:
             self._mb[slot] = microbatch
@@ -190,6 +221,11 @@ class EventRecorder:
     def reset(self) -> None:
         self._n = 0
         self.dropped = 0
+        if self._wait_slot is not None:   # a wait left open by an exception
+            self._wait_slot = None
+            self.observer.wait_end()
+        if self.observer is not None:
+            self.observer.iteration_reset()
         if self.timing == "cuda":
             self._anchor_host = None  # re-anchored at the next begin(): no drift across iterations
             self._resolved = 0
