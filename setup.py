@@ -27,6 +27,13 @@ setup(
     # The cluster simulator's embedded default trace (sources and licences: data/NOTICE.md).
     package_data={"megatron_ext.cluster": ["data/*.csv", "data/*.csv.gz", "data/*.md", "data/*.txt"]},
     install_requires=INSTALL_REQUIRES,
+    # Training-loop extensions: importing the module registers its config section and factory.
+    entry_points={"megatron_ext.extensions": [
+        "timeline = megatron_ext.pipeline.extension",
+        "resihp = megatron_ext.resihp.live",
+        "helix = megatron_ext.helix.extension",
+        "squeeze = megatron_ext.hydro.squeezer.extension",
+    ]},
     extras_require={
         # GPU clusters only; never needed on CPU. No apex: megatron-core uses TE's fused kernels.
         "gpu": ["transformer-engine[pytorch]==2.9.0"],

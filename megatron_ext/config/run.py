@@ -17,9 +17,20 @@ from megatron_ext.config.base import (ArgumentParser, ConfigError, add_flags, bu
 _SECTIONS: dict[str, type] = {}
 # Core sections are attributes of RunConfig; the rest are extension sections.
 _CORE = ("model", "parallel", "training", "data", "logging", "checkpoint")
-# Extension config modules imported by the parser so their sections register themselves.
-EXTENSION_MODULES: list[str] = ["megatron_ext.pipeline.extension", "megatron_ext.resihp.live",
-                                  "megatron_ext.helix.extension"]
+# Extension modules are entry points of the installed package (setup.py, group
+# "megatron_ext.extensions"); importing one registers its config section and factory. Another
+# package adds an extension the same way, without editing this one.
+EXTENSION_GROUP = "megatron_ext.extensions"
+
+
+def extension_modules() -> list[str]:
+    from importlib.metadata import entry_points
+
+    mods = sorted({ep.value for ep in entry_points(group=EXTENSION_GROUP)})
+    if not mods:
+        raise RuntimeError(f"no {EXTENSION_GROUP!r} entry points: megatron-ext is not installed in this "
+                           "Python (run `make setup`, or `pip install -e .` in the repository)")
+    return mods
 
 
 def section(name: str):
@@ -36,7 +47,7 @@ def section(name: str):
 
 
 def sections() -> dict[str, type]:
-    for mod in EXTENSION_MODULES:
+    for mod in extension_modules():
         importlib.import_module(mod)
     return dict(_SECTIONS)
 

@@ -2,8 +2,8 @@
 
 Installs the megatron-core hooks, resets the recorder each iteration, puts each stage's bubble
 fraction into the log line and TensorBoard at every log interval, and writes Chrome-trace timelines
-of the chosen iterations. Other extensions (ResiHP, the Bubble Squeezer) read ``recorder`` and call
-``record()`` for the joined IterationRecord.
+of the chosen iterations. Other extensions (ResiHP, the Bubble Squeezer) declare it in ``requires``,
+read ``recorder`` and call ``record()`` for the joined IterationRecord.
 """
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ class TimelineExtension(Extension):
         self.recorder = None
         self.hooks = None
         self.offset_s = 0.0
+        # Set by the Bubble Squeezer: this rank's guest run intervals, drawn in exported timelines.
+        self.guest_runs = None
 
     def setup(self, trainer: "Trainer") -> None:
         from megatron_ext.pipeline.collect import clock_offsets
@@ -107,14 +109,26 @@ class TimelineExtension(Extension):
             from megatron_ext.pipeline.trace import write_chrome_trace
 
             record = self.record(trainer, it, dst=0)
+            guests = self._gather_guest_runs(trainer) if self.guest_runs is not None else None
             if record is not None:
                 path = os.path.join(self.cfg.timeline_out, f"timeline_iter{it:07d}.json")
-                write_chrome_trace(record, path)
+                write_chrome_trace(record, path, guests=guests)
                 logger.info("wrote %s (bubble fraction per stage %s)", path,
                             [round(f, 3) for f in record.stage_bubble_fractions()])
         if self.recorder.dropped:
             logger.warning("timeline: %d events dropped in iteration %d; raise --timeline-capacity",
                            self.recorder.dropped, it)
+
+    def _gather_guest_runs(self, trainer: "Trainer") -> dict[int, list[tuple[float, float]]] | None:
+        """Collective: every rank's guest intervals on rank 0 (on rank 0's clock)."""
+        import torch.distributed as dist
+
+        mine = [(t0 - self.offset_s, t1 - self.offset_s) for t0, t1 in self.guest_runs()]
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return {trainer.ctx.rank: mine}
+        parts = [None] * dist.get_world_size() if trainer.ctx.rank == 0 else None
+        dist.gather_object((trainer.ctx.rank, mine), parts, dst=0)
+        return dict(parts) if parts is not None else None
 
     def teardown(self, trainer: "Trainer") -> None:
         if self.hooks is not None:
@@ -123,11 +137,10 @@ class TimelineExtension(Extension):
 
 
 @register_extension("timeline")
-def _factory(cfg) -> TimelineExtension | None:
+def _factory(cfg, required: bool = False) -> TimelineExtension | None:
     tl = cfg.ext("timeline")
-    resihp = cfg.ext("resihp")
-    # ResiHP reads the pipeline events, so --resihp switches them on.
-    if tl is None or not (tl.timeline or (resihp is not None and resihp.resihp)):
+    # ``required``: another extension reads the pipeline events (ResiHP, the Bubble Squeezer).
+    if tl is None or not (tl.timeline or required):
         return None
     if cfg.parallel.engine == "deepspeed":  # the engine records its own instructions
         from deepspeed_patches.timeline import DeepSpeedTimelineExtension

@@ -100,6 +100,7 @@ def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], l
 
 class ResiHPExtension(Extension):
     name = "resihp"
+    requires = ("timeline",)   # the pipeline events it scores
 
     def __init__(self, cfg: "ResiHPConfig | None", faults: FaultInjectionConfig | None) -> None:
         self.cfg = cfg
@@ -124,9 +125,7 @@ class ResiHPExtension(Extension):
                 self.throttle = Throttle(model_chunks(trainer), mine[0].factor, self.faults.inject_slow_mode)
         if not self.detect:
             return
-        self.timeline = next((e for e in trainer.extensions if e.name == "timeline"), None)
-        if self.timeline is None:
-            raise RuntimeError("--resihp needs the pipeline timeline extension (it is enabled with --resihp)")
+        self.timeline = self.deps["timeline"]
         self.spec = model_spec(trainer)
         self.detector_rank = next(r for r, c in trainer.ctx.layout.coords()
                                   if c.pp == trainer.ctx.layout.pp - 1 and c.tp == 0 and c.dp == 0)

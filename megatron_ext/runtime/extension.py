@@ -29,9 +29,14 @@ class IterationMetrics:
 
 
 class Extension:
-    """Base class: override what you need. Runtime objects come through ``trainer``."""
+    """Base class: override what you need. Runtime objects come through ``trainer``.
+
+    ``requires`` names extensions this one reads (e.g. the timeline's event recorder): they are
+    built even when their own flag is off, set up before this one, and handed over in ``deps``."""
 
     name = "extension"
+    requires: tuple[str, ...] = ()
+    deps: dict[str, "Extension"]
 
     def setup(self, trainer: "Trainer") -> None:
         pass
@@ -55,7 +60,9 @@ class Extension:
         pass
 
 
-ExtensionFactory = Callable[["RunConfig"], "Extension | None"]
+# factory(cfg) -> an instance, or None when the extension's flag is off; a factory another
+# extension depends on also takes ``required=True`` (build it although its flag is off).
+ExtensionFactory = Callable[..., "Extension | None"]
 _FACTORIES: dict[str, ExtensionFactory] = {}
 
 
@@ -70,9 +77,36 @@ def register_extension(name: str) -> Callable[[ExtensionFactory], ExtensionFacto
 
 
 def build_extensions(cfg: "RunConfig") -> list[Extension]:
-    out = []
-    for factory in _FACTORIES.values():
+    """The extensions ``cfg`` switches on, plus what they require, dependencies first."""
+    from megatron_ext.config.run import sections
+
+    sections()  # imports every extension module: their factories register on import
+    built: dict[str, Extension] = {}
+    for name, factory in _FACTORIES.items():
         ext = factory(cfg)
         if ext is not None:
-            out.append(ext)
-    return out
+            built[name] = ext
+    order: list[str] = []
+
+    def visit(name: str, chain: tuple[str, ...]) -> None:
+        if name in order:
+            return
+        if name in chain:
+            raise ValueError(f"extensions require each other: {' -> '.join(chain + (name,))}")
+        ext = built[name]
+        ext.deps = {}
+        for dep in ext.requires:
+            if dep not in built:
+                if dep not in _FACTORIES:
+                    raise ValueError(f"extension {name!r} requires {dep!r}, which is not registered")
+                made = _FACTORIES[dep](cfg, required=True)
+                if made is None:
+                    raise ValueError(f"extension {dep!r} (required by {name!r}) cannot run with this configuration")
+                built[dep] = made
+            visit(dep, chain + (name,))
+            ext.deps[dep] = built[dep]
+        order.append(name)
+
+    for name in list(built):
+        visit(name, ())
+    return [built[n] for n in order]
