@@ -7,7 +7,8 @@ One row per rank (ordered by stage), time in ms from the start of the iteration.
 backward passes are labelled with their micro-batch; p2p waits, gradient reduce, optimizer and
 other work have their own colours. Under each row, the bubble lane: the measured idle window before
 each op (light) and, right-aligned in it, the idle time the schedule's structure predicts for it
-given this iteration's op durations (dark). The title gives the measured bubble fraction per stage
+given this iteration's op durations (dark); above it, when the trace has them, the intervals the
+Bubble Squeezer's guest ran (green). The title gives the measured bubble fraction per stage
 and (p - 1) / (m + p - 1).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "send": "#c8a2c8", "recv
            "grad-reduce": "#dd8452", "optimizer": "#937860", "other": "#e5d8a0"}
 BUBBLE_MEASURED = "#f4b6b6"
 BUBBLE_EXPECTED = "#c0392b"
+GUEST = "#2ca02c"
 
 
 def load_trace(path: str) -> dict[str, Any]:
@@ -55,6 +57,9 @@ def plot(trace: dict[str, Any], out: str, *, title: str | None = None, dpi: int 
     for e in spans:
         y = row[e["pid"]]
         t0, dur = e["ts"] / 1000, e["dur"] / 1000
+        if e["cat"] == "guest":
+            ax.broken_barh([(t0, dur)], (y - height / 2 - 0.15, 0.13), facecolors=GUEST, edgecolor="none")
+            continue
         if e["cat"] == "bubble":
             yb = y + height / 2 + 0.04
             ax.broken_barh([(t0, dur)], (yb, lane), facecolors=BUBBLE_MEASURED, edgecolor="none")
@@ -81,6 +86,8 @@ def plot(trace: dict[str, Any], out: str, *, title: str | None = None, dpi: int 
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
     handles += [Patch(color=BUBBLE_MEASURED, label="bubble (measured)"),
                 Patch(color=BUBBLE_EXPECTED, label="bubble (schedule predicts)")]
+    if any(e["cat"] == "guest" for e in spans):
+        handles.append(Patch(color=GUEST, label="bubble guest ran"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.1 / len(ranks)), ncol=5,
               fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)

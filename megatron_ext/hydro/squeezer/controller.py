@@ -1,0 +1,200 @@
+"""The rank's side of the Bubble Squeezer: its guest process, and the windows it hands over.
+
+``GuestProcess`` starts, watches and stops one guest (``guest.py``) beside the rank: a separate
+process, so a guest crash, OOM kill or hang can never take the rank down; pinned to the rank's
+cores at nice 19; killed by the kernel if the rank dies (``PR_SET_PDEATHSIG``). A guest that dies
+is restarted (its unfinished trials are given back as failed by the next guest before it starts)
+up to ``max_restarts`` times.
+
+``Squeezer`` listens to the rank's bubble windows (``pipeline/windows.BubbleWindows``) and runs on
+the training thread inside the p2p calls, so it only stores: on a window's open, the deadline (the
+forecast end, less the back-off share and the margin) and a wake-up byte when the guest is parked;
+on its close, the close time. A window is not offered when there is no forecast yet, when the
+guests are off (a control iteration, or stopped), or when it is shorter than the guest's smallest
+unit.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from megatron_ext.hydro.squeezer.control import (FAILED, FINISHED, NO_ROOM, PARKED, RUNNING, STARTING,
+                                                STATE_NAMES, STOPPED, Control)
+from megatron_ext.pipeline.windows import Window
+
+logger = logging.getLogger(__name__)
+
+# The rank's launcher environment: a guest must never join the training job's process group.
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+             "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+class GuestProcess:
+    def __init__(self, *, tune_config: str, rank: int, device: str, log_dir: str, budget_bytes: int,
+                 cpus: set[int] | None = None, max_restarts: int = 3) -> None:
+        self.tune_config, self.rank, self.device = tune_config, rank, device
+        self.log_dir, self.budget_bytes = log_dir, budget_bytes
+        self.cpus = cpus if cpus is not None else _affinity()
+        self.max_restarts = max_restarts
+        self.ctl = Control.create()
+        self.proc: subprocess.Popen | None = None
+        self.reaper: subprocess.Popen | None = None   # a last guest that only gives trials back
+        self.restarts = 0
+        self.deaths: list[tuple[int, int]] = []     # (pid, exit code) of guests that died
+        self.gone = False                            # no guest any more (died too often, or ended)
+        self._err = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def start(self, reap: tuple[int, ...] = (), reap_only: bool = False) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+        env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        cmd = [sys.executable, "-m", "megatron_ext.hydro.squeezer.guest", "--control", self.ctl.path,
+               "--wake-fd", str(self.ctl.wake_r), "--config", self.tune_config, "--rank", str(self.rank),
+               "--budget-bytes", str(int(self.budget_bytes)), "--device", self.device, "--log-dir", self.log_dir]
+        if reap:
+            cmd += ["--reap", *map(str, reap)]
+        if reap_only:
+            cmd.append("--reap-only")
+        if self._err is None:
+            self._err = open(os.path.join(self.log_dir, f"guest_rank{self.rank}.stderr"), "ab")
+        self.ctl["state"] = STARTING
+        self.ctl["stop"] = 0
+        # A new session: a Ctrl-C of the job reaches the rank, which stops its guest in order.
+        self.proc = subprocess.Popen(cmd, pass_fds=(self.ctl.wake_r,), env=env, stdin=subprocess.DEVNULL,
+                                     stdout=self._err, stderr=self._err, start_new_session=True)
+        try:   # the guest lowers its own priority too; this covers its first instructions
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, 19)
+            if self.cpus:
+                os.sched_setaffinity(self.proc.pid, self.cpus)
+        except (OSError, AttributeError):
+            pass
+
+    @property
+    def state(self) -> int:
+        return int(self.ctl["state"])
+
+    @property
+    def ready(self) -> bool:
+        """At a pause point (parked or running in a window): it takes windows."""
+        return self.state in (PARKED, RUNNING)
+
+    def check(self) -> str | None:
+        """Called between iterations: restart a guest that died. Returns a line to log, or None."""
+        if self.proc is None or self.gone:
+            return None
+        code = self.proc.poll()
+        if code is None:
+            return None
+        pid, state = self.proc.pid, self.state
+        self.proc = None
+        if state in (FINISHED, NO_ROOM, STOPPED) and code == 0:
+            self.gone = True
+            return f"guest of rank {self.rank} ended: {STATE_NAMES[state]}" + (
+                f" ({self.ctl.message})" if self.ctl.message else "")
+        self.deaths.append((pid, code))
+        what = f"exit code {code}" if code >= 0 else f"signal {-code}"
+        why = f" ({self.ctl.message})" if state == FAILED and self.ctl.message else ""
+        if self.restarts >= self.max_restarts:
+            self.gone = True
+            self.start(reap=(pid,), reap_only=True)   # gives its trials back, then exits
+            self.reaper, self.proc = self.proc, None
+            return (f"guest of rank {self.rank} died ({what}){why}; its trials are marked failed; no more "
+                    f"restarts ({self.restarts} of {self.max_restarts} used): the rank goes on without a guest")
+        self.restarts += 1
+        self.start(reap=(pid,))
+        return (f"guest of rank {self.rank} died ({what}){why}; its trials are marked failed; restarted "
+                f"({self.restarts} of {self.max_restarts})")
+
+    def stop(self, timeout_s: float = 20.0, wait: bool = True) -> None:
+        """Ask the guest to give its trials back and exit; with ``wait``, kill it after ``timeout_s``."""
+        self.ctl["stop"] = 1
+        self.ctl.wake()
+        if not wait:
+            return
+        procs = [p for p in (self.proc, self.reaper) if p is not None]
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("squeeze: guest %d of rank %d did not stop in %.0f s: killed", p.pid, self.rank,
+                               timeout_s)
+                p.kill()
+                p.wait()
+        self.proc = self.reaper = None
+        if self._err is not None:
+            self._err.close()
+            self._err = None
+
+    def close(self) -> None:
+        self.ctl.close(unlink=True)
+
+
+def _affinity() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+
+
+class Squeezer:
+    """A ``WindowListener``: hands this rank's windows to its guest (see the module docstring)."""
+
+    def __init__(self, guest: GuestProcess, *, margin_s: float = 0.0005) -> None:
+        self.guest, self.ctl = guest, guest.ctl
+        self.margin_s = margin_s
+        self.keep_back = 0.0          # share of each forecast not offered (back-off)
+        self.active = False           # guests on in this iteration
+        self.window_s = 0.0           # window time seen while guests were on
+        self.offered = 0
+        self.too_short = 0
+        self.no_forecast = 0
+        self._opened = False
+
+    def window_open(self, w: Window) -> None:
+        if not self.active:
+            return
+        ctl = self.ctl
+        state = ctl["state"]
+        if state != PARKED and state != RUNNING:
+            return
+        if w.forecast_s is None:
+            self.no_forecast += 1
+            return
+        deadline = w.t_open + w.forecast_s * (1.0 - self.keep_back) - self.margin_s
+        if deadline - w.t_open < ctl["min_unit_s"] or deadline <= w.t_open:
+            self.too_short += 1
+            return
+        ctl.open_window(w.t_open, deadline)
+        self._opened = True
+        self.offered += 1
+        if state == PARKED:
+            ctl.wake()
+
+    def window_close(self, w: Window, t_close: float) -> None:
+        if self.active:
+            self.window_s += t_close - w.t_open
+        if self._opened:
+            self.ctl.close_window(t_close)
+            self._opened = False
+
+    def stats(self) -> dict[str, Any]:
+        ctl = self.ctl
+        lat = self.ctl.latencies()
+        busy, over = float(ctl["busy_s"]), float(ctl["overrun_s"])
+        return {"window_s": self.window_s, "busy_s": busy, "overrun_s": over,
+                "used": busy / self.window_s if self.window_s > 0 else 0.0,
+                "windows_offered": self.offered, "windows_used": int(ctl["windows_used"]),
+                "windows_skipped": int(ctl["windows_skipped"]) + self.too_short, "no_forecast": self.no_forecast,
+                "steps": int(ctl["steps"]), "trial_steps": int(ctl["trial_steps"]),
+                "trials_done": int(ctl["trials_done"]), "fusion": int(ctl["fusion"]),
+                "bundle_trials": int(ctl["bundle_trials"]),
+                "min_unit_s": float(ctl["min_unit_s"]), "units": int(ctl["units"]),
+                "long_units": int(ctl["long_units"]), "latencies": lat, "state": STATE_NAMES[int(ctl["state"])],
+                "restarts": self.guest.restarts, "deaths": list(self.guest.deaths)}

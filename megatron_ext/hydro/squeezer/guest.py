@@ -1,0 +1,493 @@
+"""A bubble guest: one process beside a training rank that trains a fused Hydro bundle of a shared
+Optuna study, only inside the rank's bubble windows.
+
+    python -m megatron_ext.hydro.squeezer.guest --control FILE --wake-fd N --config tune.yaml ...
+
+(started by the rank's squeezer, not by hand). The guest is a ``HydroTuner`` whose bundles pass
+every pause point (``PauseGate``: before each fused layer's forward, after its backward) through
+``WindowGate``: it goes on only when a window is open and the window's deadline leaves room for
+the unit that starts there (its own measured duration), and parks otherwise -- blocked in a
+``select`` on the wake pipe, using no CPU -- until a window long enough opens. Parking is
+cooperative because on a GPU a stopped process's queued kernels would still run; on CPU the OS
+priority (nice 19, pinned to the rank's cores) is the second guard.
+
+The study is shared by the guests of every rank: a guest asks a trial only while the study has
+fewer than ``n_trials`` trials finished or running, tags its trials with its rank and pid, and on
+a stop gives its unfinished trials back as failed. A guest's results do not depend on when it ran:
+``oplog`` records every bundle operation, and ``replay`` re-runs them alone for the parity check.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import optuna
+import torch
+from optuna.trial import TrialState
+
+from megatron_ext.hydro.bundle import TrialBundle, TrialSpec
+from megatron_ext.hydro.config import load_config
+from megatron_ext.hydro.memory import fusion_count, probe_memory_model
+from megatron_ext.hydro.optim import TrialHParams
+from megatron_ext.hydro.schedule import LRSchedule
+from megatron_ext.hydro.squeezer.control import (FAILED, FINISHED, NO_ROOM, PARKED, RUNNING, STARTING, STOPPED,
+                                                Control)
+from megatron_ext.hydro.tuner import HydroTuner, TuneResult
+
+logger = logging.getLogger(__name__)
+
+OWNER_ATTR = "squeeze_guest"     # user attr of a trial a guest trains: {"rank", "pid", "host"}
+
+
+class GuestStopped(BaseException):
+    """The rank asked the guest to stop (or SIGTERM): unwinds the tuner from any pause point."""
+
+
+class NoRoom(RuntimeError):
+    """Not even one trial fits the memory the rank leaves free."""
+
+
+# --- pause points ---------------------------------------------------------------------------------
+
+class WindowGate:
+    """``PauseGate.on_checkpoint`` of a guest's bundles: run only inside open windows.
+
+    A *unit* is the work from one pause point to the next; its duration is measured per starting
+    point (median of the recent ones, counting only units that ended before their window did, so
+    a unit slowed by the rank's own work does not inflate it). At each pause point the guest goes
+    on only if ``deadline - now`` covers the next unit."""
+
+    def __init__(self, ctl: Control, *, clock: Callable[[], float] = time.perf_counter,
+                 sync: Callable[[], None] | None = None, parent_pid: int | None = None,
+                 idle_poll_s: float = 1.0, history: int = 8) -> None:
+        self.ctl, self.clock, self.sync = ctl, clock, sync
+        self.parent_pid = parent_pid
+        self.idle_poll_s = idle_poll_s
+        self._units: dict[str, collections.deque] = {}
+        self._history = history
+        self._key: str | None = None
+        self._unit_t0 = 0.0
+        self._run_t0: float | None = None
+        self._run_seq = 0
+        self._unit_seq = -1
+        self._seq_used = self._seq_skipped = self._seq_seen = -1
+        self._windows: collections.deque = collections.deque(maxlen=64)   # lengths of recent windows
+
+    def expected_s(self, where: str) -> float:
+        past = self._units.get(where)
+        return statistics.median(past) if past else 0.0
+
+    def _need_s(self, where: str) -> float:
+        """Room the unit starting at ``where`` needs. A unit longer than most windows (rebuilding a
+        bundle between steps, say) would never fit and the guest would starve: it starts at the
+        opening of a window of the longer quarter instead, and overruns it at nice 19."""
+        need = self.expected_s(where)
+        if len(self._windows) >= 8:
+            longer = statistics.quantiles(self._windows, n=4)[2]
+            if need > longer:
+                self.ctl["long_units"] += 1
+                need = longer
+        return need
+
+    def _saw_window(self) -> None:
+        seq = int(self.ctl["window_seq"])
+        if seq != self._seq_seen:
+            self._seq_seen = seq
+            self._windows.append(float(self.ctl["deadline"] - self.ctl["t_open"]))
+
+    def checkpoint(self, where: str) -> None:
+        ctl = self.ctl
+        now = self.clock()
+        ctl["heartbeat"] = now
+        if self._key is not None:
+            # Only a unit that ran start to end inside one window measures the guest's own speed.
+            if ctl["window_open"] and int(ctl["window_seq"]) == self._unit_seq and now <= ctl["deadline"]:
+                self._units.setdefault(self._key, collections.deque(maxlen=self._history)).append(now - self._unit_t0)
+                ctl["min_unit_s"] = min(statistics.median(d) for d in self._units.values())
+            ctl["units"] += 1
+        if ctl["stop"]:
+            raise GuestStopped("the rank asked the guest to stop")
+        if ctl["window_open"]:
+            self._saw_window()
+        need = self._need_s(where)
+        if not (ctl["window_open"] and ctl["deadline"] - now >= need):
+            self._park(now, need)
+        self._key, self._unit_t0 = where, self.clock()
+        self._unit_seq = int(ctl["window_seq"]) if ctl["window_open"] else -1
+
+    def _park(self, now: float, need: float) -> None:
+        ctl = self.ctl
+        if self.sync is not None:
+            self.sync()          # nothing of ours may still be queued on the device
+            now = self.clock()
+        if self._run_t0 is not None:
+            self._account(self._run_t0, now)
+        ctl["t_parked"] = now
+        ctl["state"] = PARKED
+        while True:
+            ctl.drain()
+            if ctl["stop"]:
+                ctl["state"] = RUNNING
+                raise GuestStopped("the rank asked the guest to stop")
+            t = self.clock()
+            if ctl["window_open"]:
+                self._saw_window()
+                if ctl["deadline"] - t >= need:
+                    break
+                seq = int(ctl["window_seq"])
+                if seq != self._seq_skipped:
+                    self._seq_skipped = seq
+                    ctl["windows_skipped"] += 1
+            ctl["heartbeat"] = t
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                raise GuestStopped("the rank is gone")
+            ctl.wait_wake(self.idle_poll_s)
+        ctl["state"] = RUNNING
+        self._run_t0 = self.clock()
+        seq = int(ctl["window_seq"])
+        self._run_seq = seq
+        if seq != self._seq_used:
+            self._seq_used = seq
+            ctl["windows_used"] += 1
+
+    def _account(self, t0: float, t1: float) -> None:
+        """Split the run [t0, t1) into time inside windows (busy) and after them (overrun), and
+        record each window's pause latency: from its end to ``t1`` (0 if it was still open)."""
+        ctl = self.ctl
+        ctl.add_run(t0, t1)
+        inside = 0.0
+        for w0, w1 in self.ctl.windows_since(self._run_seq):
+            inside += max(0.0, min(w1, t1) - max(w0, t0))
+            if w1 >= t0:
+                ctl.add_latency(max(0.0, t1 - w1))
+        ctl["busy_s"] += inside
+        ctl["overrun_s"] += max(0.0, (t1 - t0) - inside)
+
+    def unit_table(self) -> str:
+        return ", ".join(f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in sorted(self._units.items()))
+
+
+# --- the operation log (for the parity check) -------------------------------------------------------
+
+def spec_to_json(s: TrialSpec) -> dict[str, Any]:
+    return {"trial_id": s.trial_id, "seed": s.seed, "dropout": s.dropout, "hparams": dataclasses.asdict(s.hparams)}
+
+
+def spec_from_json(d: dict[str, Any]) -> TrialSpec:
+    hp = dict(d["hparams"])
+    hp["schedule"] = LRSchedule(**hp["schedule"])
+    return TrialSpec(d["trial_id"], seed=d["seed"], hparams=TrialHParams(**hp), dropout=d["dropout"])
+
+
+class OpLog:
+    """Every bundle operation of a guest, in order, one JSON line each. A step names its batch by
+    its draw number from the tuner's data stream (the stream is seeded: draw k is reproducible)."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.fh = open(path, "a", encoding="utf-8")
+        self.draws = 0
+        self._draw_of: collections.OrderedDict[int, int] = collections.OrderedDict()
+
+    def drew(self, batch: tuple) -> None:
+        self._draw_of[id(batch[0])] = self.draws
+        self.draws += 1
+        while len(self._draw_of) > 64:
+            self._draw_of.popitem(last=False)
+
+    def draw_of(self, x: Any) -> int:
+        return self._draw_of.get(id(x), -1)
+
+    def write(self, **row: Any) -> None:
+        self.fh.write(json.dumps(row) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def instrument(bundle: TrialBundle, ctl: Control, log: OpLog | None, bid: int) -> TrialBundle:
+    """Count ``bundle``'s steps into the control block and record its steps, evaluations and
+    resizes in ``log`` (instance wrappers: the same bundle)."""
+    step, evaluate, resize = bundle.train_step, bundle.evaluate, bundle.resize
+
+    def train_step(x, y):
+        losses = step(x, y)
+        ctl["steps"] += 1
+        ctl["trial_steps"] += bundle.num_trials
+        if log is not None:
+            log.write(op="step", bundle=bid, ids=list(bundle.trial_ids), batch=log.draw_of(x), losses=losses)
+        return losses
+
+    def evaluate_(batches):
+        vals = evaluate(batches)
+        if log is not None:
+            log.write(op="eval", bundle=bid, ids=list(bundle.trial_ids), vals=vals)
+        return vals
+
+    def resize_(keep_ids, new_specs=()):
+        if log is not None:
+            log.write(op="resize", bundle=bid, keep=list(keep_ids), new=[spec_to_json(s) for s in new_specs])
+        out = resize(keep_ids, new_specs)
+        ctl["bundle_trials"] = bundle.num_trials
+        return out
+
+    bundle.train_step, bundle.evaluate, bundle.resize = train_step, evaluate_, resize_
+    return bundle
+
+
+# --- the tuner of a guest ------------------------------------------------------------------------
+
+class GuestTuner(HydroTuner):
+    """A ``HydroTuner`` sharing its study with other guests, gated by ``gate``."""
+
+    def __init__(self, *args: Any, gate: WindowGate, budget_bytes: int, owner: dict[str, Any],
+                 oplog: OpLog | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gate, self.budget_bytes, self.owner, self.oplog = gate, budget_bytes, owner, oplog
+        self.fusion_used = 0
+        self.bundles = 0
+        self._finished_at_start: int | None = None
+        self._next_query = 0.0          # storage polls are rate-limited while nothing is left to ask
+
+    def _setup_data(self) -> None:
+        super()._setup_data()
+        if self.oplog is not None:
+            draw, log = self.data.train_batch, self.oplog
+
+            def train_batch():
+                batch = draw()
+                log.drew(batch)
+                return batch
+
+            self.data.train_batch = train_batch
+
+    def _study(self):
+        return self._open_study(), []    # running trials belong to other guests
+
+    def _askable(self, free: int, n_finished: int, n_open: int) -> int:
+        """Free slots, up to what the shared study still lacks (finished + running, all guests)."""
+        if self._finished_at_start is None:
+            self._finished_at_start = n_finished
+        self.gate.ctl["trials_done"] = n_finished - self._finished_at_start
+        now = time.monotonic()
+        if free <= 0 or now < self._next_query:
+            return 0
+        taken = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                              TrialState.RUNNING, TrialState.WAITING))
+        n = max(0, min(free, self.cfg.n_trials - len(taken)))
+        # Nothing to ask now: look again in a while (another guest's trial may fail and free one).
+        self._next_query = now + (5.0 if n == 0 and n_open > 0 else 0.0)
+        return n
+
+    def _on_ask(self, trial: optuna.Trial) -> None:
+        trial.set_user_attr(OWNER_ATTR, self.owner)
+
+    def _fusion_now(self, fusion: int) -> int:
+        return max(1, min(fusion, int(self.gate.ctl["max_trials"])))
+
+    def _fusion(self) -> int:
+        c = self.cfg
+        if c.fusion:
+            b = c.fusion
+        else:
+            specs = lambda n: [TrialSpec(i, seed=i, hparams=self.defaults) for i in range(n)]  # noqa: E731
+            model = probe_memory_model(lambda n: self._bundle(self.proxy_factory, specs(n), self.proxy_multipliers,
+                                                              check=False), self.data.train_batch())
+            budget = self.budget_bytes if not c.memory_budget_mb else min(self.budget_bytes,
+                                                                           int(c.memory_budget_mb * 2 ** 20))
+            try:
+                b = fusion_count(model, budget, c.max_fusion)
+            except MemoryError as exc:
+                raise NoRoom(str(exc)) from None
+            self.log(f"fusion count {b}: {model(1) / 2**20:.2f} MiB for one trial, {model(b) / 2**20:.2f} MiB "
+                     f"for {b}, {budget / 2**20:.0f} MiB free beside the rank")
+        self.gate.ctl["fusion"] = b
+        self.fusion_used = b
+        return b
+
+    def _bundle(self, factory, specs, multipliers, check: bool = True) -> TrialBundle:
+        bundle = super()._bundle(factory, specs, multipliers, check=check)
+        bundle.gate.on_checkpoint = self.gate.checkpoint
+        bid, self.bundles = self.bundles, self.bundles + 1
+        self.gate.ctl["bundle_trials"] = bundle.num_trials
+        if self.oplog is not None:
+            self.oplog.write(op="build", bundle=bid, check=check, specs=[spec_to_json(s) for s in specs])
+        return instrument(bundle, self.gate.ctl, self.oplog, bid)
+
+    def _finish(self, study, fusion, t0, tuning_s, history) -> TuneResult:
+        # No results file and no transfer: other guests share the study (hydro.tune finishes it).
+        trials = study.get_trials(deepcopy=False)
+        return TuneResult(best_trial=None, best_params={}, best_proxy_loss=None, target_loss=None,
+                          n_complete=sum(t.state == TrialState.COMPLETE for t in trials),
+                          n_pruned=sum(t.state == TrialState.PRUNED for t in trials),
+                          n_failed=sum(t.state == TrialState.FAIL for t in trials), fusion=fusion,
+                          wall_s=time.perf_counter() - t0, tuning_s=tuning_s, transfer_s=0.0, rows=[],
+                          history=history)
+
+
+def open_shared_study(tuner: HydroTuner, attempts: int = 20) -> optuna.Study:
+    """``tuner._open_study()``, retried: the guests of several ranks may create the storage at the
+    same moment (SQLite: one of them fails on the schema's version row) or find it locked."""
+    import sqlalchemy.exc
+
+    for k in range(attempts):
+        try:
+            return tuner._open_study()
+        except sqlalchemy.exc.SQLAlchemyError:
+            if k == attempts - 1:
+                raise
+            time.sleep(0.1 * (k + 1))
+    raise AssertionError("unreachable")
+
+
+def give_back(study: optuna.Study, pids: set[int], reason: str) -> list[int]:
+    """Mark the running trials of guests ``pids`` (on this host) failed, saying why."""
+    import socket
+
+    host = socket.gethostname()
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = t.user_attrs.get(OWNER_ATTR)
+        if owner and owner.get("host") == host and int(owner.get("pid", -1)) in pids:
+            optuna.trial.Trial(study, t._trial_id).set_user_attr("squeeze_failed", reason)
+            study.tell(t.number, state=TrialState.FAIL)
+            out.append(t.number)
+    return out
+
+
+def orphaned_pids(study: optuna.Study) -> set[int]:
+    """Pids of this host's guests that own running trials but no longer exist."""
+    import socket
+
+    host = socket.gethostname()
+    pids = set()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = t.user_attrs.get(OWNER_ATTR)
+        if owner and owner.get("host") == host:
+            pid = int(owner.get("pid", -1))
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                pids.add(pid)
+            except PermissionError:
+                pass
+    return pids
+
+
+# --- the process ----------------------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent (the rank) dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise GuestStopped(f"signal {signum}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_ext.hydro.squeezer.guest",
+                                description="A bubble guest (started by the squeezer of a training rank).")
+    p.add_argument("--control", required=True, help="control block file")
+    p.add_argument("--wake-fd", type=int, required=True, help="read end of the wake pipe")
+    p.add_argument("--config", required=True, help="the Hydro tune YAML of the study")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--budget-bytes", type=int, required=True, help="memory the rank leaves free")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--log-dir", required=True, help="where the guest's log and operation log go")
+    p.add_argument("--reap", type=int, nargs="*", default=[], help="give back trials of these dead guests first")
+    p.add_argument("--reap-only", action="store_true", help="only give back trials of dead guests, then exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    parent = os.getppid()
+    _die_with_parent()
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+    ctl = Control.attach(args.control, args.wake_fd)
+    ctl["pid"] = os.getpid()
+    ctl["state"] = STARTING
+    ctl["heartbeat"] = time.perf_counter()
+    os.makedirs(args.log_dir, exist_ok=True)
+    log_fh = open(os.path.join(args.log_dir, f"guest_rank{args.rank}.log"), "a", encoding="utf-8")
+
+    def log(line: str) -> None:
+        log_fh.write(f"[pid {os.getpid()}] {line}\n")
+        log_fh.flush()
+
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    torch.set_num_threads(1)
+    tuner = None
+    try:
+        cfg, space, defaults, dropout = load_config(args.config, {"target_steps": 0, "threads": 1,
+                                                                  "device": args.device.split(":")[0]})
+        if args.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(args.device))
+            torch.cuda.set_stream(torch.cuda.Stream(priority=0))   # 0 = the lowest priority
+        import socket
+
+        owner = {"rank": args.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        oplog = OpLog(os.path.join(args.log_dir, f"oplog_rank{args.rank}_pid{os.getpid()}.jsonl"))
+        sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
+        gate = WindowGate(ctl, sync=sync, parent_pid=parent)
+        tuner = GuestTuner(cfg, space, defaults, dropout, gate=gate, budget_bytes=args.budget_bytes, owner=owner,
+                           oplog=oplog, log=log)
+        study = open_shared_study(tuner)
+        dead = set(args.reap) | orphaned_pids(study)
+        if dead:
+            lost = give_back(study, dead, "its guest process died")
+            if lost:
+                log(f"gave back trials {lost} of dead guests {sorted(dead)}")
+        if args.reap_only:
+            ctl["state"] = STOPPED
+            return 0
+        # Setting up (imports, data, models, the memory probe) runs at nice 19 outside the gate; the
+        # first pause point is in the probe's first forward.
+        tuner.run()
+        ctl["state"] = FINISHED
+        ctl.message = "study complete"
+        log(f"no trial left to ask: the study is complete; units: {gate.unit_table()}")
+        return 0
+    except GuestStopped as exc:
+        if tuner is not None and tuner.study is not None:
+            lost = give_back(tuner.study, {os.getpid()}, f"stopped: {exc}")
+            log(f"stopped ({exc}); gave back trials {lost}; units: {gate.unit_table()}")
+        ctl["state"] = STOPPED
+        return 0
+    except NoRoom as exc:
+        ctl.message = str(exc)
+        ctl["state"] = NO_ROOM
+        log(f"no room: {exc}")
+        return 0
+    except Exception as exc:  # noqa: BLE001 - reported to the rank; the rank's job goes on
+        ctl.message = f"{type(exc).__name__}: {exc}"
+        ctl["state"] = FAILED
+        log(traceback.format_exc())
+        return 1
+    finally:
+        log_fh.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Shared helpers of the Bubble Squeezer tests: a tiny study, and a stand-in rank that opens windows."""
+from __future__ import annotations
+
+import os
+import time
+
+TINY_STUDY = """\
+study_name: {name}
+output_dir: {out}
+n_trials: {n_trials}
+pruner: {pruner}
+min_resource: 10
+reduction_factor: 2
+seed: 7
+data_path: "synthetic:20000:64:1"
+seq_length: 16
+micro_batch_size: 4
+num_layers: 1
+hidden_size: 32
+num_attention_heads: 4
+shrink_ratio: 0.5
+parametrization: mup
+optimizer: adamw
+trial_steps: {trial_steps}
+eval_interval: 10
+eval_iters: 2
+target_steps: 50
+max_fusion: 2
+threads: 1
+search_space:
+  lr: {{type: float, low: 1.0e-3, high: 3.0e-2, log: true}}
+"""
+
+
+def tiny_study(tmp_path, name: str = "sq", n_trials: int = 4, trial_steps: int = 20, pruner: str = "none") -> str:
+    path = os.path.join(str(tmp_path), f"{name}.yaml")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(TINY_STUDY.format(name=name, out=os.path.join(str(tmp_path), "hydro"), n_trials=n_trials,
+                                   pruner=pruner, trial_steps=trial_steps))
+    return path
+
+
+class WindowDriver:
+    """Opens and closes windows on a control block the way a rank's squeezer does, and keeps them."""
+
+    def __init__(self, squeezer, open_s: float = 0.03, closed_s: float = 0.02) -> None:
+        from megatron_ext.pipeline.windows import Window
+
+        self.sq, self.open_s, self.closed_s = squeezer, open_s, closed_s
+        self.windows: list[tuple[float, float]] = []
+        self._window = Window
+        self.n = 0
+
+    def one(self) -> None:
+        t0 = time.perf_counter()
+        w = self._window((self.n, 3, 1), t0, self.open_s)
+        self.n += 1
+        self.sq.window_open(w)
+        time.sleep(self.open_s)       # the rank waits for its peer: its core is idle
+        t1 = time.perf_counter()
+        self.sq.window_close(w, t1)
+        self.windows.append((t0, t1))
+        while time.perf_counter() - t1 < self.closed_s:
+            pass                      # the rank computes: the guest must not
+
+    def until(self, done, timeout_s: float = 120.0) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if done():
+                return True
+            self.one()
+        return done()
+
+
+def wait_for(pred, timeout_s: float = 60.0, poll_s: float = 0.05) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(poll_s)
+    return pred()

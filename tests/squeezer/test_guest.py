@@ -1,0 +1,101 @@
+"""A real guest process driven by a stand-in rank: it works only inside windows, parks outside them,
+computes what it computes alone, survives nothing but gives its trials back when killed or stopped."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from megatron_ext.hydro.squeezer.control import PARKED, RUNNING, STOPPED
+from megatron_ext.hydro.squeezer.controller import GuestProcess, Squeezer
+from megatron_ext.hydro.squeezer.replay import read_oplog, replay
+from squeezer_helpers import WindowDriver, tiny_study, wait_for
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One guest life story: windows until it trained, a SIGKILL in a window, the restart, more
+    windows, a stop. Everything the tests below look at is kept."""
+    tmp = tmp_path_factory.mktemp("squeeze_guest")
+    cfg = tiny_study(tmp, n_trials=6, trial_steps=20)
+    log_dir = os.path.join(str(tmp), "logs")
+    guest = GuestProcess(tune_config=cfg, rank=0, device="cpu", log_dir=log_dir, budget_bytes=1 << 30)
+    sq = Squeezer(guest, margin_s=0.001)
+    sq.active = True
+    drive = WindowDriver(sq, open_s=0.03, closed_s=0.02)
+    out = {"cfg": cfg, "log_dir": log_dir, "guest": guest}
+    guest.start()
+    first_pid = guest.proc.pid
+    assert wait_for(lambda: guest.ready, 120), f"the guest never reached a pause point: {guest.ctl.message}"
+    assert drive.until(lambda: guest.ctl["steps"] >= 25, 180), "the guest trained too little in windows"
+    out["parked_between"] = wait_for(lambda: guest.state == PARKED, 5)
+    out["runs_before_kill"] = guest.ctl.run_intervals()
+    out["windows_before_kill"] = list(drive.windows)
+    # SIGKILL while it runs inside a window
+    w = drive._window((10 ** 6, 3, 1), time.perf_counter(), 1.0)
+    sq.window_open(w)
+    wait_for(lambda: guest.state == RUNNING, 5)
+    os.kill(first_pid, signal.SIGKILL)
+    guest.proc.wait()
+    sq.window_close(w, time.perf_counter())
+    out["restart_line"] = guest.check()
+    out["first_pid"] = first_pid
+    assert wait_for(lambda: guest.ready, 120), f"the restarted guest never reached a pause point: {guest.ctl.message}"
+    steps = guest.ctl["steps"]
+    assert drive.until(lambda: guest.ctl["steps"] >= steps + 10, 180)
+    out["second_pid"] = guest.proc.pid
+    guest.stop()
+    out["final_state"] = guest.state
+    out["stats"] = sq.stats()
+    study = optuna.load_study(study_name="sq", storage=f"sqlite:///{tmp}/hydro/sq.db")
+    out["trials"] = study.get_trials(deepcopy=False)
+    guest.close()
+    return out
+
+
+def test_the_guest_starts_work_only_inside_an_open_window(run):
+    windows = run["windows_before_kill"]
+    runs = [r for r in run["runs_before_kill"] if r[1] > r[0]]
+    assert len(runs) >= 10
+    for t0, t1 in runs:
+        assert any(w0 <= t0 <= w1 for w0, w1 in windows), (t0, t1)
+
+
+def test_the_guest_is_parked_when_no_window_is_open(run):
+    assert run["parked_between"]
+
+
+def test_a_killed_guest_is_restarted_and_its_trials_are_marked_failed(run):
+    assert "died (signal 9)" in run["restart_line"] and "restarted (1 of 3)" in run["restart_line"]
+    failed = [t for t in run["trials"] if t.state == TrialState.FAIL
+              and t.user_attrs["squeeze_guest"]["pid"] == run["first_pid"]]
+    assert failed and all(t.user_attrs["squeeze_failed"] == "its guest process died" for t in failed)
+    # the second guest trained new trials of its own
+    assert any(t.user_attrs.get("squeeze_guest", {}).get("pid") == run["second_pid"] for t in run["trials"])
+
+
+def test_stop_gives_the_unfinished_trials_back(run):
+    assert run["final_state"] == STOPPED
+    mine = [t for t in run["trials"] if t.user_attrs.get("squeeze_guest", {}).get("pid") == run["second_pid"]]
+    assert all(t.state != TrialState.RUNNING for t in mine)
+    stopped = [t for t in mine if t.state == TrialState.FAIL]
+    assert stopped and all(t.user_attrs["squeeze_failed"].startswith("stopped") for t in stopped)
+
+
+def test_time_in_windows_and_pause_latencies_are_accounted(run):
+    s = run["stats"]
+    assert s["busy_s"] > 0 and s["windows_used"] > 0
+    assert 0 < s["used"] <= 1.0 + 1e-9      # inside windows only: never more than the windows' time
+    assert len(s["latencies"]) > 0 and min(s["latencies"]) >= 0
+
+
+@pytest.mark.parametrize("which", ["first_pid", "second_pid"])
+def test_what_a_guest_computed_in_windows_equals_a_replay_alone(run, which):
+    path = os.path.join(run["log_dir"], f"oplog_rank0_pid{run[which]}.jsonl")
+    res = replay(run["cfg"], read_oplog(path))
+    assert res["steps"] >= 10
+    assert res["max_abs_loss_diff"] <= 1e-6 and res["max_abs_val_diff"] <= 1e-6, res
