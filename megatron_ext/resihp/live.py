@@ -54,7 +54,10 @@ def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults
                     time_s: float | None = None, stage_layers: list[int] | None = None) -> TraceRecord:
     """The detector's view of a joined pipeline iteration."""
     world = len(rec.ranks)
-    vp, m = rec.num_chunks, rec.num_microbatches
+    # Replicas may run different micro-batch counts (DP work migration): the table is as wide as
+    # the largest, and the ops a replica does not run stay NaN.
+    vp = rec.num_chunks
+    m = max([rec.num_microbatches, *(len(v) for v in rec.replica_doc_lengths.values())])
     fwd = np.full((world, vp, m), np.nan)
     bwd = np.full((world, vp, m), np.nan)
     for r, events in rec.ranks.items():
@@ -70,7 +73,7 @@ def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults
     documents = []
     for d in dps:
         per_mb = rec.replica_doc_lengths.get(d, rec.doc_lengths)
-        documents.append([[int(n) for seq in per_mb[i] for n in seq] for i in range(m)])
+        documents.append([[int(n) for seq in per_mb[i] for n in seq] if i < len(per_mb) else [] for i in range(m)])
     # Uneven stages (--pipeline-stage-layers, or a re-layout): the detector's FLOPs per stage follow them.
     layers = [[int(n)] for n in stage_layers] if stage_layers else None
     return TraceRecord(iteration=rec.iteration, iteration_s=iteration_s, layout=layout, model=model,
@@ -93,8 +96,9 @@ def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], l
                          f"{hit.iteration - f.since} iterations later)")
     for f in faults.stop:
         what = f"injected: rank {f.rank} stopped at iteration {f.at}; "
-        hit = any(v.kind == "fail_stop" and v.rank == f.rank for v in verdicts)
-        lines.append(what + ("named by heartbeat" if hit else "no verdict"))
+        hit = next((v for v in verdicts if v.kind == "fail_stop" and v.rank == f.rank), None)
+        by = "the launcher (its exit)" if hit is not None and hit.detector == "launcher" else "heartbeat"
+        lines.append(what + (f"named by {by}" if hit is not None else "no verdict"))
     return lines
 
 
@@ -114,36 +118,58 @@ class ResiHPExtension(Extension):
         self.timeline = None
         self.verdicts: list[Verdict] = []
         self.actor = None
+        self.trainer: Trainer | None = None
+        self.generation = 0
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
         rank = trainer.ctx.rank
+        self.trainer = trainer
         if self.faults is not None:
             self.faults.check_world(trainer.ctx.world_size)
-            mine = [f for f in self.faults.slow if f.rank == rank]
+            trainer.fault_points.append(self._fault_point)
+            mine = [f for f in self.faults.slow if f.rank == trainer.ctx.member]
             if mine:
                 self.throttle = Throttle(model_chunks(trainer), mine[0].factor, self.faults.inject_slow_mode)
         if not self.detect:
             return
         self.timeline = self.deps["timeline"]
         self.spec = model_spec(trainer)
+        self._place_detector(trainer, trace_mode="w")
+        self._start_heartbeat(trainer)
+        if self.cfg.resihp_on_stop == "continue" and trainer.ctx.world_size > 1:
+            from megatron_ext.resihp import failstop
+
+            trainer.failover = failstop.make_failover(self, trainer)
+
+    def _place_detector(self, trainer: "Trainer", *, trace_mode: str) -> None:
+        """The detector runs on the logging rank (last stage, tp 0, dp 0); after a fail-stop
+        regroup that may be another process, which starts a fresh calibration and appends to the
+        same files."""
+        from megatron_ext.resihp.jsonl import JsonLinesWriter
+
+        rank = trainer.ctx.rank
         self.detector_rank = next(r for r, c in trainer.ctx.layout.coords()
                                   if c.pp == trainer.ctx.layout.pp - 1 and c.tp == 0 and c.dp == 0)
-        if rank == self.detector_rank:
+        if rank != self.detector_rank:
+            for f in (self.trace_writer, self.verdict_log):
+                if f is not None:
+                    f.close()
+            self.detector = self.trace_writer = self.verdict_log = None
+        elif self.detector is None:
             from megatron_ext.resihp.detector import make_detector
-            from megatron_ext.resihp.trace import TraceWriter
             from megatron_ext.resihp.verdicts import VerdictLog
 
             self.detector = make_detector(self.cfg)
             if self.cfg.resihp_trace_out:
-                self.trace_writer = TraceWriter(self.cfg.resihp_trace_out)
+                self.trace_writer = JsonLinesWriter(self.cfg.resihp_trace_out, trace_mode)
             if self.cfg.resihp_verdicts_out:
                 self.verdict_log = VerdictLog(self.cfg.resihp_verdicts_out)
         if self.cfg.resihp_act != "off":
             from megatron_ext.resihp.act import Actor
 
-            self.actor = Actor(self.cfg, rank=rank, decider=self.detector_rank)
-        self._start_heartbeat(trainer)
+            if self.actor is None or self.actor.decider != self.detector_rank or self.actor.decides != (rank == self.detector_rank):
+                self.actor = Actor(self.cfg, rank=rank, decider=self.detector_rank)
 
     def detach(self, trainer: "Trainer") -> None:
         if self.throttle is not None:
@@ -159,7 +185,11 @@ class ResiHPExtension(Extension):
             self.throttle.active = active
         if self.detect:
             self.spec = model_spec(trainer)
-            if self.heartbeat is not None:
+            if trainer.ctx.generation != self.generation:  # survivors of a fail-stop, renumbered
+                self.stop_heartbeat()
+                self._place_detector(trainer, trace_mode="a")
+                self._start_heartbeat(trainer)
+            elif self.heartbeat is not None:
                 self.heartbeat.tracker.stage_of = {r: c.pp for r, c in trainer.ctx.layout.coords()}
 
     def _start_heartbeat(self, trainer: "Trainer") -> None:
@@ -171,14 +201,40 @@ class ResiHPExtension(Extension):
 
         from megatron_ext.resihp.heartbeat_store import StoreHeartbeat
 
+        ctx = trainer.ctx
+        self.generation = ctx.generation
+        store = _get_default_store()
+        if ctx.store_addr is not None:  # a client of its own (a client serialises its calls), per generation
+            from megatron_ext.runtime import store as store_lib
+
+            store = store_lib.generation(store_lib.connect(ctx.store_addr, timeout_s=ctx.timeout_s),
+                                         ctx.generation, "heartbeat")
         stage_of = {r: c.pp for r, c in trainer.ctx.layout.coords()}
         self.heartbeat = StoreHeartbeat(
-            _get_default_store(), rank=trainer.ctx.rank, world_size=trainer.ctx.world_size,
+            store, rank=trainer.ctx.rank, world_size=trainer.ctx.world_size,
             interval_s=self.cfg.resihp_heartbeat_interval_s, timeout_s=self.cfg.resihp_heartbeat_timeout_s,
             stage_of=stage_of, on_verdict=self._on_stop_verdict).start()
 
+    def stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.verdicts.extend(self.heartbeat.verdicts)  # the lost ranks stay named in the outcome
+            self.heartbeat = None
+
+    def _fault_point(self, point: str, iteration: int) -> None:
+        for f in self.faults.stop:
+            if f.rank == self.trainer.ctx.member and f.at == iteration and f.point == point:
+                die_now(f.rank, iteration, point)
+
     def _on_stop_verdict(self, verdict: "Verdict", reporter: bool) -> None:
         # Runs on the monitor thread: the main thread may be stuck in a collective with the dead rank.
+        if self.cfg.resihp_on_stop == "continue" and self.trainer is not None and self.trainer.failover is not None:
+            from megatron_ext.resihp import failstop
+
+            if reporter:
+                print(f"resihp: {verdict.describe()}", file=sys.stderr, flush=True)
+            failstop.on_stop_verdict(self.trainer, verdict, reporter)
+            return
         if reporter:
             print(f"resihp: {verdict.describe()}", file=sys.stderr, flush=True)
             if self.cfg.resihp_verdicts_out:
@@ -207,11 +263,9 @@ class ResiHPExtension(Extension):
     def before_iteration(self, trainer: "Trainer", iteration: int) -> None:
         rank = trainer.ctx.rank
         if self.faults is not None:
-            for f in self.faults.stop:
-                if f.rank == rank and f.at == iteration:
-                    die_now(rank, iteration)
+            self._fault_point("start", iteration)
             if self.throttle is not None:
-                since = next(f.since for f in self.faults.slow if f.rank == rank)
+                since = next(f.since for f in self.faults.slow if f.rank == trainer.ctx.member)
                 self.throttle.active = iteration >= since
         if self.heartbeat is not None:
             self.heartbeat.set_iteration(iteration)
@@ -264,11 +318,13 @@ class ResiHPExtension(Extension):
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and not self.heartbeat.verdicts:
                 time.sleep(self.heartbeat.poll_s)
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
+        self.stop_heartbeat()
         if self.detector is not None and self.faults is not None and self.faults.any:
-            for line in injection_outcome(self.faults, self.verdicts + list(getattr(self.heartbeat, "verdicts", [])),
-                                          trainer.iteration):
+            from megatron_ext.resihp.verdicts import Verdict
+
+            lost = [Verdict(kind="fail_stop", rank=m, stage=None, iteration=c["iteration"], factor=None, confidence=1.0,
+                            detector="launcher") for c in trainer.continued for m in c["lost_ranks"]]
+            for line in injection_outcome(self.faults, self.verdicts + lost, trainer.iteration):
                 print(f"resihp: {line}", flush=True)
         if self.throttle is not None:
             self.throttle.remove()
