@@ -4,9 +4,11 @@ The rank that runs the detector feeds its verdicts to the planner's policy (``pl
 believed speeds with hysteresis). Every iteration that rank broadcasts its decision, a plan or
 nothing, so every rank agrees; with ``relayout`` the plan becomes a re-layout request that the
 training loop carries out after the iteration (``Trainer.relayout``). What the executor cannot do
-yet (a rank permutation, uneven micro-batches per replica, fewer ranks, another TP/PP/DP shape
-found by the planner's reshape search) is not asked of the planner under ``relayout``, which then
-repartitions layers over the stages; under ``plan`` every knob is searched and the plan only logged.
+in a live job (a rank permutation, fewer ranks, another TP/PP/DP shape found by the planner's
+reshape search) is not asked of the planner under ``relayout``, which then repartitions layers over
+the stages and moves micro-batches between replicas (DP work migration); under ``plan`` every knob
+is searched and the plan only logged. After a fail-stop (``--resihp-on-stop continue``) the
+survivors regroup anyway, and ``failstop.decide`` uses every knob.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def not_applicable(plan: Plan, world_size: int, *, after_loss: bool = False) -> 
 def make_planner(trainer: "Trainer", *, executable_only: bool, min_gain: float = 0.05, horizon: int = 500,
                  healthy_times: list[float] | None = None) -> "Planner":
     """A planner for the running job. ``executable_only``: search only what ``Trainer.relayout``
-    applies (layers per stage). The device speed is scaled so that the model predicts the healthy
+    applies in a live job (layers per stage, micro-batches per replica). The device speed is scaled so that the model predicts the healthy
     iterations measured so far: plans compare layouts relative to each other, but the pause is
     amortized in seconds."""
     from megatron_ext.resihp.live import model_spec
@@ -77,7 +79,7 @@ def make_planner(trainer: "Trainer", *, executable_only: bool, min_gain: float =
     workload = Workload(seq_length=trainer.cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
                         state_bytes_per_param=12.0 if not t.bf16 else 16.0)
     config = PlannerConfig(min_gain=min_gain, horizon_iterations=horizon, tp_regroup=not executable_only,
-                           dp_migration=not executable_only, drop_replicas=not executable_only,
+                           dp_migration=True, drop_replicas=not executable_only,
                            reshape=not executable_only)
     probe = Cluster(device_flops=1e12, memory_bytes=float("inf"), link_bytes_per_s=CPU_LINK_BYTES_PER_S)
     predicted = Planner(spec, probe, workload, config).iteration_s(plan_layout(trainer),
@@ -135,9 +137,11 @@ class Actor:
             new = plan.new
             if self.policy is not None:
                 self.policy.layout = new
-            stages = list(new.stage_layers)
+            stages, mbs = list(new.stage_layers), list(new.microbatches)
             even = len(set(stages)) == 1 and new.vp == 1
             trainer.request_relayout(tp=new.tp, pp=new.pp, vpp=new.vp if new.vp > 1 else None,
-                                     stage_layers=None if even else stages, reason=plan.describe())
+                                     stage_layers=None if even else stages,
+                                     replica_microbatches=None if len(set(mbs)) == 1 else mbs,
+                                     reason=plan.describe())
         return plan
 

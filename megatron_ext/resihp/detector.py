@@ -269,7 +269,10 @@ class ResiHPDetector(_Base):
         lin = pt * tokens[self.dp_of][:, None, None, :]
         att = ps * sq[self.dp_of][:, None, None, :]
         obs = np.stack([rec.fwd_s, rec.bwd_s], axis=1)
-        return {"obs": obs, "lin": lin, "att": att}
+        # Ops a present rank did not run (its replica has fewer micro-batches) expect nothing; a
+        # stopped rank keeps its expectation (what the job is missing).
+        ran = np.isfinite(obs) | ~rec.present[:, None, None, None]
+        return {"obs": obs, "lin": lin, "att": att, "ran": ran.astype(float)}
 
     def _predict(self, lin: np.ndarray, att: np.ndarray) -> np.ndarray:
         """Expected op durations (..., world, phase, vp, m) without the rank bias."""
@@ -281,6 +284,7 @@ class ResiHPDetector(_Base):
         lin = np.stack([b["lin"] for b in self.buffer])
         att = np.stack([b["att"] for b in self.buffer])
         healthy = np.stack([b["healthy"] for b in self.buffer])  # (n, world)
+        ran = np.stack([b["ran"] for b in self.buffer])
         n = obs.shape[0]
         # Every stage has tp * dp ranks, so all (stage, phase) fits have the same shape and run
         # as one batched regression over the newest iterations that fit the point budget.
@@ -302,7 +306,7 @@ class ResiHPDetector(_Base):
             logger.info("resihp: stage %d has no healthy data to calibrate from; keeping its old fit", s)
         self._starved = starved
         self.coef = np.where(enough[..., None], coef, self.coef)
-        pred = self._predict(lin, att)
+        pred = self._predict(lin, att) * ran
         with np.errstate(all="ignore"):
             ratio = np.nansum(obs, axis=(2, 3, 4)) / pred.sum(axis=(2, 3, 4))  # (n, world)
             present = ~np.isnan(obs).all(axis=(2, 3, 4))
@@ -344,7 +348,7 @@ class ResiHPDetector(_Base):
 
     def _score(self, rec: TraceRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
         obs = sample["obs"]
-        exp = self._predict(sample["lin"], sample["att"]) * self.bias[:, None, None, None]
+        exp = self._predict(sample["lin"], sample["att"]) * self.bias[:, None, None, None] * sample["ran"]
         with np.errstate(all="ignore"):
             scores = np.nansum(obs, axis=(1, 2, 3)) / exp.sum(axis=(1, 2, 3))
         stage_scores = np.full((self.pp, self.dp), np.nan)

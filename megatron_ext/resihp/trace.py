@@ -140,7 +140,10 @@ class TraceRecord:
 
     def to_dict(self) -> dict[str, Any]:
         def ranks(a: np.ndarray) -> list:
-            return [None if np.isnan(row).all() else [[round(float(x), 9) for x in c] for c in row] for row in a]
+            # null: a rank that reported nothing; inside a row, an op the rank did not run (its
+            # replica has fewer micro-batches).
+            return [None if np.isnan(row).all() else [[None if np.isnan(x) else round(float(x), 9) for x in c]
+                                                       for c in row] for row in a]
 
         out: dict[str, Any] = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "iteration": self.iteration}
         if self.time_s is not None:
@@ -193,7 +196,8 @@ def _durations(value: Any, key: str, world: int, vp: int, m: int, where: str) ->
         if arr.shape != (vp, m):
             raise TraceError(f"{where}: key '{key}' rank {r}: expected shape [vp={vp}][microbatches={m}], "
                              f"got {list(arr.shape)}")
-        if not np.isfinite(arr).all() or (arr < 0).any():
+        ran = arr[~np.isnan(arr)]  # null entries: ops this rank did not run
+        if not np.isfinite(ran).all() or (ran < 0).any():
             raise TraceError(f"{where}: key '{key}' rank {r}: durations must be finite and >= 0")
         out[r] = arr
     return out

@@ -144,6 +144,8 @@ class Trainer:
         if self.ctx.is_logging_rank and self.cfg.logging.progress:
             print(f" re-laid out {info['from']} -> {info['to']}"
                   + (f" (layers per stage {' '.join(map(str, info['stage_layers']))})" if info["stage_layers"] else "")
+                  + (f" (micro-batches per replica {' '.join(map(str, info['replica_microbatches']))})"
+                     if info["replica_microbatches"] else "")
                   + f" at iteration {info['iteration']} in {info['pause_s']:.2f} s", flush=True)
         self._record("relayout", {k: v for k, v in info.items() if k != "reason"} | {"plan": reason})
         return info

@@ -63,6 +63,10 @@ def test_acting_on_the_verdict_relays_out_the_live_job(live):
     assert first["iteration"] == plans[0]["iteration"] and first["stage_layers"] is not None
     stage0, stage1 = first["stage_layers"]
     assert stage0 > stage1, f"the slow stage kept {stage1} of {stage0 + stage1} layers"
+    # DP work migration in the same plan: rank 2's replica (dp 0) runs fewer of the 8 micro-batches.
+    assert first["replica_microbatches"] is not None and sum(first["replica_microbatches"]) == 8
+    slow, other = first["replica_microbatches"]
+    assert slow < other, first
 
 
 @pytest.mark.multirank

@@ -151,3 +151,35 @@ def test_slow_rank_is_found_through_shared_noise():
     assert verdicts[0].factor == pytest.approx(1.5, rel=0.1)
     rep = reports[verdicts[0].iteration - 1]
     assert rep.raw_scores is not None and rep.raw_scores[5] < rep.rank_scores[5]  # the host got faster
+
+
+def _uneven(records, counts):
+    """The same records with replica d running only its first counts[d] micro-batches (DP work
+    migration): the rest of its ops null, its documents empty."""
+    out = []
+    for r in records:
+        fwd, bwd = r.fwd_s.copy(), r.bwd_s.copy()
+        docs = [list(d) for d in r.documents]
+        for rank in range(r.layout.world_size):
+            d = int(r.layout.coord_array[rank, 1])
+            fwd[rank, :, counts[d]:] = np.nan
+            bwd[rank, :, counts[d]:] = np.nan
+        for d, n in enumerate(counts):
+            docs[d] = [m if i < n else [] for i, m in enumerate(docs[d])]
+        out.append(dataclasses.replace(r, fwd_s=fwd, bwd_s=bwd, documents=docs))
+    return out
+
+
+def test_a_replica_with_fewer_micro_batches_scores_as_healthy():
+    # After DP work migration replica 1 runs 3 of the 8 micro-batch slots: its absent ops must not
+    # count as work it should have done (which would make it look 2.7x fast and its peers slow).
+    from megatron_ext.resihp.trace import TraceRecord
+
+    spec = dataclasses.replace(SMALL, dp=2, seed=21)
+    records = _uneven(generate(spec), [8, 3])
+    again = [TraceRecord.from_dict(__import__("json").loads(r.to_json()), "t") for r in records[:2]]
+    assert np.isnan(again[0].fwd_s[1, 0, 3:]).all() and np.isfinite(again[0].fwd_s[1, 0, :3]).all()
+    reports, verdicts = run(ResiHPDetector(ResiHPConfig(resihp_common_mode=False)), records)
+    assert verdicts == []
+    scores = np.array([r.rank_scores for r in reports if r.calibrated])
+    assert np.abs(np.median(scores, axis=0) - 1.0).max() < 0.05
