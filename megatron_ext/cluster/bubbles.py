@@ -6,6 +6,8 @@ its GPUs becomes a *bubble slot* that one bubble-tolerant job (a 1-GPU HPO trial
 
 * the guest runs at ``min(bubble_speed, b)`` of its exclusive speed — Hydro measured about 15 % of
   exclusive throughput for fused trials in bubbles, and a guest cannot get more than the idle share;
+  or, with ``--bubble-speed-from`` a Bubble Squeezer run's figures, at the measured work per
+  bubble-second times ``b``;
 * the guest must fit the host GPU's spare memory. Under 1F1B, stage ``s`` of ``p`` holds
   ``min(p - s, m)`` micro-batches of activations, so early stages have less room:
   ``spare = gpu_mem - (mem_gb + act_mem_gb * min(p - s, m))``;
@@ -24,7 +26,7 @@ from megatron_ext.config.base import ConfigError, doc
 from megatron_ext.pipeline.bubbles import idle_fraction
 
 if TYPE_CHECKING:  # pragma: no cover
-    from megatron_ext.cluster.engine import JobState
+    from megatron_ext.cluster.state import JobState
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +52,12 @@ class BubbleSlot:
         return f"BubbleSlot(host={self.host.job.job_id}, stage={self.stage}, spare={self.spare_gb}GB, speed={self.speed})"
 
 
-def host_slots(host: "JobState", bubble_speed: float, gpu_mem_gb: float) -> list[BubbleSlot]:
-    """The bubble slots a running pipeline job offers, one per GPU."""
+def host_slots(host: "JobState", bubble_speed: float, gpu_mem_gb: float,
+               work_per_bubble_s: float | None = None) -> list[BubbleSlot]:
+    """The bubble slots a running pipeline job offers, one per GPU. A guest runs at
+    ``min(bubble_speed, b)``, or at ``work_per_bubble_s * b`` when that was measured."""
     job = host.job
-    speed = min(bubble_speed, job.bubble)
+    speed = work_per_bubble_s * job.bubble if work_per_bubble_s is not None else min(bubble_speed, job.bubble)
     if speed <= 0:
         return []
     p, m = max(1, job.pp_stages), max(1, job.micro_batches)
@@ -68,14 +72,15 @@ def host_slots(host: "JobState", bubble_speed: float, gpu_mem_gb: float) -> list
 class BubblePool:
     """Bubble slots of the running pipeline jobs of one VC."""
 
-    def __init__(self, bubble_speed: float, gpu_mem_gb: float):
+    def __init__(self, bubble_speed: float, gpu_mem_gb: float, work_per_bubble_s: float | None = None):
         self.bubble_speed = bubble_speed
         self.gpu_mem_gb = gpu_mem_gb
+        self.work_per_bubble_s = work_per_bubble_s
         self.by_host: dict[int, list[BubbleSlot]] = {}
         self.free: list[BubbleSlot] = []
 
     def add_host(self, host: "JobState") -> None:
-        slots = host_slots(host, self.bubble_speed, self.gpu_mem_gb)
+        slots = host_slots(host, self.bubble_speed, self.gpu_mem_gb, self.work_per_bubble_s)
         if slots:
             self.by_host[id(host)] = slots
             self.free.extend(slots)
@@ -173,7 +178,8 @@ class TuningScenario:
 
 def run_tuning_scenario(scn: TuningScenario, cfg: ClusterSimConfig) -> dict[str, float]:
     """Tuning makespan (the last trial's completion) with exclusive GPUs only and with bubbles."""
-    from megatron_ext.cluster.engine import JobState, VCSimulator
+    from megatron_ext.cluster.engine import VCSimulator
+    from megatron_ext.cluster.state import JobState
 
     spec = VCSpec("scenario", scn.scenario_nodes, scn.scenario_gpus_per_node)
     out: dict[str, float] = {}
@@ -183,11 +189,11 @@ def run_tuning_scenario(scn: TuningScenario, cfg: ClusterSimConfig) -> dict[str,
         out[f"makespan_{label}_s"] = max(js.end for js in trials)
         out[f"trial_bubble_s_{label}"] = sum(js.bubble_s for js in trials)
     slots = [s for job in scn.jobs() if job.kind == "pipeline"
-             for s in host_slots(JobState(job, 0), cfg.bubble_speed, cfg.gpu_mem_gb)]
+             for s in host_slots(JobState(job, 0), cfg.bubble_speed, cfg.gpu_mem_gb, cfg.work_per_bubble_s)]
     p, m = scn.scenario_pp_stages, scn.scenario_micro_batches
     out["bubble_slots"] = float(len(slots))
     out["usable_bubble_slots"] = float(sum(s.spare_gb >= scn.scenario_trial_mem_gb for s in slots))
     out["bubble_fraction"] = (p - 1) / (m + p - 1)
-    out["guest_speed"] = min(cfg.bubble_speed, out["bubble_fraction"])
+    out["guest_speed"] = cfg.guest_speed(out["bubble_fraction"])
     out["makespan_ratio"] = out["makespan_exclusive_s"] / out["makespan_bubbles_s"]
     return out

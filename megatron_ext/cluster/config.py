@@ -60,6 +60,10 @@ class ClusterSimConfig:
                                 "work/speed seconds).", default_factory=list)
     bubble_speed: float = doc("Speed of a trial on a pipeline bubble, as a fraction of exclusive "
                               "speed (capped by the bubble fraction).", 0.15)
+    bubble_speed_from: str | None = doc("Bubble Squeezer figures (a figures_rank*.json of a --squeeze run, or "
+                                        "its directory): a trial on a bubble runs at the measured work per "
+                                        "bubble-second times the host's bubble fraction, instead of "
+                                        "--bubble-speed.", None)
     gpu_mem_gb: float = doc("GPU memory; a trial fits a bubble only within the host's spare memory.", 80.0)
 
     def __post_init__(self) -> None:
@@ -83,6 +87,8 @@ class ClusterSimConfig:
             raise ConfigError(f"--ftf-lease-s must be > 0, got {self.ftf_lease_s}")
         if not 0 < self.bubble_speed <= 1:
             raise ConfigError(f"--bubble-speed must be in (0, 1], got {self.bubble_speed}")
+        self.work_per_bubble_s = (measured_work_per_bubble_s(self.bubble_speed_from)
+                                  if self.bubble_speed_from else None)
         if self.gpu_mem_gb <= 0:
             raise ConfigError(f"--gpu-mem-gb must be > 0, got {self.gpu_mem_gb}")
         self.speed_table()  # validates --gpu-speeds
@@ -92,6 +98,13 @@ class ClusterSimConfig:
                                   f"with --helios-compat use one of {', '.join(HELIOS_POLICIES)}")
             if self.placement != "consolidate" or self.backfill != "none":
                 raise ConfigError("--helios-compat fixes --placement consolidate and --backfill none")
+
+    def guest_speed(self, bubble_fraction: float) -> float:
+        """Speed of a trial on a bubble of a host idle ``bubble_fraction`` of the time, as a share
+        of its exclusive speed."""
+        if self.work_per_bubble_s is not None:
+            return self.work_per_bubble_s * bubble_fraction
+        return min(self.bubble_speed, bubble_fraction)
 
     def speed_table(self) -> dict[str, float]:
         table: dict[str, float] = {}
@@ -113,3 +126,38 @@ class ClusterSimConfig:
         if gpus <= gpus_per_node:
             return self.restart_cost_s[1]
         return self.restart_cost_s[2]
+
+
+def measured_work_per_bubble_s(path: str) -> float:
+    """Exclusive-seconds of guest work per bubble-second, from a squeezer run's figures: its
+    ``work_per_bubble_s`` (the benchmark measures it against the bundle run alone) or, in a
+    training run's figures, ``bubble_used`` (time guests ran inside windows, at their in-window
+    speed taken as exclusive). A directory averages its ``figures_rank*.json``, weighted by bubble
+    time."""
+    import glob
+    import json
+    import os
+
+    files = sorted(glob.glob(os.path.join(path, "figures_rank*.json"))) if os.path.isdir(path) else [path]
+    if not files:
+        raise ConfigError(f"--bubble-speed-from: {path} holds no figures_rank*.json (the --squeeze-dir of a run)")
+    num = den = 0.0
+    for f in files:
+        try:
+            with open(f, encoding="utf-8") as fh:
+                fig = json.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"--bubble-speed-from: {f}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--bubble-speed-from: {f}: not JSON ({exc.msg} at line {exc.lineno})") from None
+        value = fig.get("work_per_bubble_s", fig.get("bubble_used")) if isinstance(fig, dict) else None
+        if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ConfigError(f"--bubble-speed-from: {f}: no work_per_bubble_s or bubble_used in [0, 1] "
+                              "(a Bubble Squeezer figures file?)")
+        weight = float(fig.get("window_s", 1.0)) or 1.0
+        num += value * weight
+        den += weight
+    value = num / den
+    if value <= 0:
+        raise ConfigError(f"--bubble-speed-from: {path}: the guests did no work in the bubbles (0)")
+    return value

@@ -36,7 +36,7 @@ import numpy as np
 
 from megatron_ext.cluster.cluster import NodePool
 from megatron_ext.cluster.config import ClusterSimConfig
-from megatron_ext.cluster.engine import DONE, PENDING, RUNNING, JobState, VCRun, _insort, _remove
+from megatron_ext.cluster.state import DONE, PENDING, RUNNING, JobState, VCRun, _insort, _remove
 from megatron_ext.cluster.policies import noisy_estimates
 from megatron_ext.cluster.trace import Job, VCSpec
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from megatron_ext.cluster.engine import SimRun, VCRun
+from megatron_ext.cluster.engine import SimRun
+from megatron_ext.cluster.state import VCRun
 
 logger = logging.getLogger(__name__)
 

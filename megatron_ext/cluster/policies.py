@@ -25,7 +25,7 @@ import numpy as np
 from megatron_ext.cluster.config import ClusterSimConfig
 
 if TYPE_CHECKING:  # pragma: no cover
-    from megatron_ext.cluster.engine import JobState
+    from megatron_ext.cluster.state import JobState
     from megatron_ext.cluster.trace import Job
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from megatron_ext.cluster.bubbles import (TuningScenario, bubble_fraction_from_timeline, host_slots,
                                           run_tuning_scenario)
 from megatron_ext.cluster.cluster import NodePool
-from megatron_ext.cluster.engine import JobState, VCSimulator
+from megatron_ext.cluster.engine import VCSimulator
+from megatron_ext.cluster.state import JobState
 from megatron_ext.cluster.policies import noisy_estimates
 from megatron_ext.cluster.trace import VCSpec
 from megatron_ext.config.base import ConfigError
@@ -153,3 +154,40 @@ def test_noisy_estimator_follows_the_helios_error_bands():
     for bound, share in ((0.1, 0.1), (0.5, 0.5), (1.0, 0.7), (10.0, 0.9), (100.0, 1.0)):
         assert np.mean(err <= bound + 1e-9) == pytest.approx(share, abs=0.01)
     assert (noisy_estimates(d, seed=3) == noisy_estimates(d, seed=3)).all()
+
+
+def test_guest_speed_from_a_squeezer_run_figures(tmp_path):
+    import json
+
+    from megatron_ext.cluster.config import ClusterSimConfig
+
+    run = tmp_path / "squeeze"
+    run.mkdir()
+    # two ranks: 40 % of 10 s and 10 % of 30 s of bubbles used -> 0.175 weighted by bubble time
+    (run / "figures_rank0.json").write_text(json.dumps({"bubble_used": 0.4, "window_s": 10.0}))
+    (run / "figures_rank1.json").write_text(json.dumps({"bubble_used": 0.1, "window_s": 30.0}))
+    c = ClusterSimConfig(bubble_speed_from=str(run))
+    assert c.work_per_bubble_s == pytest.approx(0.175)
+    host = JobState(job("p", 0, 100, 2, kind="pipeline", pp_stages=2, micro_batches=4), 0)   # b = 0.2
+    assert [s.speed for s in host_slots(host, c.bubble_speed, 80, c.work_per_bubble_s)] == \
+        pytest.approx([0.175 * 0.2] * 2)
+    assert c.guest_speed(0.2) == pytest.approx(0.035) and ClusterSimConfig().guest_speed(0.2) == 0.15
+    # the benchmark's measured figure wins over the training run's in-window share
+    (run / "figures_rank0.json").write_text(json.dumps({"work_per_bubble_s": 0.3, "bubble_used": 0.9}))
+    assert ClusterSimConfig(bubble_speed_from=str(run / "figures_rank0.json")).work_per_bubble_s == 0.3
+
+
+def test_bad_squeezer_figures_are_one_line_errors(tmp_path):
+    from megatron_ext.cluster.config import ClusterSimConfig
+
+    with pytest.raises(ConfigError, match="holds no figures_rank"):
+        ClusterSimConfig(bubble_speed_from=str(tmp_path))
+    bad = tmp_path / "figures_rank0.json"
+    bad.write_text("{")
+    with pytest.raises(ConfigError, match=r"figures_rank0.json: not JSON"):
+        ClusterSimConfig(bubble_speed_from=str(bad))
+    bad.write_text('{"bubble_used": 3}')
+    with pytest.raises(ConfigError, match=r"no work_per_bubble_s or bubble_used in \[0, 1\]"):
+        ClusterSimConfig(bubble_speed_from=str(bad))
+    with pytest.raises(ConfigError, match="No such file"):
+        ClusterSimConfig(bubble_speed_from=str(tmp_path / "missing.json"))

@@ -29,7 +29,7 @@ def test_flag_list_is_pinned():
         "trace", "vc_config", "trace_format", "policy", "load_scale", "helios_compat", "skip_bad_rows",
         "gpus_per_node", "placement", "spread_slowdown", "backfill", "restart_cost_s", "las_thresholds_gpu_s",
         "las_promote_knob", "ftf_lease_s", "qssf_estimator", "estimator_seed", "gpu_speeds", "bubble_speed",
-        "gpu_mem_gb"]
+        "bubble_speed_from", "gpu_mem_gb"]
 
 
 def test_simulate_json_last_line_matches_the_library(capsys):

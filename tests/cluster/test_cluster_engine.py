@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from tests.cluster.cluster_helpers import cfg, data, job
 from megatron_ext.cluster.config import POLICIES
-from megatron_ext.cluster.engine import DONE, VCSimulator, simulate
+from megatron_ext.cluster.engine import VCSimulator, simulate
+from megatron_ext.cluster.state import DONE
 from megatron_ext.cluster.trace import Job, VCSpec, read_trace, read_vc_config
 
 
