@@ -9,7 +9,9 @@ autograd functions with asynchronous handles), which Dynamo cannot capture as co
 and the classes themselves, are untouched; :func:`restore` undoes it.
 
 Covered: tensor parallelism with and without sequence parallelism, the local layer spec
-(``get_gpt_layer_local_spec()``), vocabulary-parallel embedding and cross entropy. Not covered:
+(``get_gpt_layer_local_spec()``) of every family (GPT, LLaMA-style, MoE), vocabulary-parallel
+embedding and cross entropy; megatron's ``MoELayer`` gets a static-shape token dispatch with
+graph collectives (:mod:`megatron_ext.helix.adapter_moe`). Not covered:
 Transformer Engine layers (they have their own comm/overlap machinery), gradient-accumulation
 fusion, deferred embedding wgrad, CPU offloading -- the adapter refuses those with an error.
 """
@@ -49,10 +51,11 @@ class TraceableReport:
     row: int = 0
     embedding: int = 0
     loss: int = 0
+    moe: int = 0
 
     @property
     def total(self) -> int:
-        return self.column + self.row + self.embedding + self.loss
+        return self.column + self.row + self.embedding + self.loss + self.moe
 
 
 def _check_version() -> None:
@@ -140,6 +143,9 @@ def make_traceable(model: torch.nn.Module) -> TraceableReport:
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       VocabParallelEmbedding)
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_ext.helix.adapter_moe import cost_note, make_moe_traceable
 
     classes = {"ColumnParallelLinear": ColumnParallelLinear, "RowParallelLinear": RowParallelLinear,
                "VocabParallelEmbedding": VocabParallelEmbedding}
@@ -163,6 +169,11 @@ def make_traceable(model: torch.nn.Module) -> TraceableReport:
             _group(mod, mod.tp_group)
             mod.forward = types.MethodType(_embedding_forward, mod)
             report.embedding += 1
+        elif isinstance(mod, MoELayer):
+            make_moe_traceable(name, mod)
+            if not report.moe:
+                logger.info("helix adapter: %s", cost_note(mod))
+            report.moe += 1
         elif isinstance(mod, LanguageModule):
             _check_config(mod.config)
             _group(mod, mod.pg_collection.tp)
@@ -173,19 +184,24 @@ def make_traceable(model: torch.nn.Module) -> TraceableReport:
                              "layer spec (get_gpt_layer_local_spec()) with --helix")
     if report.column + report.row == 0:
         raise ValueError("helix adapter: no megatron tensor-parallel layers found in the model")
-    logger.info("helix adapter: traceable regions installed (%d column, %d row, %d embedding, %d loss)",
-                report.column, report.row, report.embedding, report.loss)
+    logger.info("helix adapter: traceable regions installed (%d column, %d row, %d embedding, %d loss%s)",
+                report.column, report.row, report.embedding, report.loss,
+                f", {report.moe} mixture-of-experts" if report.moe else "")
     return report
 
 
 def restore(model: torch.nn.Module) -> int:
     """Undo :func:`make_traceable` on ``model`` (the class methods apply again)."""
+    from megatron_ext.helix import adapter_moe
+
+    rebound = (_column_forward, _row_forward, _embedding_forward, _lm_loss, *adapter_moe.REBOUND)
     n = 0
     for mod in model.modules():
-        for attr in ("forward", "compute_language_model_loss"):
-            if attr in mod.__dict__ and getattr(mod.__dict__[attr], "__func__", None) in (
-                    _column_forward, _row_forward, _embedding_forward, _lm_loss):
+        for attr in ("forward", "compute_language_model_loss", "_apply_aux_loss",
+                     "attach_and_log_load_balancing_loss"):
+            if attr in mod.__dict__ and getattr(mod.__dict__[attr], "__func__", None) in rebound:
                 del mod.__dict__[attr]
                 n += 1
-        mod.__dict__.pop("_helix_tp", None)
+        for attr in ("_helix_tp", *adapter_moe.ATTRS):
+            mod.__dict__.pop(attr, None)
     return n

@@ -353,6 +353,10 @@ class HelixBackend:
         else:
             tgm, trep = tile_graph(gm, self.tiles, self.input_dims, self.seq_tiling, self.batch_size)
             summary.tiling = trep
+            missing = trep.missing_rules()
+            if missing:
+                summary.refused.append("no tiling rule for " + ", ".join(
+                    f"{op} ({n} call{'s' if n > 1 else ''})" for op, n in sorted(missing.items())))
             summary.refused += [f"tile join before {node} ({op}): {why}" for node, op, why in trep.joins]
             if not trep.applied:
                 summary.refused.append(f"tiling: {trep.reason}")

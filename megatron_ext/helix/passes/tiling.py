@@ -51,6 +51,15 @@ class TilingReport:
     def applied(self) -> bool:
         return self.tiled_calls > 0
 
+    def missing_rules(self) -> dict[str, int]:
+        """Operators that lacked a tiling rule, with how many calls of each were joined: what a
+        user must change (or a rule to write) for the graph to overlap further."""
+        out: dict[str, int] = {}
+        for _, op, why in self.joins:
+            if why.startswith("no tiling rule"):
+                out[op] = out.get(op, 0) + 1
+        return out
+
 
 class _Untileable(Exception):
     """The graph cannot be tiled soundly at all (the message says why)."""
@@ -432,6 +441,7 @@ def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int]
             env[n] = g.node_copy(n, full)
             continue
         outs = []
+        detached: dict[fx.Node, fx.Node] = {}
         for k in range(1 if plan.single else tiles):
             def arg_k(a: fx.Node, k: int = k) -> Any:
                 st = env[a]
@@ -439,6 +449,10 @@ def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int]
                     return st.tiles[k]
                 if a in plan.split:
                     return split(a, plan.split[a], k)
+                if a in plan.once and k > 0:
+                    if a not in detached:
+                        detached[a] = tag(g.call_method("detach", (st,)), None, None)
+                    return detached[a]
                 return st
 
             args = fx.node.map_arg(n.args, arg_k)
@@ -455,6 +469,9 @@ def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int]
         report.tiled_calls += 1
         env[n] = _TiledTuple(tuple(plan.out_dim), outs) if isinstance(plan.out_dim, tuple) else _Tiled(plan.out_dim, outs)
 
+    if not report.applied and report.joins:
+        node, op, why = report.joins[0]
+        report.reason = f"every tiled value was joined before use (first before {node} ({op}): {why})"
     g.lint()
     new = fx.GraphModule(gm, g)
     new.meta.update(getattr(gm, "meta", {}))

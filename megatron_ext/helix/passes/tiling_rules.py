@@ -34,6 +34,9 @@ class Plan:
     out_dim: Any
     split: dict[fx.Node, int] = dataclasses.field(default_factory=dict)
     single: bool = False  # the result is the same for every tile (metadata): compute it once
+    # Untiled inputs whose gradient must be counted once: every tile after the first gets them
+    # detached (a gradient attachment such as an auxiliary loss riding on an activation).
+    once: frozenset = frozenset()
     rewrite: Callable[[int, tuple, dict], tuple[tuple, dict]] | None = None
     op: str | None = None
     target: Any = None
@@ -171,7 +174,9 @@ def _elementwise(ctx: RuleCtx) -> Plan:
 def _type_as(ctx: RuleCtx) -> Plan:
     x = ctx.node.args[0]
     if x not in ctx.dims:
-        raise Refuse("only the dtype donor is tiled")
+        # Only the dtype donor is tiled (megatron's router casts its untiled probabilities to the
+        # logits' dtype): every tile has the donor's dtype, so the cast runs once, untiled.
+        return Plan(out_dim=None, single=True)
     return Plan(out_dim=ctx.dims[x])
 
 
@@ -222,11 +227,17 @@ def _max(ctx: RuleCtx) -> Plan:
     return _reduction(False, multi_out=True)(ctx)
 
 
-@rule(F.layer_norm, F.rms_norm, F.group_norm)
+# torch.nn.RMSNorm / LayerNorm modules (megatron's local spec) trace to the torch.* functions.
+@rule(F.layer_norm, F.rms_norm, torch.layer_norm, torch.rms_norm, F.group_norm, torch.group_norm)
 def _norm_rule(ctx: RuleCtx) -> Plan:
     x = ctx.node.args[0]
     if x not in ctx.dims or any(a in ctx.dims for a in ctx.node.all_input_nodes if a is not x):
         raise Refuse("normalisation weights are tiled")
+    if ctx.node.target in (F.group_norm, torch.group_norm):
+        # Groups are taken over every dim but the batch (argument 1 is the number of groups).
+        if ctx.dims[x] != 0:
+            raise Refuse(f"group norm normalises over dim {ctx.dims[x]}, the tile dim")
+        return Plan(out_dim=0)
     shape = ctx.arg(1, "normalized_shape")
     n = len(shape) if isinstance(shape, (list, tuple)) else 1
     d = ctx.dims[x]

@@ -152,6 +152,41 @@ def _expand(ctx: RuleCtx) -> Plan:
                 rewrite=lambda k, args, kwargs: ((args[0], *tile_shape), {}))
 
 
+
+# Grouped-query attention repeats each key/value head for its query heads: megatron-core's
+# DotProductAttention by ``repeat_interleave`` along the heads dim, other code by ``repeat`` or
+# ``expand`` + ``reshape``. Along any other dim than the tile dim every tile repeats alike.
+@rule(torch.repeat_interleave, ("method", "repeat_interleave"))
+def _repeat_interleave(ctx: RuleCtx) -> Plan:
+    x = ctx.node.args[0]
+    if x not in ctx.dims:
+        raise Refuse("only the repeat counts are tiled")
+    if any(a in ctx.dims for a in ctx.node.all_input_nodes if a is not x):
+        raise Refuse("repeat counts are tiled")
+    dim = ctx.arg(2, "dim")
+    if dim is None:
+        raise Refuse("repeat_interleave without dim flattens the tile dim")
+    d = ctx.dims[x]
+    if _norm(dim, len(ctx.shape(x))) == d:
+        raise Refuse(f"repeats along the tile dim {d}")
+    return Plan(out_dim=d)
+
+
+@rule(("method", "repeat"))
+def _repeat(ctx: RuleCtx) -> Plan:
+    x = ctx.node.args[0]
+    if any(a in ctx.dims for a in ctx.node.all_input_nodes if a is not x):
+        raise Refuse("repeat sizes are tiled")
+    sizes = ctx.node.args[1:]
+    sizes = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else list(sizes)
+    if any(not isinstance(s, int) for s in sizes):
+        raise Refuse("repeat sizes are not constants")
+    j = ctx.dims[x] + len(sizes) - len(ctx.shape(x))
+    if sizes[j] != 1:
+        # [t0, t1] repeated is [t0, t1, t0, t1]; per tile it would give [t0, t0, t1, t1].
+        raise Refuse(f"repeats along the tile dim ({sizes[j]} times)")
+    return Plan(out_dim=j)
+
 @rule(operator.getitem)
 def _getitem(ctx: RuleCtx) -> Plan:
     x, idx = ctx.node.args
@@ -184,6 +219,18 @@ def _getitem(ctx: RuleCtx) -> Plan:
     raise Refuse("index parse failed")
 
 
+def _aligned_plan(ctx: RuleCtx, operands: list[fx.Node]) -> Plan:
+    """Operands of the output's rank, aligned dim for dim and *not* broadcast (indexing ops such as
+    gather and scatter address rows by position, so a size-1 operand is not repeated): every
+    operand is tiled along the output's tile dim or sliced along it."""
+    plan = broadcast_plan(ctx, operands)
+    size = ctx.out_shape()[plan.out_dim]
+    for a in operands:
+        if a not in ctx.dims and a not in plan.split and ctx.shape(a)[plan.out_dim] != size:
+            raise Refuse(f"{a.name} has size {ctx.shape(a)[plan.out_dim]} along the tile dim, the output {size}")
+    return plan
+
+
 @rule(torch.gather, ("method", "gather"))
 def _gather(ctx: RuleCtx) -> Plan:
     x = ctx.node.args[0]
@@ -191,12 +238,66 @@ def _gather(ctx: RuleCtx) -> Plan:
     index = ctx.arg(2, "index")
     if not isinstance(index, fx.Node) or len(ctx.shape(index)) != len(ctx.shape(x)):
         raise Refuse("index of another rank")
-    plan = broadcast_plan(ctx, [x, index])  # same rank: tiles align dim for dim
+    plan = _aligned_plan(ctx, [x, index])  # same rank: tiles align dim for dim
     if plan.out_dim == dim:
         raise Refuse("gathers along the tile dim")
     if x not in ctx.dims and x not in plan.split:
         raise Refuse("source is neither tiled nor split")
     return plan
+
+
+# Router top-k and token (un)permutation. Selecting, sorting or scattering *within* each token's
+# row is per tile; along the token dim -- a capacity over the batch's tokens, a sort of all tokens
+# by expert -- it mixes rows of different tiles and is refused (the tiles are joined before it).
+
+@rule(torch.scatter, torch.scatter_add, ("method", "scatter"), ("method", "scatter_add"))
+def _scatter(ctx: RuleCtx) -> Plan:
+    x = ctx.node.args[0]
+    dim = _norm(ctx.arg(1, "dim"), len(ctx.out_shape()))
+    index = ctx.arg(2, "index")
+    src = ctx.arg(3, "src", ctx.node.kwargs.get("value"))
+    operands = [a for a in (x, index, src) if isinstance(a, fx.Node) and isinstance(value_of(a), torch.Tensor)]
+    if any(len(ctx.shape(a)) != len(ctx.out_shape()) for a in operands):
+        raise Refuse("index or source of another rank")
+    plan = _aligned_plan(ctx, operands)
+    if plan.out_dim == dim:
+        raise Refuse(f"scatters along the tile dim {dim}: rows of one tile would land in another's")
+    return plan
+
+
+@rule(torch.topk, ("method", "topk"))
+def _topk(ctx: RuleCtx) -> Plan:
+    x = ctx.node.args[0]
+    if x not in ctx.dims:
+        raise Refuse("only k is tiled")
+    d = ctx.dims[x]
+    if _norm(ctx.arg(2, "dim", -1), len(ctx.shape(x))) == d:
+        raise Refuse(f"selects the top k along the tile dim {d} (over the whole batch)")
+    return Plan(out_dim=(d, d))
+
+
+@rule(torch.sort, ("method", "sort"), torch.argsort, ("method", "argsort"))
+def _sort(ctx: RuleCtx) -> Plan:
+    x = ctx.node.args[0]
+    d = ctx.dims[x]
+    dim = ctx.arg(1, "dim", -1)
+    if not isinstance(dim, int):  # sort(x, descending) positional bool is not a dim
+        dim = ctx.node.kwargs.get("dim", -1)
+    if _norm(dim, len(ctx.shape(x))) == d:
+        raise Refuse(f"sorts along the tile dim {d}: the order mixes tiles")
+    name = ctx.node.target if isinstance(ctx.node.target, str) else ctx.node.target.__name__
+    return Plan(out_dim=d if name == "argsort" else (d, d))
+
+
+@rule(torch.index_select, ("method", "index_select"))
+def _index_select(ctx: RuleCtx) -> Plan:
+    x, index = ctx.node.args[0], ctx.arg(2, "index")
+    if x not in ctx.dims or index in ctx.dims:
+        raise Refuse("the index is tiled")
+    d = ctx.dims[x]
+    if _norm(ctx.arg(1, "dim"), len(ctx.shape(x))) == d:
+        raise Refuse(f"selects rows along the tile dim {d}: an index may point into another tile")
+    return Plan(out_dim=d)
 
 
 _SAME_FOR_ALL_TILES = frozenset({"dtype", "device", "requires_grad", "ndim", "is_cuda", "layout", "is_leaf"})
@@ -294,6 +395,42 @@ def analyse_body(body: fx.GraphModule, in_dims: list[Any], tiles: int) -> list[A
     raise Refuse("body has no output")
 
 
+_VIEWS = frozenset({"view_as", "view", "alias", "reshape"})
+
+
+def _through_views(a: Any) -> Any:
+    while isinstance(a, fx.Node) and a.op == "call_method" and a.target in _VIEWS:
+        a = a.args[0]
+    return a
+
+
+def _attachment(fwd_body: fx.GraphModule, bwd_body: fx.GraphModule) -> bool:
+    """A gradient attachment: the forward returns its first input unchanged (through views) as
+    its only output, the backward passes the output's gradient through to that input, and the
+    gradients of the other inputs do not depend on the output's gradient (megatron's auxiliary
+    losses ride on an activation this way). Per tile, only one tile may attach: the other inputs'
+    gradients would otherwise be counted once per tile."""
+    fph = [n for n in fwd_body.graph.nodes if n.op == "placeholder"]
+    bph = [n for n in bwd_body.graph.nodes if n.op == "placeholder"]
+    fout = next(n for n in fwd_body.graph.nodes if n.op == "output").args[0]
+    bout = next(n for n in bwd_body.graph.nodes if n.op == "output").args[0]
+    if not fph or not bph or not isinstance(fout, (tuple, list)) or not isinstance(fout[0], (tuple, list)):
+        return False
+    outs = fout[0]
+    if len(outs) != 1 or _through_views(outs[0]) is not fph[0]:
+        return False
+    grads = list(bout) if isinstance(bout, (tuple, list)) else [bout]
+    if not grads or _through_views(grads[0]) is not bph[0]:
+        return False
+    seen, stack = set(), list(bph[0].users)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return not any(isinstance(gr, fx.Node) and gr in seen for gr in grads[1:])
+
+
 @rule("autograd_function_apply")
 def _autograd_function(ctx: RuleCtx) -> Plan:
     fwd, bwd = ctx.node.args[0], ctx.node.args[1]
@@ -301,6 +438,11 @@ def _autograd_function(ctx: RuleCtx) -> Plan:
     fwd_body, bwd_body = getattr(gm, fwd.target), getattr(gm, bwd.target)
     tensor_args = ctx.node.args[2:]
     in_dims = [ctx.dims.get(a) if isinstance(a, fx.Node) else None for a in tensor_args]
+    first = tensor_args[0] if tensor_args else None
+    if first in ctx.dims and all(d is None for d in in_dims[1:]) and _attachment(fwd_body, bwd_body):
+        # Tile 0 attaches; the others pass through with the attached inputs detached (gradient 0).
+        return Plan(out_dim=(ctx.dims[first],),
+                    once=frozenset(a for a in tensor_args[1:] if isinstance(a, fx.Node)))
     outs, saved = analyse_body(fwd_body, in_dims, ctx.tiles)
     if any(s is None for s in saved) and saved:
         raise Refuse("an autograd.Function saves an untiled tensor")
