@@ -255,19 +255,28 @@ def layer_specs(model_cfg: Any, vocab_size: int) -> list[Any]:
     return specs
 
 
-def stage_parts(num_layers: int, num_stages: int) -> list[int]:
-    """Spec boundaries per stage, megatron's split: stage s holds layers [s L/p, (s+1) L/p), the first
-    stage also the embedding, the last also the final norm and the head."""
-    if num_layers % num_stages:
-        raise ValueError(f"num-layers ({num_layers}) is not divisible by pipeline-model-parallel-size "
-                         f"({num_stages})")
-    per = num_layers // num_stages
-    return [0] + [1 + per * (s + 1) for s in range(num_stages - 1)] + [num_layers + 3]
+def stage_parts(num_layers: int, num_stages: int, stage_layers: list[int] | None = None) -> list[int]:
+    """Spec boundaries per stage, megatron's split: stage s holds layers [s L/p, (s+1) L/p) (or
+    ``stage_layers[s]`` layers, ``--pipeline-stage-layers``), the first stage also the embedding,
+    the last also the final norm and the head."""
+    if stage_layers is None:
+        if num_layers % num_stages:
+            raise ValueError(f"num-layers ({num_layers}) is not divisible by pipeline-model-parallel-size "
+                             f"({num_stages})")
+        stage_layers = [num_layers // num_stages] * num_stages
+    if len(stage_layers) != num_stages or sum(stage_layers) != num_layers or min(stage_layers) < 1:
+        raise ValueError(f"stage layers {stage_layers}: need {num_stages} counts >= 1 summing to {num_layers}")
+    bounds, total = [0], 0
+    for n in stage_layers[:-1]:
+        total += n
+        bounds.append(1 + total)
+    return bounds + [num_layers + 3]
 
 
 def build_gpt_pipeline(model_cfg: Any, *, vocab_size: int, num_stages: int, seed: int, std: float,
-                       quiet: bool = True) -> Any:
-    """The GPT ``PipelineModule`` of this rank's stage, initialised by global name."""
+                       quiet: bool = True, stage_layers: list[int] | None = None) -> Any:
+    """The GPT ``PipelineModule`` of this rank's stage, initialised by global name; ``stage_layers``
+    for uneven stages (DeepSpeed's own partitioner is bypassed either way)."""
     from deepspeed.pipe import PipelineModule
 
     class GPTPipelineModule(PipelineModule):
@@ -276,7 +285,7 @@ def build_gpt_pipeline(model_cfg: Any, *, vocab_size: int, num_stages: int, seed
         def _partition_layers(self, method: str = "uniform") -> None:
             # DeepSpeed's balanced partitioners may move the zero-weight embedding / head to a
             # neighbouring stage; fix the split to megatron's so layouts and checkpoints agree.
-            self.parts = stage_parts(model_cfg.num_layers, self.num_stages)
+            self.parts = stage_parts(model_cfg.num_layers, self.num_stages, stage_layers)
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 

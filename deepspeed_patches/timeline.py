@@ -29,6 +29,10 @@ class DeepSpeedTimelineExtension(TimelineExtension):
         self.schedule = "deepspeed"
         self.export = set(self.cfg.timeline_iters or [trainer.cfg.training.train_iters])
 
+    def attach(self, trainer: "DeepSpeedTrainer") -> None:
+        """After a live re-layout: the new engine records into the same recorder."""
+        trainer.engine.attach_recorder(self.recorder)
+
     def before_iteration(self, trainer: "DeepSpeedTrainer", iteration: int) -> None:
         self.recorder.reset()
 

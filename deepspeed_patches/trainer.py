@@ -13,6 +13,8 @@ each parameter counted once, as the megatron engine does.
 """
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import os
 from typing import Any
@@ -43,6 +45,9 @@ def check_config(cfg: RunConfig) -> None:
         # the PipelineModule passes hidden states only.
         raise ConfigError("--doc-length-dist (packed documents) is not supported by --engine deepspeed yet: "
                           "use --engine megatron")
+    if cfg.parallel.data_parallel_microbatches is not None:
+        raise ConfigError("--data-parallel-microbatches is not built for --engine deepspeed (its engine scales "
+                          "every replica's loss by one accumulation count): use --engine megatron")
     if cfg.parallel.overlap_grad_reduce:
         raise ConfigError("--overlap-grad-reduce is a megatron DDP option; DeepSpeed's pipeline engine "
                           "reduces gradients after the schedule: drop it with --engine deepspeed")
@@ -145,6 +150,29 @@ class DeepSpeedTrainer(Trainer):
     """The runtime Trainer with DeepSpeed's PipelineEngine running each iteration."""
 
     engine: Any = None
+    relayout_knobs = frozenset({"layers"})  # PP size and layers per stage (TP is 1 on this engine)
+    _engine_groups: list = []
+
+    def _check_relayout(self, *, tp: int, pp: int, vpp: int | None, replica_microbatches: list[int] | None) -> None:
+        if tp != 1 or (vpp or 1) > 1:
+            raise ConfigError("--engine deepspeed re-lays out the pipeline only (TP 1, no virtual stages): use "
+                              "--engine megatron for a TP or interleaved target")
+        if replica_microbatches is not None:
+            raise ConfigError("--engine deepspeed cannot move micro-batches between replicas (its engine scales "
+                              "every replica's loss by one accumulation count): use --engine megatron for DP "
+                              "work migration")
+
+    def _relayout_context(self, *, tp: int, pp: int, vpp: int | None, ep: int) -> DistContext:
+        # The engine's grid built its own groups (pipe, data, slice and p2p pairs): destroy exactly
+        # those; the new PipelineModule builds the new layout's.
+        self.engine = self.model = self.optimizer = None
+        gc.collect()
+        live = dist.distributed_c10d._world.pg_map
+        for group in self._engine_groups:
+            if group in live:
+                dist.destroy_process_group(group)
+        self._engine_groups = []
+        return dataclasses.replace(self.ctx, layout=Layout.from_world(self.ctx.world_size, 1, pp), vpp=None)
 
     def _build_model(self) -> None:
         import deepspeed
@@ -154,8 +182,9 @@ class DeepSpeedTrainer(Trainer):
 
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.training
         vocab = padded_vocab_size(self.splits.tokenizer.vocab_size, 1)
+        before = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
         self.model = build_gpt_pipeline(cfg.model, vocab_size=vocab, num_stages=ctx.layout.pp, seed=t.seed,
-                                        std=cfg.model.init_method_std)
+                                        std=cfg.model.init_method_std, stage_layers=cfg.parallel.pipeline_stage_layers)
         grid = self.model._grid
         got = (grid.get_stage_id(), grid.get_data_parallel_rank())
         if got != (ctx.coord.pp, ctx.coord.dp):  # DeepSpeed's grid and the Layout disagree: groups would be wrong
@@ -169,6 +198,8 @@ class DeepSpeedTrainer(Trainer):
         if not isinstance(self.engine, EventPipelineEngine):
             raise RuntimeError(f"deepspeed.initialize built {type(self.engine).__name__}, not EventPipelineEngine: "
                                "call deepspeed_patches.apply() first")
+        if dist.is_initialized():
+            self._engine_groups = [g for g in dist.distributed_c10d._world.pg_map if g not in before]
         self.scheduler = build_scheduler(self.optimizer, t)
 
     def _prepare_schedule(self) -> None:

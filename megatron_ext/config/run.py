@@ -201,8 +201,6 @@ class ParallelConfig:
             if (vpp or 1) > 1:
                 raise ConfigError("--pipeline-stage-layers and --virtual-pipeline-model-parallel-size cannot be "
                                   "combined (uneven stages are for plain 1F1B)")
-            if self.engine != "megatron":
-                raise ConfigError("--pipeline-stage-layers needs --engine megatron")
         split = self.data_parallel_microbatches
         if split is not None:
             if min(split) < 1:

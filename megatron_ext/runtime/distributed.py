@@ -28,17 +28,23 @@ class DistContext:
     backend: str
     layout: Layout
     vpp: int | None = None
-    member: int = 0
+    member: int = -1
     """This process's rank at launch: its name for fault injection and logs. Stays the same when a
-    fail-stop renumbers the ranks of a smaller world."""
+    fail-stop renumbers the ranks of a smaller world (default: ``rank``)."""
     members: tuple[int, ...] = ()
-    """Launch rank of each rank of the current world, in rank order (empty: 0..world-1)."""
+    """Launch rank of each rank of the current world, in rank order (default: 0..world-1)."""
     generation: int = 0
     """How many times the default process group was re-formed over survivors."""
     store_addr: str | None = None
     """``host:port`` of a rendezvous store outside every rank (``runtime/store.py``), or None."""
     timeout_s: float = 600.0
     """Timeout of every collective and rendezvous of this job's process groups."""
+
+    def __post_init__(self) -> None:
+        if self.member < 0:
+            self.member = self.rank
+        if not self.members:
+            self.members = tuple(range(self.world_size))
 
     @property
     def coord(self) -> Coord:

@@ -163,8 +163,7 @@ class Trainer:
         stream continues at the same sample. ``stage_layers`` gives uneven pipeline stages (layers
         per stage). Extensions detach from the old objects first and attach to the new ones after.
         Returns what it did (layouts, this rank's shard bytes, seconds)."""
-        if type(self)._build_model is not Trainer._build_model:
-            raise NotImplementedError(f"{type(self).__name__} cannot re-layout live yet (megatron engine only)")
+        self._check_relayout(tp=tp, pp=pp, vpp=vpp, replica_microbatches=replica_microbatches)
         start = time.perf_counter()
         old_name = self.layout_name()
         new_parallel = dataclasses.replace(self.cfg.parallel, tensor_model_parallel_size=tp,
@@ -185,8 +184,7 @@ class Trainer:
             dist.barrier()
 
         def new_ctx() -> DistContext:
-            return distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed,
-                                        ep=new_parallel.expert_model_parallel_size)
+            return self._relayout_context(tp=tp, pp=pp, vpp=vpp, ep=new_parallel.expert_model_parallel_size)
 
         self._rebuild(new_cfg, new_ctx, lambda: ckpt.reshard_from_peers(payloads, model=self.model,
                                                                          optimizer=self.optimizer))
@@ -224,6 +222,17 @@ class Trainer:
 
     # Engine hooks: a subclass for another engine (deepspeed_patches/trainer.py) overrides these and
     # keeps data, LR schedule, checkpoints, logging and extensions.
+    relayout_knobs = frozenset({"shape", "layers", "microbatches"})
+    """What ``relayout`` can change live on this engine: TP/PP sizes, layers per stage, micro-batches
+    per replica (the ResiHP planner searches only these)."""
+
+    def _check_relayout(self, *, tp: int, pp: int, vpp: int | None, replica_microbatches: list[int] | None) -> None:
+        """Raise ``UserError`` for a target this engine cannot re-lay out to (before anything changes)."""
+
+    def _relayout_context(self, *, tp: int, pp: int, vpp: int | None, ep: int) -> DistContext:
+        """Process groups of the new layout, the old ones destroyed."""
+        return distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed, ep=ep)
+
     def _build_model(self) -> None:
         """Set ``self.model``, ``self.optimizer`` and ``self.scheduler``."""
         self.model: ModelBundle = build_model(self.cfg, self.ctx, self.splits.tokenizer.vocab_size)

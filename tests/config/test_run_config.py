@@ -171,9 +171,9 @@ def test_pipeline_stage_layers_checks():
     with pytest.raises(ConfigError, match="cannot be combined"):
         parse_run_config(["--pipeline-model-parallel-size", "2", "--pipeline-stage-layers", "3", "1",
                           "--virtual-pipeline-model-parallel-size", "2"])
-    with pytest.raises(ConfigError, match="needs --engine megatron"):
-        parse_run_config(["--pipeline-model-parallel-size", "2", "--pipeline-stage-layers", "3", "1",
-                          "--engine", "deepspeed"])
+    # Both engines build uneven stages (DeepSpeed through its PipelineModule's partition).
+    assert parse_run_config(["--pipeline-model-parallel-size", "2", "--pipeline-stage-layers", "3", "1",
+                             "--engine", "deepspeed"]).parallel.pipeline_stage_layers == [3, 1]
 
 
 def test_data_parallel_microbatches_checks():

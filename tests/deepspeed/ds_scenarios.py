@@ -3,6 +3,7 @@
 One launch (imports cost 10-20 s per rank on 2 cores) runs, in the same 4 processes:
 timelines (PP2xDP2 m4, PP4 m4, PP4 m8: the joined IterationRecord of the last iteration, pickled),
 loss curves for parity with the megatron engine (PP2xDP2, PP4), resume (20 straight against 10 + 10),
+live re-layout (PP2xDP2 -> 3+1 layers -> PP4 in the same processes against the straight 20),
 and checkpoints moved between engines (DeepSpeed PP2xDP2 -> megatron PP2xDP2 and back).
 Rank 0 writes ``results.json`` and the pickles into the output directory.
 """
@@ -80,6 +81,37 @@ def same_initial_weights(cfg, ctx, vocab_size: int) -> list[int]:
     return counts.tolist()
 
 
+def live_relayout() -> dict:
+    """Trainer.relayout on this engine: PP2 x DP2 (2+2 layers) -> 3+1 at iteration 7 -> PP4 at 14,
+    with the timeline on (it re-attaches to each new engine); then the targets it refuses."""
+    from megatron_ext.config.base import ConfigError
+
+    cfg = config_from_values({**BASE, **PP2DP2, "train_iters": 20, "engine": "deepspeed", "timeline": True})
+    trainer = ds.DeepSpeedTrainer(cfg, ds.setup_distributed(cfg.parallel, seed=cfg.training.seed),
+                                  build_extensions(cfg)).setup()
+    losses, layouts = [], []
+
+    def train(n: int) -> None:
+        mine = [trainer.train_step().loss for _ in range(n)]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, mine if trainer.ctx.is_logging_rank else None)
+        losses.extend(next(c for c in out if c is not None))
+        layouts.append(trainer.layout_name())
+
+    train(7)
+    trainer.relayout(tp=1, pp=2, stage_layers=[3, 1])
+    train(7)
+    trainer.relayout(tp=1, pp=4)
+    train(6)
+    refusals = []
+    for kw in ({"tp": 2, "pp": 2}, {"tp": 1, "pp": 2, "replica_microbatches": [3, 1]}):
+        try:
+            trainer.relayout(**kw)
+        except ConfigError as exc:
+            refusals.append(str(exc))
+    return {"losses": losses, "layouts": layouts, "refusals": refusals, "stage_layers": [3, 1]}
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     results: dict[str, list[float]] = {}
@@ -103,6 +135,7 @@ def main() -> None:
     results["straight20"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 20})[0])
     results["first10"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 10, "save": ckpt})[0])
     results["resumed10"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 20}, load=ckpt)[0])
+    results["relayout"] = live_relayout()
 
     # Checkpoints move between engines (same layout, PP2 x DP2): DeepSpeed's continued by megatron,
     # and megatron's continued by DeepSpeed.

@@ -177,6 +177,20 @@ def test_resume_continues_exactly(runs):
     assert max_rel(res["first10"] + res["resumed10"], res["straight20"]) < 1e-6
 
 
+def test_live_relayout_repartitions_the_pipeline(runs):
+    # PipelineModule rebuilt with 3 + 1 layers, then 4 stages, state moved rank to rank: the curve
+    # is the straight run's.
+    res = runs["results"]
+    live = res["relayout"]
+    assert live["layouts"] == ["deepspeed pp2dp2", "deepspeed pp2dp2", "deepspeed pp4dp1"]
+    assert max_rel(live["losses"], res["straight20"]) < 1e-5
+    assert live["refusals"] == [
+        "--engine deepspeed re-lays out the pipeline only (TP 1, no virtual stages): use --engine megatron "
+        "for a TP or interleaved target",
+        "--engine deepspeed cannot move micro-batches between replicas (its engine scales every replica's loss "
+        "by one accumulation count): use --engine megatron for DP work migration"]
+
+
 def test_checkpoint_moves_between_engines(runs):
     res = runs["results"]
     # saved by DeepSpeed at 10, continued by megatron; saved by megatron at 10, continued by DeepSpeed
