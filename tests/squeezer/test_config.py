@@ -42,3 +42,10 @@ def test_a_bad_tune_yaml_is_named_with_its_line(tmp_path):
     path.write_text("study_name: x\nn_trials: 0\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:2: key 'n_trials' must be >= 1, got 0"):
         parse_run_config(["--squeeze", str(path)])
+
+
+def test_a_study_in_memory_cannot_be_shared(tmp_path):
+    path = tmp_path / "mem.yaml"
+    path.write_text(open(tiny_study(tmp_path)).read() + "storage: memory\n")
+    with pytest.raises(ConfigError, match="storage 'memory' cannot be shared by the guests"):
+        parse_run_config(["--squeeze", str(path)])

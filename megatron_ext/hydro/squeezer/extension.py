@@ -62,7 +62,10 @@ class SqueezeConfig:
                               "configs/tune_tiny.yaml)")
         from megatron_ext.hydro.config import load_config
 
-        load_config(self.squeeze)   # a bad tune YAML is reported now, with its file and line
+        tune = load_config(self.squeeze)[0]   # a bad tune YAML is reported now, with its file and line
+        if tune.resolved_storage() == "memory":
+            raise ConfigError(f"--squeeze: {self.squeeze}: storage 'memory' cannot be shared by the guests of "
+                              "several ranks; leave storage empty (SQLite in output_dir) or give a database URL")
         if not 0 <= self.squeeze_max_slowdown < 1:
             raise ConfigError(f"--squeeze-max-slowdown must be in [0, 1), got {self.squeeze_max_slowdown}")
         if self.squeeze_control_every < 2:
@@ -267,7 +270,8 @@ class SqueezerExtension(Extension):
                 "bubble_used": s["used"], "guest_steps": s["steps"], "guest_trial_steps": s["trial_steps"],
                 "guest_steps_per_busy_s": s["steps"] / busy if busy > 0 else 0.0,
                 "fusion": s["fusion"], "windows_offered": s["windows_offered"], "windows_used": s["windows_used"],
-                "windows_skipped": s["windows_skipped"], "pause_latencies_s": s["latencies"],
+                "windows_skipped": s["windows_skipped"], "units": s["units"], "long_units": s["long_units"],
+                "pause_latencies_s": s["latencies"],
                 "forecast": err, "blocks": self.blocks, "restarts": s["restarts"], "deaths": s["deaths"]}
 
     def _study_line(self) -> None:

@@ -237,6 +237,7 @@ def instrument(bundle: TrialBundle, ctl: Control, log: OpLog | None, bid: int) -
         return vals
 
     def resize_(keep_ids, new_specs=()):
+        bundle.gate.checkpoint("resize")
         if log is not None:
             log.write(op="resize", bundle=bid, keep=list(keep_ids), new=[spec_to_json(s) for s in new_specs])
         out = resize(keep_ids, new_specs)
@@ -276,6 +277,23 @@ class GuestTuner(HydroTuner):
     def _study(self):
         return self._open_study(), []    # running trials belong to other guests
 
+    def _open_study(self) -> optuna.Study:
+        # Storage calls (and the sampler behind ask) are units too: a pause point before each, so
+        # the guest never starts one in a window without room for it.
+        study = super()._open_study()
+        study.ask = self._gated(study.ask, "study ask")
+        study.tell = self._gated(study.tell, "study tell")
+        return study
+
+    def _gated(self, fn: Callable, where: str) -> Callable:
+        checkpoint = self.gate.checkpoint
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            checkpoint(where)
+            return fn(*args, **kwargs)
+
+        return gated
+
     def _askable(self, free: int, n_finished: int, n_open: int) -> int:
         """Free slots, up to what the shared study still lacks (finished + running, all guests)."""
         if self._finished_at_start is None:
@@ -293,6 +311,8 @@ class GuestTuner(HydroTuner):
 
     def _on_ask(self, trial: optuna.Trial) -> None:
         trial.set_user_attr(OWNER_ATTR, self.owner)
+        trial.report = self._gated(trial.report, "trial report")
+        trial.should_prune = self._gated(trial.should_prune, "trial prune")
 
     def _fusion_now(self, fusion: int) -> int:
         return max(1, min(fusion, int(self.gate.ctl["max_trials"])))
@@ -318,6 +338,7 @@ class GuestTuner(HydroTuner):
         return b
 
     def _bundle(self, factory, specs, multipliers, check: bool = True) -> TrialBundle:
+        self.gate.checkpoint("build")
         bundle = super()._bundle(factory, specs, multipliers, check=check)
         bundle.gate.on_checkpoint = self.gate.checkpoint
         bid, self.bundles = self.bundles, self.bundles + 1
@@ -338,13 +359,14 @@ class GuestTuner(HydroTuner):
 
 
 def open_shared_study(tuner: HydroTuner, attempts: int = 20) -> optuna.Study:
-    """``tuner._open_study()``, retried: the guests of several ranks may create the storage at the
-    same moment (SQLite: one of them fails on the schema's version row) or find it locked."""
+    """The tuner's study (created if needed, settings checked) without the guest's pause points,
+    retried: the guests of several ranks may create the storage at the same moment (SQLite: one of
+    them fails on the schema's version row) or find it locked."""
     import sqlalchemy.exc
 
     for k in range(attempts):
         try:
-            return tuner._open_study()
+            return HydroTuner._open_study(tuner)
         except sqlalchemy.exc.SQLAlchemyError:
             if k == attempts - 1:
                 raise
@@ -438,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(1)
-    tuner = None
+    tuner = study = None
     try:
         cfg, space, defaults, dropout = load_config(args.config, {"target_steps": 0, "threads": 1,
                                                                   "device": args.device.split(":")[0]})
@@ -453,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         gate = WindowGate(ctl, sync=sync, parent_pid=parent)
         tuner = GuestTuner(cfg, space, defaults, dropout, gate=gate, budget_bytes=args.budget_bytes, owner=owner,
                            oplog=oplog, log=log)
-        study = open_shared_study(tuner)
+        study = open_shared_study(tuner)          # ungated: for giving trials back
+        tuner.study = None
         dead = set(args.reap) | orphaned_pids(study)
         if dead:
             lost = give_back(study, dead, "its guest process died")
@@ -470,8 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"no trial left to ask: the study is complete; units: {gate.unit_table()}")
         return 0
     except GuestStopped as exc:
-        if tuner is not None and tuner.study is not None:
-            lost = give_back(tuner.study, {os.getpid()}, f"stopped: {exc}")
+        if study is not None:
+            lost = give_back(study, {os.getpid()}, f"stopped: {exc}")
             log(f"stopped ({exc}); gave back trials {lost}; units: {gate.unit_table()}")
         ctl["state"] = STOPPED
         return 0
