@@ -99,3 +99,21 @@ def test_what_a_guest_computed_in_windows_equals_a_replay_alone(run, which):
     res = replay(run["cfg"], read_oplog(path))
     assert res["steps"] >= 10
     assert res["max_abs_loss_diff"] <= 1e-6 and res["max_abs_val_diff"] <= 1e-6, res
+
+
+def test_a_rank_without_room_for_one_trial_gets_no_guest(tmp_path):
+    cfg = tiny_study(tmp_path, n_trials=2)
+    guest = GuestProcess(tune_config=cfg, rank=3, device="cpu", log_dir=str(tmp_path / "logs"), budget_bytes=1024)
+    sq = Squeezer(guest)
+    sq.active = True
+    drive = WindowDriver(sq, open_s=0.03, closed_s=0.0)
+    guest.start()
+    try:
+        assert drive.until(lambda: guest.proc.poll() is not None, 120)
+        line = guest.check()
+        assert line.startswith("guest of rank 3 ended: no room (one trial needs ")
+        assert "MiB, the rank leaves 0.0 MiB free (--squeeze-memory-budget-mb" in line
+        assert guest.gone and guest.check() is None
+    finally:
+        guest.stop()
+        guest.close()

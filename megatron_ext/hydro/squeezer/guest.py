@@ -329,8 +329,10 @@ class GuestTuner(HydroTuner):
                                                                            int(c.memory_budget_mb * 2 ** 20))
             try:
                 b = fusion_count(model, budget, c.max_fusion)
-            except MemoryError as exc:
-                raise NoRoom(str(exc)) from None
+            except MemoryError:
+                raise NoRoom(f"one trial needs {model(1) / 2**20:.1f} MiB, the rank leaves {budget / 2**20:.1f} MiB "
+                             "free (--squeeze-memory-budget-mb is the device's memory; or shrink the study's "
+                             "proxy)") from None
             self.log(f"fusion count {b}: {model(1) / 2**20:.2f} MiB for one trial, {model(b) / 2**20:.2f} MiB "
                      f"for {b}, {budget / 2**20:.0f} MiB free beside the rank")
         self.gate.ctl["fusion"] = b
