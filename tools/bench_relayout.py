@@ -32,12 +32,17 @@
     Planner-based policies pay each plan's move time (bytes / link bandwidth + a fixed pause).
     Throughput is reported relative to the healthy job (2,000 healthy iterations / wall time).
 
-(a) Live on CPU ranks (``tools/relayout_live_worker.py`` under torchrun, 2 ranks, one core each):
-    a 12-layer tiny GPT on PP2, m = 8, rank 1 slowed 2x (throttle); tokens/s healthy, slowed with
-    no action, slowed after the planner's plan was applied by ``Trainer.relayout``, and the
-    capacity-proportional optimum (healthy x mean device speed); the pause; the loss curve against
-    a straight run. The PP2 x DP2 case (DP migration) and fail-stop continue have no executor yet:
-    reported as not built. ``--no-live`` skips part (a).
+(a) Live on CPU ranks (``tools/relayout_live_worker.py`` under torchrun): a 12-layer tiny GPT, m = 8,
+    one rank slowed 2x (throttle); tokens/s healthy, slowed with no action, slowed after the
+    planner's plan was applied by ``Trainer.relayout``, and the capacity-proportional optimum
+    (healthy x mean device speed); the pause; the loss curve against a straight run. ``pp2``: PP2 on
+    2 ranks, one core each (layer repartition). ``pp2dp2``: PP2 x DP2 on 4 ranks, one core per
+    replica, the slow rank in replica 0 (layers and micro-batches between replicas: DP work
+    migration). ``fail_stop``: ``pretrain_gpt.py --nproc-per-node 4 --resihp-on-stop continue``
+    (PP2 x DP2) with rank 3 SIGKILLed in its optimizer step: whether the survivors trained to the
+    end, iterations lost, the pause, the curve against a straight run; ``fail_stop_dp1``: the same
+    on PP2 over 2 ranks (no replica: the lost stage comes from the last checkpoint).
+    ``--no-live`` skips part (a).
 
 Prints a table, then one JSON line:
   {"sim": {"policies": {...}, "speedup_vs_best_baseline": ..., "decision_s_4096": ..., ...}}
@@ -408,41 +413,108 @@ def decision_time(cl: Cluster, args: argparse.Namespace) -> dict:
             "layout": start.shape}
 
 
+LIVE_MODEL = ["--num-layers", "12", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+              "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3", "--lr-decay-style", "constant",
+              "--eval-iters", "0", "--log-interval", "1"]
+TOKENS = 8 * 128  # global batch x sequence of the live model
+
+
+def _live_relayout(root: str, tmp: str, iters: int, scenario: str, nproc: int) -> dict:
+    import subprocess
+
+    out = os.path.join(tmp, f"{scenario}.json")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           os.path.join(root, "tools", "relayout_live_worker.py"), out, str(iters), scenario],
+                          cwd=root, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"live part {scenario} failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
+    r = json.load(open(out, encoding="utf-8"))
+    healthy, slow = TOKENS / r["healthy_s"], TOKENS / r["slow_s"]
+    after = TOKENS / r["relayout_s"] if "relayout_s" in r else None
+    optimum = healthy * float(np.mean(r["speeds"]))
+    print(f"  {scenario}: plan: {r['plan']}")
+    knobs = f"layers {r['stage_layers']}" + (f", micro-batches {r['replica_microbatches']}"
+                                             if r.get("replica_microbatches") else "") if after else ""
+    print(f"  {scenario}: tokens/s healthy {healthy:.0f} | slowed, no action {slow:.0f} | slowed, after re-layout "
+          + (f"{after:.0f} ({knobs})" if after else "n/a (no plan applied)") + f" | optimum {optimum:.0f}")
+    if after:
+        print(f"  {scenario}: after / optimum {after / optimum:.3f}; pause {r['pause_s']:.2f} s = "
+              f"{r['pause_s'] / r['relayout_s']:.1f} iterations; planner decision {r['decide_s'] * 1e3:.0f} ms; "
+              f"loss vs straight run max rel diff {r['loss_max_rel_diff']:.2e}")
+    return {"healthy_tok_s": round(healthy, 1), "slow_no_action_tok_s": round(slow, 1),
+            "slow_relayout_tok_s": round(after, 1) if after else None,
+            "optimum_fraction": round(after / optimum, 4) if after else None,
+            "pause_s": round(r.get("pause_s", float("nan")), 3),
+            "loss_max_rel_diff": r["loss_max_rel_diff"], "plan": r["plan"],
+            "stage_layers": r.get("stage_layers"), "replica_microbatches": r.get("replica_microbatches")}
+
+
+def _rows(path: str, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, open(path, encoding="utf-8")) if r["kind"] == kind] if os.path.exists(path) else []
+
+
+def _live_fail_stop(root: str, tmp: str, name: str, *, nproc: int, layout: list[str], stop: str, iters: int,
+                    save_interval: int | None) -> dict:
+    """One ``pretrain_gpt.py --resihp-on-stop continue`` job through the project's launcher with a
+    rank SIGKILLed, and a straight single-rank run of the same model and data for the curve."""
+    from megatron_ext.runtime.launch import launch_ranks
+
+    d = os.path.join(tmp, name)
+    metrics = os.path.join(d, "metrics.jsonl")
+    argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, *layout, "--train-iters", str(iters),
+            "--resihp", "--resihp-on-stop", "continue", "--inject-stop", stop, "--metrics-file", metrics]
+    if save_interval:
+        argv += ["--save", os.path.join(d, "ck"), "--save-interval", str(save_interval)]
+    t0 = time.time()
+    ranks = launch_ranks(argv, nproc, cwd=root, timeout_s=1800)
+    wall = time.time() - t0
+    ref = os.path.join(d, "straight.jsonl")
+    import subprocess
+
+    subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--train-iters", str(iters),
+                    "--metrics-file", ref], cwd=root, capture_output=True, text=True,
+                   env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    train = {r["iteration"]: r for r in _rows(metrics, "train")}
+    straight = {r["iteration"]: r["loss"] for r in _rows(ref, "train")}
+    cont = _rows(metrics, "fail_stop_continue")
+    codes = [r.returncode for r in ranks]
+    continued = bool(cont) and max(train, default=0) == iters
+    at = int(stop.split(":")[1])
+    before = [train[i]["iter_time_s"] for i in range(2, at) if i in train]
+    iteration_s = float(np.median(before)) if before else float("nan")
+    common = [i for i in straight if i in train]
+    out = {"continued": continued, "lost_iterations": cont[0]["lost_iterations"] if cont else None,
+           "pause_s": round(cont[0]["pause_s"], 3) if cont else None, "iteration_s": round(iteration_s, 4),
+           "pause_iterations": round(cont[0]["pause_s"] / iteration_s, 2) if cont else None,
+           "rolled_back": cont[0]["rolled_back"] if cont else None, "to": cont[0]["to"] if cont else None,
+           "plan": cont[0]["plan"] if cont else None, "exit_codes": codes, "wall_s": round(wall, 1),
+           "loss_max_rel_diff": (max(abs(train[i]["loss"] - straight[i]) / abs(straight[i]) for i in common)
+                                 if common else None)}
+    print(f"  {name}: {' '.join(layout)} on {nproc} ranks, --inject-stop {stop}: continued {out['continued']} "
+          f"(exit codes {codes}) -> {out['to']}; iteration {out['rolled_back']} rolled back; lost iterations "
+          f"{out['lost_iterations']}; pause {out['pause_s']} s = {out['pause_iterations']} iterations of "
+          f"{iteration_s * 1e3:.0f} ms; loss vs straight run max rel diff "
+          + (f"{out['loss_max_rel_diff']:.2e}" if common else "n/a"))
+    return out
+
+
 def run_live(iters: int) -> dict:
     """Part (a): prints its table, returns the "live" JSON block."""
-    import subprocess
     import tempfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print(f"ResiHP re-layout benchmark (a), live on CPU ranks: 12-layer tiny GPT, m=8, a rank slowed 2x; medians of "
+          f"{iters} iterations per phase; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start")
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "live.json")
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               os.path.join(root, "tools", "relayout_live_worker.py"), out, str(iters)],
-                              cwd=root, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError("live part failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
-        r = json.load(open(out, encoding="utf-8"))
-    tokens = 8 * 128  # global batch x sequence of the worker's model
-    healthy, slow = tokens / r["healthy_s"], tokens / r["slow_s"]
-    after = tokens / r["relayout_s"] if "relayout_s" in r else None
-    optimum = healthy * (1.0 + 0.5) / 2
-    print("ResiHP re-layout benchmark (a), live: PP2 on 2 CPU ranks (one core each), 12-layer tiny GPT, m=8, "
-          f"rank 1 slowed 2x; medians of {iters} iterations per phase")
-    print(f"  plan: {r['plan']}")
-    print(f"  tokens/s healthy {healthy:.0f} | slowed, no action {slow:.0f} | slowed, after re-layout "
-          + (f"{after:.0f} (layers {r['stage_layers']})" if after else "n/a") + f" | optimum {optimum:.0f}")
-    if after:
-        print(f"  after / optimum {after / optimum:.3f}; pause {r['pause_s']:.2f} s = "
-              f"{r['pause_s'] / r['relayout_s']:.1f} iterations; planner decision {r['decide_s'] * 1e3:.0f} ms; "
-              f"loss vs straight run max rel diff {r['loss_max_rel_diff']:.2e}")
-    not_built = "not built: needs DP migration (uneven micro-batches) / fail-stop continue in the executor"
-    return {"pp2": {"healthy_tok_s": round(healthy, 1), "slow_no_action_tok_s": round(slow, 1),
-                    "slow_relayout_tok_s": round(after, 1) if after else None,
-                    "optimum_fraction": round(after / optimum, 4) if after else None,
-                    "pause_s": round(r.get("pause_s", float("nan")), 3),
-                    "loss_max_rel_diff": r["loss_max_rel_diff"], "plan": r["plan"]},
-            "pp2dp2": not_built, "fail_stop": not_built}
+        live = {"pp2": _live_relayout(root, tmp, iters, "pp2", 2),
+                "pp2dp2": _live_relayout(root, tmp, iters, "pp2dp2", 4)}
+        live["fail_stop"] = _live_fail_stop(root, tmp, "fail_stop", nproc=4, iters=30, save_interval=None,
+                                            layout=["--pipeline-model-parallel-size", "2"], stop="3:15:step")
+        live["fail_stop_dp1"] = _live_fail_stop(root, tmp, "fail_stop_dp1", nproc=2, iters=30, save_interval=10,
+                                                layout=["--pipeline-model-parallel-size", "2"], stop="1:15:step")
+    live["load_average_end"] = round(os.getloadavg()[0], 1)
+    return live
 
 
 def main() -> int:

@@ -1,11 +1,17 @@
-"""Part (a) of tools/bench_relayout.py, run under ``torchrun --nproc_per_node 2``: a live PP2 job
-with rank 1 slowed 2x, re-laid out by the planner's plan through ``Trainer.relayout``.
+"""Part (a) of tools/bench_relayout.py: a live job with one rank slowed 2x, re-laid out by the
+planner's plan through ``Trainer.relayout``.
 
-Each rank is pinned to its own core (one rank per core, so a stage's capacity is clean). Phases,
-each ``--iters`` measured iterations after 2 unmeasured ones: healthy; rank 1 slowed 2x (ResiHP's
-throttle: held idle inside each op) with no action; the planner's plan for speeds [1, 0.5]
-applied live, rank 1 still slowed. Then the same number of iterations straight, without the
-re-layout, from the same initialisation: the loss curves must agree. Writes one JSON file.
+    torchrun --nproc_per_node 2 tools/relayout_live_worker.py OUT ITERS pp2
+    torchrun --nproc_per_node 4 tools/relayout_live_worker.py OUT ITERS pp2dp2
+
+``pp2``: PP2, rank 1 (the last stage) slowed; each rank pinned to its own core (one rank per core,
+so a stage's capacity is clean). ``pp2dp2``: PP2 x DP2, rank 2 (stage 1 of replica 0) slowed; the
+planner may move layers and micro-batches between the replicas (DP work migration); each replica
+pinned to its own core (its two stages share it: 4 ranks on 2 cores). Phases, each ``ITERS``
+measured iterations after 2 unmeasured ones: healthy; the rank slowed 2x (ResiHP's throttle: held
+idle inside each op) with no action; the planner's plan for the believed speeds applied live, the
+rank still slowed. Then the same number of iterations straight, without the re-layout, from the
+same initialisation: the loss curves must agree. Writes one JSON file.
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ from megatron_ext.runtime.loop import Trainer  # noqa: E402
 BASE = {"num_layers": 12, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 128, "micro_batch_size": 1,
         "global_batch_size": 8, "pipeline_model_parallel_size": 2, "lr": 1e-3, "lr_decay_style": "constant",
         "eval_iters": 0, "progress": False, "train_iters": 10**6}
-SLOW_RANK, FACTOR = 1, 2.0
+FACTOR = 2.0
+SLOW_RANK = {"pp2": 1, "pp2dp2": 2}
 
 
 def phase(trainer: Trainer, iters: int, losses: list) -> float:
@@ -54,36 +61,41 @@ def gather_losses(trainer: Trainer, mine: list) -> list[float]:
 
 
 def main() -> None:
-    out_path, iters = sys.argv[1], int(sys.argv[2])
-    rank = int(os.environ["RANK"])
+    out_path, iters, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "pp2"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    slow_rank = SLOW_RANK[scenario]
     if hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
+        # pp2: rank r on core r; pp2dp2: the replica (rank % 2 in megatron's order) on its core.
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     cfg = config_from_values(dict(BASE))
     ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
     trainer = Trainer(cfg, ctx).setup()
     losses: list = []
     healthy_s = phase(trainer, iters, losses)
-    throttle = Throttle(list(trainer.model.chunks), FACTOR) if rank == SLOW_RANK else None
+    throttle = Throttle(list(trainer.model.chunks), FACTOR) if rank == slow_rank else None
     if throttle is not None:
         throttle.active = True
     slow_s = phase(trainer, iters, losses)
-    speeds = [1.0, 1.0 / FACTOR]
+    speeds = [1.0 / FACTOR if r == slow_rank else 1.0 for r in range(world)]
     t0 = time.perf_counter()
     planner = make_planner(trainer, executable_only=True, healthy_times=[healthy_s])
     plan = planner.plan(plan_layout(trainer), speeds)
     decide_s = time.perf_counter() - t0
     result = {"healthy_s": healthy_s, "slow_s": slow_s, "decide_s": decide_s,
-              "plan": plan.describe() if plan else None}
+              "plan": plan.describe() if plan else None, "speeds": speeds}
     if plan is not None and not_applicable(plan, ctx.world_size) is None:
         if throttle is not None:
             throttle.remove()
-        info = trainer.relayout(tp=plan.new.tp, pp=plan.new.pp, stage_layers=list(plan.new.stage_layers))
-        if rank == SLOW_RANK:
+        mbs = list(plan.new.microbatches)
+        info = trainer.relayout(tp=plan.new.tp, pp=plan.new.pp, stage_layers=list(plan.new.stage_layers),
+                                replica_microbatches=None if len(set(mbs)) == 1 else mbs)
+        if rank == slow_rank:
             throttle = Throttle(list(trainer.model.chunks), FACTOR)
             throttle.active = True
         result["pause_s"] = info["pause_s"]
         result["stage_layers"] = info["stage_layers"]
+        result["replica_microbatches"] = info["replica_microbatches"]
         result["relayout_s"] = phase(trainer, iters, losses)
     curve = gather_losses(trainer, losses)
     if throttle is not None:

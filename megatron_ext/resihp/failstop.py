@@ -68,7 +68,9 @@ def decide(trainer: "Trainer", survivors: list[int], lost: list[int]) -> dict[st
             speeds = np.minimum(speeds, actor.policy.speeds[:ctx.world_size])
         for m in lost:
             speeds[members.index(m)] = 0.0
-        planner = make_planner(trainer, executable_only=False, min_gain=0.0)
+        # Scaled to the iterations measured so far, so the plan line predicts seconds of this job.
+        planner = make_planner(trainer, executable_only=False, min_gain=0.0,
+                               healthy_times=trainer.iteration_times or None)
         plan = planner.plan(layout, speeds)
     except PlanningError as exc:
         return {"restart": str(exc)}

@@ -53,6 +53,7 @@ class Trainer:
         self._inflight: dict[str, Any] | None = None   # the iteration between its start and its end
         self._saving = False
         self.rolled_back: int | None = None
+        self.iteration_times: list[float] = []  # the last 50, seconds (a planner's time scale)
         # Fault injection points inside an iteration: callables (point, iteration) -> None.
         self.fault_points: list[Callable[[str, int], None]] = []
 
@@ -327,6 +328,7 @@ class Trainer:
         self._inflight["scheduled"] = True
         self._sync()
         elapsed = time.perf_counter() - start
+        self.iteration_times = (self.iteration_times + [elapsed])[-50:]
         self.iteration = it
         t = self.cfg.training
         metrics = IterationMetrics(
