@@ -191,22 +191,30 @@ class SqueezerExtension(Extension):
 
         from megatron_ext.hydro.squeezer.safety import level_settings
 
-        v = torch.tensor([float(ACTIONS.index(res.action)), res.slowdown], dtype=torch.float64)
+        mine = torch.tensor([float(ACTIONS.index(res.action)), res.slowdown, res.p_value, float(res.off)],
+                            dtype=torch.float64)
+        rows = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        action, slowdown = ACTIONS[int(v[0])], float(v[1])
+            rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, mine)
+        # the most severe rank's verdict (then the largest slowdown), the same on every rank
+        worst = max(range(len(rows)), key=lambda r: (float(rows[r][0]), float(rows[r][1])))
+        action, slowdown, p_value, off = (ACTIONS[int(rows[worst][0])], float(rows[worst][1]),
+                                          float(rows[worst][2]), int(rows[worst][3]))
         if action != res.action:
             self.monitor.force(action)
         keep_back, fusion_share = level_settings(self.monitor.level)
         self.squeezer.keep_back = keep_back
         if self.monitor.level:
             self.guest.ctl["max_trials"] = max(1, int(int(self.guest.ctl["fusion"]) * fusion_share))
-        row = {"iterations": list(res.iterations), "slowdown": slowdown, "p_value": res.p_value,
-               "action": action, "level": self.monitor.level}
+        row = {"iterations": list(res.iterations), "rank": worst, "slowdown": slowdown, "p_value": p_value,
+               "action": action, "level": self.monitor.level,
+               "per_rank": [[float(r[1]), float(r[2])] for r in rows]}
         self.blocks.append(row)
         if trainer.ctx.rank == 0:
             msg = (f"squeeze: iterations {res.iterations[0]}-{res.iterations[1]}: slowdown {slowdown:+.2%} with "
-                   f"guests vs {res.off} control iterations (limit {self.cfg.squeeze_max_slowdown:.1%}, p={res.p_value:.3f})")
+                   f"guests vs {off} control iterations on rank {worst} (limit {self.cfg.squeeze_max_slowdown:.1%}, "
+                   f"p={p_value:.3f})")
             if action == "back off":
                 logger.warning("%s -> backing off to level %d: %.0f%% of each forecast kept back, fewer fused "
                                "trials", msg, self.monitor.level, keep_back * 100)
