@@ -28,6 +28,17 @@ class Listener:
         self.events.append(("close", w.position, t))
 
 
+def _wired(capacity: int = 8, **kw):
+    """A recorder on a test clock, with windows observing it and a listener keeping what it hears."""
+    clock = Clock()
+    rec = EventRecorder(capacity=capacity, clock=clock)
+    windows = BubbleWindows(clock=clock, **kw)
+    seen = Listener()
+    windows.listeners.append(seen)
+    rec.observer = windows
+    return clock, rec, windows, seen
+
+
 def test_quantile_interpolates_order_statistics():
     assert quantile([4.0, 1.0, 3.0, 2.0], 0.0) == 1.0
     assert quantile([4.0, 1.0, 3.0, 2.0], 1.0) == 4.0
@@ -58,12 +69,7 @@ def test_forecast_is_a_low_quantile_of_the_positions_history_and_errs_short():
 
 
 def test_the_recorder_tells_its_observer_every_wait_live_and_positions_restart_each_iteration():
-    clock = Clock()
-    rec = EventRecorder(capacity=4, clock=clock)
-    windows = BubbleWindows(WindowForecaster(min_samples=1), clock=clock)
-    seen = Listener()
-    windows.listeners.append(seen)
-    rec.observer = windows
+    clock, rec, windows, seen = _wired(4, forecaster=WindowForecaster(min_samples=1))
     for it in range(2):
         rec.reset()
         slot = rec.begin(Phase.FORWARD, 0, 0)       # compute: no window
@@ -89,12 +95,7 @@ def test_the_recorder_tells_its_observer_every_wait_live_and_positions_restart_e
 
 
 def test_a_full_recorder_still_drives_windows():
-    clock = Clock()
-    rec = EventRecorder(capacity=1, clock=clock)
-    windows = BubbleWindows(clock=clock)
-    seen = Listener()
-    windows.listeners.append(seen)
-    rec.observer = windows
+    clock, rec, windows, seen = _wired(1)
     rec.end(rec.begin(Phase.FORWARD))
     slot = rec.begin(Phase.RECV, call=Call.RECV_FORWARD)
     assert slot == -1 and rec.dropped == 1
@@ -105,12 +106,7 @@ def test_a_full_recorder_still_drives_windows():
 
 def test_a_reopened_span_is_a_new_window_and_a_reset_closes_a_dangling_one():
     # DeepSpeed's Send/Recv instructions make one blocking call per tensor inside one event
-    clock = Clock()
-    rec = EventRecorder(capacity=8, clock=clock)
-    windows = BubbleWindows(clock=clock)
-    seen = Listener()
-    windows.listeners.append(seen)
-    rec.observer = windows
+    clock, rec, windows, seen = _wired()
     slot = rec.begin(Phase.RECV, call=Call.RECV_FORWARD)
     rec.end(slot)
     rec.reopen(slot)
@@ -122,12 +118,7 @@ def test_a_reopened_span_is_a_new_window_and_a_reset_closes_a_dangling_one():
 
 
 def test_phases_limit_which_waits_are_windows():
-    clock = Clock()
-    rec = EventRecorder(capacity=8, clock=clock)
-    windows = BubbleWindows(clock=clock, phases=(int(Phase.RECV),))
-    seen = Listener()
-    windows.listeners.append(seen)
-    rec.observer = windows
+    clock, rec, windows, seen = _wired(phases=(int(Phase.RECV),))
     rec.end(rec.begin(Phase.GRAD_REDUCE))
     rec.end(rec.begin(Phase.RECV, call=Call.RECV_FORWARD))
     assert [e[1][1] for e in seen.events if e[0] == "open"] == [int(Phase.RECV)]
