@@ -1,20 +1,33 @@
-"""Benchmark Helix on model-parallel layers over an emulated interconnect (2 CPU ranks, gloo).
+"""Benchmark Helix on model-parallel layers over an emulated interconnect (2 or 4 CPU ranks, gloo).
 
 Cases (forward + backward of one layer, batch-first [b, s, h], fp32):
   tp    tensor-parallel transformer layer (TP=2): 2 all-reduces forward, 2 backward
   moe   expert-parallel MoE layer (EP=2): 2 all-to-alls forward, 2 backward
   tpep  TP attention + EP MoE: one dimension's communication can hide under the other's compute
-each over the emulated intra-node and cross-node links (``megatron_ext.helix.cost.PRESETS``).
+and three built from the runtime's own models (``runtime.model.build_model``: megatron-core's local
+layer spec and MoELayer, made traceable by ``helix.adapter`` as ``--helix`` does; one decoder layer
+and the final norm, on megatron's sequence-first [s, b, h] hidden states, rotary embeddings included):
+  llama_tp  LLaMA-style layer (RMSNorm, rotary, GQA heads/2 groups, SwiGLU, no biases), TP=2, 2 ranks
+  moe_ep    Qwen3-MoE-style layer (the LLaMA-style attention + q/k norm, 4 experts top-2, aux loss),
+            EP=2 with the all-to-all dispatcher, 2 ranks
+  moe_tpep  the same, TP=2 (sequence parallel) x EP=2 with the all-gather dispatcher (what gloo can
+            run), 4 ranks -- two per core on a 2-core host
+each over the emulated intra-node and cross-node links (``megatron_ext.helix.cost.PRESETS``). The
+MoE cases compile Helix's static-shape dispatch (every token to every expert rank: E/k = 2x the
+expert FLOPs of megatron's drop-free dispatcher, see docs/helix.md); the summary line also gives
+megatron's own eager step for comparison ("megatron eager").
 
 Variants, measured side by side (round-robin per step, same process, same weights):
   baseline  the graph as captured (aot_eager-style execution, no pass)
   inductor  Inductor's own overlap scheduler (fx_passes/overlap_scheduling) on the same graphs
   helix     tiling (K=2) + segmented round-robin + bucketing; the simulator may keep the baseline
-Helix gets a memory budget of the baseline's measured peak + 5 %.
+Helix gets a memory budget of the baseline's measured peak + 5 % (its predicted peak when none
+was measured).
 
 Figures: median step time, median exposed communication (time the compute thread spent in
 waits: for the slower peer to reach the collective, then for the emulated link; "link ms" is the
-link's share), peak memory (median of 3 profiled steps, allocator events). Simulator: "sim ms"/"sim exp"
+link's share), peak memory (a profiled step whose allocator accounting closes,
+``measure.step_peak_bytes``; "n/a" / null when none closed in 100 tries). Simulator: "sim ms"/"sim exp"
 are the simulated step and exposed communication of the graphs as compiled, with the compute
 scale calibrated to the compute thread's busy time in the measured steps (step minus time in
 waits, median, slowest rank): the operators' relative costs come from the micro-benchmarks, their
@@ -66,7 +79,8 @@ from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
 from megatron_ext.helix.blocks import MoELayer, TPEPLayer, TPTransformerLayer, capacity_for  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
-from megatron_ext.helix.measure import all_ranks_agree, step_peak_bytes, timed_step, train_step  # noqa: E402
+from megatron_ext.helix.measure import (UnclosedAccounting, all_ranks_agree, step_peak_bytes, timed_step,  # noqa: E402
+                                        train_step)
 
 LINKS = {"intra": "intra_node", "xnode": "cross_node"}
 VARIANTS = ("baseline", "inductor", "helix")
@@ -81,6 +95,63 @@ def build(case: str, args: argparse.Namespace, g: GroupRef) -> torch.nn.Module:
     if case == "tpep":
         return TPEPLayer(h, args.heads, 4 * h, g, g, capacity_for(s, g.size))
     raise ValueError(f"unknown case {case!r}")
+
+
+FAMILY_WORLD = {"llama_tp": 2, "moe_ep": 2, "moe_tpep": 4}
+CASE_WORLD = {"tp": 2, "moe": 2, "tpep": 2, **FAMILY_WORLD}
+
+
+def _family_values(case: str, args: argparse.Namespace) -> dict:
+    llama = {"num_layers": 1, "hidden_size": args.hidden, "num_attention_heads": args.heads,
+             "group_query_attention": True, "num_query_groups": args.heads // 2, "normalization": "RMSNorm",
+             "swiglu": True, "position_embedding_type": "rope", "rotary_base": 500000, "disable_bias_linear": True,
+             "seq_length": args.seq, "micro_batch_size": args.batch}
+    moe = {**llama, "qk_layernorm": True, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": args.hidden,
+           "moe_aux_loss_coeff": 0.01}
+    if case == "llama_tp":
+        return {**llama, "tensor_model_parallel_size": 2, "global_batch_size": args.batch}
+    if case == "moe_ep":
+        return {**moe, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall",
+                "global_batch_size": 2 * args.batch}
+    if case == "moe_tpep":
+        return {**moe, "tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+                "moe_token_dispatcher_type": "allgather", "global_batch_size": 2 * args.batch}
+    raise ValueError(f"unknown case {case!r}")
+
+
+class DecoderStack(torch.nn.Module):
+    """The runtime model's decoder (its layers and final norm) on hidden states ``[s(/tp), b, h]``,
+    with the model's rotary embeddings, as GPTModel.forward calls it."""
+
+    def __init__(self, gpt: torch.nn.Module, seq: int) -> None:
+        super().__init__()
+        self.decoder, self.rope, self.seq = gpt.decoder, gpt.rotary_pos_emb, seq
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(hidden_states=x, attention_mask=None, rotary_pos_emb=self.rope(self.seq))
+
+
+def family_builder(case: str, args: argparse.Namespace, ctx):
+    """(ctx, make(traceable) -> DecoderStack, input shape): ``make`` builds the model afresh (weights
+    by name, identical every time) -- megatron modules hold process groups and cannot be deep-copied."""
+    from megatron_ext.config.run import config_from_values
+    from megatron_ext.helix.adapter import make_traceable
+    from megatron_ext.runtime import distributed
+    from megatron_ext.runtime.model import build_model
+
+    cfg = config_from_values(_family_values(case, args))
+    p = cfg.parallel
+    ctx = distributed.relayout(ctx, tp=p.tensor_model_parallel_size, pp=1, vpp=None, seed=cfg.training.seed,
+                               ep=p.expert_model_parallel_size)
+
+    def make(traceable: bool = True) -> DecoderStack:
+        gpt = build_model(cfg, ctx, vocab_size=256, wrap_ddp=False).chunks[0]
+        if traceable:
+            make_traceable(gpt)
+        return DecoderStack(gpt, args.seq)
+
+    s = args.seq // p.tensor_model_parallel_size if p.sequence_parallel else args.seq
+    return ctx, make, (s, args.batch, args.hidden)
 
 
 def effective_flops(model: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor, reps: int = 5) -> float:
@@ -102,21 +173,51 @@ def effective_flops(model: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor, r
     return float(rate)
 
 
-def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interference: float = 0.0) -> dict:
+def _megatron_eager_s(make, x: torch.Tensor, gy: torch.Tensor, reps: int) -> float:
+    """Median step of megatron's own modules (its drop-free MoE dispatcher), slowest rank."""
+    model = make(traceable=False)
+    train_step(model, x, gy, model.parameters())
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(model, x, gy, model.parameters())
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor(statistics.median(times))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interference: float = 0.0,
+             ctx=None) -> tuple[dict, object]:
     # Every case compiles the same layer class with three new backends; without a reset Dynamo's
     # per-function recompile limit (8) is reached after three runs of one layer.
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = build(case, args, g)
-    x = torch.randn(args.batch, args.seq, args.hidden, requires_grad=True)
-    gy = torch.randn(args.batch, args.seq, args.hidden)
+    extra: dict = {}
+    if case in FAMILY_WORLD:
+        ctx, make, shape = family_builder(case, args, ctx)
+        batch_size = args.batch
+    else:
+        model0 = build(case, args, g)
+        shape, batch_size = (args.batch, args.seq, args.hidden), None
+
+        def make(traceable: bool = True) -> torch.nn.Module:
+            return copy.deepcopy(model0)
+    torch.manual_seed(0)  # the same hidden states on every rank (replicated across TP ranks)
+    x = torch.randn(*shape, requires_grad=True)
+    gy = torch.randn(*shape)
+    if case in FAMILY_WORLD:
+        extra["megatron_eager_s"] = _megatron_eager_s(make, x, gy, 5)
+    model = make()
     rate = effective_flops(model, x, gy)
     device = DeviceSpec(name="effective", peak_flops_per_s=rate, mem_bandwidth_Bps=1e10, op_overhead_s=0.0)
     wire = dataclasses.replace(PRESETS[LINKS[link]].resolve(device), compute_interference=interference)
-    common = dict(tiles=args.tiles, interconnect=wire, cost_model=args.cost_model, cost_cache=args.cost_cache)
+    common = dict(tiles=args.tiles, interconnect=wire, cost_model=args.cost_model, cost_cache=args.cost_cache,
+                  batch_size=batch_size)
     backends, fns, models = {}, {}, {}
     for name in VARIANTS:
-        models[name] = copy.deepcopy(model)
+        models[name] = make()
     backends["baseline"] = HelixBackend(mode="baseline", **common)
     backends["inductor"] = HelixBackend(mode="inductor_overlap", **common)
     fns["baseline"] = torch.compile(models["baseline"], backend=backends["baseline"])
@@ -132,8 +233,20 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
         for _ in range(args.warmup):
             step(name)()
     agree = all_ranks_agree()
-    base_peak = step_peak_bytes(fns["baseline"], x, gy, models["baseline"].parameters(), agree=agree)
-    budget = int(base_peak * 1.05)
+
+    def peak_of(name: str) -> int | None:
+        # Only a profiled step whose allocator accounting closes is measured (step_peak_bytes); a
+        # collective buffer freed on gloo's worker thread spoils a step, and with two ranks per
+        # core (moe_tpep) that happens in nearly every step: then there is no measured peak (None;
+        # every rank gives up together).
+        try:
+            return step_peak_bytes(fns[name], x, gy, models[name].parameters(), attempts=100, agree=agree)
+        except UnclosedAccounting:
+            return None
+
+    base_peak = peak_of("baseline")
+    # The budget: the baseline's measured peak + 5 % (its compile-time prediction when unmeasured).
+    budget = int((base_peak or backends["baseline"].summaries[-1].chosen.peak_bytes) * 1.05)
     backends["helix"] = HelixBackend(memory_budget_bytes=budget, **common)
     backends["helix"].adopt_links(backends["baseline"])
     fns["helix"] = torch.compile(models["helix"], backend=backends["helix"])
@@ -144,20 +257,23 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
         for name in VARIANTS:
             samples[name].append(timed_step(step(name), dist.barrier))
     # Peak memory of a profiled step whose allocator accounting closes (see step_peak_bytes).
-    peaks = {name: step_peak_bytes(fns[name], x, gy, models[name].parameters(), agree=agree) for name in VARIANTS}
+    peaks = {name: peak_of(name) for name in VARIANTS}
     out = {"budget": budget, "link": {"latency_s": wire.latency_s, "bandwidth_Bps": wire.bandwidth_Bps,
-                                       "layer_flops_per_s": rate}}
+                                       "layer_flops_per_s": rate}, **extra}
     for name in VARIANTS:
         summ = backends[name].summaries
-        if len(summ) != 1:
+        # megatron's attention allocates its global buffer in the first forward; the second
+        # recompiles once (the graph measured from then on is the last one).
+        if len(summ) not in ((1, 2) if case in FAMILY_WORLD else (1,)):
             raise RuntimeError(f"{case}/{link}/{name}: expected one compiled graph, got {len(summ)}")
-        chosen = summ[0].chosen
+        last = len(summ) - 1
+        chosen = summ[last].chosen
         # Compute-thread busy time in the steps: median over steps, slowest rank. The emulated
         # interference is not compute the operators did: the simulator adds it on top again.
         busy = torch.tensor(statistics.median(s.step_s - s.exposed_comm_s - s.interference_s
                                               for s in samples[name]))
         dist.all_reduce(busy, op=dist.ReduceOp.MAX)
-        now = backends[name].simulate_compiled(0, float(busy))
+        now = backends[name].simulate_compiled(last, float(busy))
         out[name] = {"step_s": [s.step_s for s in samples[name]],
                      "exposed_s": [s.exposed_comm_s for s in samples[name]],
                      "link_s": [s.link_s for s in samples[name]],
@@ -165,14 +281,15 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
                      "sim_slow_s": now.interference_s,
                      "peak": peaks[name], "sim_makespan_s": now.makespan_s, "sim_peak": chosen.peak_bytes,
                      "sim_compile_s": chosen.makespan_s, "sim_exposed_s": now.exposed_comm_s,
-                     "tiled": summ[0].tiled, "decision": summ[0].line()}
+                     "tiled": summ[last].tiled, "decision": summ[last].line()}
         if name == "helix" and case == "tp" and link == "xnode":
             out["timeline"] = {"baseline": summ[0].baseline, "helix": summ[0].helix}
-    return out
+    return out, ctx
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, cases: list[str], queue) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)  # runtime.distributed reads them
     torch.set_num_threads(1)
     if args.pin and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
@@ -181,26 +298,56 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
                         format="%(name)s: %(message)s")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     g = GroupRef.of()
+    ctx = None
+    if any(c in FAMILY_WORLD for c in cases):  # megatron's parallel state (and CPU shims) for the runtime's models
+        from megatron_ext.config.run import config_from_values
+        from megatron_ext.runtime import distributed
+
+        ctx = distributed.setup(config_from_values({}).parallel, seed=1234)
     results: dict[str, dict] = {"plain": {}, "interference": {}}
     shares = {"plain": 0.0} | ({"interference": args.interference} if args.interference > 0 else {})
-    for case in args.cases:
+    for case in cases:
         for link in args.links:
             for block, share in shares.items():
-                res = run_case(case, link, args, g, share)
+                res, ctx = run_case(case, link, args, g, share, ctx)
                 # A layer is as slow as its slowest rank: take the per-step max over ranks.
                 gathered = [None] * world
                 dist.all_gather_object(gathered, {k: v for k, v in res.items() if k not in ("timeline", "link")})
                 for name in VARIANTS:
                     for key in ("step_s", "exposed_s", "link_s", "slow_s"):
                         res[name][key] = [max(r[name][key][i] for r in gathered) for i in range(args.steps)]
-                    res[name]["peak"] = max(r[name]["peak"] for r in gathered)
+                    peaks = [r[name]["peak"] for r in gathered]
+                    res[name]["peak"] = None if None in peaks else max(peaks)
                 results[block][f"{case}_{link}"] = res
                 if rank == 0:
                     print(f"  done {case}_{link} ({block})", file=sys.stderr, flush=True)
     if rank == 0:
         queue.put(results)
     dist.barrier()
+    if ctx is not None:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def _spawn(world: int, args: argparse.Namespace, cases: list[str]) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = mp.spawn(worker, args=(world, _free_port(), args, cases, queue), nprocs=world, join=False)
+    # Read before joining: rank 0 blocks in put() until the pipe is drained, and the results
+    # (two blocks, simulated timelines) are larger than its buffer.
+    results = None
+    while results is None:
+        if not queue.empty():
+            results = queue.get()
+        elif procs.join(timeout=1):  # every rank exited (a failed one raises here)
+            if queue.empty():
+                raise RuntimeError("bench_helix: the ranks exited without results")
+            results = queue.get()
+    while not procs.join():
+        pass
+    return results
 
 
 def _free_port() -> int:
@@ -241,12 +388,20 @@ def plot_timeline(tl: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _mib(b: int | None) -> str:
+    return "n/a" if b is None else f"{b / 2**20:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a (unmeasured)" if x is None else f"{x:.1%}"
+
+
 def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
     """Print one table and return its JSON figures per case."""
     med = statistics.median
-    print(f"\nHelix benchmark{title}: 2 CPU ranks (gloo), b={args.batch} s={args.seq} h={args.hidden}, "
+    print(f"\nHelix benchmark{title}: CPU ranks (gloo; 2, moe_tpep 4), b={args.batch} s={args.seq} h={args.hidden}, "
           f"K={args.tiles}, {args.steps} steps, medians. EMULATED interconnect: every time below is emulated.")
-    hdr = f"{'case':<11}{'variant':<10}{'step ms':>9}{'exposed ms':>11}{'link ms':>8}{'slow ms':>8}{'peak MiB':>10}" \
+    hdr = f"{'case':<15}{'variant':<10}{'step ms':>9}{'exposed ms':>11}{'link ms':>8}{'slow ms':>8}{'peak MiB':>10}" \
           f"{'sim ms':>8}{'sim exp':>8}{'sim slow':>9}{'sim MiB':>9}{'compile':>9}{'tiled':>7}"
     print(hdr)
     print("-" * len(hdr))
@@ -254,9 +409,9 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
     for key, res in results.items():
         for name in VARIANTS:
             r = res[name]
-            print(f"{key:<11}{name:<10}{med(r['step_s']) * 1e3:>9.2f}{med(r['exposed_s']) * 1e3:>11.2f}"
+            print(f"{key:<15}{name:<10}{med(r['step_s']) * 1e3:>9.2f}{med(r['exposed_s']) * 1e3:>11.2f}"
                   f"{med(r['link_s']) * 1e3:>8.2f}{med(r['slow_s']) * 1e3:>8.2f}"
-                  f"{r['peak'] / 2**20:>10.2f}{r['sim_makespan_s'] * 1e3:>8.2f}{r['sim_exposed_s'] * 1e3:>8.2f}"
+                  f"{_mib(r['peak']):>10}{r['sim_makespan_s'] * 1e3:>8.2f}{r['sim_exposed_s'] * 1e3:>8.2f}"
                   f"{r['sim_slow_s'] * 1e3:>9.2f}{r['sim_peak'] / 2**20:>9.2f}{r['sim_compile_s'] * 1e3:>9.2f}"
                   f"{'yes' if r['tiled'] else 'no':>7}")
         b, h = res["baseline"], res["helix"]
@@ -271,22 +426,24 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
             # the measured steps; "_compile" is its old name.
             "sim_makespan_err_compile": predicted,
             "sim_makespan_err_predicted": predicted,
-            "sim_peak_mem_err": round(abs(h["sim_peak"] - h["peak"]) / h["peak"], 4),
-            "peak_mem_bytes": {"baseline": int(b["peak"]), "helix": int(h["peak"])},
+            # None: no profiled step closed its allocator accounting (see run_case)
+            "sim_peak_mem_err": None if h["peak"] is None else round(abs(h["sim_peak"] - h["peak"]) / h["peak"], 4),
+            "peak_mem_bytes": {"baseline": b["peak"], "helix": h["peak"]},
         }
         i = res["inductor"]
-        print(f"{'':<11}-> exposed comm -{out[key]['exposed_comm_reduction']:.1%}, speedup {out[key]['speedup']:.3f}x "
+        eager = (f"; megatron eager {res['megatron_eager_s'] * 1e3:.2f} ms" if "megatron_eager_s" in res else "")
+        print(f"{'':<15}-> exposed comm -{out[key]['exposed_comm_reduction']:.1%}, speedup {out[key]['speedup']:.3f}x "
               f"(inductor {t_b / med(i['step_s']):.3f}x), sim err makespan {out[key]['sim_makespan_err']:.1%} "
               f"(predicted at compile time {predicted:.1%}) "
-              f"peak {out[key]['sim_peak_mem_err']:.1%}, budget {res['budget'] / 2**20:.2f} MiB; link "
+              f"peak {_pct(out[key]['sim_peak_mem_err'])}, budget {res['budget'] / 2**20:.2f} MiB; link "
               f"{res['link']['bandwidth_Bps'] / 1e6:.0f} MB/s + {res['link']['latency_s'] * 1e6:.0f} us "
-              f"(layer runs at {res['link']['layer_flops_per_s'] / 1e9:.1f} GFLOP/s)")
+              f"(layer runs at {res['link']['layer_flops_per_s'] / 1e9:.1f} GFLOP/s){eager}")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="+", default=["tp", "moe", "tpep"], choices=["tp", "moe", "tpep"])
+    p.add_argument("--cases", nargs="+", default=list(CASE_WORLD), choices=list(CASE_WORLD))
     p.add_argument("--links", nargs="+", default=["xnode", "intra"], choices=list(LINKS))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
@@ -309,21 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= args.interference < 1.0:
         p.error(f"--interference is a share of compute throughput in [0, 1), got {args.interference}")
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = mp.spawn(worker, args=(2, _free_port(), args, queue), nprocs=2, join=False)
-    # Read before joining: rank 0 blocks in put() until the pipe is drained, and the results
-    # (two blocks, simulated timelines) are larger than its buffer.
-    results = None
-    while results is None:
-        if not queue.empty():
-            results = queue.get()
-        elif procs.join(timeout=1):  # every rank exited (a failed one raises here)
-            if queue.empty():
-                raise RuntimeError("bench_helix: the ranks exited without results")
-            results = queue.get()
-    while not procs.join():
-        pass
+    results: dict[str, dict] = {"plain": {}, "interference": {}}
+    for world in sorted({CASE_WORLD[c] for c in args.cases}):
+        part = _spawn(world, args, [c for c in args.cases if CASE_WORLD[c] == world])
+        for block in results:
+            results[block].update(part[block])
+    order = [f"{c}_{link}" for c in args.cases for link in args.links]
+    results = {block: {k: res[k] for k in order if k in res} for block, res in results.items()}
 
     plain = summarise(results["plain"], args, "")
     out: dict = {"cases": plain}

@@ -162,7 +162,15 @@ def compute_only_copy(gm: fx.GraphModule) -> fx.GraphModule:
     g = copy.deepcopy(gm)
     g.graph.set_codegen(fx.graph.CodeGen())  # plain calling convention even if gm is boxed
     for n in list(g.graph.nodes):
-        if collective_kind(n) is not None:
+        kind = collective_kind(n)
+        if kind == "all_gather":      # (input, group size, group): the output is group-size inputs
+            n.target = torch.ops.aten.cat.default
+            n.args, n.kwargs = ([n.args[0]] * int(n.args[1]),), {}
+        elif kind == "reduce_scatter":  # (input, op, group size, group): one chunk of dim 0
+            n.target = torch.ops.aten.narrow_copy.default
+            size = int(n.args[2])
+            n.args, n.kwargs = (n.args[0], 0, 0, int(value_of(n.args[0]).shape[0]) // size), {}
+        elif kind is not None:
             n.target = torch.ops.aten.clone.default
             n.args, n.kwargs = (n.args[0],), {}
         elif is_wait(n):

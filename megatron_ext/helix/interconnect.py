@@ -62,6 +62,10 @@ class Flight:
     start: float
     deadline: float
     interference: float = 0.0
+    # The collective's input, held until its wait returns (as the process group holds it): its
+    # last reference then goes on the compute thread, not on gloo's worker thread -- whose frees
+    # the profiler does not record (see measure.step_peak_bytes).
+    held: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
 
 class _Links:
@@ -94,8 +98,10 @@ def reset_emulation() -> None:
     LINKS.reset()
 
 
-def emulated_issue(issued: torch.Tensor, group: str, seconds: float, interference: float = 0.0) -> Flight:
-    """Reserve the group's link for ``seconds`` starting now (or when it frees); return the window."""
+def emulated_issue(issued: torch.Tensor, group: str, seconds: float, interference: float = 0.0,
+                   held: torch.Tensor | None = None) -> Flight:
+    """Reserve the group's link for ``seconds`` starting now (or when it frees); return the window
+    (holding ``held``, the collective's input, until the wait)."""
     if not 0.0 <= interference < 1.0:
         raise ValueError(f"emulated_issue: interference is a share of compute throughput in [0, 1), "
                          f"got {interference}")
@@ -106,7 +112,7 @@ def emulated_issue(issued: torch.Tensor, group: str, seconds: float, interferenc
         LINKS.free_at[group] = end
         LINKS.stats.collectives += 1
         LINKS.stats.comm_s += seconds
-        flight = Flight(start, end, interference)
+        flight = Flight(start, end, interference, [] if held is None else [held])
         if interference > 0:
             LINKS.in_flight[id(flight)] = start
     return flight
@@ -148,6 +154,7 @@ def emulated_wait(issued: torch.Tensor, flight: Flight | float) -> torch.Tensor:
     LINKS.stats.link_s += max(0.0, t2 - t1 - slowed)
     LINKS.stats.interference_s += slowed
     LINKS.stats.waits += 1
+    flight.held.clear()  # gloo's worker dropped its reference long before the link's deadline
     return out
 
 
@@ -163,8 +170,9 @@ def install_emulation(gm: fx.GraphModule, link: Interconnect,
             continue
         seconds = link.time_of(n.collective)
         with gm.graph.inserting_after(coll):
+            held = coll.args[0] if coll.args and isinstance(coll.args[0], fx.Node) else None
             deadline = gm.graph.call_function(emulated_issue, (coll, n.collective.group, seconds,
-                                                              link.compute_interference))
+                                                              link.compute_interference, held))
         for w in waits:
             w.target = emulated_wait
             w.args = (coll, deadline)

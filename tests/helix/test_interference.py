@@ -123,3 +123,20 @@ def test_emulated_wait_without_interference_is_unchanged():
     assert st.interference_s == 0.0 and st.waits == 1 and st.link_s <= st.exposed_s
     with pytest.raises(ValueError, match="interference"):
         emulated_issue(x, "g", 0.01, 1.5)
+
+
+def test_a_flight_holds_the_collective_input_until_its_wait():
+    # The process group keeps a collective's input until the wait; the emulation holds it too, so
+    # that its last reference goes on the compute thread (gloo's worker thread frees are invisible
+    # to the profiler's allocator events).
+    import weakref
+
+    x = torch.ones(4)
+    inp = torch.ones(1024)
+    ref = weakref.ref(inp)
+    reset_emulation()
+    flight = emulated_issue(x, "g", 0.0, 0.0, inp)
+    del inp
+    assert ref() is not None
+    emulated_wait(x, flight)
+    assert ref() is None

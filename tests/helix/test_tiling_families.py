@@ -237,3 +237,39 @@ def test_a_declined_graph_names_the_op_without_a_rule(caplog):
     s = be.summaries[0]
     assert "no tiling rule for torch.kthvalue (1 call)" in s.refused
     assert "no tiling rule for torch.kthvalue (1 call)" in caplog.text
+
+
+def test_the_compute_only_copy_keeps_gathered_and_scattered_shapes():
+    # The whole-graph timing of the calibrated cost model runs the graphs without collectives; a
+    # gather's output is group-size times its input, a reduce-scatter's a chunk of it.
+    from megatron_ext.helix.calibrate import compute_only_copy
+    from megatron_ext.helix.collectives import (gather_from_sequence_parallel_region,
+                                                reduce_scatter_to_sequence_parallel_region)
+
+    graphs = []
+
+    def grab(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(g, _):
+            graphs.append(g)
+            return make_boxed_func(g.forward)
+
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    with fake_world(0) as g:
+        w = torch.nn.Parameter(torch.randn(H, H))
+
+        def fn(x):  # SP region: [s/2, b, h] -> gather [s, b, h] -> linear -> reduce-scatter [s/2, b, h]
+            full = gather_from_sequence_parallel_region(x, g)
+            return reduce_scatter_to_sequence_parallel_region(full @ w, g), full * 2
+
+        out, full = torch.compile(fn, backend=grab)(torch.randn(S // 2, B, H, requires_grad=True))
+        (out.sum() + full.sum()).backward()
+    for gm in graphs:
+        copy = compute_only_copy(gm)
+        args = [torch.randn(n.meta["val"].shape) for n in copy.graph.nodes if n.op == "placeholder"]
+        outs = copy(*args)
+        want = [n.meta["val"].shape for n in gm.graph.find_nodes(op="output")[0].args[0] if n is not None]
+        assert [o.shape for o in outs if o is not None] == want
