@@ -147,16 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.runtime.extension import build_extensions
     from megatron_ext.runtime.failover import RESTART_EXIT_CODE, RestartNeeded
 
+    # With continue, nothing may wait for a lost rank longer than the continue timeout.
+    timeout_s = cfg.ext("resihp").resihp_continue_timeout_s if _continues(cfg) else 600.0
     if cfg.parallel.engine == "deepspeed":
         from deepspeed_patches import trainer as ds
 
-        ctx = ds.setup_distributed(cfg.parallel, seed=cfg.training.seed)
+        ctx = ds.setup_distributed(cfg.parallel, seed=cfg.training.seed, timeout_s=timeout_s)
         trainer_cls, teardown = ds.DeepSpeedTrainer, ds.teardown
     else:
         from megatron_ext.runtime.loop import Trainer
 
-        # With continue, nothing may wait for a lost rank longer than the continue timeout.
-        timeout_s = cfg.ext("resihp").resihp_continue_timeout_s if _continues(cfg) else 600.0
         ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed, timeout_s=timeout_s)
         trainer_cls, teardown = Trainer, distributed.teardown
     try:
@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     except RestartNeeded as exc:
         # The process groups may be broken: no teardown (it could wait on a lost rank), no traceback.
         where = cfg.checkpoint.save or cfg.checkpoint.load
-        print(f"resihp: cannot continue: {exc}; restart from the last checkpoint"
-              + (f" (--load {where})" if where else " (none was saved: --save DIR)"), file=sys.stderr, flush=True)
+        if exc.report:
+            print(f"resihp: cannot continue: {exc}; restart from the last checkpoint"
+                  + (f" (--load {where})" if where else " (none was saved: --save DIR)"), file=sys.stderr, flush=True)
         os._exit(RESTART_EXIT_CODE)
     finally:
         teardown()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import ParallelConfig, RunConfig
 from megatron_ext.runtime import distributed
+from megatron_ext.runtime import store as store_lib
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.loop import Trainer
@@ -77,7 +78,7 @@ def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float =
     torch.manual_seed(seed)
     layout = Layout.from_world(world, 1, parallel.pipeline_model_parallel_size)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
-                       layout=layout, vpp=None)
+                       layout=layout, vpp=None, store_addr=store_lib.address_from_env(), timeout_s=timeout_s)
 
 
 def teardown() -> None:
@@ -93,8 +94,11 @@ class ClippedAdamW(torch.optim.AdamW):
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, norm_params: list[torch.nn.Parameter],
-                 norm_group: Any, clip_grad: float, **adamw: Any) -> None:
+                 norm_group: Any, clip_grad: float, before_update: Any = None, after_update: Any = None,
+                 **adamw: Any) -> None:
         super().__init__(_param_groups(params), **adamw)
+        # The trainer's commit vote (--resihp-on-stop continue) sits between the norm and the update.
+        self.before_update, self.after_update = before_update, after_update
         self.norm_params = norm_params
         self.norm_group = norm_group
         self.clip_grad = clip_grad
@@ -116,16 +120,21 @@ class ClippedAdamW(torch.optim.AdamW):
         norm = self.grad_norm()
         self.last_grad_norm = self._global_grad_norm = norm
         self.overflow = not torch.isfinite(torch.tensor(norm))
+        if self.before_update is not None:
+            self.before_update()
         if self.overflow:
             logger.warning("non-finite gradient norm %s: skipping this update", norm)
-            return None
-        if self.clip_grad > 0 and norm > self.clip_grad:
-            coef = self.clip_grad / (norm + 1e-6)
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        return super().step(closure)
+        else:
+            if self.clip_grad > 0 and norm > self.clip_grad:
+                coef = self.clip_grad / (norm + 1e-6)
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+            super().step(closure)
+        if self.after_update is not None:
+            self.after_update()
+        return None
 
 
 def deepspeed_config(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
@@ -162,7 +171,7 @@ class DeepSpeedTrainer(Trainer):
                               "every replica's loss by one accumulation count): use --engine megatron for DP "
                               "work migration")
 
-    def _relayout_context(self, *, tp: int, pp: int, vpp: int | None, ep: int) -> DistContext:
+    def _drop_engine(self) -> None:
         # The engine's grid built its own groups (pipe, data, slice and p2p pairs): destroy exactly
         # those; the new PipelineModule builds the new layout's.
         self.engine = self.model = self.optimizer = None
@@ -170,9 +179,25 @@ class DeepSpeedTrainer(Trainer):
         live = dist.distributed_c10d._world.pg_map
         for group in self._engine_groups:
             if group in live:
-                dist.destroy_process_group(group)
+                try:
+                    dist.destroy_process_group(group)
+                except Exception as exc:  # a group with a lost member (fail-stop): it goes with the world
+                    logger.debug("destroying an engine group: %s", exc)
         self._engine_groups = []
+
+    def _drop_gradients(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def _relayout_context(self, *, tp: int, pp: int, vpp: int | None, ep: int) -> DistContext:
+        self._drop_engine()
         return dataclasses.replace(self.ctx, layout=Layout.from_world(self.ctx.world_size, 1, pp), vpp=None)
+
+    def _regroup_context(self, ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None,
+                         ep: int) -> DistContext:
+        """After a fail-stop (DP shrink or fewer stages): the new world; the engine builds its grid."""
+        self._check_relayout(tp=tp, pp=pp, vpp=vpp, replica_microbatches=None)
+        self._drop_engine()
+        return distributed.new_world(ctx, members=members, tp=1, pp=pp)
 
     def _build_model(self) -> None:
         import deepspeed
@@ -190,7 +215,8 @@ class DeepSpeedTrainer(Trainer):
         if got != (ctx.coord.pp, ctx.coord.dp):  # DeepSpeed's grid and the Layout disagree: groups would be wrong
             raise RuntimeError(f"rank {ctx.rank}: DeepSpeed grid (stage, dp) {got} != layout {ctx.coord}")
         self.optimizer = ClippedAdamW(list(self.model.parameters()), norm_params=norm_params(self.model),
-                                      norm_group=grid.get_pipe_parallel_group(), clip_grad=t.clip_grad, lr=t.lr,
+                                      norm_group=grid.get_pipe_parallel_group(), clip_grad=t.clip_grad,
+                                      before_update=self._commit_update, after_update=self._update_applied, lr=t.lr,
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer,

@@ -373,7 +373,7 @@ class RunConfig:
             raise ConfigError(f"--data-parallel-microbatches {' '.join(map(str, split))} needs one count per "
                               f"data-parallel replica ({dp}) summing to --global-batch-size ({gbs}) / "
                               f"--micro-batch-size ({mbs}) = {gbs // mbs}")
-        if gbs % (mbs * dp):
+        if split is None and gbs % (mbs * dp):
             raise ConfigError(
                 f"--global-batch-size ({gbs}) is not divisible by --micro-batch-size ({mbs}) x "
                 f"data-parallel size ({dp} = world size {world_size} / (TP {tp} x PP {pp})) = {mbs * dp}")

@@ -79,7 +79,8 @@ def make_planner(trainer: "Trainer", *, executable_only: bool, min_gain: float =
     workload = Workload(seq_length=trainer.cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
                         state_bytes_per_param=12.0 if not t.bf16 else 16.0)
     config = PlannerConfig(min_gain=min_gain, horizon_iterations=horizon, tp_regroup=not executable_only,
-                           dp_migration=not executable_only or "microbatches" in trainer.relayout_knobs,
+                           dp_migration="microbatches" in trainer.relayout_knobs,
+                           uneven_microbatches="microbatches" in trainer.relayout_knobs,
                            drop_replicas=not executable_only,
                            reshape=not executable_only)
     probe = Cluster(device_flops=1e12, memory_bytes=float("inf"), link_bytes_per_s=CPU_LINK_BYTES_PER_S)

@@ -5,7 +5,8 @@ unblocks and regroups the survivors and moves the state. ResiHP supplies what it
 ranks are gone (the heartbeat; the launcher's exit reports come through the store directly), and
 which layout the survivors should take (``decide``: the planner with every knob it has — DP
 shrink, PP re-partition over the survivors, a new TP x PP shape, uneven micro-batches; a rank
-permutation costs nothing here, since the ranks are renumbered anyway). ``check`` refuses the
+permutation costs nothing here, since the ranks are renumbered anyway; on ``--engine deepspeed``
+the layouts its ``PipelineModule`` builds: PP x DP with even micro-batches). ``check`` refuses the
 configurations in which continuing cannot work, before any rank starts.
 """
 from __future__ import annotations
@@ -41,9 +42,6 @@ def check(cfg: "RunConfig", world_size: int, *, launcher: bool) -> None:
         return
     if not resihp.resihp:
         raise ConfigError("--resihp-on-stop continue needs --resihp (its heartbeat names the lost rank)")
-    if cfg.parallel.engine == "deepspeed":
-        raise ConfigError("--resihp-on-stop continue is not built for --engine deepspeed: use --engine megatron, "
-                          "or --resihp-on-stop abort and resume from the last checkpoint with --load")
     if cfg.parallel.use_distributed_optimizer:
         raise ConfigError("--resihp-on-stop continue cannot be used with --use-distributed-optimizer: its optimizer "
                           "state is sharded over the data-parallel ranks, so a lost rank's part has no copy in "
@@ -68,9 +66,9 @@ def decide(trainer: "Trainer", survivors: list[int], lost: list[int]) -> dict[st
             speeds = np.minimum(speeds, actor.policy.speeds[:ctx.world_size])
         for m in lost:
             speeds[members.index(m)] = 0.0
-        # Scaled to the iterations measured so far, so the plan line predicts seconds of this job.
-        planner = make_planner(trainer, executable_only=False, min_gain=0.0,
-                               healthy_times=trainer.iteration_times or None)
+        # The analytical model alone (1 TFLOP/s per rank), not scaled by measured iteration times:
+        # the survivors' layout is a function of the layout and of who is lost, not of timing noise.
+        planner = make_planner(trainer, executable_only=False, min_gain=0.0)
         plan = planner.plan(layout, speeds)
     except PlanningError as exc:
         return {"restart": str(exc)}
@@ -81,6 +79,9 @@ def decide(trainer: "Trainer", survivors: list[int], lost: list[int]) -> dict[st
         return {"restart": f"the survivors' layout {why} ({plan.describe()})"}
     new = plan.new
     stages, mbs = list(new.stage_layers), list(new.microbatches)
+    if len(set(mbs)) > 1 and "microbatches" not in trainer.relayout_knobs:
+        return {"restart": f"the survivors' layout needs uneven micro-batches per replica ({plan.describe()}), "
+                           "which this engine cannot run"}
     even_stages = len(set(stages)) == 1 and trainer.cfg.model.num_layers % new.pp == 0
     return {"members": [members[d] for d in new.devices], "tp": new.tp, "pp": new.pp,
             "vpp": new.vp if new.vp > 1 else None, "stage_layers": None if even_stages else stages,

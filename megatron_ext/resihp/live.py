@@ -308,8 +308,11 @@ class ResiHPExtension(Extension):
         return list(report.verdicts)
 
     def teardown(self, trainer: "Trainer") -> None:
+        from megatron_ext.runtime.failover import RestartNeeded
+
         failure = sys.exc_info()[1]
-        if failure is not None and self.heartbeat is not None and isinstance(failure, RuntimeError):
+        if (failure is not None and self.heartbeat is not None and isinstance(failure, RuntimeError)
+                and not isinstance(failure, RestartNeeded)):  # continue: the loss is already known
             # A collective failed (gloo sees a dead peer's closed socket at once, without saying
             # which rank it was): give the heartbeat its timeout to name the lost rank first.
             wait_s = self.cfg.resihp_heartbeat_timeout_s + 2 * self.heartbeat.poll_s

@@ -433,6 +433,8 @@ class Planner:
         def add(lay: PlanLayout | None, actions: tuple[str, ...]) -> None:
             if lay is None or lay in seen:
                 return
+            if not cfg.uneven_microbatches and len(set(lay.microbatches)) > 1:
+                return
             stage_speed = sp[lay.grid()].min(axis=2)
             if (stage_speed <= 0).any() or not self.fits(lay, memory):
                 return

@@ -232,6 +232,10 @@ class PlannerConfig:
     """Uneven layers per stage."""
     dp_migration: bool = True
     """Uneven micro-batches per replica."""
+    uneven_microbatches: bool = True
+    """Allow layouts whose replicas run different micro-batch counts at all (also the remainder of
+    an even split over fewer replicas); False for an executor that cannot weight replicas
+    (DeepSpeed's pipeline engine)."""
     drop_replicas: bool = True
     """Shrink DP: leave out replicas (those with dead devices; or slow ones when that is faster)."""
     reshape: bool = True

@@ -203,14 +203,23 @@ def regroup(ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int 
     gloo cannot shrink a group, so the old default group and every group built on it are
     destroyed and a new one rendezvouses on fresh keys (torchft's pattern). Collective over
     ``members``; bounded by ``ctx.timeout_s``."""
-    if ctx.store_addr is None:
-        raise RuntimeError("regroup needs a store outside the ranks (runtime/store.py)")
-    gen = ctx.generation + 1
-    rank, world = members.index(ctx.member), len(members)
     try:
         destroy_parallel_state()
     except Exception as exc:  # a group with a dead member may refuse a clean shutdown
         logger.debug("destroying the old parallel state: %s", exc)
+    ctx = new_world(ctx, members=members, tp=tp, pp=pp)
+    build_parallel_state(ctx.layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
+    return dataclasses.replace(ctx, vpp=vpp if vpp and vpp > 1 else None)
+
+
+def new_world(ctx: DistContext, *, members: list[int], tp: int, pp: int) -> DistContext:
+    """The default process group of the next generation over ``members`` (launch ranks in their
+    new rank order), the old one destroyed; no megatron state (the DeepSpeed engine builds its own
+    groups). Collective over ``members``; bounded by ``ctx.timeout_s``."""
+    if ctx.store_addr is None:
+        raise RuntimeError("a new world needs a store outside the ranks (runtime/store.py)")
+    gen = ctx.generation + 1
+    rank, world = members.index(ctx.member), len(members)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -219,7 +228,5 @@ def regroup(ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int 
     base = store_lib.connect(ctx.store_addr, timeout_s=ctx.timeout_s)
     dist.init_process_group(backend=ctx.backend, store=store_lib.generation(base, gen, "pg"), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=ctx.timeout_s))
-    layout = Layout.from_world(world, tp, pp)
-    build_parallel_state(layout, rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
-    return dataclasses.replace(ctx, rank=rank, world_size=world, layout=layout, vpp=vpp if vpp and vpp > 1 else None,
+    return dataclasses.replace(ctx, rank=rank, world_size=world, layout=Layout.from_world(world, tp, pp),
                                members=tuple(members), generation=gen)

@@ -51,7 +51,12 @@ class RankLost(RuntimeError):
 
 
 class RestartNeeded(RuntimeError):
-    """The job cannot go on in these processes; the message says why and how to restart."""
+    """The job cannot go on in these processes; the message says why and how to restart.
+    ``report``: whether this rank says so (a decision every survivor read is said once)."""
+
+    def __init__(self, message: str, *, report: bool = True) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 class LeftOut(Exception):

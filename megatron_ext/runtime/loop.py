@@ -53,7 +53,6 @@ class Trainer:
         self._inflight: dict[str, Any] | None = None   # the iteration between its start and its end
         self._saving = False
         self.rolled_back: int | None = None
-        self.iteration_times: list[float] = []  # the last 50, seconds (a planner's time scale)
         # Fault injection points inside an iteration: callables (point, iteration) -> None.
         self.fault_points: list[Callable[[str, int], None]] = []
 
@@ -102,7 +101,8 @@ class Trainer:
         self.train_stream.consumed_samples = consumed_samples
         self.valid_stream = None
         if self.splits.valid is not None and len(self.splits.valid) > 0 and lg.eval_iters > 0:
-            self.valid_stream = MicroBatchStream(self.splits.valid, **stream)
+            self.valid_stream = MicroBatchStream(self.splits.valid, **stream,
+                                                 replica_microbatches=cfg.parallel.data_parallel_microbatches)
 
     def _open_outputs(self, purge_step: int | None = None) -> None:
         """The logging rank writes metrics lines and TensorBoard events (appending)."""
@@ -234,6 +234,15 @@ class Trainer:
         """Process groups of the new layout, the old ones destroyed."""
         return distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed, ep=ep)
 
+    def _regroup_context(self, ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None,
+                         ep: int) -> DistContext:
+        """After a fail-stop: a new default group over the survivors ``members`` and the layout's groups."""
+        return distributed.regroup(ctx, members=members, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed, ep=ep)
+
+    def _drop_gradients(self) -> None:
+        """Forget the gradients of an iteration that is rolled back."""
+        self.model.zero_grad_buffer()
+
     def _build_model(self) -> None:
         """Set ``self.model``, ``self.optimizer`` and ``self.scheduler``."""
         self.model: ModelBundle = build_model(self.cfg, self.ctx, self.splits.tokenizer.vocab_size)
@@ -328,7 +337,6 @@ class Trainer:
         self._inflight["scheduled"] = True
         self._sync()
         elapsed = time.perf_counter() - start
-        self.iteration_times = (self.iteration_times + [elapsed])[-50:]
         self.iteration = it
         t = self.cfg.training
         metrics = IterationMetrics(
@@ -346,15 +354,22 @@ class Trainer:
         for hook in self.fault_points:
             hook(point, it)
 
-    def _optimizer_step(self) -> tuple[bool, float | None]:
+    def _commit_update(self) -> None:
+        """Right before this rank's optimizer update: no rank updates before every rank is ready
+        to (runtime/failover.py, "Commit"); raises ``RankLost`` when the iteration is abandoned."""
         self._fault_point("step")
         if self.failover is not None and self._inflight is not None:
-            # No rank updates before every rank is ready to (runtime/failover.py, "Commit").
             self.failover.ledger.vote(self._inflight["iteration"])
             self._inflight["committed"] = True
-        out = self.optimizer.step()
+
+    def _update_applied(self) -> None:
         if self._inflight is not None:
             self._inflight["applied"] = True
+
+    def _optimizer_step(self) -> tuple[bool, float | None]:
+        self._commit_update()
+        out = self.optimizer.step()
+        self._update_applied()
         if isinstance(out, tuple):
             return bool(out[0]), (None if out[1] is None else float(out[1]))
         return bool(out), None
@@ -540,7 +555,7 @@ class Trainer:
             return f["iteration"] if f["applied"] else f["iteration"] - 1
         self.iteration = f["iteration"] - 1
         self.train_stream.consumed_samples = f["consumed_samples"]
-        self.model.zero_grad_buffer()
+        self._drop_gradients()
         self.rolled_back = f["iteration"]
         return self.iteration
 
@@ -574,7 +589,7 @@ class Trainer:
                                           timeout_s=ctx.timeout_s)
         gone = ", ".join(map(str, sorted(set(ctx.members) - set(joined))))
         if "restart" in decision:
-            raise failover.RestartNeeded(f"lost rank(s) {gone}: {decision['restart']}")
+            raise failover.RestartNeeded(f"lost rank(s) {gone}: {decision['restart']}", report=ctx.member == leader)
         if ctx.member not in decision["members"]:
             fo.stop()
             raise failover.LeftOut(f"rank {ctx.member} has no place in the survivors' layout "
@@ -591,9 +606,8 @@ class Trainer:
         new_cfg = dataclasses.replace(self.cfg, parallel=new_parallel)
 
         def new_ctx() -> DistContext:
-            return distributed.regroup(ctx, members=decision["members"], tp=decision["tp"], pp=decision["pp"],
-                                       vpp=decision["vpp"], seed=self.cfg.training.seed,
-                                       ep=new_parallel.expert_model_parallel_size)
+            return self._regroup_context(ctx, members=decision["members"], tp=decision["tp"], pp=decision["pp"],
+                                         vpp=decision["vpp"], ep=new_parallel.expert_model_parallel_size)
 
         def reshard() -> dict[str, Any]:
             payloads: list[Any] = [None] * dist.get_world_size()

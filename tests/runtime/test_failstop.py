@@ -1,7 +1,7 @@
 """--resihp-on-stop continue: survivors of SIGKILLed ranks keep training in the same processes.
 
-Two 4-rank launches through the project's launcher (the store in the launcher, no torchrun agent),
-several faults each, plus a single-rank straight run as the reference curve:
+Three 4-rank launches through the project's launcher (the store in the launcher, no torchrun agent),
+several faults in two of them, plus a single-rank straight run as the reference curve:
 
 * launch "dp": PP2 x DP2. Rank 3 (last stage) dies in its optimizer step of iteration 3, before
   the update: the survivors roll iteration 3 back, shrink DP (its stage has a replica in memory)
@@ -12,6 +12,8 @@ several faults each, plus a single-rank straight run as the reference curve:
   checkpoint of iteration 2 (2 lost), the survivors re-save iteration 4 on PP3. Rank 3 dies at the
   start of iteration 7 and rank 1 while the survivors regroup from that: a second fault during a
   re-layout, which ends the job with a restart message instead of a hang.
+* launch "ds": ``--engine deepspeed`` PP2 x DP2, rank 3 dies in its optimizer step of iteration 3:
+  DP shrink on DeepSpeed's engine (PipelineModule and grid rebuilt over the new world).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from tests.conftest import ROOT, run_python
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
          "--global-batch-size", "8", "--micro-batch-size", "1", "--eval-iters", "0", "--log-interval", "1"]
 CONTINUE = ["--resihp", "--resihp-on-stop", "continue", "--resihp-heartbeat-interval-s", "0.5",
-            "--resihp-heartbeat-timeout-s", "2", "--resihp-continue-timeout-s", "20"]
+            "--resihp-heartbeat-timeout-s", "4", "--resihp-continue-timeout-s", "60"]
 
 
 def rows(path, kind):
@@ -45,6 +47,8 @@ def launches(tmp_path_factory):
                 "--inject-stop", "3:3:step", "0:6"]),
         "pp": (["--pipeline-model-parallel-size", "4", "--train-iters", "10", "--save-interval", "2",
                 "--inject-stop", "2:4:save", "3:7", "1:7:relayout"]),
+        "ds": (["--engine", "deepspeed", "--pipeline-model-parallel-size", "2", "--train-iters", "5",
+                "--lr-decay-iters", "8", "--save-interval", "100", "--inject-stop", "3:3:step"]),
     }
     result = {}
     for name, args in runs.items():
@@ -123,6 +127,19 @@ def test_a_second_fault_during_the_regroup_ends_with_a_restart_message_not_a_han
     assert (f"resihp: a second fault during the re-layout (rank 1 of generation 1 is gone too): cannot "
             f"continue; restart from the last checkpoint (--load {ck})") in run["logs"][0]
     assert (ck / "latest").read_text().strip() == "iter_0000006"
+
+
+@pytest.mark.multirank
+def test_the_deepspeed_engine_continues_by_dp_shrink(launches):
+    run = launches["ds"]
+    assert run["codes"] == [0, 0, 0, -9], tail(run)
+    (cont,) = rows(run["dir"] / "metrics.jsonl", "fail_stop_continue")
+    assert (cont["from"], cont["to"], cont["members"]) == ("deepspeed pp2dp2", "deepspeed pp2dp1", [0, 2])
+    assert (cont["rolled_back"], cont["lost_iterations"]) == (3, 0)
+    live = {r["iteration"]: r["loss"] for r in rows(run["dir"] / "metrics.jsonl", "train")}
+    ref = launches["straight"]
+    assert sorted(live) == sorted(ref)
+    assert max(abs(live[i] - ref[i]) / ref[i] for i in ref) < 1e-5
 
 
 # --- the pieces, without a launch ----------------------------------------------------------
@@ -241,9 +258,6 @@ def test_the_job_exit_code_counts_lost_ranks_as_survivable():
      "--resihp-on-stop continue cannot be used with --use-distributed-optimizer: its optimizer state is sharded "
      "over the data-parallel ranks, so a lost rank's part has no copy in memory; drop the flag, or use "
      "--resihp-on-stop abort and resume with --load"),
-    ({"resihp": True, "resihp_on_stop": "continue", "engine": "deepspeed"},
-     "--resihp-on-stop continue is not built for --engine deepspeed: use --engine megatron, or --resihp-on-stop "
-     "abort and resume from the last checkpoint with --load"),
 ])
 def test_continue_is_refused_where_it_cannot_work(values, message):
     from megatron_ext.config.base import ConfigError
