@@ -274,17 +274,36 @@ class HelixBackend:
 
     def _measure_links(self, irs: list[GraphIR], device: str) -> None:
         """Fit ``latency + bytes / bandwidth`` to the real collectives of every (group, kind) in
-        the graphs, once per backend; agreed (slowest) across the group's ranks."""
+        the graphs, once per backend; agreed (slowest) over every group of the graphs.
+
+        Why over every group, and in graph order: ranks in different groups of one kind (TP
+        {0, 1} and {2, 3} under TP2 x DP2) compile the same graph on differently named groups. If
+        each priced its own group's fit, ranks {0, 1} could keep the tiled schedule while {2, 3}
+        declined it -- and a group spanning both (EP, TP x EP) would see different collectives
+        from its members and hang. Entries are matched across ranks by first appearance in the
+        graphs (the same on every rank), not by name."""
         if not _dist_ready():
             return
-        todo = sorted({(n.collective.group, n.collective.kind, n.collective.group_size)
-                       for ir in irs for n in ir.collectives()})
-        todo = [(g, k, size) for g, k, size in todo if (g, k) not in self._links and k != "broadcast"]
+        todo: list[tuple[str, str, int]] = []
+        for ir in irs:
+            for n in ir.collectives():
+                c = n.collective
+                entry = (c.group, c.kind, c.group_size)
+                if entry not in todo and (c.group, c.kind) not in self._links and c.kind != "broadcast":
+                    todo.append(entry)
+        if not todo:
+            return
+        fits = []
         for group, kind, size in todo:
             samples = measure_collectives(group, size, [kind], device)[kind]
             link = fit_link(f"measured:{group}:{kind}", kind, size, samples)
-            lat, inv_bw = agree_max([link.latency_s, 1.0 / link.bandwidth_Bps], [group])
-            self._links[(group, kind)] = Interconnect(link.name, latency_s=lat, bandwidth_Bps=1.0 / inv_bw)
+            fits += [link.latency_s, 1.0 / link.bandwidth_Bps]
+        groups = sorted({n.collective.group for ir in irs for n in ir.collectives()})
+        agreed = agree_max(fits, groups)
+        for i, (group, kind, _size) in enumerate(todo):
+            lat, inv_bw = agreed[2 * i], agreed[2 * i + 1]
+            self._links[(group, kind)] = Interconnect(f"measured:{group}:{kind}", latency_s=lat,
+                                                      bandwidth_Bps=1.0 / inv_bw)
             logger.info("helix: measured %s on group %s: %.1f us + %.1f MB/s", kind, group, lat * 1e6, 1e-6 / inv_bw)
 
     def adopt_links(self, other: "HelixBackend") -> None:

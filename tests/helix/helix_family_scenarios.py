@@ -35,6 +35,9 @@ MOE = {**TINY, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32
 TP2SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 
 # name -> (config values, reference config values or None (the same), expert capacity factor or None)
+# Every case forces the tiled schedule with analytical costs, except moe/tp2ep2sp: what a user runs
+# (calibrated costs, the simulator decides) over the emulated cross-node link -- its TP groups
+# {0, 1} and {2, 3} measure their own collectives, and all four ranks must still decide alike.
 CASES = {
     "llama/tp2": ({**TINY, "tensor_model_parallel_size": 2}, None, None),
     "llama/tp2sp": ({**TINY, **TP2SP}, None, None),
@@ -115,7 +118,12 @@ def parity_case(ctx, name: str) -> tuple[object, dict]:
     params = list(model.parameters())
     if ref_values is None:
         ref_loss, ref_grads = _loss_and_grads(lambda: model(ids, pos, None, labels=labels), params)
-    ext = HelixExtension(HelixConfig(helix=True, helix_tiles=2, helix_cost_model="analytical", helix_mode="tiled"))
+    if name == "moe/tp2ep2sp":
+        hcfg = HelixConfig(helix=True, helix_tiles=2, helix_interconnect="cross_node",
+                           helix_cost_cache=os.path.join(sys.argv[1], "helix_costs.json"))
+    else:
+        hcfg = HelixConfig(helix=True, helix_tiles=2, helix_cost_model="analytical", helix_mode="tiled")
+    ext = HelixExtension(hcfg)
     trainer = types.SimpleNamespace(model=types.SimpleNamespace(chunks=[model]), ctx=ctx,
                                     cfg=types.SimpleNamespace(training=types.SimpleNamespace(micro_batch_size=B)))
     ext.setup(trainer)
@@ -129,6 +137,9 @@ def parity_case(ctx, name: str) -> tuple[object, dict]:
     res = {"eager_loss": _rel(eager_loss, ref_loss), "eager_grad": max(map(_rel, eager_grads, ref_grads)),
            "compiled_loss": _rel(c_loss, ref_loss), "compiled_grad": max(map(_rel, c_grads, ref_grads)),
            "graphs": len(summaries), "tiled_graphs": sum(su.tiled for su in summaries),
+           "decisions": [su.decisions for su in summaries],
+           # the fitted real collectives, in the order the graph first uses them
+           "links": [[kind, link.latency_s, link.bandwidth_Bps] for (_, kind), link in ext.backend._links.items()],
            "joins": sorted({(op, why) for su in summaries for _, op, why in (su.tiling.joins if su.tiling else [])}),
            "order": [su.order for su in summaries], "groups": {g: _group_ranks(g) for g in groups},
            "moe_layers": sum(1 for m in model.modules() if type(m).__name__ == "MoELayer")}

@@ -439,7 +439,8 @@ def _autograd_function(ctx: RuleCtx) -> Plan:
     tensor_args = ctx.node.args[2:]
     in_dims = [ctx.dims.get(a) if isinstance(a, fx.Node) else None for a in tensor_args]
     first = tensor_args[0] if tensor_args else None
-    if first in ctx.dims and all(d is None for d in in_dims[1:]) and _attachment(fwd_body, bwd_body):
+    if isinstance(ctx.dims.get(first), int) and all(d is None for d in in_dims[1:]) \
+            and _attachment(fwd_body, bwd_body):
         # Tile 0 attaches; the others pass through with the attached inputs detached (gradient 0).
         return Plan(out_dim=(ctx.dims[first],),
                     once=frozenset(a for a in tensor_args[1:] if isinstance(a, fx.Node)))
