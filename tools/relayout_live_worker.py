@@ -66,7 +66,8 @@ def main() -> None:
     slow_rank = SLOW_RANK[scenario]
     if hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
-        # pp2: rank r on core r; pp2dp2: the replica (rank % 2 in megatron's order) on its core.
+        # Rank r on core r mod the cores: on 2 cores pp2 gets one core per rank, pp2dp2 one per
+        # replica (megatron's order puts replica r % 2 at rank r).
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     cfg = config_from_values(dict(BASE))
     ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)

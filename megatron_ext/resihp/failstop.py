@@ -57,7 +57,7 @@ def decide(trainer: "Trainer", survivors: list[int], lost: list[int]) -> dict[st
     from megatron_ext.resihp.planner_types import PlanningError
 
     ctx = trainer.ctx
-    members = list(ctx.members) or list(range(ctx.world_size))
+    members = list(ctx.members)
     try:
         layout = plan_layout(trainer)
         speeds = np.ones(ctx.world_size)
@@ -100,7 +100,7 @@ def make_failover(ext: "ResiHPExtension", trainer: "Trainer"):
         hb = ext.heartbeat
         if hb is None:
             return set()
-        members = list(trainer.ctx.members) or list(range(trainer.ctx.world_size))
+        members = list(trainer.ctx.members)
         return {members[r] for r in hb.tracker.stopped if r < len(members)}
 
     # A failed collective waits this long for the heartbeat to name a rank (the launcher's report
@@ -116,7 +116,7 @@ def on_stop_verdict(trainer: "Trainer", verdict, reporter: bool) -> None:
     from megatron_ext.runtime.failover import RESTART_EXIT_CODE, abort_connections
 
     fo = trainer.failover
-    members = list(trainer.ctx.members) or list(range(trainer.ctx.world_size))
+    members = list(trainer.ctx.members)
     if fo is not None and verdict.rank < len(members) and members[verdict.rank] in fo.handled:
         return  # the launcher reported this loss first; the survivors are already on it
     if fo is not None and fo.phase == "regrouping":

@@ -123,7 +123,6 @@ class ResiHPExtension(Extension):
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
-        rank = trainer.ctx.rank
         self.trainer = trainer
         if self.faults is not None:
             self.faults.check_world(trainer.ctx.world_size)
@@ -261,7 +260,6 @@ class ResiHPExtension(Extension):
         return tuple(out)
 
     def before_iteration(self, trainer: "Trainer", iteration: int) -> None:
-        rank = trainer.ctx.rank
         if self.faults is not None:
             self._fault_point("start", iteration)
             if self.throttle is not None:

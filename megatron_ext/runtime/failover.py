@@ -235,7 +235,7 @@ class Failover:
         if self.base is None:
             self.base = store_lib.connect(ctx.store_addr, timeout_s=ctx.timeout_s)
             self._exits = ExitWatch(self.base)
-        self.members = tuple(ctx.members) or tuple(range(ctx.world_size))
+        self.members = tuple(ctx.members)
         self.ledger = CommitLedger(store_lib.generation(self.base, ctx.generation, "commit"),
                                    world_size=ctx.world_size, timeout_s=ctx.timeout_s,
                                    lost=lambda: bool(self.lost()))

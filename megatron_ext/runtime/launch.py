@@ -71,7 +71,7 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
                 p.wait()
         for w in watchers:
             w.join(5.0)
-        del store  # the store goes only after every rank has
+    # ``store`` lives until here, after every rank: the survivors of a lost rank meet through it.
     return [RankResult(r, p.returncode, texts[r] or "") for r, p in enumerate(procs)]
 
 
