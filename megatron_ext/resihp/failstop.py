@@ -46,8 +46,20 @@ def check(cfg: "RunConfig", world_size: int, *, launcher: bool) -> None:
         raise ConfigError("--resihp-on-stop continue cannot be used with --use-distributed-optimizer: its optimizer "
                           "state is sharded over the data-parallel ranks, so a lost rank's part has no copy in "
                           "memory; drop the flag, or use --resihp-on-stop abort and resume with --load")
+    par = cfg.parallel
+    on_gpu = par.device == "cuda" or (par.device == "auto" and _cuda_available())
+    if par.distributed_backend == "nccl" or (on_gpu and par.distributed_backend == "auto"):
+        raise ConfigError("--resihp-on-stop continue is built for gloo ranks: a survivor's NCCL collective with a "
+                          "lost rank is not unblocked yet (that needs the process group's abort); use "
+                          "--distributed-backend gloo, or --resihp-on-stop abort and resume with --load")
     if world_size > 1 and not launcher and not os.environ.get("MEGATRON_EXT_STORE"):
         raise ConfigError(STORE_NEEDED)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def decide(trainer: "Trainer", survivors: list[int], lost: list[int]) -> dict[str, Any]:

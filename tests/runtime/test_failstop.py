@@ -258,6 +258,10 @@ def test_the_job_exit_code_counts_lost_ranks_as_survivable():
      "--resihp-on-stop continue cannot be used with --use-distributed-optimizer: its optimizer state is sharded "
      "over the data-parallel ranks, so a lost rank's part has no copy in memory; drop the flag, or use "
      "--resihp-on-stop abort and resume with --load"),
+    ({"resihp": True, "resihp_on_stop": "continue", "device": "cuda"},
+     "--resihp-on-stop continue is built for gloo ranks: a survivor's NCCL collective with a lost rank is not "
+     "unblocked yet (that needs the process group's abort); use --distributed-backend gloo, or --resihp-on-stop "
+     "abort and resume with --load"),
 ])
 def test_continue_is_refused_where_it_cannot_work(values, message):
     from megatron_ext.config.base import ConfigError
