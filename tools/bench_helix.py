@@ -432,7 +432,7 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
         }
         i = res["inductor"]
         eager = (f"; megatron eager {res['megatron_eager_s'] * 1e3:.2f} ms" if "megatron_eager_s" in res else "")
-        print(f"{'':<15}-> exposed comm -{out[key]['exposed_comm_reduction']:.1%}, speedup {out[key]['speedup']:.3f}x "
+        print(f"{'':<15}-> exposed comm {-out[key]['exposed_comm_reduction']:+.1%}, speedup {out[key]['speedup']:.3f}x "
               f"(inductor {t_b / med(i['step_s']):.3f}x), sim err makespan {out[key]['sim_makespan_err']:.1%} "
               f"(predicted at compile time {predicted:.1%}) "
               f"peak {_pct(out[key]['sim_peak_mem_err'])}, budget {res['budget'] / 2**20:.2f} MiB; link "

@@ -199,6 +199,17 @@ class HelixBackend:
 
     # -- setup -------------------------------------------------------------------------------------
 
+    def prepare(self) -> "HelixBackend":
+        """Calibrate the device and resolve the interconnect now rather than at the first compile.
+
+        With the calibrated cost model this agrees the device's figures over the world group, a
+        collective: every rank must call it at the same point. At the first compile that is only
+        true without pipeline stages -- a later stage compiles after it received its first
+        activations, while the first stage would wait in the agreement for it (the deadlock
+        ``pretrain_gpt.py --helix`` with PP > 1 had). The extension prepares at trainer setup."""
+        self._setup()
+        return self
+
     def _setup(self) -> None:
         if self._cost is not None:
             return

@@ -3,7 +3,7 @@
 The chunk's GPTModel is made traceable (``adapter.make_traceable``: its TP/SP regions become
 functional collectives + waits in the graph) and its ``forward`` is wrapped in ``torch.compile``
 with the backend built from the ``helix`` config section. Compilation happens at the first
-forward; every rank must compile (cost calibration is agreed over the world group).
+forward; the device calibration (agreed over the world group) runs at setup, on every rank.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ class HelixExtension(Extension):
         chunks = getattr(trainer.model, "chunks", None)
         if chunks is None:
             raise ConfigError("--helix needs the megatron engine (--engine megatron)")
-        self.backend = backend_from_config(self.cfg, batch_size=trainer.cfg.training.micro_batch_size)
+        # Calibration agrees over the world group: here, where every rank is (see prepare()).
+        self.backend = backend_from_config(self.cfg, batch_size=trainer.cfg.training.micro_batch_size).prepare()
         self.attach(trainer)
 
     def attach(self, trainer: "Trainer") -> None:

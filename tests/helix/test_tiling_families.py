@@ -273,3 +273,33 @@ def test_the_compute_only_copy_keeps_gathered_and_scattered_shapes():
         outs = copy(*args)
         want = [n.meta["val"].shape for n in gm.graph.find_nodes(op="output")[0].args[0] if n is not None]
         assert [o.shape for o in outs if o is not None] == want
+
+
+def test_moe_features_the_static_dispatch_lacks_are_refused_by_name():
+    import types
+
+    from megatron_ext.helix.adapter_moe import make_moe_traceable
+
+    class SequentialMLP:
+        pass
+
+    class TEGroupedMLP:
+        pass
+
+    class TopKRouter:
+        routing_type = "aux_loss"
+
+    cfg = types.SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_z_loss_coeff=None)
+    layer = types.SimpleNamespace(config=cfg, router=TopKRouter(), experts=SequentialMLP(), use_shared_expert=False)
+    from megatron_ext.helix.adapter_moe import _refusals
+
+    assert _refusals(layer) == []
+    cfg.moe_token_dispatcher_type, cfg.moe_z_loss_coeff = "flex", 1e-3
+    layer.experts, layer.use_shared_expert = TEGroupedMLP(), True
+    layer.router.routing_type = "seq_aux_loss"
+    with pytest.raises(ValueError) as exc:
+        make_moe_traceable("decoder.layers.0.mlp", layer)
+    assert str(exc.value) == (
+        "helix adapter: decoder.layers.0.mlp (MoELayer) uses --moe-token-dispatcher-type flex, shared experts, "
+        "TEGroupedMLP experts (grouped GEMM); use the local spec's SequentialMLP, --moe-router-load-balancing-type "
+        "seq_aux_loss, moe_z_loss_coeff, which the traceable MoE dispatch does not implement -- turn it off for --helix")
