@@ -62,9 +62,10 @@ class Flight:
     start: float
     deadline: float
     interference: float = 0.0
-    # The collective's input, held until its wait returns (as the process group holds it): its
-    # last reference then goes on the compute thread, not on gloo's worker thread -- whose frees
-    # the profiler does not record (see measure.step_peak_bytes).
+    # The collective's input, held until its wait returns (as the process group holds it; not for
+    # an all-reduce, which reduces a clone): its last reference then goes on the compute thread,
+    # not on gloo's worker thread -- whose frees the profiler does not record (see
+    # measure.step_peak_bytes).
     held: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
 
@@ -170,7 +171,10 @@ def install_emulation(gm: fx.GraphModule, link: Interconnect,
             continue
         seconds = link.time_of(n.collective)
         with gm.graph.inserting_after(coll):
-            held = coll.args[0] if coll.args and isinstance(coll.args[0], fx.Node) else None
+            # What the process group's work holds, as the simulator models it: the input, except
+            # for the all-reduce, whose work reduces (and holds) a clone -- its output.
+            held = coll.args[0] if n.collective.kind != "all_reduce" and coll.args \
+                and isinstance(coll.args[0], fx.Node) else None
             deadline = gm.graph.call_function(emulated_issue, (coll, n.collective.group, seconds,
                                                               link.compute_interference, held))
         for w in waits:
