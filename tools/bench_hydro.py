@@ -291,13 +291,14 @@ def main(argv: list[str] | None = None) -> int:
             entry: dict = {}
             for p in ("mup", "sp"):
                 best_seed = {w: [] for w in (width, 4 * width)}
-                best_mean = {}
+                best_mean, mean_of = {}, {}
                 for w in (width, 4 * width):
                     curves = [lr_sweep(data, mt_vocab, w, width, p, lrs, steps, seed=s) for s in seeds]
                     for c in curves:
                         best_seed[w].append(min(range(len(lrs)), key=lambda k: c[k]))
                     mean = [statistics.fmean(c[k] for c in curves) for k in range(len(lrs))]
                     best_mean[w] = min(range(len(lrs)), key=lambda k: mean[k])
+                    mean_of[w] = mean
                     rows.append(f"{p:5} {w:>5} " + " ".join(f"{v:>7.3f}" for v in mean) +
                                 f"   2^{int(math.log2(lrs[best_mean[w]]))}; " +
                                 " ".join(f"2^{int(math.log2(lrs[i]))}" for i in best_seed[w]))
@@ -305,10 +306,16 @@ def main(argv: list[str] | None = None) -> int:
                 entry[f"{p}_shift"] = best_mean[4 * width] - best_mean[width]
                 entry[f"{p}_shifts"] = shifts
                 entry[f"{p}_best_lr"] = [lrs[best_mean[width]], lrs[best_mean[4 * width]]]
+                # What a shift costs where the curve is flat: the wide model's loss at the narrow
+                # model's best LR, minus its best loss (mean curves).
+                wide = mean_of[4 * width]
+                entry[f"{p}_regret"] = round(wide[best_mean[width]] - wide[best_mean[4 * width]], 4)
             mt[f"order{order}"] = entry
             rows.append(f"order-{order}: best-LR shift from width {width} to {4 * width} (grid steps, mean curve; "
                         f"per seed): muP {entry['mup_shift']:+d} ({', '.join(f'{v:+d}' for v in entry['mup_shifts'])}), "
-                        f"SP {entry['sp_shift']:+d} ({', '.join(f'{v:+d}' for v in entry['sp_shifts'])})")
+                        f"SP {entry['sp_shift']:+d} ({', '.join(f'{v:+d}' for v in entry['sp_shifts'])}); "
+                        f"loss of width {4 * width} at width {width}'s best LR over its best: muP "
+                        f"+{entry['mup_regret']:.4f}, SP +{entry['sp_regret']:.4f}")
         # the keys of the earlier single-order report: the order-2 stream
         mt.update({k: mt["order2"][k] for k in ("mup_shift", "sp_shift", "mup_best_lr", "sp_best_lr")})
         out["mutransfer"] = mt
