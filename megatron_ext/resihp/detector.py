@@ -224,7 +224,8 @@ class _Base:
         sample["iteration_s"] = record.iteration_s
         self.buffer.append(sample)
         warm = self.cfg.resihp_warmup
-        if self.seen == warm or (self.seen > warm and (self.seen - warm) % self.cfg.resihp_refit_every == 0):
+        if (self.seen == warm or (self.seen > warm and (self.seen - warm) % self.cfg.resihp_refit_every == 0)
+                or (self.calibrated and self._outside_calibration(sample))):
             self._fit()
             self.calibrated = True
         for v in verdicts:
@@ -233,6 +234,10 @@ class _Base:
         return IterationReport(record.iteration, self.name, expected_s is not None,
                                record.iteration_s, expected_s, scores, stage_scores, verdicts,
                                shared if self.calibrated and self.common_mode else None, raw_scores)
+
+    def _outside_calibration(self, sample: dict[str, Any]) -> bool:
+        """Whether this iteration's work lies where the last fit had no data (refit now)."""
+        return False
 
     def _set_sigma(self, scores: np.ndarray, healthy: np.ndarray) -> None:
         """Per-rank healthy noise from calibration scores (n_it, world); a rank without healthy
@@ -256,33 +261,56 @@ class ResiHPDetector(_Base):
         # (p, vp, phase) coefficients: FLOPs per token and per squared document length.
         self.per_token = np.array([[[c.fwd_per_token, c.bwd_per_token] for c in row] for row in costs])
         self.per_sq = np.array([[[c.fwd_per_sq, c.bwd_per_sq] for c in row] for row in costs])
-        self.coef = np.zeros((lay.pp, 2, 3))  # (stage, phase, [s per linear FLOP, s per attention FLOP, s per op])
+        # MoE: a third FLOP class, the experts' work per routed (token, expert) pair. Expert GEMMs
+        # run on however many tokens the routing gave each expert, at their own efficiency; a
+        # dense model keeps the two classes (and its fits exactly as they were).
+        self.moe = rec.model.num_experts is not None
+        self.per_pair = np.array([[[c.fwd_per_pair, c.bwd_per_pair] for c in row] for row in costs])
+        self.pairs_per_token = np.array([[c.pairs_per_token for c in row] for row in costs])  # (p, vp)
+        self.classes = ("linear", "attention", "expert") if self.moe else ("linear", "attention")
+        # (stage, phase, [s per FLOP of each class..., s per op])
+        self.coef = np.zeros((lay.pp, 2, len(self.classes) + 1))
         self.bias = np.ones(self.world)
         self.overhead_s = 0.0
         self._starved: set[int] = set()
+        self._pair_range: np.ndarray | None = None
+        self._last_fit = 0
 
     def _sample(self, rec: TraceRecord) -> dict[str, Any]:
         tokens, sq = rec.doc_stats
-        # (world, phase, vp, m) FLOPs of each op of each rank.
+        # (world, phase, vp, m) FLOPs of each op of each rank, per class.
         pt = self.per_token[self.stage_of].transpose(0, 2, 1)[..., None]
         ps = self.per_sq[self.stage_of].transpose(0, 2, 1)[..., None]
-        lin = pt * tokens[self.dp_of][:, None, None, :]
-        att = ps * sq[self.dp_of][:, None, None, :]
+        feats = [pt * tokens[self.dp_of][:, None, None, :], ps * sq[self.dp_of][:, None, None, :]]
+        out: dict[str, Any] = {}
+        if self.moe:
+            pairs = self.routed_pairs(rec)
+            feats.append(self.per_pair[self.stage_of].transpose(0, 2, 1)[..., None] * pairs[:, None])
+            out["pairs"] = pairs
         obs = np.stack([rec.fwd_s, rec.bwd_s], axis=1)
         # Ops a present rank did not run (its replica has fewer micro-batches) expect nothing; a
         # stopped rank keeps its expectation (what the job is missing).
         ran = np.isfinite(obs) | ~rec.present[:, None, None, None]
-        return {"obs": obs, "lin": lin, "att": att, "ran": ran.astype(float)}
+        return {"obs": obs, "feats": np.stack(feats, axis=-1), "ran": ran.astype(float), **out}
 
-    def _predict(self, lin: np.ndarray, att: np.ndarray) -> np.ndarray:
-        """Expected op durations (..., world, phase, vp, m) without the rank bias."""
-        c = self.coef[self.stage_of]  # (world, phase, 3)
-        return (c[..., 0, None, None] * lin + c[..., 1, None, None] * att + c[..., 2, None, None])
+    def routed_pairs(self, rec: TraceRecord) -> np.ndarray:
+        """(world, vp, m) (token, expert) pairs each rank's experts computed: the trace's counts
+        where it has them, else what uniform routing gives (top-k per token and MoE layer)."""
+        tokens = rec.doc_stats[0][self.dp_of]                                        # (world, m)
+        uniform = self.pairs_per_token[self.stage_of][:, :, None] * tokens[:, None, :]  # (world, vp, m)
+        if rec.routed_tokens is None:
+            return uniform
+        return np.where(np.isfinite(rec.routed_tokens), rec.routed_tokens, uniform)
+
+    def _predict(self, feats: np.ndarray) -> np.ndarray:
+        """Expected op durations (..., world, phase, vp, m) from FLOPs (..., world, phase, vp, m,
+        class), without the rank bias."""
+        c = self.coef[self.stage_of][:, :, None, None, :]  # (world, phase, 1, 1, classes + 1)
+        return (c[..., :-1] * feats).sum(axis=-1) + c[..., -1]
 
     def _fit(self) -> None:
         obs = np.stack([b["obs"] for b in self.buffer])      # (n, world, 2, vp, m)
-        lin = np.stack([b["lin"] for b in self.buffer])
-        att = np.stack([b["att"] for b in self.buffer])
+        feats = np.stack([b["feats"] for b in self.buffer])  # (n, world, 2, vp, m, classes)
         healthy = np.stack([b["healthy"] for b in self.buffer])  # (n, world)
         ran = np.stack([b["ran"] for b in self.buffer])
         n = obs.shape[0]
@@ -297,16 +325,21 @@ class ResiHPDetector(_Base):
             return g.transpose(1, 3, 0, 2, 4, 5).reshape(self.pp, 2, -1)
 
         ok = np.broadcast_to(healthy[:, :, None, None, None], obs.shape)
-        x = np.stack([groups(lin), groups(att), np.ones_like(groups(lin))], axis=-1)
+        cols = [groups(feats[..., k]) for k in range(feats.shape[-1])]
+        x = np.stack(cols + [np.ones_like(cols[0])], axis=-1)
         y, valid = groups(obs), groups(ok)
         enough = (valid & np.isfinite(y)).sum(axis=-1) >= 3
         coef = huber_fit(x, y, valid)
+        if self.moe:
+            coef = self._gate_expert_rate(x, y, valid, coef)
+            self._pair_range = self._calibrated_pairs(healthy[n - keep:], n - keep)
+        self._last_fit = self.seen
         starved = set(np.flatnonzero(~enough.all(axis=1)).tolist())
         for s in sorted(starved - self._starved):
             logger.info("resihp: stage %d has no healthy data to calibrate from; keeping its old fit", s)
         self._starved = starved
         self.coef = np.where(enough[..., None], coef, self.coef)
-        pred = self._predict(lin, att) * ran
+        pred = self._predict(feats) * ran
         with np.errstate(all="ignore"):
             ratio = np.nansum(obs, axis=(2, 3, 4)) / pred.sum(axis=(2, 3, 4))  # (n, world)
             present = ~np.isnan(obs).all(axis=(2, 3, 4))
@@ -334,6 +367,71 @@ class ResiHPDetector(_Base):
         rest = (iters - sim)[all_healthy] if all_healthy.any() else iters - sim
         self.overhead_s = float(np.median(rest))
 
+    # The expert class keeps its own rate only where the calibration data determine it this well
+    # (t statistic of the coefficient): with balanced routing the routed counts of a stage vary by
+    # a few per cent, and a rate fitted on that extrapolates wildly once the routing shifts
+    # (measured: 5x the rate later fitted on skewed routing, which put a healthy rank with no
+    # routed tokens at 1.5-1.9x). Without it the expert work counts as uniform (in the constant).
+    _EXPERT_T_MIN = 2.0
+
+    def _gate_expert_rate(self, x: np.ndarray, y: np.ndarray, valid: np.ndarray, coef: np.ndarray) -> np.ndarray:
+        """``coef`` with the expert rate set to 0 (and the other classes refitted) for every
+        (stage, phase) fit whose expert rate is negative or not significant."""
+        k = self.classes.index("expert")
+        ok = valid & np.isfinite(y) & np.isfinite(x).all(axis=-1)
+        xs = np.where(ok[..., None], x, 0.0)
+        scale = np.abs(xs).max(axis=-2)
+        scale[scale == 0] = 1.0
+        xs = xs / scale[..., None, :]
+        w = ok.astype(float)
+        resid = np.where(ok, y - (x * coef[..., None, :]).sum(axis=-1), np.nan)
+        s = robust_scale(resid, axis=-1)
+        # Frisch-Waugh: the expert column's part not explained by the other columns fixes its
+        # standard error, whatever the collinearity among the others (packed tokens: constant).
+        others = [j for j in range(x.shape[-1]) if j != k]
+        xo, xe = xs[..., others], xs[..., k]
+        a = np.swapaxes(xo * w[..., None], -1, -2) @ xo
+        ridge = 1e-10 * np.trace(a, axis1=-2, axis2=-1)[..., None, None] / len(others) + 1e-300
+        beta = np.linalg.solve(a + ridge * np.eye(len(others)), (np.swapaxes(xo * w[..., None], -1, -2) @ xe[..., None]))
+        part = (xe - (xo @ beta)[..., 0]) * w
+        with np.errstate(all="ignore"):
+            t = coef[..., k] * scale[..., k] * np.sqrt((part * part).sum(axis=-1)) / s
+        keep = (coef[..., k] > 0) & np.isfinite(t) & (t >= self._EXPERT_T_MIN)
+        if keep.all():
+            return coef
+        x0 = x.copy()
+        x0[..., k] = 0.0
+        return np.where(keep[..., None], coef, huber_fit(x0, y, valid))
+
+    def _calibrated_pairs(self, healthy: np.ndarray, first: int) -> np.ndarray:
+        """(pp, 2) smallest and largest routed pairs per op among the points of the last fit."""
+        pairs = np.stack([b["pairs"] for b in list(self.buffer)[first:]])        # (keep, world, vp, m)
+        used = np.where(healthy[..., None, None], pairs, np.nan)
+        out = np.full((self.pp, 2), np.nan)
+        for st in range(self.pp):
+            v = used[:, self.by_stage[st]]
+            if np.isfinite(v).any():
+                out[st] = np.nanmin(v), np.nanmax(v)
+        return out
+
+    def _outside_calibration(self, sample: dict[str, Any]) -> bool:
+        """MoE: the routing moved past what the last fit saw (a rank's experts got clearly more, or
+        fewer, pairs per op than any calibration point of its stage): refit at once, as for a new
+        layout, instead of scoring the new routing with a rate fitted where it did not vary."""
+        if not self.moe or getattr(self, "_pair_range", None) is None:
+            return False
+        # At most a few extra refits per refit period: a rank that stays outside (one convicted, or
+        # suspect, feeds no calibration) must not make every iteration refit.
+        if self.seen - self._last_fit < max(1, self.cfg.resihp_refit_every // 5):
+            return False
+        lo, hi = self._pair_range[self.stage_of, 0], self._pair_range[self.stage_of, 1]  # (world,)
+        p = sample["pairs"].reshape(self.world, -1)
+        # Margin: a tenth of the stage's mean count per op (balanced routing wanders by about that).
+        with np.errstate(invalid="ignore"):
+            mean = np.array([np.nanmean(p[self.by_stage[st]]) for st in range(self.pp)])[self.stage_of]
+            out = (p < (lo - 0.1 * mean)[:, None]) | (p > (hi + 0.1 * mean)[:, None])
+        return bool(out.any())
+
     def _simulate(self, exp: np.ndarray) -> np.ndarray:
         """Makespan (n,) of expected durations (n, world, phase, vp, m): per replica, each stage's
         op takes as long as its slowest TP rank; the iteration waits for the slowest replica."""
@@ -348,7 +446,7 @@ class ResiHPDetector(_Base):
 
     def _score(self, rec: TraceRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:
         obs = sample["obs"]
-        exp = self._predict(sample["lin"], sample["att"]) * self.bias[:, None, None, None] * sample["ran"]
+        exp = self._predict(sample["feats"]) * self.bias[:, None, None, None] * sample["ran"]
         with np.errstate(all="ignore"):
             scores = np.nansum(obs, axis=(1, 2, 3)) / exp.sum(axis=(1, 2, 3))
         stage_scores = np.full((self.pp, self.dp), np.nan)

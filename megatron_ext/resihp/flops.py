@@ -7,7 +7,10 @@ one abnormal. For a GPT stage the work splits in two classes that run at differe
   stage) vocabulary projections, 2 FLOPs per multiply-add;
 * attention, proportional to the sum over documents of the squared document length: with packed
   sequences and per-document (block-diagonal) attention, a document only attends to itself, so a
-  micro-batch of many short documents costs far less than one long document of the same tokens.
+  micro-batch of many short documents costs far less than one long document of the same tokens;
+* for mixture-of-experts layers, the experts: proportional to the (token, expert) pairs the
+  rank's own experts compute, which the routing decides per micro-batch (the MoE analogue of the
+  document lengths: under expert parallelism one rank's experts may get most of a micro-batch).
 
 Counting convention (what ``torch.utils.flop_counter.FlopCounterMode`` counts on the same layers):
 matrix products only; normalisations, softmax, activations, embedding lookups and the loss are not
@@ -95,47 +98,72 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Flops:
-    """FLOPs split into the linear (per-token) and attention (per squared document length) class."""
+    """FLOPs split into classes that run at different speeds: linear (per token of the
+    micro-batch), attention (per squared document length) and, for MoE layers, expert (per
+    (token, expert) pair the rank's experts compute)."""
 
     linear: float
     attention: float
+    expert: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.linear + self.attention
+        return self.linear + self.attention + self.expert
 
 
 @dataclasses.dataclass(frozen=True)
 class StageCost:
     """FLOPs of one stage (or model chunk) as coefficients: ``flops = per_token * tokens +
-    per_sq * sum(length ** 2)`` for forward and backward. Cheap to apply to many micro-batches."""
+    per_sq * sum(length ** 2) + per_pair * routed_pairs`` for forward and backward. Cheap to
+    apply to many micro-batches.
+
+    ``routed_pairs`` is how many (token, expert) pairs this rank's experts computed over the
+    chunk's MoE layers; where it is not known, uniform routing is assumed: ``pairs_per_token *
+    tokens`` (top-k pairs per token and MoE layer; on average every expert-parallel rank gets
+    as many pairs as its own tokens would make, since the ranks of an EP group hold micro-batches
+    of the same size)."""
 
     fwd_per_token: float
     fwd_per_sq: float
     bwd_per_token: float
     bwd_per_sq: float
+    fwd_per_pair: float = 0.0
+    bwd_per_pair: float = 0.0
+    pairs_per_token: float = 0.0
 
-    def forward(self, tokens: float, sum_sq: float) -> Flops:
-        return Flops(self.fwd_per_token * tokens, self.fwd_per_sq * sum_sq)
+    def pairs(self, tokens: float, routed_pairs: float | None) -> float:
+        return self.pairs_per_token * tokens if routed_pairs is None else routed_pairs
 
-    def backward(self, tokens: float, sum_sq: float) -> Flops:
-        return Flops(self.bwd_per_token * tokens, self.bwd_per_sq * sum_sq)
+    def forward(self, tokens: float, sum_sq: float, routed_pairs: float | None = None) -> Flops:
+        return Flops(self.fwd_per_token * tokens, self.fwd_per_sq * sum_sq,
+                     self.fwd_per_pair * self.pairs(tokens, routed_pairs))
+
+    def backward(self, tokens: float, sum_sq: float, routed_pairs: float | None = None) -> Flops:
+        return Flops(self.bwd_per_token * tokens, self.bwd_per_sq * sum_sq,
+                     self.bwd_per_pair * self.pairs(tokens, routed_pairs))
 
 
 def layer_linear_flops_per_token(spec: ModelSpec) -> float:
-    """Forward FLOPs per token of one transformer layer's projections."""
+    """Forward FLOPs per token of one transformer layer's projections on the rank's own tokens:
+    QKV, output projection and the MLP, or for an MoE layer the router (the experts are counted
+    per routed pair, ``layer_expert_flops_per_pair``)."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.groups * d
     qkv = 2 * h * (q + 2 * kv)
     proj = 2 * q * h
     matrices = 3 if spec.gated_linear_unit else 2
-    if spec.num_experts is None:
-        mlp = 2 * h * spec.ffn * matrices
-    else:
-        # Router logits, then every token through exactly top-k experts (no capacity drop), so the
-        # layer's total is exact whatever the routing; how it splits over expert-parallel ranks is not.
-        mlp = 2 * h * spec.num_experts + spec.moe_router_topk * 2 * h * spec.expert_ffn * matrices
+    mlp = 2 * h * spec.ffn * matrices if spec.num_experts is None else 2 * h * spec.num_experts
     return float(qkv + proj + mlp)
+
+
+def layer_expert_flops_per_pair(spec: ModelSpec) -> float:
+    """Forward FLOPs of one expert MLP on one token (0 for a dense model). Every token goes through
+    exactly top-k experts (dropless routing), so a layer's total is ``top-k * tokens`` pairs
+    whatever the routing; which expert-parallel rank computes them is what the routing decides."""
+    if spec.num_experts is None:
+        return 0.0
+    matrices = 3 if spec.gated_linear_unit else 2
+    return float(2 * spec.hidden_size * spec.expert_ffn * matrices)
 
 
 def layer_attention_flops_per_sq(spec: ModelSpec) -> float:
@@ -157,19 +185,26 @@ def stage_cost(spec: ModelSpec, num_layers: int, *, first_stage: bool = False, l
     del first_stage  # the embedding lookup does no counted FLOPs; kept for the call sites' clarity
     lin = num_layers * layer_linear_flops_per_token(spec)
     att = num_layers * layer_attention_flops_per_sq(spec)
+    pair = layer_expert_flops_per_pair(spec)
     head = 2.0 * spec.hidden_size * spec.vocab_size if last_stage else 0.0
     bwd_lin = 2 * lin + (lin if spec.recompute else 0.0) + 2 * head
     bwd_att = (2.5 if spec.flash_attention else 2.0) * att + (att if spec.recompute else 0.0)
-    return StageCost((lin + head) / tp, att / tp, bwd_lin / tp, bwd_att / tp)
+    bwd_pair = 2 * pair + (pair if spec.recompute else 0.0)
+    # Routed pairs are summed over the chunk's MoE layers, so the per-pair cost is one layer's.
+    pairs_per_token = float(num_layers * spec.moe_router_topk) if spec.num_experts is not None else 0.0
+    return StageCost((lin + head) / tp, att / tp, bwd_lin / tp, bwd_att / tp, pair / tp, bwd_pair / tp,
+                     pairs_per_token)
 
 
 def microbatch_flops(spec: ModelSpec, doc_lengths: Sequence[int], num_layers: int, *,
-                     first_stage: bool = False, last_stage: bool = False, tp: int = 1) -> tuple[Flops, Flops]:
+                     first_stage: bool = False, last_stage: bool = False, tp: int = 1,
+                     routed_pairs: float | None = None) -> tuple[Flops, Flops]:
     """(forward, backward) FLOPs of one micro-batch whose packed sequences hold documents of
-    ``doc_lengths`` tokens (padding that is computed counts as a document)."""
+    ``doc_lengths`` tokens (padding that is computed counts as a document). MoE: ``routed_pairs``
+    (token, expert) pairs computed by this rank's experts over the layers; default uniform routing."""
     tokens, sum_sq = doc_stats(doc_lengths)
     cost = stage_cost(spec, num_layers, first_stage=first_stage, last_stage=last_stage, tp=tp)
-    return cost.forward(tokens, sum_sq), cost.backward(tokens, sum_sq)
+    return cost.forward(tokens, sum_sq, routed_pairs), cost.backward(tokens, sum_sq, routed_pairs)
 
 
 def doc_stats(doc_lengths: Sequence[int]) -> tuple[float, float]:

@@ -3,7 +3,9 @@
 ``--inject-slow RANK:ITER:FACTOR`` — from iteration ITER on, each forward and backward of rank RANK's
 model chunks takes ``FACTOR`` times its real duration: inside the op, the rank is held for
 ``(FACTOR - 1)`` times what the op took, so every clock that times the op sees a slower device; no
-timestamp is edited. ``--inject-slow-mode throttle`` (default) holds the rank idle, like a throttled
+timestamp is edited. For MoE models the time the op spent inside the expert-parallel collectives
+(waiting for its peers, ``Throttle.exclude_s``) is left out of what is stretched: a slow device
+computes slower, it does not wait longer. ``--inject-slow-mode throttle`` (default) holds the rank idle, like a throttled
 device, which leaves the shared CPU cores to the other ranks; ``work`` burns the time on extra real
 matrix multiplies instead (on a box with fewer cores than ranks that also slows the neighbours).
 ``--inject-stop RANK:ITER[:POINT]`` — in iteration ITER rank RANK kills itself with SIGKILL (no
@@ -22,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -134,6 +136,8 @@ class Throttle:
         if mode not in ("throttle", "work"):
             raise ValueError(f"Throttle mode must be 'throttle' or 'work', got {mode!r}")
         self.factor = factor
+        # Running total of seconds inside the op not to stretch (MoE dispatcher collectives); None: none.
+        self.exclude_s: Callable[[], float] | None = None
         self._hold = time.sleep if mode == "throttle" else burn
         self.active = False
         self._handles: list[Any] = []
@@ -144,13 +148,18 @@ class Throttle:
         state: dict[str, float] = {}
         params = [p for p in chunk.parameters() if p.requires_grad]
 
+        def excluded() -> float:
+            return self.exclude_s() if self.exclude_s is not None else 0.0
+
         def pre_forward(module, args):
             state["fwd"] = time.perf_counter()
+            state["fwd_ex"] = excluded()
 
         def post_forward(module, args, output):
             if not self.active:
                 return output
-            self._hold((self.factor - 1.0) * (time.perf_counter() - state["fwd"]))
+            own = time.perf_counter() - state["fwd"] - (excluded() - state["fwd_ex"])
+            self._hold((self.factor - 1.0) * max(own, 0.0))
             if torch.is_grad_enabled():
                 out = output[0] if isinstance(output, (tuple, list)) else output
                 if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -159,11 +168,13 @@ class Throttle:
 
         def on_grad_of_output(grad):
             state["bwd"] = time.perf_counter()
+            state["bwd_ex"] = excluded()
             return grad
 
         def after_backward(grads):
             if self.active and "bwd" in state:
-                self._hold((self.factor - 1.0) * (time.perf_counter() - state.pop("bwd")))
+                own = time.perf_counter() - state.pop("bwd") - (excluded() - state["bwd_ex"])
+                self._hold((self.factor - 1.0) * max(own, 0.0))
 
         self._handles.append(chunk.register_forward_pre_hook(pre_forward))
         self._handles.append(chunk.register_forward_hook(post_forward))

@@ -51,8 +51,12 @@ def model_chunks(trainer: "Trainer") -> list:
 
 
 def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults: tuple[FaultLabel, ...] = (),
-                    time_s: float | None = None, stage_layers: list[int] | None = None) -> TraceRecord:
-    """The detector's view of a joined pipeline iteration."""
+                    time_s: float | None = None, stage_layers: list[int] | None = None,
+                    moe: dict[int, dict[str, np.ndarray]] | None = None) -> TraceRecord:
+    """The detector's view of a joined pipeline iteration. ``moe``: per rank, its MoE probe tables
+    (``moe_probe.op_tables``); the time inside the token dispatcher's collectives is taken out of
+    the op durations (the rank's own compute is what the trace format asks for) and recorded
+    beside them, with the routed counts."""
     world = len(rec.ranks)
     # Replicas may run different micro-batch counts (DP work migration): the table is as wide as
     # the largest, and the ops a replica does not run stay NaN.
@@ -76,8 +80,23 @@ def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults
         documents.append([[int(n) for seq in per_mb[i] for n in seq] if i < len(per_mb) else [] for i in range(m)])
     # Uneven stages (--pipeline-stage-layers, or a re-layout): the detector's FLOPs per stage follow them.
     layers = [[int(n)] for n in stage_layers] if stage_layers else None
+    extra = {}
+    if moe:
+        tables = {k: np.full((world, vp, m), np.nan) for k in ("routed", "collective_fwd_s", "collective_bwd_s")}
+        for r, t in moe.items():
+            for k, a in t.items():
+                if k in tables:
+                    tables[k][r, :a.shape[0], :a.shape[1]] = a[:vp, :m]
+        comm_f, comm_b = tables["collective_fwd_s"], tables["collective_bwd_s"]
+        # Within an op, so never longer than it; clipped against clock rounding only.
+        fwd = np.where(np.isfinite(comm_f) & np.isfinite(fwd), np.maximum(fwd - comm_f, 0.0), fwd)
+        bwd = np.where(np.isfinite(comm_b) & np.isfinite(bwd), np.maximum(bwd - comm_b, 0.0), bwd)
+        extra = {"routed_tokens": tables["routed"] if np.isfinite(tables["routed"]).any() else None,
+                 "moe_comm_fwd_s": comm_f if np.isfinite(comm_f).any() else None,
+                 "moe_comm_bwd_s": comm_b if np.isfinite(comm_b).any() else None}
     return TraceRecord(iteration=rec.iteration, iteration_s=iteration_s, layout=layout, model=model,
-                       documents=documents, fwd_s=fwd, bwd_s=bwd, time_s=time_s, faults=faults, layers=layers)
+                       documents=documents, fwd_s=fwd, bwd_s=bwd, time_s=time_s, faults=faults, layers=layers,
+                       **extra)
 
 
 def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], last_iteration: int) -> list[str]:
@@ -120,6 +139,7 @@ class ResiHPExtension(Extension):
         self.actor = None
         self.trainer: Trainer | None = None
         self.generation = 0
+        self.moe_probe = None
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
@@ -130,10 +150,12 @@ class ResiHPExtension(Extension):
             mine = [f for f in self.faults.slow if f.rank == trainer.ctx.member]
             if mine:
                 self.throttle = Throttle(model_chunks(trainer), mine[0].factor, self.faults.inject_slow_mode)
+        if self.detect:
+            self.timeline = self.deps["timeline"]
+            self.spec = model_spec(trainer)
+        self._install_moe_probe(trainer)
         if not self.detect:
             return
-        self.timeline = self.deps["timeline"]
-        self.spec = model_spec(trainer)
         self._place_detector(trainer, trace_mode="w")
         self._start_heartbeat(trainer)
         if self.cfg.resihp_on_stop == "continue" and trainer.ctx.world_size > 1:
@@ -170,9 +192,64 @@ class ResiHPExtension(Extension):
             if self.actor is None or self.actor.decider != self.detector_rank or self.actor.decides != (rank == self.detector_rank):
                 self.actor = Actor(self.cfg, rank=rank, decider=self.detector_rank)
 
+    def _install_moe_probe(self, trainer: "Trainer") -> None:
+        """MoE models on the megatron engine: routed counts and dispatcher collective time per op
+        (``moe_probe``) for the detector, and for an injected slow rank the collective time its
+        throttle must not stretch (a slow device computes slower; waiting for its EP peers is not
+        its compute). Without the hooks (another megatron-core) the detector assumes uniform
+        routing and the durations keep the collectives, and the log says so once."""
+        if trainer.cfg.model.num_experts is None or not (self.detect or self.throttle is not None):
+            return
+        recorder = getattr(self.timeline, "recorder", None)
+        if self.detect and recorder is None:
+            return
+        from megatron_ext.resihp.moe_probe import MoEProbe
+
+        try:
+            self.moe_probe = MoEProbe(recorder).install(model_chunks(trainer))
+        except RuntimeError as exc:
+            self.moe_probe = None
+            logger.warning("resihp: no MoE probe (%s); the detector assumes uniform routing and op durations "
+                           "include the expert-parallel collectives", exc)
+            return
+        if self.throttle is not None:
+            self.throttle.exclude_s = self.moe_probe.collective_total_s
+
+    def _moe_tables(self, trainer: "Trainer") -> dict[int, dict[str, np.ndarray]] | None:
+        """Collective over the job when a probe is installed: every rank's probe tables on the
+        detector's rank (None elsewhere, and where no probe runs)."""
+        if self.moe_probe is None or self.moe_probe.recorder is None:
+            return None
+        import torch.distributed as dist
+
+        from megatron_ext.resihp.moe_probe import op_tables
+
+        recorder = self.timeline.recorder
+        events = recorder.events()
+        comp = events[events["phase"] <= 1]
+        m = int(comp["microbatch"].max()) + 1 if len(comp) else 0
+        vp = trainer.ctx.vpp or 1
+        tables = op_tables(events, self.moe_probe.rows(), num_chunks=vp, num_microbatches=m,
+                           layers_per_chunk=self.moe_probe.layers_per_chunk)
+        if recorder.dropped or self.moe_probe.dropped:  # event indices past a full buffer mean nothing
+            tables = {k: np.full_like(a, np.nan) for k, a in tables.items()}
+        if recorder.timing != "host":
+            # A host clock around a GPU collective times its launch, not its wait: keep the counts only.
+            tables["collective_fwd_s"][:] = np.nan
+            tables["collective_bwd_s"][:] = np.nan
+        mine = (trainer.ctx.rank, tables)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return dict([mine])
+        parts = [None] * dist.get_world_size() if trainer.ctx.rank == self.detector_rank else None
+        dist.gather_object(mine, parts, dst=self.detector_rank)
+        return dict(parts) if parts is not None else None
+
     def detach(self, trainer: "Trainer") -> None:
         if self.throttle is not None:
             self.throttle.remove()
+        if self.moe_probe is not None:
+            self.moe_probe.uninstall()
+            self.moe_probe = None
 
     def attach(self, trainer: "Trainer") -> None:
         """After a re-layout: slow the new chunks of an injected slow rank, describe the new model
@@ -182,8 +259,13 @@ class ResiHPExtension(Extension):
             active = self.throttle.active
             self.throttle = Throttle(model_chunks(trainer), self.throttle.factor, self.faults.inject_slow_mode)
             self.throttle.active = active
+        if self.moe_probe is not None:
+            self.moe_probe.uninstall()
+            self.moe_probe = None
         if self.detect:
             self.spec = model_spec(trainer)
+        self._install_moe_probe(trainer)
+        if self.detect:
             if trainer.ctx.generation != self.generation:  # survivors of a fail-stop, renumbered
                 self.stop_heartbeat()
                 self._place_detector(trainer, trace_mode="a")
@@ -267,21 +349,26 @@ class ResiHPExtension(Extension):
                 self.throttle.active = iteration >= since
         if self.heartbeat is not None:
             self.heartbeat.set_iteration(iteration)
+        if self.moe_probe is not None:
+            self.moe_probe.reset()
 
     def after_iteration(self, trainer: "Trainer", metrics: IterationMetrics) -> None:
         if not self.detect:
             return
         record = self.timeline.record(trainer, metrics.iteration, dst=self.detector_rank)
-        new_verdicts = self._detect(trainer, metrics, record) if record is not None and self.detector is not None else []
+        moe = self._moe_tables(trainer)
+        new_verdicts = (self._detect(trainer, metrics, record, moe) if record is not None and self.detector is not None
+                        else [])
         if self.actor is not None:
             plan = self.actor.observe(trainer, metrics.iteration, new_verdicts, metrics.iter_time_s)
             if plan is not None and self.verdict_log is not None:
                 self.verdict_log.write_line({"kind": "plan", "iteration": metrics.iteration, **plan.to_dict()})
 
-    def _detect(self, trainer: "Trainer", metrics: IterationMetrics, record: "IterationRecord") -> list["Verdict"]:
+    def _detect(self, trainer: "Trainer", metrics: IterationMetrics, record: "IterationRecord",
+                moe: dict[int, dict[str, np.ndarray]] | None = None) -> list["Verdict"]:
         trace = to_trace_record(record, model=self.spec, iteration_s=metrics.iter_time_s,
                                 faults=self._active_faults(metrics.iteration), time_s=time.time(),
-                                stage_layers=getattr(trainer.cfg.parallel, "pipeline_stage_layers", None))
+                                stage_layers=getattr(trainer.cfg.parallel, "pipeline_stage_layers", None), moe=moe)
         if self.trace_writer is not None:
             self.trace_writer.write(trace)
         report = self.detector.observe(trace)
@@ -329,6 +416,9 @@ class ResiHPExtension(Extension):
                 print(f"resihp: {line}", flush=True)
         if self.throttle is not None:
             self.throttle.remove()
+        if self.moe_probe is not None:
+            self.moe_probe.uninstall()
+            self.moe_probe = None
         for f in (self.trace_writer, self.verdict_log):
             if f is not None:
                 f.close()

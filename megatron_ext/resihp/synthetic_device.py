@@ -20,7 +20,17 @@ in terms the detector never sees:
 * short healthy stalls: one rank 1.5-2.5x slower for 1-3 iterations (a preemption, a page-cache
   flush). They are returned, unlabelled: a verdict on one is a false alarm;
 * faults: one rank slower by ``factor`` from ``since`` on, as a step or as a linear ramp over
-  ``ramp`` iterations (gradual thermal / power throttling), labelled from ``since``.
+  ``ramp`` iterations (gradual thermal / power throttling), labelled from ``since``;
+* mixture of experts (``num_experts``): every layer's MLP is ``num_experts`` experts split over
+  expert-parallel groups of ``ep`` data-parallel ranks of a stage (megatron's layout with TP 1).
+  The routing is drawn, not assumed: each stage has an expert popularity (Dirichlet with
+  concentration ``routing_alpha``: small is strongly imbalanced) that changes every
+  ``routing_phase`` iterations, each micro-batch's loads scatter around it (Dirichlet with
+  ``routing_spread``) and top-k pairs per token of the EP group are drawn from that. An expert's
+  GEMM runs on its pairs rounded up to ``expert_tile`` rows plus a fixed overhead per expert and
+  layer, whatever its load; so a rank's expert time follows its routed pairs, neither linearly nor
+  in the detector's terms. The records carry the routed pairs per rank (``routed_tokens``), as the
+  live probe writes them, and durations without the expert-parallel collectives.
 
 Documents are packed back to back into sequences of ``seq_length`` tokens; a document crossing a
 sequence boundary is split there (its rest starts the next sequence), as megatron's GPT dataset
@@ -141,6 +151,15 @@ class DeviceJob:
     tail_s: float = 0.03
     faults: tuple[DeviceFault, ...] = ()
     seed: int = 0
+    num_experts: int | None = None         # MoE: experts per layer (None: dense MLP)
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 1408
+    ep: int = 2                            # expert-parallel group: this many consecutive DP ranks
+    routing_alpha: float = 1.0             # Dirichlet concentration of the expert popularity
+    routing_spread: float = 50.0           # Dirichlet concentration of a micro-batch around it
+    routing_phase: tuple[int, int] = (20, 80)
+    expert_tile: int = 128                 # GEMM rows are computed in tiles of this many
+    expert_overhead_s: float = 5e-5        # per local expert and layer, forward; backward twice
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "chunks", "tp", "dp", "iterations", "seq_length", "node_size",
@@ -153,14 +172,24 @@ class DeviceJob:
         for f in self.faults:
             if not 0 <= f.rank < self.world_size:
                 raise ValueError(f"DeviceJob: fault rank {f.rank} outside 0..{self.world_size - 1}")
+        if self.num_experts is not None:
+            if self.tp != 1:
+                raise ValueError("DeviceJob: experts are modelled with tp = 1 only")
+            if self.ep < 1 or self.dp % self.ep or self.num_experts % self.ep:
+                raise ValueError(f"DeviceJob: ep {self.ep} must divide dp {self.dp} and num_experts "
+                                 f"{self.num_experts}")
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(f"DeviceJob: moe_router_topk {self.moe_router_topk} outside 1..{self.num_experts}")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.stages * self.dp
 
     def model(self) -> ModelSpec:
+        moe = {} if self.num_experts is None else dict(num_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
+                                                         moe_ffn_hidden_size=self.moe_ffn_hidden_size)
         return ModelSpec(num_layers=self.layers_per_chunk * self.stages * self.chunks, hidden_size=self.hidden_size,
-                         num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size)
+                         num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size, **moe)
 
     def layout(self) -> Layout:
         return Layout(tp=self.tp, pp=self.stages, dp=self.dp, vp=self.chunks, schedule=self.schedule,
@@ -177,6 +206,10 @@ class DeviceTrace:
     stall_mult: np.ndarray
     fault_mult: np.ndarray
     host_mult: np.ndarray
+    # MoE: (iterations, world) routed pairs of each rank over the iteration, and the share of its
+    # EP group's pairs the most loaded rank of the group got, per op (empty for dense jobs).
+    routed: np.ndarray | None = None
+    max_share: np.ndarray | None = None
 
 
 def pack_stream(rng: np.random.Generator, sequences: int, seq_length: int, median: float,
@@ -233,8 +266,10 @@ def generate_device(job: DeviceJob) -> DeviceTrace:
     stage_of, dp_of = coords[:, 0], coords[:, 1]
     h, S, n = job.hidden_size, job.seq_length, job.iterations
     rate = job.peak_flops_per_s
-    # Per token and layer, forward: QKV, projection and a 4h MLP (24 h^2 FLOPs), split over TP.
-    lin_s_per_token = 24.0 * h * h / tp / (rate * job.gemm_efficiency)
+    # Per token and layer, forward: QKV, projection and a 4h MLP (24 h^2 FLOPs), split over TP; an
+    # MoE layer has the router instead of the MLP (its experts are timed per routed pair below).
+    dense_flops = 24.0 * h * h if job.num_experts is None else 8.0 * h * h + 2.0 * h * job.num_experts
+    lin_s_per_token = dense_flops / tp / (rate * job.gemm_efficiency)
     head_s_per_token = 2.0 * h * job.vocab_size / tp / (rate * job.gemm_efficiency)
     first_chunk = (stage_of == 0)[:, None] & (np.arange(v) == 0)[None, :]            # (world, v)
     last_chunk = (stage_of == p - 1)[:, None] & (np.arange(v) == v - 1)[None, :]
@@ -264,6 +299,8 @@ def generate_device(job: DeviceJob) -> DeviceTrace:
             fault_mult[k, f.rank] *= f.slowdown(it)
     fwd = np.empty((n, world, v, m))
     bwd = np.empty((n, world, v, m))
+    # Experts draw from their own stream, so a dense job's draws are what they always were.
+    moe = _expert_times(job, stage_of, dp_of) if job.num_experts is not None else None
     documents = []
     tile = job.attn_tile
     heads_h = h / tp
@@ -292,6 +329,9 @@ def generate_device(job: DeviceJob) -> DeviceTrace:
             last_chunk[..., None] * tokens * 2.0 * head_s_per_token
         t_f = np.broadcast_to(t_f, (world, v, m)).copy()
         t_b = np.broadcast_to(t_b, (world, v, m)).copy()
+        if moe is not None:
+            t_f += moe[1][k]
+            t_b += 2.0 * moe[1][k]
         mult = (host_mult[k] * stall_mult[k] * fault_mult[k] / rank_speed *
                 rng.lognormal(0.0, job.rank_noise, world))[:, None, None]
         fwd[k] = t_f * mult * rng.lognormal(0.0, job.op_noise, t_f.shape)
@@ -310,8 +350,53 @@ def generate_device(job: DeviceJob) -> DeviceTrace:
                        for f in job.faults if f.active(it))
         records.append(TraceRecord(iteration=it, iteration_s=float(iteration_s[k]), layout=layout, model=model,
                                    documents=documents[k], fwd_s=fwd[k], bwd_s=bwd[k], time_s=round(clock, 6),
-                                   faults=labels))
-    return DeviceTrace(records, stalls, phases, stall_mult, fault_mult, host_mult)
+                                   faults=labels, routed_tokens=None if moe is None else moe[0][k]))
+    if moe is None:
+        return DeviceTrace(records, stalls, phases, stall_mult, fault_mult, host_mult)
+    return DeviceTrace(records, stalls, phases, stall_mult, fault_mult, host_mult,
+                       routed=moe[0].sum(axis=(2, 3)), max_share=moe[2])
+
+
+def _expert_times(job: DeviceJob, stage_of: np.ndarray, dp_of: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Routed pairs (n, world, v, m), healthy forward expert seconds (n, world, v, m) and the most
+    loaded rank's share of its EP group's pairs per op (n, groups, v, m)."""
+    rng = np.random.default_rng([job.seed, 0x6D6F65])
+    n, world, v, m, p = job.iterations, job.world_size, job.chunks, job.microbatches, job.stages
+    e, ep, k = job.num_experts, job.ep, job.moe_router_topk
+    groups = job.dp // ep
+    local = e // ep
+    tokens = ep * job.seq_length                        # one sequence per micro-batch and DP rank
+    pair_s = 4.0 * job.hidden_size * job.moe_ffn_hidden_size / (job.peak_flops_per_s * job.gemm_efficiency)
+    pairs = np.zeros((n, world, v, m))
+    secs = np.zeros((n, world, v, m))
+    share = np.zeros((n, p * groups, v, m))
+    popularity = np.zeros((p, v, job.layers_per_chunk, e))
+    left = np.zeros(p, dtype=np.int64)
+    # rank of (stage, dp) with tp = 1: megatron's order, dp fastest within a stage
+    rank_of = {(int(s), int(d)): r for r, (s, d) in enumerate(zip(stage_of, dp_of))}
+    for it in range(n):
+        for s in range(p):
+            if left[s] == 0:  # a routing phase: which experts the tokens of this stage prefer
+                popularity[s] = rng.dirichlet(np.full(e, job.routing_alpha), (v, job.layers_per_chunk))
+                left[s] = int(rng.integers(job.routing_phase[0], job.routing_phase[1] + 1))
+            left[s] -= 1
+            for g in range(groups):
+                for c in range(v):
+                    for lay in range(job.layers_per_chunk):
+                        q = rng.dirichlet(job.routing_spread * popularity[s, c, lay] + 1e-3, m)
+                        load = rng.multinomial(k * tokens, q)                                        # (m, e)
+                        rows = np.ceil(load / job.expert_tile) * job.expert_tile
+                        t = rows * pair_s + job.expert_overhead_s                                    # (m, e)
+                        for er in range(ep):
+                            r = rank_of[(s, g * ep + er)]
+                            mine = slice(er * local, (er + 1) * local)
+                            pairs[it, r, c] += load[:, mine].sum(axis=1)
+                            secs[it, r, c] += t[:, mine].sum(axis=1)
+                group_ranks = [rank_of[(s, g * ep + er)] for er in range(ep)]
+                grp = pairs[it, group_ranks]                                                        # (ep, v, m)
+                share[it, s * groups + g] = grp.max(axis=0) / np.maximum(grp.sum(axis=0), 1)
+    return pairs, secs, share
 
 
 FACTORS = (1.3, 1.5, 2.0, 3.0)

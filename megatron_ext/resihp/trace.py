@@ -121,6 +121,12 @@ class TraceRecord:
     time_s: float | None = None       # wall clock (s) at the end of the iteration
     layers: list[list[int]] | None = None  # layers per [stage][chunk]; default: even split
     faults: tuple[FaultLabel, ...] = ()
+    # MoE (optional, shaped like fwd_s; NaN: not known): (token, expert) pairs each rank's experts
+    # computed over the chunk's MoE layers in the micro-batch's forward, and the seconds each op
+    # spent inside the token dispatcher's collectives (already excluded from fwd_s / bwd_s).
+    routed_tokens: np.ndarray | None = None
+    moe_comm_fwd_s: np.ndarray | None = None
+    moe_comm_bwd_s: np.ndarray | None = None
 
     @functools.cached_property
     def doc_stats(self) -> tuple[np.ndarray, np.ndarray]:
@@ -152,6 +158,12 @@ class TraceRecord:
         if self.layers is not None:
             out["layers"] = self.layers
         out.update(documents=self.documents, fwd_s=ranks(self.fwd_s), bwd_s=ranks(self.bwd_s))
+        if self.routed_tokens is not None:
+            out["routed_tokens"] = [None if np.isnan(row).all() else [[None if np.isnan(x) else int(round(x)) for x in c]
+                                                                       for c in row] for row in self.routed_tokens]
+        for key in ("moe_comm_fwd_s", "moe_comm_bwd_s"):
+            if getattr(self, key) is not None:
+                out[key] = ranks(getattr(self, key))
         if self.faults:
             out["faults"] = [f.to_dict() for f in self.faults]
         return out
@@ -179,7 +191,8 @@ def _type_name(types: type | tuple) -> str:
     return " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
 
 
-def _durations(value: Any, key: str, world: int, vp: int, m: int, where: str) -> np.ndarray:
+def _durations(value: Any, key: str, world: int, vp: int, m: int, where: str, *,
+               what: str = "durations") -> np.ndarray:
     if value is None:
         raise TraceError(f"{where}: missing key '{key}'")
     if not isinstance(value, list) or len(value) != world:
@@ -198,7 +211,9 @@ def _durations(value: Any, key: str, world: int, vp: int, m: int, where: str) ->
                              f"got {list(arr.shape)}")
         ran = arr[~np.isnan(arr)]  # null entries: ops this rank did not run
         if not np.isfinite(ran).all() or (ran < 0).any():
-            raise TraceError(f"{where}: key '{key}' rank {r}: durations must be finite and >= 0")
+            raise TraceError(f"{where}: key '{key}' rank {r}: {what} must be finite and >= 0")
+        if what == "counts" and (ran != np.round(ran)).any():
+            raise TraceError(f"{where}: key '{key}' rank {r}: counts must be integers")
         out[r] = arr
     return out
 
@@ -216,7 +231,7 @@ def _parse(data: Any, where: str) -> TraceRecord:
     if version < 1:
         raise TraceError(f"{where}: key 'version' must be >= 1, got {version}")
     known = {"format", "version", "iteration", "time_s", "iteration_s", "layout", "model", "layers",
-             "documents", "fwd_s", "bwd_s", "faults"}
+             "documents", "fwd_s", "bwd_s", "faults", "routed_tokens", "moe_comm_fwd_s", "moe_comm_bwd_s"}
     unknown = sorted(k for k in data if k not in known and not str(k).startswith("x_"))
     if unknown:
         raise TraceError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
@@ -255,6 +270,13 @@ def _parse(data: Any, where: str) -> TraceRecord:
     world = layout.world_size
     fwd = _durations(data.get("fwd_s"), "fwd_s", world, layout.vp, m, where)
     bwd = _durations(data.get("bwd_s"), "bwd_s", world, layout.vp, m, where)
+    moe: dict[str, np.ndarray | None] = {}
+    for key in ("routed_tokens", "moe_comm_fwd_s", "moe_comm_bwd_s"):
+        value = data.get(key)
+        moe[key] = None if value is None else _durations(value, key, world, layout.vp, m, where,
+                                                         what="counts" if key == "routed_tokens" else "durations")
+    if moe["routed_tokens"] is not None and model.num_experts is None:
+        raise TraceError(f"{where}: key 'routed_tokens' needs a model with experts ('model' has no num_experts)")
     faults = []
     for k, f in enumerate(data.get("faults") or []):
         if not isinstance(f, dict):
@@ -271,7 +293,8 @@ def _parse(data: Any, where: str) -> TraceRecord:
         faults.append(label)
     return TraceRecord(iteration=iteration, iteration_s=iteration_s, layout=layout, model=model,
                            documents=docs, fwd_s=fwd, bwd_s=bwd,
-                           time_s=None if time_s is None else float(time_s), layers=layers, faults=tuple(faults))
+                           time_s=None if time_s is None else float(time_s), layers=layers, faults=tuple(faults),
+                           **moe)
 
 
 # ------------------------------------------------------------------------------------ files

@@ -62,9 +62,9 @@ def test_moe_mlp_flops_are_exact_whatever_the_routing(glu, seed):
     dense_mlp = 2 * 16 * 24 * (3 if glu else 2)
     moe_fwd, moe_bwd = microbatch_flops(moe, [tokens], 1)
     dense_fwd, dense_bwd = microbatch_flops(dense, [tokens], 1)
-    assert fwd == moe_fwd.linear - dense_fwd.linear + dense_mlp * tokens
+    assert fwd == moe_fwd.linear + moe_fwd.expert - dense_fwd.linear + dense_mlp * tokens
     # Input and weight gradients: backward is twice the forward, as for every product.
-    assert bwd == moe_bwd.linear - dense_bwd.linear + 2 * dense_mlp * tokens
+    assert bwd == moe_bwd.linear + moe_bwd.expert - dense_bwd.linear + 2 * dense_mlp * tokens
 
 
 def test_topk_is_checked():
