@@ -159,7 +159,8 @@ class DeepSpeedTrainer(Trainer):
     """The runtime Trainer with DeepSpeed's PipelineEngine running each iteration."""
 
     engine: Any = None
-    relayout_knobs = frozenset({"layers"})  # PP size and layers per stage (TP is 1 on this engine)
+    # PP size, layers per stage and the rank order (TP is 1 on this engine)
+    relayout_knobs = frozenset({"layers", "permute"})
     _engine_groups: list = []
 
     def _check_relayout(self, *, tp: int, pp: int, vpp: int | None, replica_microbatches: list[int] | None) -> None:
@@ -193,11 +194,12 @@ class DeepSpeedTrainer(Trainer):
         return dataclasses.replace(self.ctx, layout=Layout.from_world(self.ctx.world_size, 1, pp), vpp=None)
 
     def _regroup_context(self, ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None,
-                         ep: int) -> DistContext:
-        """After a fail-stop (DP shrink or fewer stages): the new world; the engine builds its grid."""
+                         ep: int, store_addr: str | None = None) -> DistContext:
+        """After a fail-stop (DP shrink or fewer stages), or for a rank permutation: the new world;
+        the engine builds its grid over it."""
         self._check_relayout(tp=tp, pp=pp, vpp=vpp, replica_microbatches=None)
         self._drop_engine()
-        return distributed.new_world(ctx, members=members, tp=1, pp=pp)
+        return distributed.new_world(ctx, members=members, tp=1, pp=pp, store_addr=store_addr)
 
     def _build_model(self) -> None:
         import deepspeed

@@ -194,29 +194,45 @@ def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int, 
     return dataclasses.replace(ctx, layout=layout, vpp=vpp if vpp and vpp > 1 else None)
 
 
-def regroup(ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None, seed: int,
-            ep: int = 1) -> DistContext:
-    """After a fail-stop: a new default process group over ``members`` (launch ranks, in their
-    new rank order; this process among them) on the store keys of the next generation, and
-    megatron's parallel state for ``tp`` x ``pp`` over it.
+def rendezvous_address(ctx: DistContext) -> str | None:
+    """Where the ranks can form a new default group: the job's store outside every rank
+    (``ctx.store_addr``: the project's launcher or ``MEGATRON_EXT_STORE``), else the store of
+    torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE``: the agent hosts it at ``MASTER_ADDR:MASTER_PORT``
+    and every rank is a client), else None (e.g. a store that lives in rank 0's default group)."""
+    if ctx.store_addr is not None:
+        return ctx.store_addr
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_PORT"):
+        return f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
+    return None
 
-    gloo cannot shrink a group, so the old default group and every group built on it are
-    destroyed and a new one rendezvouses on fresh keys (torchft's pattern). Collective over
-    ``members``; bounded by ``ctx.timeout_s``."""
+
+def regroup(ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None, seed: int,
+            ep: int = 1, store_addr: str | None = None) -> DistContext:
+    """A new default process group over ``members`` (launch ranks, in their new rank order; this
+    process among them) on the store keys of the next generation, and megatron's parallel state
+    for ``tp`` x ``pp`` over it: the survivors of a fail-stop, or every rank in another order (a
+    live rank permutation).
+
+    gloo cannot shrink or renumber a group, so the old default group and every group built on it
+    are destroyed and a new one rendezvouses on fresh keys (torchft's pattern). Collective over
+    ``members``; bounded by ``ctx.timeout_s``. ``store_addr``: where to meet (default
+    ``ctx.store_addr``)."""
     try:
         destroy_parallel_state()
     except Exception as exc:  # a group with a dead member may refuse a clean shutdown
         logger.debug("destroying the old parallel state: %s", exc)
-    ctx = new_world(ctx, members=members, tp=tp, pp=pp)
+    ctx = new_world(ctx, members=members, tp=tp, pp=pp, store_addr=store_addr)
     build_parallel_state(ctx.layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
     return dataclasses.replace(ctx, vpp=vpp if vpp and vpp > 1 else None)
 
 
-def new_world(ctx: DistContext, *, members: list[int], tp: int, pp: int) -> DistContext:
+def new_world(ctx: DistContext, *, members: list[int], tp: int, pp: int, store_addr: str | None = None) -> DistContext:
     """The default process group of the next generation over ``members`` (launch ranks in their
     new rank order), the old one destroyed; no megatron state (the DeepSpeed engine builds its own
-    groups). Collective over ``members``; bounded by ``ctx.timeout_s``."""
-    if ctx.store_addr is None:
+    groups). Collective over ``members``; bounded by ``ctx.timeout_s``. ``store_addr``: where to
+    meet (default ``ctx.store_addr``; ``rendezvous_address`` finds one)."""
+    addr = store_addr or ctx.store_addr
+    if addr is None:
         raise RuntimeError("a new world needs a store outside the ranks (runtime/store.py)")
     gen = ctx.generation + 1
     rank, world = members.index(ctx.member), len(members)
@@ -225,7 +241,7 @@ def new_world(ctx: DistContext, *, members: list[int], tp: int, pp: int) -> Dist
             dist.destroy_process_group()
         except Exception as exc:
             logger.debug("destroying the old default group: %s", exc)
-    base = store_lib.connect(ctx.store_addr, timeout_s=ctx.timeout_s)
+    base = store_lib.connect(addr, timeout_s=ctx.timeout_s)
     dist.init_process_group(backend=ctx.backend, store=store_lib.generation(base, gen, "pg"), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=ctx.timeout_s))
     return dataclasses.replace(ctx, rank=rank, world_size=world, layout=Layout.from_world(world, tp, pp),

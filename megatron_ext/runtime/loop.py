@@ -5,7 +5,6 @@ extensions reach them through the trainer and a relayout can replace them.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -128,11 +127,13 @@ class Trainer:
 
     # --- live re-layout ----------------------------------------------------------------------
     def request_relayout(self, *, tp: int, pp: int, vpp: int | None = None, stage_layers: list[int] | None = None,
-                         replica_microbatches: list[int] | None = None, reason: str = "") -> None:
+                         replica_microbatches: list[int] | None = None, rank_order: list[int] | None = None,
+                         reason: str = "") -> None:
         """Ask for a re-layout after the current iteration (extensions call this from
         ``after_iteration``, on every rank with the same arguments: it is collective)."""
         self._pending_relayout = dict(tp=tp, pp=pp, vpp=vpp, stage_layers=stage_layers,
-                                      replica_microbatches=replica_microbatches, reason=reason)
+                                      replica_microbatches=replica_microbatches, rank_order=rank_order,
+                                      reason=reason)
 
     def _apply_pending_relayout(self) -> dict[str, Any] | None:
         pending, self._pending_relayout = getattr(self, "_pending_relayout", None), None
@@ -147,56 +148,21 @@ class Trainer:
                   + (f" (layers per stage {' '.join(map(str, info['stage_layers']))})" if info["stage_layers"] else "")
                   + (f" (micro-batches per replica {' '.join(map(str, info['replica_microbatches']))})"
                      if info["replica_microbatches"] else "")
+                  + (f" (launch ranks in rank order {' '.join(map(str, info['members']))})"
+                     if info["rank_order"] else "")
                   + f" at iteration {info['iteration']} in {info['pause_s']:.2f} s", flush=True)
         self._record("relayout", {k: v for k, v in info.items() if k != "reason"} | {"plan": reason})
         return info
 
     def relayout(self, *, tp: int, pp: int, vpp: int | None = None, stage_layers: list[int] | None = None,
-                 replica_microbatches: list[int] | None = None) -> dict[str, Any]:
-        """Collective, at an iteration boundary: continue this run under another TP x PP (x DP) layout
-        in the same processes, without a restart.
+                 replica_microbatches: list[int] | None = None, rank_order: list[int] | None = None) -> dict[str, Any]:
+        """Collective, at an iteration boundary: continue this run under another TP x PP (x DP) layout,
+        and with ``rank_order`` the ranks in another order, in the same processes without a restart
+        (``runtime/relayout.py``). Returns what it did (layouts, this rank's shard bytes, seconds)."""
+        from megatron_ext.runtime.relayout import relayout
 
-        Model and optimizer state (weights, fp32 masters, Adam moments, step counts) move to their
-        new owners in memory, cut with the same geometry and code as checkpoint resharding
-        (``checkpoint.collect_payload`` -> peers -> ``checkpoint.reshard_from_peers``); every process
-        group of the old layout is destroyed and megatron's groups rebuilt; model chunks, DDP,
-        optimizer and LR scheduler are rebuilt and the LR schedule's state carried over; the data
-        stream continues at the same sample. ``stage_layers`` gives uneven pipeline stages (layers
-        per stage). Extensions detach from the old objects first and attach to the new ones after.
-        Returns what it did (layouts, this rank's shard bytes, seconds)."""
-        self._check_relayout(tp=tp, pp=pp, vpp=vpp, replica_microbatches=replica_microbatches)
-        start = time.perf_counter()
-        old_name = self.layout_name()
-        new_parallel = dataclasses.replace(self.cfg.parallel, tensor_model_parallel_size=tp,
-                                           pipeline_model_parallel_size=pp,
-                                           virtual_pipeline_model_parallel_size=vpp,
-                                           pipeline_stage_layers=list(stage_layers) if stage_layers else None,
-                                           data_parallel_microbatches=(list(replica_microbatches)
-                                                                       if replica_microbatches else None))
-        new_cfg = dataclasses.replace(self.cfg, parallel=new_parallel)
-        new_cfg.validate(self.ctx.world_size)  # a bad target raises here, before anything changes
-        payload = ckpt.collect_payload(self.model, self.optimizer)
-        payloads: list[Any] = [payload]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            payloads = [None] * dist.get_world_size()
-            dist.all_gather_object(payloads, payload)
-        moved = sum(p["tensor"].numel() * p["tensor"].element_size() for p in payload)
-        if dist.is_initialized():
-            dist.barrier()
-
-        def new_ctx() -> DistContext:
-            return self._relayout_context(tp=tp, pp=pp, vpp=vpp, ep=new_parallel.expert_model_parallel_size)
-
-        self._rebuild(new_cfg, new_ctx, lambda: ckpt.reshard_from_peers(payloads, model=self.model,
-                                                                         optimizer=self.optimizer))
-        info = {"from": old_name, "to": self.layout_name(), "iteration": self.iteration,
-                "stage_layers": new_parallel.pipeline_stage_layers,
-                "replica_microbatches": new_parallel.data_parallel_microbatches,
-                "payload_bytes": moved, "pause_s": time.perf_counter() - start}
-        if self.ctx.rank == 0:
-            logger.info("re-laid out %s -> %s at iteration %d in %.2f s", old_name, info["to"], self.iteration,
-                        info["pause_s"])
-        return info
+        return relayout(self, tp=tp, pp=pp, vpp=vpp, stage_layers=stage_layers,
+                        replica_microbatches=replica_microbatches, rank_order=rank_order)
 
     def _rebuild(self, new_cfg: RunConfig, new_ctx: Callable[[], DistContext], reshard: Callable[[], Any]) -> Any:
         """Swap in another layout: extensions let go, the process groups change (``new_ctx``), model,
@@ -223,9 +189,9 @@ class Trainer:
 
     # Engine hooks: a subclass for another engine (deepspeed_patches/trainer.py) overrides these and
     # keeps data, LR schedule, checkpoints, logging and extensions.
-    relayout_knobs = frozenset({"shape", "layers", "microbatches"})
+    relayout_knobs = frozenset({"shape", "layers", "microbatches", "permute"})
     """What ``relayout`` can change live on this engine: TP/PP sizes, layers per stage, micro-batches
-    per replica (the ResiHP planner searches only these)."""
+    per replica, the rank order (the ResiHP planner searches only these)."""
 
     def _check_relayout(self, *, tp: int, pp: int, vpp: int | None, replica_microbatches: list[int] | None) -> None:
         """Raise ``UserError`` for a target this engine cannot re-lay out to (before anything changes)."""
@@ -235,9 +201,12 @@ class Trainer:
         return distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed, ep=ep)
 
     def _regroup_context(self, ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None,
-                         ep: int) -> DistContext:
-        """After a fail-stop: a new default group over the survivors ``members`` and the layout's groups."""
-        return distributed.regroup(ctx, members=members, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed, ep=ep)
+                         ep: int, store_addr: str | None = None) -> DistContext:
+        """A new default group over ``members`` (launch ranks in their new rank order: the survivors
+        of a fail-stop, or every rank permuted) and the layout's groups, meeting at ``store_addr``
+        (default: the job's store)."""
+        return distributed.regroup(ctx, members=members, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed, ep=ep,
+                                   store_addr=store_addr)
 
     def _drop_gradients(self) -> None:
         """Forget the gradients of an iteration that is rolled back."""

@@ -56,8 +56,12 @@ def address_from_env() -> str | None:
 
 
 def generation(base: dist.Store, gen: int, part: str) -> dist.PrefixStore:
-    """The keys of layout generation ``gen`` for one purpose (``pg``, ``heartbeat``, ``commit``, ...)."""
-    return dist.PrefixStore(f"{PREFIX}/gen{gen}/{part}", base)
+    """The keys of layout generation ``gen`` for one purpose (``pg``, ``heartbeat``, ``commit``, ...).
+    Under torchrun's agent store, which outlives a restart of the workers (``--max-restarts``),
+    each restart gets its own keys: a restarted job's generation 1 must not meet the last one's."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = f"/restart{restart}" if restart not in ("", "0") else ""
+    return dist.PrefixStore(f"{PREFIX}{attempt}/gen{gen}/{part}", base)
 
 
 def wait_for_key(store: dist.Store, key: str, *, timeout_s: float, poll_s: float = 0.05,

@@ -82,8 +82,9 @@ def same_initial_weights(cfg, ctx, vocab_size: int) -> list[int]:
 
 
 def live_relayout() -> dict:
-    """Trainer.relayout on this engine: PP2 x DP2 (2+2 layers) -> 3+1 at iteration 7 -> PP4 at 14,
-    with the timeline on (it re-attaches to each new engine); then the targets it refuses."""
+    """Trainer.relayout on this engine: PP2 x DP2 (2+2 layers) -> 3+1 at iteration 7 -> PP4 with the
+    ranks reversed at 14, with the timeline on (it re-attaches to each new engine); then the targets
+    it refuses."""
     from megatron_ext.config.base import ConfigError
 
     cfg = config_from_values({**BASE, **PP2DP2, "train_iters": 20, "engine": "deepspeed", "timeline": True})
@@ -101,7 +102,8 @@ def live_relayout() -> dict:
     train(7)
     trainer.relayout(tp=1, pp=2, stage_layers=[3, 1])
     train(7)
-    trainer.relayout(tp=1, pp=4)
+    # With the ranks in reverse order: the processes renumbered on a new default group.
+    members = trainer.relayout(tp=1, pp=4, rank_order=[3, 2, 1, 0])["members"]
     train(6)
     refusals = []
     for kw in ({"tp": 2, "pp": 2}, {"tp": 1, "pp": 2, "replica_microbatches": [3, 1]}):
@@ -109,7 +111,12 @@ def live_relayout() -> dict:
             trainer.relayout(**kw)
         except ConfigError as exc:
             refusals.append(str(exc))
-    return {"losses": losses, "layouts": layouts, "refusals": refusals, "stage_layers": [3, 1]}
+    generation = trainer.ctx.generation
+    # Back to launch order: the scenarios after this one set up from RANK again.
+    trainer.relayout(tp=1, pp=2, rank_order=[3, 2, 1, 0])
+    assert list(trainer.ctx.members) == [0, 1, 2, 3] and dist.get_rank() == int(os.environ["RANK"])
+    return {"losses": losses, "layouts": layouts, "refusals": refusals, "stage_layers": [3, 1], "members": members,
+            "generation": generation}
 
 
 def main() -> None:

@@ -178,11 +178,13 @@ def test_resume_continues_exactly(runs):
 
 
 def test_live_relayout_repartitions_the_pipeline(runs):
-    # PipelineModule rebuilt with 3 + 1 layers, then 4 stages, state moved rank to rank: the curve
-    # is the straight run's.
+    # PipelineModule rebuilt with 3 + 1 layers, then 4 stages with the ranks in reverse order (a new
+    # default group, the processes renumbered), state moved rank to rank: the curve is the straight
+    # run's.
     res = runs["results"]
     live = res["relayout"]
     assert live["layouts"] == ["deepspeed pp2dp2", "deepspeed pp2dp2", "deepspeed pp4dp1"]
+    assert live["members"] == [3, 2, 1, 0] and live["generation"] == 1
     assert max_rel(live["losses"], res["straight20"]) < 1e-5
     assert live["refusals"] == [
         "--engine deepspeed re-lays out the pipeline only (TP 1, no virtual stages): use --engine megatron "

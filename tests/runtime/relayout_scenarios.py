@@ -15,6 +15,7 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
+from megatron_ext.errors import UserError  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.extension import build_extensions  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
@@ -69,6 +70,32 @@ def main() -> None:
         second = losses(trainer, 10)
         result[f"{start}->{target}"] = {"losses": first + second, "info": info,
                                         "groups": [groups_before, live_groups()]}
+    # Rank permutations (the processes renumbered through a new default group on the agent's store):
+    # ranks 1 and 2 into one TP group; then with a TP/PP change and uneven stages as well.
+    for start, target, order in (("tp2pp2", "tp2pp2", [0, 3, 1, 2]), ("tp2pp2", "pp2dp2_3+1", [2, 0, 3, 1])):
+        trainer, ctx = trainer_for(ctx, start)
+        first = losses(trainer, 10)
+        refused = None
+        try:
+            trainer.relayout(tp=2, pp=2, rank_order=[0, 0, 1, 2])
+        except UserError as exc:
+            refused = str(exc)
+        groups_before, members_before = live_groups(), list(ctx.members)
+        tp, pp, stages, split = (list(LAYOUTS[target]) + [None, None])[:4]
+        info = trainer.relayout(tp=tp, pp=pp, stage_layers=stages, replica_microbatches=split, rank_order=order)
+        ctx = trainer.ctx
+        from megatron.core import parallel_state as ps
+
+        mine = {"member": ctx.member, "rank": ctx.rank, "generation": ctx.generation,
+                "tp_group": sorted(ctx.members[r] for r in dist.get_process_group_ranks(
+                    ps.get_tensor_model_parallel_group())),
+                "stage": ctx.coord.pp}
+        who = [None] * dist.get_world_size()
+        dist.all_gather_object(who, mine)
+        second = losses(trainer, 10)
+        result[f"{start}->{target} {order}"] = {"losses": first + second, "info": info, "who": who,
+                                                "members_before": members_before, "refused": refused,
+                                                "groups": [groups_before, live_groups()]}
     # With the pipeline-event extension on: it detaches from the old objects and records the new ones.
     trainer, ctx = trainer_for(ctx, "pp2dp2", {"timeline": True})
     keys_before: list = []

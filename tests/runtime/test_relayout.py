@@ -60,3 +60,55 @@ def test_pipeline_events_follow_the_relayout(result):
     assert {"bubble_s0", "bubble_s1"} <= set(tl["keys_before"]) and "bubble_s2" not in tl["keys_before"]
     assert {"bubble_s0", "bubble_s1", "bubble_s2", "bubble_s3"} <= set(tl["keys_after"])
     assert tl["stages_recorded"] == 4
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", ["tp2pp2->tp2pp2 [0, 3, 1, 2]", "tp2pp2->pp2dp2_3+1 [2, 0, 3, 1]"])
+def test_rank_permutation_at_iteration_10_continues_the_straight_run(result, key):
+    # The processes take new places (renumbered on a new default group, every rank kept), the
+    # state follows the slots: the curve is the straight run's.
+    live = result[key]
+    assert max_rel_diff(live["losses"], result["straight_tp2pp2"]) < 1e-5
+    order = live["info"]["rank_order"]
+    before = live["members_before"]
+    assert live["info"]["members"] == [before[r] for r in order]
+    for who in live["who"]:
+        # each process is now the rank the order gave it, in the next generation's world
+        assert who["rank"] == live["info"]["members"].index(who["member"])
+        assert who["generation"] == live["who"][0]["generation"]
+    if key.startswith("tp2pp2->tp2pp2"):
+        # launch ranks 1 and 2 (ranks 1 and 2 before) now share a TP group, on stage 0
+        tp_groups = {tuple(w["tp_group"]) for w in live["who"]}
+        assert tp_groups == {tuple(sorted((before[0], before[3]))), tuple(sorted((before[1], before[2])))}
+    # every old group destroyed with the old world: no more live groups after than before (the new
+    # default group included)
+    before_groups, after_groups = live["groups"]
+    if live["info"]["from"] == live["info"]["to"]:
+        assert after_groups <= before_groups
+
+
+@pytest.mark.multirank
+def test_a_bad_rank_order_is_refused_before_anything_changes(result):
+    live = result["tp2pp2->tp2pp2 [0, 3, 1, 2]"]
+    assert live["refused"] == ("relayout rank_order [0, 0, 1, 2]: expected each rank 0..3 once (every rank of the "
+                               "job keeps a place; only a fail-stop leaves ranks out)")
+
+
+def test_a_rank_permutation_meets_in_a_store_outside_the_old_group(monkeypatch):
+    # The job's own store (the launcher's, MEGATRON_EXT_STORE) first, else torchrun's agent store;
+    # a store that lives in the old default group (plain env:// with rank 0 hosting) is none.
+    import torch
+
+    from megatron_ext.runtime.distributed import DistContext, rendezvous_address
+    from megatron_ext.runtime.layout import Layout
+
+    ctx = DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo",
+                      layout=Layout(tp=1, pp=2, dp=1))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "node7")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    assert rendezvous_address(ctx) is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert rendezvous_address(ctx) == "node7:29511"
+    ctx.store_addr = "launcher:4000"
+    assert rendezvous_address(ctx) == "launcher:4000"
