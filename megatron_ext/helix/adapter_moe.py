@@ -28,8 +28,9 @@ unchanged; only the movement of tokens is re-expressed:
   sees every token). Exact, static, tileable -- not free: the logs and docs/helix.md say so.
 
 Refused with an error (not implemented): shared experts, grouped-GEMM / TE experts, the flex
-dispatcher, sequence-level and global aux losses, expert bias, input jitter, latent projections,
-probabilities applied on the input, padding masks, and the partial-CUDA-graph execution maps.
+dispatcher, sequence-level and global aux losses, z-loss, expert bias, input jitter, latent
+projections, probabilities applied on the input, fused router/permute kernels, routing replay,
+padding masks, and partial (CUDA-graph) execution maps.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def _refusals(layer: Any) -> list[str]:
         bad.append("shared experts")
     if type(layer.experts).__name__ != "SequentialMLP":
         bad.append(f"{type(layer.experts).__name__} experts (grouped GEMM); use the local spec's SequentialMLP")
+    if list(getattr(layer, "fwd_execution_map", ["route", "expert_compute", "postprocess"])) != \
+            ["route", "expert_compute", "postprocess"]:
+        bad.append("a partial execution map (CUDA-graph capture)")
     if type(router).__name__ != "TopKRouter":
         bad.append(f"router {type(router).__name__}")
     routing = router.routing_type if isinstance(router.routing_type, list) else [router.routing_type]
