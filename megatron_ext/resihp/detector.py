@@ -376,7 +376,12 @@ class ResiHPDetector(_Base):
 
     def _gate_expert_rate(self, x: np.ndarray, y: np.ndarray, valid: np.ndarray, coef: np.ndarray) -> np.ndarray:
         """``coef`` with the expert rate set to 0 (and the other classes refitted) for every
-        (stage, phase) fit whose expert rate is negative or not significant."""
+        (stage, phase) fit whose expert rate is negative or not significant.
+
+        The standard error treats ops as independent points. Errors clustered by (rank,
+        iteration) were tried and are worse: under a routing skew that stays on one rank through
+        the calibration, the rank and its expert work cannot be told apart by the clusters, the
+        rate was dropped, and the heavy rank was named (two false alarms in the live traces)."""
         k = self.classes.index("expert")
         ok = valid & np.isfinite(y) & np.isfinite(x).all(axis=-1)
         xs = np.where(ok[..., None], x, 0.0)

@@ -83,3 +83,35 @@ def test_live_spec_carries_gqa_swiglu_and_experts():
     # Old traces (no MoE keys) still read.
     assert ModelSpec.from_dict({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
                                 "vocab_size": 10}).num_experts is None
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_an_expert_rank_does_the_flops_of_the_pairs_routed_to_it(glu):
+    # Expert parallelism splits the experts into slices, one per rank: a slice's work is its
+    # routed (token, expert) pairs times one expert's FLOPs per token, however skewed the routing.
+    from megatron_ext.resihp.flops import layer_expert_flops_per_pair
+
+    spec = ModelSpec(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10, gated_linear_unit=glu,
+                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=12)
+    torch.manual_seed(3)
+    mlp = MoEMLP(spec)
+    x = torch.randn(41, spec.hidden_size)
+    with torch.no_grad():
+        logits = mlp.router(x)
+        logits[:, :2] += 1.5  # skew: most pairs go to experts 0 and 1 (EP rank 0 of two)
+        _, experts = torch.topk(logits.softmax(-1), spec.moe_router_topk, dim=-1)
+    per_rank = []
+    for ep_rank in range(2):
+        pairs = 0
+        with FlopCounterMode(display=False) as counter:
+            for e in range(2 * ep_rank, 2 * ep_rank + 2):
+                rows, _ = (experts == e).nonzero(as_tuple=True)
+                pairs += rows.numel()
+                y = mlp.fc1[e](x[rows])
+                y = F.silu(y.chunk(2, -1)[0]) * y.chunk(2, -1)[1] if glu else F.gelu(y)
+                mlp.fc2[e](y)
+        per_rank.append(pairs)
+        assert counter.get_total_flops() == layer_expert_flops_per_pair(spec) * pairs
+    assert sum(per_rank) == 41 * 2 and per_rank[0] > 2 * per_rank[1]
+    fwd, _ = microbatch_flops(spec, [41], 1, routed_pairs=per_rank[0])
+    assert fwd.expert == layer_expert_flops_per_pair(spec) * per_rank[0]

@@ -121,3 +121,43 @@ def test_documented_example_parses(tmp_path):
     (rec,) = read_trace(write_lines(tmp_path, line))
     assert rec.iteration == 57 and rec.layout.world_size == 2 and rec.faults[0].factor == 2.0
     assert rec.doc_stats[1].tolist() == [[40 ** 2 + 17 ** 2 + 7 ** 2, 64 ** 2]]
+
+
+MOE = ModelSpec(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=64, num_experts=4, moe_router_topk=2)
+
+
+def moe_record(**kw):
+    routed = np.array([[[12, 20, 16]], [[20, 12, 16]], [[30, 2, 0]], [[2, 30, 32]]], dtype=float)
+    comm = np.full((4, 1, 3), 0.002)
+    return record(model=MOE, routed_tokens=routed, moe_comm_fwd_s=comm, moe_comm_bwd_s=2 * comm, **kw)
+
+
+def test_moe_keys_round_trip_and_stay_optional(tmp_path):
+    rec = moe_record()
+    rec.routed_tokens[1, 0, 2] = np.nan  # a count the probe could not take
+    path = tmp_path / "moe.jsonl"
+    write_trace(path, [rec, record(2)])
+    back, old = read_trace(path)
+    assert back.to_dict() == rec.to_dict()
+    line = json.loads(path.read_text().splitlines()[0])
+    assert line["routed_tokens"][0] == [[12, 20, 16]] and line["routed_tokens"][1] == [[20, 12, None]]
+    assert np.allclose(back.moe_comm_bwd_s, 0.004)
+    # A record without them (every trace before them) reads as before: no counts, no comm tables.
+    assert (old.routed_tokens, old.moe_comm_fwd_s, old.moe_comm_bwd_s) == (None, None, None)
+    assert "routed_tokens" not in json.loads(path.read_text().splitlines()[1])
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d["routed_tokens"][2][0].__setitem__(1, -3), "key 'routed_tokens' rank 2: counts must be finite and >= 0"),
+    (lambda d: d["routed_tokens"][2][0].__setitem__(1, 2.5), "key 'routed_tokens' rank 2: counts must be integers"),
+    (lambda d: d["routed_tokens"].pop(), "key 'routed_tokens' must list 4 ranks (tp*pp*dp), got 3"),
+    (lambda d: d["moe_comm_fwd_s"][0][0].append(0.1),
+     "key 'moe_comm_fwd_s' rank 0: expected shape [vp=1][microbatches=3], got [1, 4]"),
+    (lambda d: d["model"].pop("num_experts"), "key 'routed_tokens' needs a model with experts ('model' has no num_experts)"),
+])
+def test_moe_key_errors_name_file_line_and_key(tmp_path, mutate, message):
+    bad = moe_record().to_dict()
+    mutate(bad)
+    path = write_lines(tmp_path, bad)
+    with pytest.raises(TraceError, match="^" + re.escape(f"{path}:1: {message}")):
+        list(read_trace(path))
