@@ -18,6 +18,13 @@ Three detectors see the same traces with the same settings (defaults of ResiHPCo
     detector's own FLOPs form: "synthetic_flops_form" (kept for comparison; it flatters resihp).
 (c) Live traces: every trace under tests/resihp/data/ (recorded on 4 CPU ranks, misses included)
     replayed with resihp: recall per factor, within 10 iterations and at all ("live_traces").
+(d) Mixture of experts, device model with routing imbalance: the device model's MoE jobs (experts
+    split over expert-parallel groups of DP ranks; a drifting expert popularity per stage, strong
+    (Dirichlet 0.3) or moderate (1.0); tile-quantised expert GEMMs and a fixed cost per expert, so a
+    rank's time follows its routed pairs in terms the detector does not share). Four detectors:
+    the three above and ``resihp_uniform``, ResiHP on the same records without the routed counts
+    (uniform routing, what it assumed before the counts were recorded). Healthy jobs and jobs with
+    one step fault of each factor ("moe"; ``--moe-healthy-jobs 0 --moe-jobs-per-factor 0`` skips).
 (b) Live: pretrain_gpt.py on 4 CPU ranks (PP2 x DP2, packed documents) with --resihp: one run
     with rank 2 made 2x slower from iteration 30 (throttled, --inject-slow), one where rank 3 dies
     (SIGKILL, --inject-stop) with a 3 s heartbeat timeout; ranks are started directly so only the
@@ -27,11 +34,13 @@ Three detectors see the same traces with the same settings (defaults of ResiHPCo
 Prints tables, then one JSON line:
   {"synthetic": {"resihp": {...}, "baseline": {...}, "baseline_common_mode": {...},
    "per_factor": {"1.3": {"f1": ..., ...}, ...}, "ramps": {...}, "healthy": {...},
-   "false_recoveries": ..., ...}, "synthetic_flops_form": {...}, "live_traces": {...}, "live": {...}}
+   "false_recoveries": ..., ...}, "synthetic_flops_form": {...}, "moe": {...}, "live_traces": {...},
+   "live": {...}}
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -46,7 +55,7 @@ from megatron_ext.resihp.config import ResiHPConfig  # noqa: E402
 from megatron_ext.resihp.detector import RawTimeDetector, ResiHPDetector, relative_scores  # noqa: E402
 from megatron_ext.resihp.metrics import DetectionMetrics, labels_of, score  # noqa: E402
 from megatron_ext.resihp.synthetic import generate, random_spec  # noqa: E402
-from megatron_ext.resihp.synthetic_device import FACTORS, generate_device, random_job  # noqa: E402
+from megatron_ext.resihp.synthetic_device import FACTORS, DeviceFault, DeviceJob, generate_device, random_job  # noqa: E402
 from megatron_ext.resihp.trace import read_trace  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -254,6 +263,90 @@ def run_device(args: argparse.Namespace) -> dict:
     return out
 
 
+class UniformRoutingDetector(ResiHPDetector):
+    """ResiHP without the routed counts: the expert work of a rank is what uniform routing gives."""
+
+    name = "resihp_uniform"
+
+    def observe(self, record):
+        return super().observe(dataclasses.replace(record, routed_tokens=None))
+
+
+MOE_DETECTORS = (DETECTORS[0], ("resihp_uniform", UniformRoutingDetector)) + DETECTORS[1:]
+
+
+def random_moe_job(rng: np.random.Generator, *, iterations: int, factor: float | None, warmup: int,
+                   seed: int) -> DeviceJob:
+    """2-8 stages, 1F1B, DP 2 or 4 with EP 2 or 4 (1-4 experts per rank: 4 or 8 experts, top-2),
+    strong or moderate routing imbalance; one step fault of ``factor`` on a random rank."""
+    stages = int(rng.choice([2, 4, 8]))
+    dp = int(rng.choice([2, 4]))
+    ep = int(rng.choice(sorted({2, dp})))
+    world = stages * dp
+    faults = ()
+    if factor is not None:
+        since = int(rng.integers(warmup + 10, iterations - 30))
+        faults = (DeviceFault(rank=int(rng.integers(world)), since=since, factor=float(factor)),)
+    return DeviceJob(stages=stages, microbatches=int(rng.choice([stages, 2 * stages])), dp=dp, iterations=iterations,
+                     num_experts=int(rng.choice([4, 8])), ep=ep, routing_alpha=float(rng.choice([0.3, 1.0])),
+                     hidden_size=2048, seq_length=4096, faults=faults, seed=seed)
+
+
+def run_moe(args: argparse.Namespace) -> dict:
+    """(d) MoE jobs of the device model: routing imbalance, with and without the routed counts."""
+    cfg = ResiHPConfig()
+    rng = np.random.default_rng(args.seed + 104729)
+    plan = [None] * args.moe_healthy_jobs + [f for f in FACTORS for _ in range(args.moe_jobs_per_factor)]
+    per: dict[tuple[str, str], DetectionMetrics] = {}
+    # The busiest EP rank's pairs over its group's mean, per op (1 when balanced), by imbalance.
+    load: dict[str, list[float]] = {"0.3": [], "1": []}
+    t0 = time.time()
+    for k, factor in enumerate(plan):
+        job = random_moe_job(rng, iterations=args.iterations, factor=factor, warmup=cfg.resihp_warmup,
+                             seed=args.seed * 100_003 + 70_000 + k)
+        trace = generate_device(job)
+        load[f"{job.routing_alpha:g}"].append(float(np.median(trace.max_share)) * job.ep)
+        labels = [lab for lab in labels_of(trace.records) if lab[0] > cfg.resihp_warmup]
+        bucket = "healthy" if factor is None else f"{factor:g}"
+        for name, cls in MOE_DETECTORS:
+            det = cls(cfg)
+            verdicts = []
+            for rec in trace.records:
+                verdicts += det.observe(rec).verdicts
+            per[(name, bucket)] = per.get((name, bucket), DetectionMetrics()) + score(labels, verdicts)
+        if args.verbose:
+            print(f"moe job {k}: {bucket} {job.stages} stages x {job.microbatches} mb, dp{job.dp} ep{job.ep}, "
+                  f"{job.num_experts} experts, alpha {job.routing_alpha}, faults {job.faults}", file=sys.stderr)
+    wall = time.time() - t0
+    buckets = ["healthy"] + [f"{f:g}" for f in FACTORS]
+    imbalance = {a: round(float(np.median(v)), 3) for a, v in load.items() if v}
+    print(f"\nResiHP detector benchmark (d): mixture of experts, device model with routing imbalance, {len(plan)} "
+          f"jobs x {args.iterations} iterations ({args.moe_healthy_jobs} healthy, {args.moe_jobs_per_factor} per step "
+          f"factor), seed {args.seed}, {wall:.0f} s")
+    print("routing: the busiest EP rank of a group computed this many times the group's mean pairs per op "
+          "(median over jobs of the per-job median; 1 = balanced): " +
+          ", ".join(f"Dirichlet {a}: {v:.2f}x" for a, v in imbalance.items()))
+    header = f"{'detector':<20} {'jobs':<8} {'faults':>6} {'prec':>6} {'recall':>6} {'f1':>6} {'delay':>6} " \
+             f"{'FA/10k':>8} {'healthy it':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, _ in MOE_DETECTORS:
+        for b in buckets:
+            m = per.get((name, b), DetectionMetrics())
+            print(f"{name:<20} {b:<8} {m.faults:>6} {fmt(m.precision):>6} {fmt(m.recall):>6} {fmt(m.f1):>6} "
+                  f"{fmt(m.delay_iters, '.1f'):>6} {fmt(m.false_alarms_per_10k, '.2f'):>8} {m.healthy_iterations:>10}")
+    out: dict = {"jobs": len(plan), "busiest_over_mean": imbalance}
+    for name, _ in MOE_DETECTORS:
+        total = DetectionMetrics()
+        for b in buckets:
+            total = total + per.get((name, b), DetectionMetrics())
+        out[name] = total.summary()
+        out[name]["healthy_false_alarms_per_10k"] = per.get((name, "healthy"), DetectionMetrics()).summary()[
+            "false_alarms_per_10k"]
+        out[name]["per_factor_f1"] = {b: per.get((name, b), DetectionMetrics()).summary()["f1"] for b in buckets[1:]}
+    return out
+
+
 def run_live_traces(directory: str = LIVE_TRACES, max_delay: int = 10) -> dict:
     """(c) replay every recorded live trace with resihp: recall per factor over all of them."""
     cfg = ResiHPConfig()
@@ -346,22 +439,39 @@ def main() -> int:
                         help="(a') jobs of the FLOPs-form generator (default 40; 0 skips it)")
     parser.add_argument("--iterations", type=int, default=300, help="iterations per job (default 300)")
     parser.add_argument("--fault-prob", type=float, default=0.5, help="(a') share of jobs with a fault")
+    parser.add_argument("--moe-healthy-jobs", type=int, default=12, help="(d) healthy MoE jobs (default 12)")
+    parser.add_argument("--moe-jobs-per-factor", type=int, default=6,
+                        help="(d) MoE jobs per step factor 1.3/1.5/2/3 (default 6)")
+    parser.add_argument("--parts", default="a,a',d,c,b",
+                        help="parts to run, comma-separated, of a (device model), a' (FLOPs form), d (MoE), "
+                             "c (live traces), b (live runs); default all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--live-traces", default=LIVE_TRACES, help="(c) directory of recorded traces")
     parser.add_argument("--no-live", action="store_true", help="skip part (b), the live 4-rank runs")
     args = parser.parse_args()
-    for key in ("healthy_jobs", "jobs_per_factor", "ramp_jobs", "flops_jobs", "iterations"):
+    for key in ("healthy_jobs", "jobs_per_factor", "ramp_jobs", "flops_jobs", "iterations", "moe_healthy_jobs",
+                "moe_jobs_per_factor"):
         if getattr(args, key) < 0:
             parser.error(f"--{key.replace('_', '-')} must be >= 0, got {getattr(args, key)}")
     if not os.path.isdir(args.live_traces):
         parser.error(f"--live-traces: no directory {args.live_traces}")
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown = sorted(parts - {"a", "a'", "d", "c", "b"})
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(unknown)}; expected some of a, a', d, c, b")
     logging.basicConfig(level=logging.ERROR)
-    result = {"synthetic": run_device(args)}
-    if args.flops_jobs:
+    result = {}
+    if "a" in parts:
+        result["synthetic"] = run_device(args)
+    if args.flops_jobs and "a'" in parts:
         result["synthetic_flops_form"] = run_flops_form(args)
-    result["live_traces"] = run_live_traces(args.live_traces)
-    result["live"] = None if args.no_live else run_live()
+    if "d" in parts and args.moe_healthy_jobs + args.moe_jobs_per_factor:
+        result["moe"] = run_moe(args)
+    if "c" in parts:
+        result["live_traces"] = run_live_traces(args.live_traces)
+    if "b" in parts:
+        result["live"] = None if args.no_live else run_live()
     print(json.dumps(result))
     return 0
 
