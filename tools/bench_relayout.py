@@ -434,8 +434,9 @@ def _live_relayout(root: str, tmp: str, iters: int, scenario: str, nproc: int) -
     after = TOKENS / r["relayout_s"] if "relayout_s" in r else None
     optimum = healthy * float(np.mean(r["speeds"]))
     print(f"  {scenario}: plan: {r['plan']}")
-    knobs = f"layers {r['stage_layers']}" + (f", micro-batches {r['replica_microbatches']}"
-                                             if r.get("replica_microbatches") else "") if after else ""
+    knobs = (f"layers {r['stage_layers']}"
+             + (f", micro-batches {r['replica_microbatches']}" if r.get("replica_microbatches") else "")
+             + (f", launch ranks in rank order {r['members']}" if r.get("members") else "")) if after else ""
     print(f"  {scenario}: tokens/s healthy {healthy:.0f} | slowed, no action {slow:.0f} | slowed, after re-layout "
           + (f"{after:.0f} ({knobs})" if after else "n/a (no plan applied)") + f" | optimum {optimum:.0f}")
     if after:

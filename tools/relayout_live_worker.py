@@ -27,7 +27,7 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
-from megatron_ext.resihp.act import make_planner, not_applicable, plan_layout  # noqa: E402
+from megatron_ext.resihp.act import make_planner, not_applicable, plan_layout, rank_order  # noqa: E402
 from megatron_ext.resihp.injection import Throttle  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
@@ -89,14 +89,18 @@ def main() -> None:
         if throttle is not None:
             throttle.remove()
         mbs = list(plan.new.microbatches)
+        # The plan's rank permutation too (the slow process moved off the output layer's stage):
+        # ``rank`` stays this process's launch rank, so the throttle below follows the device.
         info = trainer.relayout(tp=plan.new.tp, pp=plan.new.pp, stage_layers=list(plan.new.stage_layers),
-                                replica_microbatches=None if len(set(mbs)) == 1 else mbs)
+                                replica_microbatches=None if len(set(mbs)) == 1 else mbs,
+                                rank_order=rank_order(plan, ctx.members))
         if rank == slow_rank:
             throttle = Throttle(list(trainer.model.chunks), FACTOR)
             throttle.active = True
         result["pause_s"] = info["pause_s"]
         result["stage_layers"] = info["stage_layers"]
         result["replica_microbatches"] = info["replica_microbatches"]
+        result["members"] = info["members"] if info["rank_order"] else None
         result["relayout_s"] = phase(trainer, iters, losses)
     curve = gather_losses(trainer, losses)
     if throttle is not None:

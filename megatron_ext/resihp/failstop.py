@@ -71,13 +71,14 @@ def decide(trainer: "Trainer", survivors: list[int], lost: list[int]) -> dict[st
     ctx = trainer.ctx
     members = list(ctx.members)
     try:
-        layout = plan_layout(trainer)
-        speeds = np.ones(ctx.world_size)
+        layout = plan_layout(trainer)  # devices are launch ranks, as ``members``, ``lost`` and the policy's
+        speeds = np.zeros(max(members) + 1)  # earlier losses are no spares
+        speeds[members] = 1.0
         actor = getattr(_extension(trainer), "actor", None)
         if actor is not None and actor.policy is not None:
-            speeds = np.minimum(speeds, actor.policy.speeds[:ctx.world_size])
-        for m in lost:
-            speeds[members.index(m)] = 0.0
+            known = [m for m in members if m < actor.policy.speeds.shape[0]]
+            speeds[known] = np.minimum(speeds[known], actor.policy.speeds[known])
+        speeds[list(lost)] = 0.0
         # The analytical model alone (1 TFLOP/s per rank), not scaled by measured iteration times:
         # the survivors' layout is a function of the layout and of who is lost, not of timing noise.
         planner = make_planner(trainer, executable_only=False, min_gain=0.0)
@@ -86,7 +87,7 @@ def decide(trainer: "Trainer", survivors: list[int], lost: list[int]) -> dict[st
         return {"restart": str(exc)}
     if plan is None:
         return {"restart": "the planner found no layout for the survivors"}
-    why = not_applicable(plan, ctx.world_size, after_loss=True)
+    why = not_applicable(plan, ctx.world_size, after_loss=True, permute=True)  # renumbered anyway
     if why:
         return {"restart": f"the survivors' layout {why} ({plan.describe()})"}
     new = plan.new
@@ -95,7 +96,7 @@ def decide(trainer: "Trainer", survivors: list[int], lost: list[int]) -> dict[st
         return {"restart": f"the survivors' layout needs uneven micro-batches per replica ({plan.describe()}), "
                            "which this engine cannot run"}
     even_stages = len(set(stages)) == 1 and trainer.cfg.model.num_layers % new.pp == 0
-    return {"members": [members[d] for d in new.devices], "tp": new.tp, "pp": new.pp,
+    return {"members": list(new.devices), "tp": new.tp, "pp": new.pp,
             "vpp": new.vp if new.vp > 1 else None, "stage_layers": None if even_stages else stages,
             "replica_microbatches": None if len(set(mbs)) == 1 else mbs, "plan": plan.describe()}
 

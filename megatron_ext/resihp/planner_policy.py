@@ -51,6 +51,22 @@ class PlanPolicy:
     def believed(self, rank: int) -> float:
         return float(self.speeds[rank])
 
+    def beliefs(self) -> dict[str, dict[str, float]]:
+        """What this policy believes, JSON-able, for another process to plan on from
+        (``restore``): the speed of every device that is not healthy, and the iteration since
+        which each recovering device has had no new ``fail_slow``."""
+        return {"speeds": {str(d): float(s) for d, s in enumerate(self.speeds) if s != 1.0},
+                "recovering": {str(d): int(it) for d, it in self._recovering.items()}}
+
+    def restore(self, beliefs: dict[str, dict[str, float]]) -> None:
+        """Take over ``beliefs`` from another policy's ``beliefs()``: the hysteresis goes on where
+        it was (a recovering device still needs the rest of its ``recover_after`` iterations)."""
+        for d, speed in beliefs.get("speeds", {}).items():
+            if not 0 <= int(d) < self.speeds.shape[0]:
+                raise PlanningError(f"beliefs name device {d}; the policy knows {self.speeds.shape[0]} devices")
+            self.speeds[int(d)] = float(speed)
+        self._recovering.update({int(d): int(it) for d, it in beliefs.get("recovering", {}).items()})
+
     def observe(self, iteration: int, verdicts: Iterable[Verdict] = (), *, adopt: bool = True) -> Plan | None:
         """Take this iteration's verdicts; return a plan when the belief changed and the planner
         found one worth its move. With ``adopt`` the plan's layout becomes the one in force (the

@@ -77,6 +77,12 @@ def relayout(trainer: "Trainer", *, tp: int, pp: int, vpp: int | None = None, st
     moved = sum(p["tensor"].numel() * p["tensor"].element_size() for p in payload)
     if dist.is_initialized():
         dist.barrier()
+    if order is not None and trainer.failover is not None:
+        # The heartbeat of this generation stops here, on every rank right after the barrier, and
+        # the next generation's starts when the extensions attach: a rank whose rebuild is quicker
+        # must not look silent to one still on the old keys. The rendezvous is bounded by the
+        # collective timeout meanwhile.
+        trainer.failover.stop()
     ep = new_parallel.expert_model_parallel_size
 
     def new_ctx() -> "DistContext":

@@ -13,6 +13,8 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
+import torch.distributed as dist  # noqa: E402
+
 from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.extension import build_extensions  # noqa: E402
@@ -24,7 +26,8 @@ BASE = {"pipeline_model_parallel_size": 2, "num_layers": 4, "hidden_size": 64, "
 SCENARIOS = {
     "healthy": {"train_iters": 45},
     "slow": {"train_iters": 60, "inject_slow": ["2:25:3.0"]},
-    # Acting on the verdict: the planner's plan applied live (layers per stage), training goes on.
+    # Acting on the verdict: the planner's plan applied live (the slow rank moved off the stage with
+    # the output layer: a rank permutation), training goes on.
     "act": {"train_iters": 60, "inject_slow": ["2:25:3.0"], "resihp_act": "relayout"},
 }
 
@@ -39,10 +42,14 @@ def main() -> None:
         trainer = Trainer(cfg, ctx, build_extensions(cfg)).setup()
         trainer.run()
         ctx = trainer.ctx  # a re-layout rebuilt it
+        rows = [None] * dist.get_world_size()  # the logging rank's rows, wherever it is now
+        dist.all_gather_object(rows, sum(h["kind"] == "train" for h in trainer.history)
+                               if ctx.is_logging_rank else None)
         if trainer.ctx.rank == 0:
             with open(os.path.join(out, f"{name}.relayouts.json"), "w", encoding="utf-8") as fh:
                 json.dump({"relayouts": trainer.relayouts, "iterations": trainer.iteration,
-                           "stage_layers": trainer.cfg.parallel.pipeline_stage_layers}, fh)
+                           "stage_layers": trainer.cfg.parallel.pipeline_stage_layers,
+                           "train_rows": next(r for r in rows if r is not None)}, fh)
     distributed.teardown()
 
 

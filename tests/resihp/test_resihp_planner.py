@@ -300,6 +300,31 @@ def test_flapping_verdict_does_not_relayout_back_and_forth():
     assert pol.layout == start and pol.believed(1) == 1.0
 
 
+def test_beliefs_handed_to_another_process_keep_the_hysteresis():
+    # A rank permutation can move the deciding rank to another process: its policy starts from
+    # the old one's beliefs, so a recovery in progress goes on where it was (the same plans as
+    # one policy throughout), and a device known slow is not forgotten.
+    p = planner(memory=80e9)
+    start = tuned_start(p, 1, 4, 1, 32)
+    pol = PlanPolicy(p, start, 4, recover_after=30)
+    plans = {}
+    for it in range(200):
+        if it == 45:
+            handed = json.loads(json.dumps(pol.beliefs()))
+            assert handed == {"speeds": {"1": 0.5}, "recovering": {"1": 40}}
+            pol2 = PlanPolicy(p, pol.layout, 4, recover_after=30)
+            pol2.restore(handed)
+            pol = pol2
+        vs = {10: [slow(1, 10, 2.0)], 20: [other("recovered", 1, 20)], 25: [slow(1, 25, 2.0)],
+              40: [other("recovered", 1, 40)]}.get(it, [])
+        plan = pol.observe(it, vs)
+        if plan is not None:
+            plans[it] = plan
+    assert sorted(plans) == [10, 70] and plans[70].new == start
+    with pytest.raises(PlanningError, match=re.escape("beliefs name device 7; the policy knows 4 devices")):
+        pol.restore({"speeds": {"7": 0.5}})
+
+
 def test_fail_stop_verdict_replans_at_once_and_log_only_mode_keeps_the_layout():
     p = planner(memory=80e9)
     start = PlanLayout.even(num_layers=24, tp=1, pp=2, dp=2, num_microbatches=16)

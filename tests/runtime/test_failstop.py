@@ -50,12 +50,19 @@ def launches(tmp_path_factory):
         "ds": (["--engine", "deepspeed", "--pipeline-model-parallel-size", "2", "--train-iters", "5",
                 "--lr-decay-iters", "8", "--save-interval", "100", "--inject-stop", "3:3:step"]),
     }
+    # A live rank permutation after iteration 2 (launch ranks 2, 0, 3, 1 take ranks 0..3), then rank 1
+    # (now stage 1 of replica 1) dies in its optimizer step of iteration 4.
+    runs["perm"] = (["--pipeline-model-parallel-size", "2", "--train-iters", "5", "--lr-decay-iters", "8",
+                     "--save-interval", "100", "--inject-stop", "1:4:step"])
     result = {}
     for name, args in runs.items():
         d = out / name
-        argv = ["pretrain_gpt.py", *MODEL, *CONTINUE, *args, "--save", str(d / "ck"),
+        script, env = "pretrain_gpt.py", None
+        if name == "perm":
+            script, env = "tests/runtime/permute_scenario.py", {"FORCE_RANK_ORDER": "2:2,0,3,1"}
+        argv = [script, *MODEL, *CONTINUE, *args, "--save", str(d / "ck"),
                 "--metrics-file", str(d / "metrics.jsonl"), "--resihp-verdicts-out", str(d / "verdicts.jsonl")]
-        ranks = launch_ranks(argv, 4, cwd=ROOT, timeout_s=600)
+        ranks = launch_ranks(argv, 4, cwd=ROOT, timeout_s=600, env=env)
         result[name] = {"dir": d, "codes": [r.returncode for r in ranks], "logs": [r.output for r in ranks]}
     ref = out / "straight.jsonl"
     # The same LR schedule as the 8-iteration launch, 5 iterations of it.
@@ -127,6 +134,26 @@ def test_a_second_fault_during_the_regroup_ends_with_a_restart_message_not_a_han
     assert (f"resihp: a second fault during the re-layout (rank 1 of generation 1 is gone too): cannot "
             f"continue; restart from the last checkpoint (--load {ck})") in run["logs"][0]
     assert (ck / "latest").read_text().strip() == "iter_0000006"
+
+
+@pytest.mark.multirank
+def test_a_rank_permutation_under_the_launcher_then_a_fail_stop(launches):
+    # The permutation meets in the launcher's store (generation 1); the loss after it is settled in
+    # that generation's ledger and the survivors regroup by launch rank: nothing lost, and the
+    # curve through both is the straight run's.
+    run = launches["perm"]
+    assert run["codes"][1] == -9 and all(c == 0 for i, c in enumerate(run["codes"]) if i != 1), tail(run)
+    metrics = run["dir"] / "metrics.jsonl"
+    (moved,) = rows(metrics, "relayout")
+    assert (moved["iteration"], moved["rank_order"], moved["members"]) == (2, [2, 0, 3, 1], [2, 0, 3, 1])
+    (cont,) = rows(metrics, "fail_stop_continue")
+    assert cont["lost_ranks"] == [1] and cont["generation"] == 2, cont
+    assert (cont["rolled_back"], cont["lost_iterations"], cont["restored_from_checkpoint"]) == (4, 0, [])
+    assert 1 not in cont["members"] and 3 in cont["members"], "stage 1 lives on in its replica (launch rank 3)"
+    live = {r["iteration"]: r["loss"] for r in rows(metrics, "train")}
+    ref = launches["straight"]
+    assert sorted(live) == sorted(ref) == [1, 2, 3, 4, 5]
+    assert max(abs(live[i] - ref[i]) / ref[i] for i in ref) < 1e-5
 
 
 @pytest.mark.multirank
