@@ -21,7 +21,7 @@ def run(tmp_path_factory):
     """One guest life story: windows until it trained, a SIGKILL in a window, the restart, more
     windows, a stop. Everything the tests below look at is kept."""
     tmp = tmp_path_factory.mktemp("squeeze_guest")
-    cfg = tiny_study(tmp, n_trials=6, trial_steps=20)
+    cfg = tiny_study(tmp, n_trials=40, trial_steps=20)
     log_dir = os.path.join(str(tmp), "logs")
     guest = GuestProcess(tune_config=cfg, rank=0, device="cpu", log_dir=log_dir, budget_bytes=1 << 30)
     sq = Squeezer(guest, margin_s=0.001)

@@ -63,15 +63,17 @@ class NoRoom(RuntimeError):
 class WindowGate:
     """``PauseGate.on_checkpoint`` of a guest's bundles: run only inside open windows.
 
-    A *unit* is the work from one pause point to the next; its duration is measured per starting
-    point (median of the recent ones, counting only units that ended before their window did, so
-    a unit slowed by the rank's own work does not inflate it). At each pause point the guest goes
-    on only if ``deadline - now`` covers the next unit."""
+    A *unit* is the work from one pause point to the next; its cost is measured per starting point
+    (the median of its recent units started in a window, in the guest's CPU time: ``unit_clock``;
+    on a GPU the caller passes a wall clock). At each pause point the guest goes on only if
+    ``deadline - now`` covers the next unit."""
 
     def __init__(self, ctl: Control, *, clock: Callable[[], float] = time.perf_counter,
+                 unit_clock: Callable[[], float] = time.process_time,
                  sync: Callable[[], None] | None = None, parent_pid: int | None = None,
                  idle_poll_s: float = 1.0, history: int = 8) -> None:
         self.ctl, self.clock, self.sync = ctl, clock, sync
+        self.unit_clock = unit_clock
         self.parent_pid = parent_pid
         self.idle_poll_s = idle_poll_s
         self._units: dict[str, collections.deque] = {}
@@ -93,12 +95,24 @@ class WindowGate:
         bundle between steps, say) would never fit and the guest would starve: it starts at the
         opening of a window of the longer quarter instead, and overruns it at nice 19."""
         need = self.expected_s(where)
-        if len(self._windows) >= 8:
-            longer = statistics.quantiles(self._windows, n=4)[2]
-            if need > longer:
-                self.ctl["long_units"] += 1
-                need = longer
+        cap = self._cap_s()
+        if cap is not None and need > cap:
+            self.ctl["long_units"] += 1
+            need = cap
         return need
+
+    def _cap_s(self) -> float | None:
+        """Half the length of a window of the longer quarter (room for the wake-up latency); None
+        before 8 windows were seen."""
+        return statistics.quantiles(self._windows, n=4)[2] / 2 if len(self._windows) >= 8 else None
+
+    def _publish_min_unit(self) -> None:
+        """The shortest room any unit needs, for the rank to skip shorter windows. 0 (offer every
+        window) until the guest has seen enough windows to know what a long unit is: a guest that
+        had measured one long unit would otherwise be offered no window to learn from."""
+        cap = self._cap_s()
+        shortest = min(statistics.median(d) for d in self._units.values())
+        self.ctl["min_unit_s"] = 0.0 if cap is None else min(shortest, cap)
 
     def _saw_window(self) -> None:
         seq = int(self.ctl["window_seq"])
@@ -111,22 +125,24 @@ class WindowGate:
         now = self.clock()
         ctl["heartbeat"] = now
         if self._key is not None:
-            # Only a unit that ran start to end inside one window measures the guest's own speed.
-            if ctl["window_open"] and int(ctl["window_seq"]) == self._unit_seq and now <= ctl["deadline"]:
-                self._units.setdefault(self._key, collections.deque(maxlen=self._history)).append(now - self._unit_t0)
-                ctl["min_unit_s"] = min(statistics.median(d) for d in self._units.values())
+            # A unit's cost is the guest's own CPU time (on CPU): what the rank or anything else on
+            # the core took meanwhile does not count, so a unit that outlived its window is measured
+            # as truly as one that fit.
+            if self._unit_seq >= 0:
+                self._units.setdefault(self._key, collections.deque(maxlen=self._history)).append(
+                    self.unit_clock() - self._unit_t0)
+                self._publish_min_unit()
             ctl["units"] += 1
         if ctl["stop"]:
             raise GuestStopped("the rank asked the guest to stop")
         if ctl["window_open"]:
             self._saw_window()
-        need = self._need_s(where)
-        if not (ctl["window_open"] and ctl["deadline"] - now >= need):
-            self._park(now, need)
-        self._key, self._unit_t0 = where, self.clock()
+        if not (ctl["window_open"] and ctl["deadline"] - now >= self._need_s(where)):
+            self._park(now, where)
+        self._key, self._unit_t0 = where, self.unit_clock()
         self._unit_seq = int(ctl["window_seq"]) if ctl["window_open"] else -1
 
-    def _park(self, now: float, need: float) -> None:
+    def _park(self, now: float, where: str) -> None:
         ctl = self.ctl
         if self.sync is not None:
             self.sync()          # nothing of ours may still be queued on the device
@@ -143,7 +159,8 @@ class WindowGate:
             t = self.clock()
             if ctl["window_open"]:
                 self._saw_window()
-                if ctl["deadline"] - t >= need:
+                # asked again each window: what counts as a long unit follows the windows seen
+                if ctl["deadline"] - t >= self._need_s(where):
                     break
                 seq = int(ctl["window_seq"])
                 if seq != self._seq_skipped:
@@ -474,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         owner = {"rank": args.rank, "pid": os.getpid(), "host": socket.gethostname()}
         oplog = OpLog(os.path.join(args.log_dir, f"oplog_rank{args.rank}_pid{os.getpid()}.jsonl"))
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
-        gate = WindowGate(ctl, sync=sync, parent_pid=parent)
+        # On a GPU a unit's cost is its wall time (its kernels are not the process's CPU time).
+        gate = WindowGate(ctl, sync=sync, parent_pid=parent,
+                          unit_clock=time.perf_counter if sync is not None else time.process_time)
         tuner = GuestTuner(cfg, space, defaults, dropout, gate=gate, budget_bytes=args.budget_bytes, owner=owner,
                            oplog=oplog, log=log)
         study = open_shared_study(tuner)          # ungated: for giving trials back
