@@ -1,5 +1,7 @@
 """Collect live ResiHP traces: pretrain_gpt.py on 4 CPU ranks with ``--resihp --resihp-trace-out``,
-healthy and with an injected fail-slow, on both engines and two layouts.
+healthy and with an injected fail-slow, on both engines and two layouts, and on the MoE model
+(PP2 x DP2 with EP2 in each stage, the all-to-all dispatcher: ``moe-pp2dp2ep2-*``; ``-noaux-``
+without the load-balancing loss, whose routers drift to one EP rank's experts).
 
     python tools/collect_resihp_traces.py OUT_DIR [--runs 2] [--iters 80] [--only NAME_SUBSTRING ...] [--gzip]
 
@@ -31,6 +33,15 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--global-batch-size", "8", "--eval-iters", "0", "--lr-decay-style", "constant", "--log-interval", "20"]
 
 
+# The MoE model of tests/resihp/live_scenarios_moe.py: the tiny Qwen3-MoE-style block, experts wide
+# enough that a rank's routed tokens show in its op times.
+MOE = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--num-experts", "4",
+       "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512", "--moe-token-dispatcher-type", "alltoall",
+       "--moe-aux-loss-coeff", "0.001", "--group-query-attention", "--num-query-groups", "2",
+       "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+       "--seq-length", "128", "--doc-length-dist", "lognormal:3.5,1"]
+
+
 def scenarios(iters: int) -> dict[str, list[str]]:
     """name -> extra flags. Fault onsets vary so calibration sees different amounts of history."""
     out: dict[str, list[str]] = {}
@@ -47,6 +58,10 @@ def scenarios(iters: int) -> dict[str, list[str]]:
             for factor, since in ((1.3, 30), (1.6, 35), (2.0, 25), (3.0, 40)):
                 out[f"{engine}-{lay}-slow{slow_rank}x{factor:g}@{since}"] = base + [
                     "--inject-slow", f"{slow_rank}:{since}:{factor}"]
+    out["moe-pp2dp2ep2-healthy"] = MOE
+    out["moe-pp2dp2ep2-noaux-healthy"] = MOE + ["--moe-aux-loss-coeff", "0"]
+    for factor, since in ((1.6, 35), (2.0, 25), (3.0, 40)):
+        out[f"moe-pp2dp2ep2-slow2x{factor:g}@{since}"] = MOE + ["--inject-slow", f"2:{since}:{factor}"]
     return out
 
 
@@ -58,8 +73,9 @@ def pack(src: str, dst: str) -> None:
     with open(src, encoding="utf-8") as fh, gzip.open(dst, "wt", encoding="utf-8", compresslevel=9) as out:
         for line in fh:
             rec = json.loads(line)
-            for key in ("fwd_s", "bwd_s", "iteration_s"):
-                rec[key] = us(rec[key])
+            for key in ("fwd_s", "bwd_s", "iteration_s", "moe_comm_fwd_s", "moe_comm_bwd_s"):
+                if key in rec:
+                    rec[key] = us(rec[key])
             out.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 

@@ -1,4 +1,5 @@
-"""Regression: replay of every trace recorded live on 4 CPU ranks (both engines, PP2xDP2 and PP4),
+"""Regression: replay of every trace recorded live on 4 CPU ranks (both engines, PP2xDP2 and PP4,
+and the MoE model on PP2xDP2 with EP2),
 stored under tests/resihp/data/ (provenance: data/README.md), the detector's misses included.
 
 Replay is deterministic, so each trace's outcome is pinned: the injected slow rank named within
@@ -13,6 +14,7 @@ from __future__ import annotations
 import glob
 import os
 
+import numpy as np
 import pytest
 
 from megatron_ext.resihp.config import ResiHPConfig
@@ -41,6 +43,9 @@ EXPECTED = {
     "megatron-pp4-slow1x1.6@35-r0": "within",
     "megatron-pp4-slow1x2@25-r0": "within",
     "megatron-pp4-slow1x3@40-r0": "within",
+    "moe-pp2dp2ep2-slow2x1.6@35-r0": "within",
+    "moe-pp2dp2ep2-slow2x2@25-r0": "within",
+    "moe-pp2dp2ep2-slow2x3@40-r0": "within",
 }
 
 
@@ -56,6 +61,16 @@ def test_there_are_traces_of_both_engines_layouts_and_kinds():
             assert any("healthy" in n for n in mine), (engine, layout, names)
             for factor in ("1.3", "1.6", "2", "3"):
                 assert any(f"x{factor}@" in n for n in mine), (engine, layout, factor, names)
+
+
+def test_moe_traces_carry_routed_counts_and_collective_time():
+    moe = [t for t in TRACES if _name(t).startswith("moe-")]
+    assert len(moe) == 6, [_name(t) for t in moe]
+    for path in moe:
+        rec = next(read_trace(path))
+        assert rec.model.num_experts == 4
+        assert rec.routed_tokens is not None and np.isfinite(rec.routed_tokens).all()
+        assert rec.moe_comm_fwd_s is not None and rec.moe_comm_bwd_s is not None
 
 
 def test_every_fault_trace_has_a_pinned_outcome():
