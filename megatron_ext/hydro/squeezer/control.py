@@ -22,8 +22,10 @@ RUNS = 512          # recent guest run intervals kept (for timelines)
 WINDOWS = 128       # recent windows (open, close) kept: what a guest's run overlapped
 
 # guest states
-STARTING, PARKED, RUNNING, FINISHED, NO_ROOM, FAILED, STOPPED = range(7)
-STATE_NAMES = ("starting", "parked", "running", "finished", "no room", "failed", "stopped")
+STARTING, PARKED, RUNNING, FINISHED, NO_ROOM, FAILED, STOPPED, SUSPENDED = range(8)
+STATE_NAMES = ("starting", "parked", "running", "finished", "no room", "failed", "stopped", "suspended")
+# A window closed while the guest ran: the rank signals it (CPU), the guest suspends itself at once.
+CLOSE_SIGNAL = "SIGUSR1"
 
 CONTROL_DTYPE = np.dtype([
     # rank -> guest
@@ -35,9 +37,12 @@ CONTROL_DTYPE = np.dtype([
     ("max_trials", "i8"),       # fusion limit (the squeezer lowers it when backing off)
     ("stop", "i8"),             # 1: finish the current unit, give back the trials, exit
     ("win", "f8", (WINDOWS, 2)),  # (open, close) of window number seq at [seq % WINDOWS]; close inf while open
+    ("stops_n", "i8"),
+    ("stops", "f8", (WINDOWS, 2)),  # (SIGSTOP, SIGCONT) the rank sent a guest still running at a close
     # guest -> rank
     ("pid", "i8"),
     ("state", "i8"),
+    ("critical", "i8"),         # >0 while the guest is inside a storage call
     ("t_parked", "f8"),
     ("min_unit_s", "f8"),       # the guest's shortest measured unit between pause points
     ("busy_s", "f8"),           # time the guest ran inside windows
@@ -133,6 +138,23 @@ class Control:
         win = self._cols["win"][0]
         return [(float(win[k % WINDOWS][0]), float(win[k % WINDOWS][1]))
                 for k in range(max(seq0, seq - WINDOWS + 1, 1), seq + 1)]
+
+    def stopped(self, t: float) -> None:
+        n = int(self["stops_n"])
+        self._cols["stops"][0][n % WINDOWS] = (t, float("inf"))
+        self["stops_n"] = n + 1
+
+    def continued(self, t: float) -> None:
+        n = int(self["stops_n"])
+        if n:
+            self._cols["stops"][0][(n - 1) % WINDOWS][1] = t
+
+    def stops_since(self, t0: float) -> list[tuple[float, float]]:
+        """The rank's stops of the guest that end after ``t0``, oldest first."""
+        n = int(self["stops_n"])
+        st = self._cols["stops"][0]
+        out = [(float(st[k % WINDOWS][0]), float(st[k % WINDOWS][1])) for k in range(max(0, n - WINDOWS), n)]
+        return [iv for iv in out if iv[1] > t0]
 
     def latencies(self) -> list[float]:
         n = int(self["lat_n"])

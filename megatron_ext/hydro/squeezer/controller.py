@@ -7,9 +7,10 @@ is restarted (its unfinished trials are given back as failed by the next guest b
 up to ``max_restarts`` times.
 
 ``Squeezer`` listens to the rank's bubble windows (``pipeline/windows.BubbleWindows``) and runs on
-the training thread inside the p2p calls, so it only stores: on a window's open, the deadline (the
-forecast end, less the back-off share and the margin) and a wake-up byte when the guest is parked;
-on its close, the close time. A window is not offered when there is no forecast yet, when the
+the training thread inside the p2p calls, so it only stores and signals: on a window's open, the
+deadline (the forecast end, less the back-off share and the margin) and a wake-up byte when the
+guest is parked (SIGCONT when it is suspended); on its close, the close time, and ``CLOSE_SIGNAL``
+when the guest is still running (CPU: it suspends itself, see ``guest.WindowGate``). A window is not offered when there is no forecast yet, when the
 guests are off (a control iteration, or stopped), or when it is shorter than the guest's smallest
 unit.
 """
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
-from megatron_ext.hydro.squeezer.control import (FAILED, FINISHED, NO_ROOM, PARKED, RUNNING, STARTING,
-                                                STATE_NAMES, STOPPED, Control)
+from megatron_ext.hydro.squeezer.control import (CLOSE_SIGNAL, FAILED, FINISHED, NO_ROOM, PARKED, RUNNING,
+                                                STARTING, STATE_NAMES, STOPPED, SUSPENDED, Control)
 from megatron_ext.pipeline.windows import Window
 
 logger = logging.getLogger(__name__)
@@ -81,8 +83,16 @@ class GuestProcess:
 
     @property
     def ready(self) -> bool:
-        """At a pause point (parked or running in a window): it takes windows."""
-        return self.state in (PARKED, RUNNING)
+        """Parked, running in a window, or suspended: it takes windows."""
+        return self.state in (PARKED, RUNNING, SUSPENDED)
+
+    def signal(self, sig: int) -> None:
+        """Signal the live guest (no error if it just died: ``check`` sees that)."""
+        if self.proc is not None:
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def check(self) -> str | None:
         """Called between iterations: restart a guest that died. Returns a line to log, or None."""
@@ -115,13 +125,21 @@ class GuestProcess:
         """Ask the guest to give its trials back and exit; with ``wait``, kill it after ``timeout_s``."""
         self.ctl["stop"] = 1
         self.ctl.wake()
+        self.signal(signal.SIGCONT)      # a suspended guest must run to see the request
         if not wait:
             return
         procs = [p for p in (self.proc, self.reaper) if p is not None]
         deadline = time.monotonic() + timeout_s
         for p in procs:
             try:
-                p.wait(max(0.1, deadline - time.monotonic()))
+                while True:      # SIGCONT again: it may have suspended itself just after the first
+                    try:
+                        p.wait(min(0.2, max(0.01, deadline - time.monotonic())))
+                        break
+                    except subprocess.TimeoutExpired:
+                        if time.monotonic() >= deadline:
+                            raise
+                        self.signal(signal.SIGCONT)
             except subprocess.TimeoutExpired:
                 logger.warning("squeeze: guest %d of rank %d did not stop in %.0f s: killed", p.pid, self.rank,
                                timeout_s)
@@ -146,8 +164,11 @@ def _affinity() -> set[int] | None:
 class Squeezer:
     """A ``WindowListener``: hands this rank's windows to its guest (see the module docstring)."""
 
-    def __init__(self, guest: GuestProcess, *, margin_s: float = 0.0005) -> None:
+    def __init__(self, guest: GuestProcess, *, margin_s: float = 0.0005, suspend: bool = True) -> None:
         self.guest, self.ctl = guest, guest.ctl
+        self.suspend = suspend        # halt a guest still running at a window's close (CPU)
+        self._stopped = False
+        self._close_signal = getattr(signal, CLOSE_SIGNAL)
         self.margin_s = margin_s
         self.keep_back = 0.0          # share of each forecast not offered (back-off)
         self.active = False           # guests on in this iteration
@@ -162,7 +183,7 @@ class Squeezer:
             return
         ctl = self.ctl
         state = ctl["state"]
-        if state != PARKED and state != RUNNING:
+        if state != PARKED and state != RUNNING and state != SUSPENDED:
             return
         if w.forecast_s is None:
             self.no_forecast += 1
@@ -176,6 +197,11 @@ class Squeezer:
         self.offered += 1
         if state == PARKED:
             ctl.wake()
+        elif self._stopped or state == SUSPENDED:
+            if self._stopped:
+                ctl.continued(w.t_open)
+                self._stopped = False
+            self.guest.signal(signal.SIGCONT)
 
     def window_close(self, w: Window, t_close: float) -> None:
         if self.active:
@@ -183,6 +209,24 @@ class Squeezer:
         if self._opened:
             self.ctl.close_window(t_close)
             self._opened = False
+            if self.suspend and self.ctl["state"] == RUNNING:
+                self._halt(t_close)
+
+    def _halt(self, t: float) -> None:
+        """The window closed under a running guest (CPU). At nice 19 beside its busy rank it would
+        crawl to its next pause point; SIGSTOP halts it at once instead (SIGCONT at the next window
+        it is offered). Not inside a storage call (``critical``): there it is asked to suspend
+        itself once the call returns. After the stop the flag is read again -- the kernel stops a
+        process at its next scheduling point, and it may have entered a call meanwhile."""
+        ctl = self.ctl
+        if not ctl["critical"]:
+            self.guest.signal(signal.SIGSTOP)
+            if not ctl["critical"]:
+                ctl.stopped(t)
+                self._stopped = True
+                return
+            self.guest.signal(signal.SIGCONT)
+        self.guest.signal(self._close_signal)
 
     def stats(self) -> dict[str, Any]:
         ctl = self.ctl

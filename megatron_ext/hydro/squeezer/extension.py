@@ -153,7 +153,7 @@ class SqueezerExtension(Extension):
         self.guest = GuestProcess(tune_config=self.tune_path, rank=ctx.rank, device=device, log_dir=self.dir,
                                   budget_bytes=budget, max_restarts=self.cfg.squeeze_max_restarts)
         self.guest.start()
-        self.squeezer = Squeezer(self.guest, margin_s=self.cfg.squeeze_margin_ms / 1e3)
+        self.squeezer = Squeezer(self.guest, margin_s=self.cfg.squeeze_margin_ms / 1e3, suspend=device == "cpu")
         self.windows.listeners.append(self.squeezer)
         logger.debug("squeeze: rank %d started guest pid %d with %.0f MiB free", ctx.rank, self.guest.proc.pid,
                      budget / 2 ** 20)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -41,8 +42,8 @@ from megatron_ext.hydro.config import load_config
 from megatron_ext.hydro.memory import fusion_count, probe_memory_model
 from megatron_ext.hydro.optim import TrialHParams
 from megatron_ext.hydro.schedule import LRSchedule
-from megatron_ext.hydro.squeezer.control import (FAILED, FINISHED, NO_ROOM, PARKED, RUNNING, STARTING, STOPPED,
-                                                Control)
+from megatron_ext.hydro.squeezer.control import (CLOSE_SIGNAL, FAILED, FINISHED, NO_ROOM, PARKED, RUNNING,
+                                                STARTING, STOPPED, SUSPENDED, Control)
 from megatron_ext.hydro.tuner import HydroTuner, TuneResult
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,55 @@ class WindowGate:
         self._unit_seq = -1
         self._seq_used = self._seq_skipped = self._seq_seen = -1
         self._windows: collections.deque = collections.deque(maxlen=64)   # lengths of recent windows
+        self._parked = False
+        self._critical = 0
+        self._suspend_pending = False
+
+    # --- suspension when a window closes under a running unit (CPU) ------------------------------
+    def install_suspend(self) -> None:
+        """On CPU, a unit that outlives its window would crawl on at nice 19 until the rank's next
+        wait. Instead the rank sends ``CLOSE_SIGNAL`` when it closes a window under a running guest;
+        the handler (Python runs it between bytecodes, so after the torch op in flight) stops this
+        process with SIGSTOP, and the rank's SIGCONT at a later window's open resumes the unit where
+        it was. Inside a storage call (``critical``) the stop waits for the call's end: a guest never
+        sits stopped holding a database lock other guests need."""
+        signal.signal(getattr(signal, CLOSE_SIGNAL), self._on_close_signal)
+
+    def _on_close_signal(self, signum: int, frame: Any) -> None:
+        if self._parked or self.ctl["window_open"]:
+            return                  # parked meanwhile, or a new window opened: nothing to stop
+        if self._critical:
+            self._suspend_pending = True
+            return
+        self._suspend()
+
+    def _suspend(self) -> None:
+        ctl = self.ctl
+        now = self.clock()
+        if self._run_t0 is not None:
+            self._account(self._run_t0, now)
+            self._run_t0 = None
+        ctl["t_parked"] = now
+        ctl["state"] = SUSPENDED
+        os.kill(os.getpid(), signal.SIGSTOP)
+        # resumed (SIGCONT) at a window's open, or to be told to stop
+        ctl["state"] = RUNNING
+        self._resumed()
+
+    @contextlib.contextmanager
+    def critical(self):
+        """A section the rank must not stop in the middle of (storage calls)."""
+        self._critical += 1
+        self.ctl["critical"] = self._critical
+        try:
+            yield
+        finally:
+            self._critical -= 1
+            self.ctl["critical"] = self._critical
+            if not self._critical and self._suspend_pending:
+                self._suspend_pending = False
+                if not self._parked and not self.ctl["window_open"]:
+                    self._suspend()
 
     def expected_s(self, where: str) -> float:
         past = self._units.get(where)
@@ -150,10 +200,12 @@ class WindowGate:
         if self._run_t0 is not None:
             self._account(self._run_t0, now)
         ctl["t_parked"] = now
+        self._parked = True
         ctl["state"] = PARKED
         while True:
             ctl.drain()
             if ctl["stop"]:
+                self._parked = False
                 ctl["state"] = RUNNING
                 raise GuestStopped("the rank asked the guest to stop")
             t = self.clock()
@@ -171,6 +223,11 @@ class WindowGate:
                 raise GuestStopped("the rank is gone")
             ctl.wait_wake(self.idle_poll_s)
         ctl["state"] = RUNNING
+        self._parked = False
+        self._resumed()
+
+    def _resumed(self) -> None:
+        ctl = self.ctl
         self._run_t0 = self.clock()
         seq = int(ctl["window_seq"])
         self._run_seq = seq
@@ -179,17 +236,33 @@ class WindowGate:
             ctl["windows_used"] += 1
 
     def _account(self, t0: float, t1: float) -> None:
-        """Split the run [t0, t1) into time inside windows (busy) and after them (overrun), and
-        record each window's pause latency: from its end to ``t1`` (0 if it was still open)."""
+        """Split the run [t0, t1) -- less the spans the rank held it stopped -- into time inside
+        windows (busy) and after them (overrun), and record each window's pause latency: from its
+        end until the guest stopped running (a stop by the rank, or parking at ``t1``); 0 when the
+        window was still open."""
         ctl = self.ctl
-        ctl.add_run(t0, t1)
-        inside = 0.0
-        for w0, w1 in self.ctl.windows_since(self._run_seq):
-            inside += max(0.0, min(w1, t1) - max(w0, t0))
+        stops = ctl.stops_since(t0)
+        segments, start = [], t0
+        for s0, s1 in stops:
+            if s0 >= t1:
+                break
+            if s0 > start:
+                segments.append((start, s0))
+            start = max(start, min(s1, t1))
+        if t1 > start:
+            segments.append((start, t1))
+        windows = ctl.windows_since(self._run_seq)
+        inside = total = 0.0
+        for a, b in segments:
+            ctl.add_run(a, b)
+            total += b - a
+            inside += sum(max(0.0, min(w1, b) - max(w0, a)) for w0, w1 in windows)
+        for _, w1 in windows:
             if w1 >= t0:
-                ctl.add_latency(max(0.0, t1 - w1))
+                halt = min([s0 for s0, _ in stops if s0 >= w1] + [t1])
+                ctl.add_latency(max(0.0, halt - w1) if w1 < t1 else 0.0)
         ctl["busy_s"] += inside
-        ctl["overrun_s"] += max(0.0, (t1 - t0) - inside)
+        ctl["overrun_s"] += max(0.0, total - inside)
 
     def unit_table(self) -> str:
         return ", ".join(f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in sorted(self._units.items()))
@@ -305,9 +378,12 @@ class GuestTuner(HydroTuner):
     def _gated(self, fn: Callable, where: str) -> Callable:
         checkpoint = self.gate.checkpoint
 
+        critical = self.gate.critical
+
         def gated(*args: Any, **kwargs: Any) -> Any:
             checkpoint(where)
-            return fn(*args, **kwargs)
+            with critical():
+                return fn(*args, **kwargs)
 
         return gated
 
@@ -319,15 +395,17 @@ class GuestTuner(HydroTuner):
         now = time.monotonic()
         if free <= 0 or now < self._next_query:
             return 0
-        taken = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                              TrialState.RUNNING, TrialState.WAITING))
+        with self.gate.critical():
+            taken = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                  TrialState.RUNNING, TrialState.WAITING))
         n = max(0, min(free, self.cfg.n_trials - len(taken)))
         # Nothing to ask now: look again in a while (another guest's trial may fail and free one).
         self._next_query = now + (5.0 if n == 0 and n_open > 0 else 0.0)
         return n
 
     def _on_ask(self, trial: optuna.Trial) -> None:
-        trial.set_user_attr(OWNER_ATTR, self.owner)
+        with self.gate.critical():
+            trial.set_user_attr(OWNER_ATTR, self.owner)
         trial.report = self._gated(trial.report, "trial report")
         trial.should_prune = self._gated(trial.should_prune, "trial prune")
 
@@ -494,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         # On a GPU a unit's cost is its wall time (its kernels are not the process's CPU time).
         gate = WindowGate(ctl, sync=sync, parent_pid=parent,
                           unit_clock=time.perf_counter if sync is not None else time.process_time)
+        if sync is None:       # on a GPU a stopped process's queued kernels would run on: park only
+            gate.install_suspend()
         tuner = GuestTuner(cfg, space, defaults, dropout, gate=gate, budget_bytes=args.budget_bytes, owner=owner,
                            oplog=oplog, log=log)
         study = open_shared_study(tuner)          # ungated: for giving trials back
