@@ -13,8 +13,8 @@ After a fail-stop (``--resihp-on-stop continue``) the survivors regroup anyway, 
 
 Devices are named by their launch rank (``DistContext.members``), which stays with the process
 when a permutation or a fail-stop renumbers the ranks: the policy's beliefs, the plans and the
-plan lines keep meaning the same device. Verdicts, which name ranks of the current world, are
-translated on the way in.
+plan lines keep meaning the same device. Verdicts name ranks of the current world and carry the
+device in ``detail["launch_rank"]``, which the policy is fed.
 """
 from __future__ import annotations
 
@@ -170,7 +170,8 @@ class Actor:
                 self.policy.layout = plan_layout(trainer)
                 gone = np.setdiff1d(np.arange(self.policy.speeds.shape[0]), np.asarray(members))
                 self.policy.speeds[gone] = 0.0
-                named = [dataclasses.replace(v, rank=members[v.rank]) for v in verdicts if v.rank < len(members)]
+                named = [dataclasses.replace(v, rank=v.on_devices(members).launch_rank) for v in verdicts
+                         if "launch_rank" in v.detail or v.rank < len(members)]
                 plan = self.policy.observe(iteration, named, adopt=False)
                 if plan is not None:
                     decision, beliefs = plan.to_json(), self._beliefs()

@@ -87,8 +87,22 @@ class Detector(Protocol):
 
 
 def _layout_key(rec: TraceRecord) -> Any:
+    """What a calibration is valid for: the layout, the model, the layers per stage and each
+    replica's micro-batch count (DP work migration can change the counts and keep the width)."""
     layers = None if rec.layers is None else tuple(map(tuple, rec.layers))
-    return rec.layout, rec.model, layers
+    counts = tuple(sum(1 for docs in replica if docs) for replica in rec.documents)
+    return rec.layout, rec.model, layers, counts
+
+
+def _devices(rec: TraceRecord) -> tuple[int, ...]:
+    return rec.devices if rec.devices is not None else tuple(range(rec.layout.world_size))
+
+
+def _sources(old: tuple[int, ...], new: tuple[int, ...]) -> np.ndarray:
+    """For each rank of ``new`` (devices by rank), the rank its device had in ``old``; -1 for a
+    device that was not there."""
+    where = {d: r for r, d in enumerate(old)}
+    return np.array([where.get(d, -1) for d in new], dtype=np.int64)
 
 
 # Common-mode normalisation needs a majority that can outvote one slow rank: with two ranks,
@@ -139,7 +153,13 @@ def relative_scores(raw: np.ndarray, by_stage: np.ndarray) -> tuple[np.ndarray, 
 
 
 class _Base:
-    """Layout bookkeeping, warm-up, calibration buffer and the persistence rule."""
+    """Layout bookkeeping, warm-up, calibration buffer and the persistence rule.
+
+    State is kept per rank but belongs to a device (``TraceRecord.devices``: launch ranks). When
+    a re-layout renumbers the ranks or changes the work, what is known about each device goes
+    with it: its verdict history and whether it is convicted (``Persistence.adopt``), the
+    slowdown it was convicted at (``known``) and its healthy noise. What depends on the work is
+    calibrated again (``_relayout``)."""
 
     name = "base"
     # Whether scores are divided by the other ranks' median of the same iteration (see
@@ -164,26 +184,91 @@ class _Base:
         raise NotImplementedError
 
     def _reset(self, rec: TraceRecord) -> None:
-        if self._key is not None:
-            logger.info("resihp[%s]: layout changed at iteration %d; calibrating again", self.name, rec.iteration)
         self._key = _layout_key(rec)
+        self.devices = _devices(rec)
         lay = rec.layout
         coords = lay.coord_array
         self.stage_of, self.dp_of, self.tp_of = coords[:, 0], coords[:, 1], coords[:, 2]
         self.world, self.pp, self.dp = lay.world_size, lay.pp, lay.dp
         # Every stage has tp * dp ranks: (pp, tp * dp) rank indices.
         self.by_stage = np.stack([np.flatnonzero(self.stage_of == s) for s in range(self.pp)])
+        # A rank's role: its stage and its replica's micro-batch count (what its work depends on).
+        counts = np.array(self._key[-1], dtype=np.int64)
+        self.role = self.stage_of * (lay.num_microbatches + 1) + counts[self.dp_of]
         self.buffer: collections.deque = collections.deque(maxlen=self.cfg.resihp_calibration_window)
         self.seen = 0
         self.calibrated = False
         self.sigma = np.full(self.world, self.cfg.resihp_noise_floor)
-        self.persist = Persistence(self.world, threshold=self.cfg.resihp_threshold, zscore=self.cfg.resihp_zscore,
-                                   window=self.cfg.resihp_window)
+        self.persist = self._persistence()
+        # The slowdown each convicted rank's device was named with (1: not convicted).
+        self.known = np.ones(self.world)
+        # ``seen`` when the rank's device took its place; 0: it has held it since calibration began.
+        self.since = np.zeros(self.world, dtype=np.int64)
         self._setup(rec)
 
+    def _persistence(self) -> Persistence:
+        return Persistence(self.world, threshold=self.cfg.resihp_threshold, zscore=self.cfg.resihp_zscore,
+                           window=self.cfg.resihp_window)
+
+    def _relayout(self, rec: TraceRecord) -> None:
+        """The record's layout, work or rank order differs from the last one's.
+
+        Devices whose ranks were only permuted, with every rank's work the same (same layout,
+        layers and micro-batches), keep the calibration: the per-stage throughput was learnt from
+        the same work, and a device that stayed in its role keeps its bias. A device that changed
+        role (another stage, or a replica with another micro-batch count) restarts its bias at 1,
+        and its bias and noise are learnt again from its own data in the new place
+        (``_settled``): the rows its place holds from the device before it still teach the stage.
+
+        Any other change (layers per stage, micro-batches, TP/PP/DP, world size) calibrates again
+        from a warm-up, and a device convicted before it stays convicted: its calibration data are
+        divided by its known slowdown (``scale`` in the samples), so the warm-up learns the
+        healthy speed of its new role instead of taking the slow device as normal, it is neither
+        accused again nor forgotten, and a ``recovered`` verdict follows when it heals."""
+        old_devices, old_persist = self.devices, self.persist
+        old_known, old_sigma = self.known, self.sigma
+        new_devices = _devices(rec)
+        src = _sources(old_devices, new_devices)
+        ok = src >= 0
+        take = np.where(ok, src, 0)
+        if _layout_key(rec) == self._key:
+            moved = ok & (self.role[take] != self.role)
+            self.devices = new_devices
+            self.since = np.where(src == np.arange(self.world), self.since, self.seen)
+            self._permuted(src, moved)
+            what = "ranks renumbered; calibration kept"
+        else:
+            self._reset(rec)
+            what = "calibrating again"
+        self.persist = self._persistence()
+        self.persist.adopt(old_persist, src)
+        self.known = np.where(ok, old_known[take], 1.0)
+        self.sigma = np.where(ok, old_sigma[take], self.sigma)
+        slow = ", ".join(f"launch rank {d} x{f:.2f}" for d, f in self.known_slow().items())
+        logger.info("resihp[%s]: re-layout at iteration %d (%s)%s", self.name, rec.iteration, what,
+                    f"; known slow: {slow}" if slow else "")
+
+    def _permuted(self, src: np.ndarray, moved: np.ndarray) -> None:
+        """Per-rank calibration after a permutation that kept every rank's work (see ``_relayout``)."""
+
+    def known_slow(self) -> dict[int, float]:
+        """Convicted devices (launch ranks) and the slowdown each was named with."""
+        return {int(self.devices[r]): float(self.known[r]) for r in np.flatnonzero(self.persist.suspect)}
+
+    def _settled(self, healthy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``healthy`` (n, world) of the buffer restricted to the rows each rank's own device
+        produced, and per rank whether those are enough to learn its bias and noise from: always
+        for a rank whose device has held it since the calibration began, else at least a
+        warm-up's worth."""
+        seen = np.array([b["seen"] for b in self.buffer])
+        own = healthy & (seen[:, None] > self.since[None, :])
+        return own, (self.since == 0) | (own.sum(axis=0) >= self.cfg.resihp_warmup)
+
     def observe(self, record: TraceRecord) -> IterationReport:
-        if _layout_key(record) != self._key:
+        if self._key is None:
             self._reset(record)
+        elif _layout_key(record) != self._key or _devices(record) != self.devices:
+            self._relayout(record)
         self.seen += 1
         sample = self._sample(record)
         present = record.present
@@ -200,12 +285,14 @@ class _Base:
                 stage_scores = stage_scores / shared
                 expected_s = expected_s * shared
             for d in self.persist.update(scores, self.sigma):
+                self.known[d.rank] = d.factor if d.kind == "fail_slow" else 1.0
                 verdicts.append(Verdict(
                     kind=d.kind, rank=d.rank, stage=int(self.stage_of[d.rank]), iteration=record.iteration,
                     factor=round(d.factor, 4) if d.kind == "fail_slow" else None,
                     confidence=round(min(1.0, max(0.0, d.confidence)), 4), detector=self.name,
                     time_s=record.time_s,
-                    detail={"dp": int(self.dp_of[d.rank]), "tp": int(self.tp_of[d.rank]),
+                    detail={"launch_rank": int(self.devices[d.rank]),
+                            "dp": int(self.dp_of[d.rank]), "tp": int(self.tp_of[d.rank]),
                             "median_z": round(d.median_z, 2), "threshold": self.cfg.resihp_threshold,
                             "window": self.cfg.resihp_window,
                             "observed_s": record.iteration_s,
@@ -222,6 +309,10 @@ class _Base:
             healthy = present
         sample["healthy"] = healthy
         sample["iteration_s"] = record.iteration_s
+        sample["seen"] = self.seen
+        # A convicted device teaches the calibration only divided by its known slowdown (only the
+        # warm-up after a re-layout takes it in at all: afterwards suspects are not healthy).
+        sample["scale"] = np.where(self.persist.suspect, self.known, 1.0)
         self.buffer.append(sample)
         warm = self.cfg.resihp_warmup
         if (self.seen == warm or (self.seen > warm and (self.seen - warm) % self.cfg.resihp_refit_every == 0)
@@ -238,6 +329,12 @@ class _Base:
     def _outside_calibration(self, sample: dict[str, Any]) -> bool:
         """Whether this iteration's work lies where the last fit had no data (refit now)."""
         return False
+
+    def _scaled(self, key: str) -> np.ndarray:
+        """The buffer's ``key`` (n, world, ...) divided by each row's known slowdown."""
+        a = np.stack([b[key] for b in self.buffer])
+        scale = np.stack([b["scale"] for b in self.buffer])
+        return a / scale.reshape(scale.shape + (1,) * (a.ndim - 2))
 
     def _set_sigma(self, scores: np.ndarray, healthy: np.ndarray) -> None:
         """Per-rank healthy noise from calibration scores (n_it, world); a rank without healthy
@@ -308,8 +405,12 @@ class ResiHPDetector(_Base):
         c = self.coef[self.stage_of][:, :, None, None, :]  # (world, phase, 1, 1, classes + 1)
         return (c[..., :-1] * feats).sum(axis=-1) + c[..., -1]
 
+    def _permuted(self, src: np.ndarray, moved: np.ndarray) -> None:
+        # The bias of a device that kept its role goes with it; one in a new role is learnt again.
+        self.bias = np.where((src >= 0) & ~moved, self.bias[np.maximum(src, 0)], 1.0)
+
     def _fit(self) -> None:
-        obs = np.stack([b["obs"] for b in self.buffer])      # (n, world, 2, vp, m)
+        obs = self._scaled("obs")                             # (n, world, 2, vp, m)
         feats = np.stack([b["feats"] for b in self.buffer])  # (n, world, 2, vp, m, classes)
         healthy = np.stack([b["healthy"] for b in self.buffer])  # (n, world)
         ran = np.stack([b["ran"] for b in self.buffer])
@@ -347,20 +448,24 @@ class ResiHPDetector(_Base):
             # The bias is a rank's steady speed against its peers: taken, like the scores, after
             # the shared factor of each iteration is divided out.
             rel = relative_scores(ratio, self.by_stage)[0] if self.common_mode else ratio
-            bias = nanmedian(np.where(healthy, rel, np.nan), axis=0)
+            own, settled = self._settled(healthy)
+            bias = nanmedian(np.where(own, rel, np.nan), axis=0)
         bmax = self.cfg.resihp_rank_bias_max
-        # A rank with no healthy iteration in the buffer (convicted) keeps what it had.
-        self.bias = np.where(np.isfinite(bias), np.clip(bias, 1.0 / bmax, bmax), self.bias)
+        # A rank with no healthy iteration of its own in the buffer (convicted, or its device new
+        # in its place) keeps what it had.
+        self.bias = np.where(np.isfinite(bias) & settled, np.clip(bias, 1.0 / bmax, bmax), self.bias)
         # The scores the detector would have given these iterations, for the noise estimate.
         scores = ratio / self.bias
         shared = np.ones(n)
         if self.common_mode:
             scores, shared = relative_scores(scores, self.by_stage)
-        self._set_sigma(scores, healthy)
+        self._set_sigma(scores, own & settled)
         # The part of the iteration the pipeline simulation does not model (optimizer step, data
         # loading, gradient all-reduce) as one robust constant, in the same units as the
-        # expectation: scaled back by each iteration's shared factor.
-        exp = pred * self.bias[None, :, None, None, None]
+        # expectation: scaled back by each iteration's shared factor (and a known-slow device's
+        # slowdown put back, which the observed iteration time contains).
+        scale = np.stack([b["scale"] for b in self.buffer])
+        exp = pred * (self.bias[None, :] * scale)[:, :, None, None, None]
         sim = self._simulate(exp)
         iters = np.array([b["iteration_s"] for b in self.buffer]) / shared
         all_healthy = healthy.all(axis=1)
@@ -480,11 +585,14 @@ class RawTimeDetector(_Base):
         return {"busy": np.where(rec.present, busy, np.nan)}
 
     def _fit(self) -> None:
-        busy = np.stack([b["busy"] for b in self.buffer])
+        # The centre is the place's (its work's) healthy busy time, whichever device produced it;
+        # the noise is the device's own.
+        busy = self._scaled("busy")
         healthy = np.stack([b["healthy"] for b in self.buffer])
         center = nanmedian(np.where(healthy, busy, np.nan), axis=0)
         self.center = np.where(np.isfinite(center) & (center > 0), center, self.center)
-        self._set_sigma(busy / self.center, healthy)
+        own, settled = self._settled(healthy)
+        self._set_sigma(busy / self.center, own & settled)
         self.iter_center = float(np.median([b["iteration_s"] for b in self.buffer]))
 
     def _score(self, rec: TraceRecord, sample: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, float]:

@@ -52,11 +52,13 @@ def model_chunks(trainer: "Trainer") -> list:
 
 def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults: tuple[FaultLabel, ...] = (),
                     time_s: float | None = None, stage_layers: list[int] | None = None,
-                    moe: dict[int, dict[str, np.ndarray]] | None = None) -> TraceRecord:
+                    moe: dict[int, dict[str, np.ndarray]] | None = None,
+                    devices: tuple[int, ...] | None = None) -> TraceRecord:
     """The detector's view of a joined pipeline iteration. ``moe``: per rank, its MoE probe tables
     (``moe_probe.op_tables``); the time inside the token dispatcher's collectives is taken out of
     the op durations (the rank's own compute is what the trace format asks for) and recorded
-    beside them, with the routed counts."""
+    beside them, with the routed counts. ``devices``: the launch rank of each rank
+    (``DistContext.members``), kept in the record once a re-layout has renumbered the ranks."""
     world = len(rec.ranks)
     # Replicas may run different micro-batch counts (DP work migration): the table is as wide as
     # the largest, and the ops a replica does not run stay NaN.
@@ -94,18 +96,21 @@ def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults
         extra = {"routed_tokens": tables["routed"] if np.isfinite(tables["routed"]).any() else None,
                  "moe_comm_fwd_s": comm_f if np.isfinite(comm_f).any() else None,
                  "moe_comm_bwd_s": comm_b if np.isfinite(comm_b).any() else None}
+    if devices is not None and tuple(devices) == tuple(range(world)):
+        devices = None
     return TraceRecord(iteration=rec.iteration, iteration_s=iteration_s, layout=layout, model=model,
                        documents=documents, fwd_s=fwd, bwd_s=bwd, time_s=time_s, faults=faults, layers=layers,
-                       **extra)
+                       devices=devices, **extra)
 
 
 def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], last_iteration: int) -> list[str]:
     """One line per injected fault: whether a verdict named it, so that a run whose fault went
-    unseen says so at the end instead of ending silently."""
+    unseen says so at the end instead of ending silently. Faults and verdicts meet on the device
+    (launch rank), which a re-layout's renumbering does not change."""
     lines = []
     for f in faults.slow:
         what = f"injected: rank {f.rank} x{f.factor:g} slow from iteration {f.since}; "
-        hit = next((v for v in verdicts if v.kind == "fail_slow" and v.rank == f.rank and v.iteration >= f.since), None)
+        hit = next((v for v in verdicts if v.kind == "fail_slow" and v.launch_rank == f.rank and v.iteration >= f.since), None)
         if f.since > last_iteration:
             lines.append(what + f"never reached (the run ended at iteration {last_iteration})")
         elif hit is None:
@@ -115,7 +120,7 @@ def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], l
                          f"{hit.iteration - f.since} iterations later)")
     for f in faults.stop:
         what = f"injected: rank {f.rank} stopped at iteration {f.at}; "
-        hit = next((v for v in verdicts if v.kind == "fail_stop" and v.rank == f.rank), None)
+        hit = next((v for v in verdicts if v.kind == "fail_stop" and v.launch_rank == f.rank), None)
         by = "the launcher (its exit)" if hit is not None and hit.detector == "launcher" else "heartbeat"
         lines.append(what + (f"named by {by}" if hit is not None else "no verdict"))
     return lines
@@ -131,6 +136,7 @@ class ResiHPExtension(Extension):
         self.detect = bool(cfg is not None and cfg.resihp)
         self.throttle: Throttle | None = None
         self.heartbeat = None
+        self.heartbeat_members: tuple[int, ...] = ()
         self.detector = None
         self.trace_writer = None
         self.verdict_log = None
@@ -140,6 +146,7 @@ class ResiHPExtension(Extension):
         self.trainer: Trainer | None = None
         self.generation = 0
         self.moe_probe = None
+        self.detector_member: int | None = None   # launch rank of the process holding the detector
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
@@ -164,33 +171,64 @@ class ResiHPExtension(Extension):
             trainer.failover = failstop.make_failover(self, trainer)
 
     def _place_detector(self, trainer: "Trainer", *, trace_mode: str) -> None:
-        """The detector runs on the logging rank (last stage, tp 0, dp 0); after a fail-stop
-        regroup that may be another process, which starts a fresh calibration and appends to the
-        same files."""
+        """The detector runs on the logging rank (last stage, tp 0, dp 0). After a rank
+        permutation or a fail-stop regroup that may be another process: the detector goes there
+        (``_hand_over``), with its calibration and what it knows of each device, and the new
+        holder appends to the same files. Only when the process that held it is gone does the
+        new one start from nothing."""
         from megatron_ext.resihp.jsonl import JsonLinesWriter
 
         rank = trainer.ctx.rank
         self.detector_rank = next(r for r, c in trainer.ctx.layout.coords()
                                   if c.pp == trainer.ctx.layout.pp - 1 and c.tp == 0 and c.dp == 0)
+        received = self._hand_over(trainer)
+        self.detector_member = trainer.ctx.members[self.detector_rank]
         if rank != self.detector_rank:
             for f in (self.trace_writer, self.verdict_log):
                 if f is not None:
                     f.close()
             self.detector = self.trace_writer = self.verdict_log = None
-        elif self.detector is None:
+        else:
             from megatron_ext.resihp.detector import make_detector
             from megatron_ext.resihp.verdicts import VerdictLog
 
-            self.detector = make_detector(self.cfg)
-            if self.cfg.resihp_trace_out:
+            if self.detector is None:
+                self.detector = received if received is not None else make_detector(self.cfg)
+            if self.trace_writer is None and self.cfg.resihp_trace_out:
                 self.trace_writer = JsonLinesWriter(self.cfg.resihp_trace_out, trace_mode)
-            if self.cfg.resihp_verdicts_out:
+            if self.verdict_log is None and self.cfg.resihp_verdicts_out:
                 self.verdict_log = VerdictLog(self.cfg.resihp_verdicts_out)
         if self.cfg.resihp_act != "off":
             from megatron_ext.resihp.act import Actor
 
             if self.actor is None or self.actor.decider != self.detector_rank or self.actor.decides != (rank == self.detector_rank):
                 self.actor = Actor(self.cfg, rank=rank, decider=self.detector_rank)
+
+    def _hand_over(self, trainer: "Trainer"):
+        """Collective between two ranks: when the logging rank is now another process than the
+        one holding the detector (and that one is still in the job), the holder sends it the
+        detector; returns it on the receiving rank, None elsewhere. Why send it rather than start
+        afresh: a new calibration learns a device that is known to be slow as normal, loses its
+        verdict (no ``recovered`` would ever follow) and keeps nothing of the others' noise."""
+        ctx, old = trainer.ctx, self.detector_member
+        new = ctx.members[self.detector_rank]
+        if old is None or old == new or old not in ctx.members:
+            return None
+        import torch.distributed as dist
+
+        src = list(ctx.members).index(old)
+        if ctx.rank == src:
+            dist.send_object_list([self.detector], dst=self.detector_rank)
+            return None
+        if ctx.rank != self.detector_rank:
+            return None
+        box = [None]
+        dist.recv_object_list(box, src=src)
+        detector = box[0]
+        slow = ", ".join(f"launch rank {d} x{f:.2f}" for d, f in detector.known_slow().items()) or "none"
+        print(f" resihp: detector handed over with the logging rank from launch rank {old} to launch rank {new} "
+              f"(known slow: {slow})", flush=True)
+        return detector
 
     def _install_moe_probe(self, trainer: "Trainer") -> None:
         """MoE models on the megatron engine: routed counts and dispatcher collective time per op
@@ -253,8 +291,10 @@ class ResiHPExtension(Extension):
 
     def attach(self, trainer: "Trainer") -> None:
         """After a re-layout: slow the new chunks of an injected slow rank, describe the new model
-        split. The detector, its files and the heartbeat stay where they are (the detector re-keys
-        its calibration by layout)."""
+        split. The detector, its files and the heartbeat stay where they are, or, when the ranks
+        were renumbered (a new generation), go with the logging rank. The detector sees the new
+        layout and rank order in the next record and carries its per-device state over
+        (``detector._Base._relayout``)."""
         if self.throttle is not None:
             active = self.throttle.active
             self.throttle = Throttle(model_chunks(trainer), self.throttle.factor, self.faults.inject_slow_mode)
@@ -291,6 +331,7 @@ class ResiHPExtension(Extension):
             store = store_lib.generation(store_lib.connect(ctx.store_addr, timeout_s=ctx.timeout_s),
                                          ctx.generation, "heartbeat")
         stage_of = {r: c.pp for r, c in trainer.ctx.layout.coords()}
+        self.heartbeat_members = tuple(ctx.members)  # its verdicts name ranks of this generation
         self.heartbeat = StoreHeartbeat(
             store, rank=trainer.ctx.rank, world_size=trainer.ctx.world_size,
             interval_s=self.cfg.resihp_heartbeat_interval_s, timeout_s=self.cfg.resihp_heartbeat_timeout_s,
@@ -299,7 +340,8 @@ class ResiHPExtension(Extension):
     def stop_heartbeat(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
-            self.verdicts.extend(self.heartbeat.verdicts)  # the lost ranks stay named in the outcome
+            # The lost ranks stay named in the outcome, by device.
+            self.verdicts.extend(v.on_devices(self.heartbeat_members) for v in self.heartbeat.verdicts)
             self.heartbeat = None
 
     def _fault_point(self, point: str, iteration: int) -> None:
@@ -309,6 +351,7 @@ class ResiHPExtension(Extension):
 
     def _on_stop_verdict(self, verdict: "Verdict", reporter: bool) -> None:
         # Runs on the monitor thread: the main thread may be stuck in a collective with the dead rank.
+        verdict = verdict.on_devices(self.heartbeat_members)
         if self.cfg.resihp_on_stop == "continue" and self.trainer is not None and self.trainer.failover is not None:
             from megatron_ext.resihp import failstop
 
@@ -368,7 +411,8 @@ class ResiHPExtension(Extension):
                 moe: dict[int, dict[str, np.ndarray]] | None = None) -> list["Verdict"]:
         trace = to_trace_record(record, model=self.spec, iteration_s=metrics.iter_time_s,
                                 faults=self._active_faults(metrics.iteration), time_s=time.time(),
-                                stage_layers=getattr(trainer.cfg.parallel, "pipeline_stage_layers", None), moe=moe)
+                                stage_layers=getattr(trainer.cfg.parallel, "pipeline_stage_layers", None), moe=moe,
+                                devices=tuple(trainer.ctx.members))
         if self.trace_writer is not None:
             self.trace_writer.write(trace)
         report = self.detector.observe(trace)
@@ -389,7 +433,7 @@ class ResiHPExtension(Extension):
             if self.verdict_log is not None:
                 self.verdict_log.write(v)
             if tb is not None and v.kind == "fail_slow":
-                tb.add_scalar(f"resihp/fail_slow_rank{v.rank}", v.factor, metrics.iteration)
+                tb.add_scalar(f"resihp/fail_slow_rank{v.launch_rank}", v.factor, metrics.iteration)
         return list(report.verdicts)
 
     def teardown(self, trainer: "Trainer") -> None:

@@ -4,7 +4,10 @@ Definitions (the benchmark and the replay tool both use them):
 
 * a fault is one labelled (kind, rank, since) seen in the trace, active from ``since`` to the last
   record that carries it;
-* a ``fail_slow`` verdict is correct when a ``slow`` fault of the same rank is active at the
+* labels and verdicts meet on the device: a label's rank is a launch rank (the trace's ``devices``
+  map ranks to them), a verdict's device is ``Verdict.launch_rank``; without a re-layout both are
+  the rank;
+* a ``fail_slow`` verdict is correct when a ``slow`` fault of the same device is active at the
   verdict's iteration; a ``fail_stop`` verdict likewise for a ``stop`` fault (or any later
   iteration, since a stopped rank stays stopped);
 * precision = correct verdicts / verdicts; recall = faults with at least one correct verdict /
@@ -116,7 +119,7 @@ def score(labels: Sequence[tuple[int, Sequence[FaultLabel]]], verdicts: Iterable
         hit = None
         for k, s in enumerate(spans):
             end = math.inf if s.kind == "stop" else s.until
-            if s.kind == kind and s.rank == v.rank and s.since <= v.iteration <= end:
+            if s.kind == kind and s.rank == v.launch_rank and s.since <= v.iteration <= end:
                 hit = k
                 break
         if hit is None:

@@ -112,7 +112,7 @@ def plot(records: Sequence[TraceRecord], result: ReplayResult, path: str, title:
         if v.kind == "fail_slow":
             for a in (ax, ax2):
                 a.axvline(v.iteration, color="black", ls=":", lw=1)
-            ax2.text(v.iteration, 0.85, f" verdict: rank {v.rank} x{v.factor:.2f}",
+            ax2.text(v.iteration, 0.85, f" verdict: rank {v.launch_rank} x{v.factor:.2f}",
                      transform=ax2.get_xaxis_transform(), fontsize=8)
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=8)

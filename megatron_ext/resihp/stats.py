@@ -163,6 +163,18 @@ class Persistence:
         self.suspect = np.zeros(world_size, dtype=bool)
         self.calm = np.zeros(world_size, dtype=np.int64)
 
+    def adopt(self, other: "Persistence", src: np.ndarray) -> None:
+        """Take rank ``r``'s history and verdict state from ``other``'s rank ``src[r]`` (-1: keep
+        this one's fresh state): after a re-layout renumbers the ranks, a device's record (its
+        recent scores, whether it is convicted, how long it has been calm) stays with the device."""
+        for r, s in enumerate(np.asarray(src, dtype=np.int64)):
+            if s < 0:
+                continue
+            for mine, theirs in ((self.scores, other.scores), (self.recent, other.recent), (self.zs, other.zs),
+                                 (self.flags, other.flags)):
+                mine[r] = collections.deque(theirs[s], maxlen=mine[r].maxlen)
+            self.suspect[r], self.calm[r] = other.suspect[s], other.calm[s]
+
     def flagged(self, score: np.ndarray, sigma: np.ndarray) -> np.ndarray:
         z = (score - 1.0) / sigma
         return (score >= self.threshold) & (z >= self.zscore)

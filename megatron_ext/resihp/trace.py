@@ -127,6 +127,22 @@ class TraceRecord:
     routed_tokens: np.ndarray | None = None
     moe_comm_fwd_s: np.ndarray | None = None
     moe_comm_bwd_s: np.ndarray | None = None
+    # The device (launch rank) each rank is in this iteration; None: rank r is device r. A live
+    # rank permutation or a fail-stop regroup renumbers the ranks, and the detector's per-device
+    # state (known slowdowns, noise, verdict history) follows the device, not the number.
+    devices: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.devices is not None:
+            self.devices = tuple(int(d) for d in self.devices)
+            if (len(self.devices) != self.layout.world_size or len(set(self.devices)) != len(self.devices)
+                    or min(self.devices) < 0):
+                raise ValueError(f"devices must name {self.layout.world_size} distinct launch ranks >= 0, one per "
+                                 f"rank; got {list(self.devices)}")
+
+    def device_of(self, rank: int) -> int:
+        """The launch rank that is ``rank`` in this iteration."""
+        return rank if self.devices is None else self.devices[rank]
 
     @functools.cached_property
     def doc_stats(self) -> tuple[np.ndarray, np.ndarray]:
@@ -164,6 +180,8 @@ class TraceRecord:
         for key in ("moe_comm_fwd_s", "moe_comm_bwd_s"):
             if getattr(self, key) is not None:
                 out[key] = ranks(getattr(self, key))
+        if self.devices is not None:
+            out["devices"] = list(self.devices)
         if self.faults:
             out["faults"] = [f.to_dict() for f in self.faults]
         return out
@@ -231,7 +249,7 @@ def _parse(data: Any, where: str) -> TraceRecord:
     if version < 1:
         raise TraceError(f"{where}: key 'version' must be >= 1, got {version}")
     known = {"format", "version", "iteration", "time_s", "iteration_s", "layout", "model", "layers",
-             "documents", "fwd_s", "bwd_s", "faults", "routed_tokens", "moe_comm_fwd_s", "moe_comm_bwd_s"}
+             "documents", "fwd_s", "bwd_s", "faults", "routed_tokens", "moe_comm_fwd_s", "moe_comm_bwd_s", "devices"}
     unknown = sorted(k for k in data if k not in known and not str(k).startswith("x_"))
     if unknown:
         raise TraceError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
@@ -277,6 +295,14 @@ def _parse(data: Any, where: str) -> TraceRecord:
                                                          what="counts" if key == "routed_tokens" else "durations")
     if moe["routed_tokens"] is not None and model.num_experts is None:
         raise TraceError(f"{where}: key 'routed_tokens' needs a model with experts ('model' has no num_experts)")
+    devices = data.get("devices")
+    if devices is not None:
+        if (not isinstance(devices, list) or len(devices) != world
+                or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices)
+                or len(set(devices)) != world):
+            raise TraceError(f"{where}: key 'devices' must list {world} distinct launch ranks (ints >= 0), one per "
+                             f"rank, got {devices!r:.60}")
+        devices = tuple(devices)
     faults = []
     for k, f in enumerate(data.get("faults") or []):
         if not isinstance(f, dict):
@@ -288,13 +314,16 @@ def _parse(data: Any, where: str) -> TraceRecord:
         if label.kind not in FAULT_KINDS:
             raise TraceError(f"{where}: key 'faults' [{k}]: kind must be one of {', '.join(FAULT_KINDS)}, "
                              f"got {label.kind!r}")
-        if not 0 <= label.rank < world:
+        # A label names a device: with 'devices' a launch rank, possibly one that has left (stopped).
+        if devices is None and not 0 <= label.rank < world:
             raise TraceError(f"{where}: key 'faults' [{k}]: rank {label.rank} outside 0..{world - 1}")
+        if label.rank < 0:
+            raise TraceError(f"{where}: key 'faults' [{k}]: rank {label.rank} is not a launch rank (>= 0)")
         faults.append(label)
     return TraceRecord(iteration=iteration, iteration_s=iteration_s, layout=layout, model=model,
                            documents=docs, fwd_s=fwd, bwd_s=bwd,
                            time_s=None if time_s is None else float(time_s), layers=layers, faults=tuple(faults),
-                           **moe)
+                           devices=devices, **moe)
 
 
 # ------------------------------------------------------------------------------------ files

@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from megatron_ext.resihp.jsonl import JsonLinesWriter
 
@@ -25,6 +25,12 @@ class Verdict:
     noise, that its true slowdown exceeds the threshold; 1 for a missed heartbeat.
     ``iteration``: the iteration at which the verdict was reached (for ``fail_stop``, the last
     iteration the detector had seen). ``time_s``: wall clock of the verdict when known.
+
+    ``rank`` is the rank in the job's world *at* ``iteration``; a live rank permutation or a
+    fail-stop regroup renumbers the ranks, so across a re-layout the same device can have another
+    rank. The device itself is its launch rank (``DistContext.member``), which the fail-slow
+    detector puts in ``detail["launch_rank"]`` (``launch_rank`` reads it; without it, no
+    renumbering happened and the two are the same).
     """
 
     kind: str
@@ -43,6 +49,18 @@ class Verdict:
         if not 0.0 <= self.confidence <= 1.0 or math.isnan(self.confidence):
             raise ValueError(f"verdict confidence must lie in [0, 1], got {self.confidence}")
 
+    @property
+    def launch_rank(self) -> int:
+        """The device the verdict names: its launch rank (``rank`` where the detail has none)."""
+        return int(self.detail.get("launch_rank", self.rank))
+
+    def on_devices(self, members: Sequence[int]) -> "Verdict":
+        """This verdict with its device recorded: ``members[rank]`` (the launch rank of each rank
+        of the world it was reached in) put in ``detail["launch_rank"]`` unless already there."""
+        if "launch_rank" in self.detail or not 0 <= self.rank < len(members):
+            return self
+        return dataclasses.replace(self, detail={**self.detail, "launch_rank": int(members[self.rank])})
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -55,7 +73,9 @@ class Verdict:
 
     def describe(self) -> str:
         """One log line."""
-        where = f"rank {self.rank}" + (f" (stage {self.stage})" if self.stage is not None else "")
+        about = ([f"launch rank {self.launch_rank}"] if self.launch_rank != self.rank else []) + (
+            [f"stage {self.stage}"] if self.stage is not None else [])
+        where = f"rank {self.rank}" + (f" ({', '.join(about)})" if about else "")
         if self.kind == "fail_slow":
             what = f"fail-slow x{self.factor:.2f}"
         elif self.kind == "fail_stop":

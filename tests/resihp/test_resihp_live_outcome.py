@@ -42,3 +42,20 @@ def test_the_detector_leaves_presenting_verdicts_to_its_caller(caplog):
             found += detector.observe(record).verdicts
     assert any(v.kind == "fail_slow" and v.rank == 1 for v in found)
     assert not [r for r in caplog.records if "fail-slow" in r.getMessage()], "the detector logged a verdict too"
+
+
+def test_faults_and_verdicts_meet_on_the_device_after_a_renumbering():
+    # After a permutation rank 0 is launch rank 2 (devices (2, 1, 0, 3)): the heartbeat names the
+    # stopped rank 0 of its generation, and on_devices records device 2 in the verdict.
+    faults = FaultInjectionConfig(inject_slow=["2:30:2.0"], inject_stop=["2:60"])
+    stop = Verdict(kind="fail_stop", rank=0, stage=0, iteration=61, factor=None, confidence=1.0, detector="heartbeat")
+    devices = (2, 1, 0, 3)
+    moved = stop.on_devices(devices)
+    assert (moved.rank, moved.launch_rank, stop.launch_rank) == (0, 2, 0)
+    assert moved.on_devices((0, 1, 2, 3)) is moved  # a recorded device is never overwritten
+    assert "rank 0 (launch rank 2, stage 0)" in moved.describe()
+    slow = slow_verdict(0, 36, 1.9).on_devices(devices)
+    assert injection_outcome(faults, [slow, moved], 70) == [
+        "injected: rank 2 x2 slow from iteration 30; named at iteration 36 (x1.90, 6 iterations later)",
+        "injected: rank 2 stopped at iteration 60; named by heartbeat"]
+    assert injection_outcome(faults, [slow_verdict(0, 36, 1.9), stop], 70)[1].endswith("no verdict")

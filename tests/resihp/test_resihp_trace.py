@@ -161,3 +161,37 @@ def test_moe_key_errors_name_file_line_and_key(tmp_path, mutate, message):
     path = write_lines(tmp_path, bad)
     with pytest.raises(TraceError, match="^" + re.escape(f"{path}:1: {message}")):
         list(read_trace(path))
+
+
+def test_devices_round_trip_and_label_launch_ranks(tmp_path):
+    # After a permutation rank r is launch rank devices[r]; a fault label names the device, also
+    # one that has left the world (stopped), so it may exceed the world's ranks.
+    rec = record(devices=(2, 0, 1, 5), faults=(FaultLabel(kind="stop", rank=3, since=1),))
+    path = tmp_path / "perm.jsonl"
+    write_trace(path, [rec, record(2)])
+    back, plain = read_trace(path)
+    assert back.devices == (2, 0, 1, 5) and back.device_of(3) == 5 and back.faults[0].rank == 3
+    assert plain.devices is None and plain.device_of(3) == 3
+    assert "devices" not in json.loads(path.read_text().splitlines()[1])
+    with pytest.raises(ValueError, match=re.escape("devices must name 4 distinct launch ranks >= 0, one per rank; "
+                                                   "got [0, 0, 1, 2]")):
+        record(devices=(0, 0, 1, 2))
+
+
+@pytest.mark.parametrize("devices,message", [
+    ([0, 1, 2], "key 'devices' must list 4 distinct launch ranks (ints >= 0), one per rank, got [0, 1, 2]"),
+    ([0, 1, 1, 3], "key 'devices' must list 4 distinct launch ranks (ints >= 0), one per rank, got [0, 1, 1, 3]"),
+    ([0, 1, 2, -1], "key 'devices' must list 4 distinct launch ranks (ints >= 0), one per rank, got [0, 1, 2, -1]"),
+    ([0, 1, 2, True], "key 'devices' must list 4 distinct launch ranks (ints >= 0), one per rank, got [0, 1, 2, True]"),
+])
+def test_devices_errors_name_file_line_and_key(tmp_path, devices, message):
+    bad = good()
+    bad["devices"] = devices
+    path = write_lines(tmp_path, bad)
+    with pytest.raises(TraceError, match="^" + re.escape(f"{path}:1: {message}")):
+        list(read_trace(path))
+    bad = good()
+    bad.update(devices=[3, 2, 1, 0])
+    bad["faults"][0].update(rank=-1)
+    with pytest.raises(TraceError, match=re.escape("key 'faults' [0]: rank -1 is not a launch rank (>= 0)")):
+        list(read_trace(write_lines(tmp_path, bad)))
