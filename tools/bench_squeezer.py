@@ -98,14 +98,15 @@ print(n * {fusion} / (time.perf_counter() - t0))
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def run_case(engine: str, m: int, study: str, work: str, iters: int, timeout_s: float) -> dict:
+def run_case(engine: str, m: int, study: str, work: str, iters: int, timeout_s: float,
+             margin_ms: float | None = None) -> dict:
     sq_dir = os.path.join(work, "squeeze")
     metrics = os.path.join(work, "metrics.jsonl")
     args = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, "--engine", engine,
             "--pipeline-model-parallel-size", "2", "--global-batch-size", str(4 * m), "--train-iters", str(iters),
             "--squeeze", study, "--squeeze-dir", sq_dir, "--squeeze-control-every", "2",
             "--squeeze-check-every", "40", "--squeeze-max-slowdown", "0.99", "--squeeze-start-iter", "2",
-            "--metrics-file", metrics]
+            "--metrics-file", metrics] + ([] if margin_ms is None else ["--squeeze-margin-ms", str(margin_ms)])
     port = str(_free_port())
     procs = []
     for rank in range(2):
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--figures-out", default=None, help="a directory: <case>.json with work_per_bubble_s, for the "
                    "cluster simulator's --bubble-speed-from")
     p.add_argument("--keep", default=None, help="keep the runs' files in this directory")
+    p.add_argument("--margin-ms", type=float, default=None, help="--squeeze-margin-ms of the runs (default: the flag's)")
     args = p.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
         print("bench_squeezer.py: error: needs 2 cores (one per rank)", file=sys.stderr)
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 work = os.path.join(base, name)
                 shutil.rmtree(work, ignore_errors=True)
                 study = study_for_bench(args.study, work)
-                res = run_case(engine, m, study, work, args.iters, args.timeout_s)
+                res = run_case(engine, m, study, work, args.iters, args.timeout_s, args.margin_ms)
                 # the exclusive speed of the bundle each guest ran, measured now, side by side
                 rates = {f: exclusive_rate(study, f, args.exclusive_s, cpu=0) for f in {x["fusion"] for x in res["figures"]}}
                 cases[name] = summarize(res, rates, study)
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"case": n, "work_per_bubble_s": c["work_per_bubble_s"], "bubble_used": c["bubble_used"],
                            "bubble_fraction": c["bubble_fraction"]}, fh, indent=1)
     settings = {"iters": args.iters, "study": os.path.relpath(args.study, ROOT), "model": " ".join(MODEL),
-                "load_avg_1m": os.getloadavg()[0]}
+                "margin_ms": args.margin_ms, "load_avg_1m": os.getloadavg()[0]}
     print(json.dumps({"cases": cases, "settings": settings}))
     return 0
 

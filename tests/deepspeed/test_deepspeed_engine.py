@@ -211,6 +211,11 @@ def test_plot_timeline_renders_a_gantt_png(runs, tmp_path):
     out = tmp_path / "gantt.png"
     assert tool.main([str(runs["dir"] / "pp4_m8" / "timeline_iter0000003.json"), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Several iterations: one panel each, on one time scale; titles one per trace.
+    two = [str(runs["dir"] / name / "timeline_iter0000003.json") for name in ("pp4_m8", "pp2dp2_m4")]
+    assert tool.main(two + ["-o", str(tmp_path / "two.png"), "--title", "a", "--title", "b"]) == 0
+    assert (tmp_path / "two.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert tool.main(two + ["-o", str(out), "--title", "a"]) == 2
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert tool.main([str(bad), "-o", str(out)]) == 2
