@@ -29,12 +29,18 @@ def test_sbatch_trains_and_exits_zero(tmp_path):
     assert shutil.which("sbatch"), "sbatch not on PATH"
     out = tmp_path / "job.out"
     ckpt = tmp_path / "ckpt"
+    # Every output of the demo config goes under tmp_path: a test must not leave a run in the
+    # repository's runs/demo (a later `make demo` would refuse to trample it), nor find one there.
+    study = tmp_path / "study.yaml"
+    study.write_text(re.sub(r"(?m)^output_dir:.*$", f"output_dir: {tmp_path / 'hydro'}",
+                            open(os.path.join(ROOT, "configs", "demo_study.yaml"), encoding="utf-8").read()))
     env = {**os.environ, "PYTHON": os.path.join(ROOT, ".venv", "bin", "python")
            if os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")) else "python3"}
     job_id = subprocess.run(
         ["sbatch", "--parsable", "--output", str(out), "scripts/slurm/pretrain_gpt.sbatch",
          "--config", "configs/demo.yaml", "--train-iters", "3", "--eval-iters", "1", "--log-interval", "1", "--save", str(ckpt),
-         "--tensorboard-dir", str(tmp_path / "tb")],
+         "--tensorboard-dir", str(tmp_path / "tb"), "--metrics-file", str(tmp_path / "metrics.jsonl"),
+         "--squeeze", str(study), "--squeeze-dir", str(tmp_path / "squeeze")],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     deadline = time.time() + 600
     state, code = "PENDING", ""
