@@ -1,11 +1,13 @@
 """Live re-layout of a running job in the same processes (``Trainer.relayout``).
 
 At an iteration boundary, every rank: collects its main-replica shards with the checkpoint's own
-``collect_payload`` and sends them to every rank; lets the engine destroy the old layout's process
-groups and build the new ones (``Trainer._relayout_context``), or, for a rank permutation, form a
-new default group with the processes renumbered (``Trainer._regroup_context``, the mechanism of a
-fail-stop regroup, with nobody left out); rebuilds model, DDP, optimizer and scheduler and fills
-them with ``checkpoint.reshard_from_peers`` (the one resharding planner for files and peers); and
+``collect_payload`` and keeps them; lets the engine destroy the old layout's process groups and
+build the new ones (``Trainer._relayout_context``), or, for a rank permutation, form a new default
+group with the processes renumbered (``Trainer._regroup_context``, the mechanism of a fail-stop
+regroup, with nobody left out); rebuilds model, DDP, optimizer and scheduler and fills them with
+``transport.reshard_between_ranks`` (each holder sends each new owner only the boxes it needs,
+point to point; cut and applied by the checkpoint's resharding planner, the one for files and
+peers); and
 hands the logging rank's rows to the process that logs next. ``Trainer._rebuild`` carries the LR
 schedule, the data position and the extensions (detach, attach) over.
 
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_ext.errors import UserError
 from megatron_ext.runtime import checkpoint as ckpt
-from megatron_ext.runtime import distributed
+from megatron_ext.runtime import distributed, transport
 from megatron_ext.runtime.layout import Coord
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,11 +72,6 @@ def relayout(trainer: "Trainer", *, tp: int, pp: int, vpp: int | None = None, st
         if store_addr is None:
             raise UserError(NO_STORE)
     payload = ckpt.collect_payload(trainer.model, trainer.optimizer)
-    payloads: list[Any] = [payload]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        payloads = [None] * dist.get_world_size()
-        dist.all_gather_object(payloads, payload)
-    moved = sum(p["tensor"].numel() * p["tensor"].element_size() for p in payload)
     if dist.is_initialized():
         dist.barrier()
     if order is not None and trainer.failover is not None:
@@ -92,8 +89,8 @@ def relayout(trainer: "Trainer", *, tp: int, pp: int, vpp: int | None = None, st
         return trainer._regroup_context(trainer.ctx, members=members, tp=tp, pp=pp, vpp=vpp, ep=ep,
                                         store_addr=store_addr)
 
-    trainer._rebuild(new_cfg, new_ctx, lambda: ckpt.reshard_from_peers(payloads, model=trainer.model,
-                                                                        optimizer=trainer.optimizer))
+    moved = trainer._rebuild(new_cfg, new_ctx, lambda: transport.reshard_between_ranks(
+        payload, model=trainer.model, optimizer=trainer.optimizer))
     if order is not None and trainer.failover is not None:
         trainer.failover.arm(trainer.ctx)  # the commit ledger of the new generation
     hand_over_history(trainer, old_logger)
@@ -101,7 +98,9 @@ def relayout(trainer: "Trainer", *, tp: int, pp: int, vpp: int | None = None, st
             "stage_layers": new_parallel.pipeline_stage_layers,
             "replica_microbatches": new_parallel.data_parallel_microbatches,
             "rank_order": order, "members": list(trainer.ctx.members),
-            "payload_bytes": moved, "pause_s": time.perf_counter() - start}
+            "payload_bytes": moved["held_bytes"], "sent_bytes": moved["sent_bytes"],
+            "received_bytes": moved["received_bytes"], "messages": moved["messages"],
+            "pause_s": time.perf_counter() - start}
     if trainer.ctx.rank == 0:
         logger.info("re-laid out %s -> %s at iteration %d in %.2f s", old_name, info["to"], trainer.iteration,
                     info["pause_s"])

@@ -67,6 +67,9 @@ def main() -> None:
         tp, pp, stages, split = (list(LAYOUTS[target]) + [None, None])[:4]
         info = trainer.relayout(tp=tp, pp=pp, stage_layers=stages, replica_microbatches=split)
         ctx = trainer.ctx
+        moved = [None] * dist.get_world_size()  # every rank's bytes: sent, received, held
+        dist.all_gather_object(moved, [info["sent_bytes"], info["received_bytes"], info["payload_bytes"]])
+        info["moved"] = moved
         second = losses(trainer, 10)
         result[f"{start}->{target}"] = {"losses": first + second, "info": info,
                                         "groups": [groups_before, live_groups()]}

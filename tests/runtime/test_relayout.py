@@ -30,6 +30,11 @@ def test_relayout_at_iteration_10_continues_the_straight_run(result, start, targ
     live = result[f"{start}->{target}"]
     assert max_rel_diff(live["losses"], result[f"straight_{start}"]) < 1e-5
     assert live["info"]["iteration"] == 10
+    # Point to point: what was sent was received, and each rank got the boxes it lacked, not the
+    # job's whole state (an all-gather sends every rank's payload to the 3 others).
+    sent, received, held = (sum(col) for col in zip(*live["info"]["moved"]))
+    assert sent == received > 0
+    assert sent < 3 * held
 
 
 @pytest.mark.multirank
