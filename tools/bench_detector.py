@@ -137,9 +137,6 @@ def run_flops_form(args: argparse.Namespace) -> dict:
                   f"faults {[(f.rank, f.since, f.factor) for f in spec.faults]}", file=sys.stderr)
     wall = time.time() - t0
 
-    def fmt(x: float, spec: str = ".3f") -> str:
-        return "-" if x != x else format(x, spec)
-
     print(f"\nResiHP detector benchmark (a'): generator with the detector's FLOPs form (synthetic.py), "
           f"{args.flops_jobs} jobs x {args.iterations} iterations, seed {args.seed}, {wall:.0f} s")
     print(f"settings: threshold {cfg.resihp_threshold}, zscore {cfg.resihp_zscore}, window {cfg.resihp_window}, "
@@ -177,6 +174,19 @@ def run_flops_form(args: argparse.Namespace) -> dict:
         m = per.get((name, "healthy"), DetectionMetrics()) + per.get((name, "slow>=1.3x"), DetectionMetrics())
         headline[name] = m.summary()
     return headline
+
+
+def print_table(names: list[str], buckets: list[str], per: dict) -> None:
+    """Precision, recall, F1, delay and false alarms per detector and job bucket."""
+    header = f"{'detector':<20} {'jobs':<8} {'faults':>6} {'prec':>6} {'recall':>6} {'f1':>6} {'delay':>6} " \
+             f"{'FA/10k':>8} {'healthy it':>10}"
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        for b in buckets:
+            m = per.get((name, b), DetectionMetrics())
+            print(f"{name:<20} {b:<8} {m.faults:>6} {fmt(m.precision):>6} {fmt(m.recall):>6} {fmt(m.f1):>6} "
+                  f"{fmt(m.delay_iters, '.1f'):>6} {fmt(m.false_alarms_per_10k, '.2f'):>8} {m.healthy_iterations:>10}")
 
 
 def fmt(x: float, spec: str = ".3f") -> str:
@@ -224,15 +234,7 @@ def run_device(args: argparse.Namespace) -> dict:
           f"{args.ramp_jobs} ramps), seed {args.seed}, {wall:.0f} s; {stalls_total} healthy stalls")
     print(f"settings: threshold {cfg.resihp_threshold}, zscore {cfg.resihp_zscore}, window {cfg.resihp_window}, "
           f"warm-up {cfg.resihp_warmup}")
-    header = f"{'detector':<20} {'jobs':<8} {'faults':>6} {'prec':>6} {'recall':>6} {'f1':>6} {'delay':>6} " \
-             f"{'FA/10k':>8} {'healthy it':>10}"
-    print(header)
-    print("-" * len(header))
-    for name, _ in DETECTORS:
-        for b in buckets:
-            m = per.get((name, b), DetectionMetrics())
-            print(f"{name:<20} {b:<8} {m.faults:>6} {fmt(m.precision):>6} {fmt(m.recall):>6} {fmt(m.f1):>6} "
-                  f"{fmt(m.delay_iters, '.1f'):>6} {fmt(m.false_alarms_per_10k, '.2f'):>8} {m.healthy_iterations:>10}")
+    print_table([name for name, _ in DETECTORS], buckets, per)
     print("false recoveries ('recovered' while the fault is active): " +
           ", ".join(f"{n} {c}" for n, c in recov.items()))
     print("verdicts on a rank in or just after a healthy stall: " + ", ".join(f"{n} {c}" for n, c in stalled.items()))
@@ -326,15 +328,7 @@ def run_moe(args: argparse.Namespace) -> dict:
     print("routing: the busiest EP rank of a group computed this many times the group's mean pairs per op "
           "(median over jobs of the per-job median; 1 = balanced): " +
           ", ".join(f"Dirichlet {a}: {v:.2f}x" for a, v in imbalance.items()))
-    header = f"{'detector':<20} {'jobs':<8} {'faults':>6} {'prec':>6} {'recall':>6} {'f1':>6} {'delay':>6} " \
-             f"{'FA/10k':>8} {'healthy it':>10}"
-    print(header)
-    print("-" * len(header))
-    for name, _ in MOE_DETECTORS:
-        for b in buckets:
-            m = per.get((name, b), DetectionMetrics())
-            print(f"{name:<20} {b:<8} {m.faults:>6} {fmt(m.precision):>6} {fmt(m.recall):>6} {fmt(m.f1):>6} "
-                  f"{fmt(m.delay_iters, '.1f'):>6} {fmt(m.false_alarms_per_10k, '.2f'):>8} {m.healthy_iterations:>10}")
+    print_table([name for name, _ in MOE_DETECTORS], buckets, per)
     out: dict = {"jobs": len(plan), "busiest_over_mean": imbalance}
     for name, _ in MOE_DETECTORS:
         total = DetectionMetrics()

@@ -162,28 +162,27 @@ def effective_flops(model: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor, r
 
     with FlopCounterMode(display=False) as fc:
         train_step(model, x, gy, model.parameters())
+    rate = torch.tensor(fc.get_total_flops() / _median_step_s(model, x, gy, reps))
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate)
+
+
+def _median_step_s(model: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor, reps: int) -> float:
+    """This rank's median of ``reps`` training steps, each started together (the caller runs a warm one)."""
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         train_step(model, x, gy, model.parameters())
         times.append(time.perf_counter() - t0)
-    rate = torch.tensor(fc.get_total_flops() / statistics.median(times))
-    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
-    return float(rate)
+    return statistics.median(times)
 
 
 def _megatron_eager_s(make, x: torch.Tensor, gy: torch.Tensor, reps: int) -> float:
     """Median step of megatron's own modules (its drop-free MoE dispatcher), slowest rank."""
     model = make(traceable=False)
     train_step(model, x, gy, model.parameters())
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        train_step(model, x, gy, model.parameters())
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor(statistics.median(times))
+    t = torch.tensor(_median_step_s(model, x, gy, reps))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 

@@ -35,6 +35,18 @@ P2P_METHODS: dict[str, Call] = {
 _SEND_ONLY = {Call.SEND_FORWARD, Call.SEND_BACKWARD}
 
 
+def require_megatron_core(what: str, missing: list[str], module_file: str) -> None:
+    """The guard of every module that patches or hooks megatron-core from outside: refuse a
+    version it was not written against, or one that lost a symbol it needs (``missing``)."""
+    import megatron.core
+
+    if megatron.core.__version__ not in SUPPORTED_MEGATRON_CORE:
+        raise RuntimeError(f"{what} support megatron-core {SUPPORTED_MEGATRON_CORE}, "
+                           f"found {megatron.core.__version__}")
+    if missing:
+        raise RuntimeError(f"megatron-core no longer has {missing}: update {module_file}")
+
+
 def missing_symbols() -> list[str]:
     sched = importlib.import_module(SCHEDULES)
     p2p = importlib.import_module(P2P)
@@ -61,14 +73,7 @@ class MegatronPipelineHooks:
 
     # --- lifecycle -------------------------------------------------------------------------
     def install(self) -> "MegatronPipelineHooks":
-        import megatron.core
-
-        if megatron.core.__version__ not in SUPPORTED_MEGATRON_CORE:
-            raise RuntimeError(f"pipeline hooks support megatron-core {SUPPORTED_MEGATRON_CORE}, "
-                               f"found {megatron.core.__version__}")
-        gone = missing_symbols()
-        if gone:
-            raise RuntimeError(f"megatron-core no longer has {gone}: update megatron_ext/pipeline/megatron_hooks.py")
+        require_megatron_core("pipeline hooks", missing_symbols(), "megatron_ext/pipeline/megatron_hooks.py")
         if MegatronPipelineHooks._active is not None:
             raise RuntimeError("pipeline hooks are already installed; uninstall() the other recorder first")
         sched = importlib.import_module(SCHEDULES)

@@ -46,10 +46,10 @@ import numpy as np
 import torch
 
 from megatron_ext.pipeline.events import EventRecorder, Phase
+from megatron_ext.pipeline.megatron_hooks import require_megatron_core
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MEGATRON_CORE = ("0.16.1",)
 DISPATCHER_MODULE = "megatron.core.transformer.moe.token_dispatcher"
 MOE_LAYER_MODULE = "megatron.core.transformer.moe.moe_layer"
 # Collectives the token dispatchers call by module-level name; each moves its ``input_`` argument.
@@ -88,31 +88,19 @@ def moe_layers(chunks: list[torch.nn.Module]) -> list[list[torch.nn.Module]]:
     return [[m for m in chunk.modules() if isinstance(m, BaseMoELayer)] for chunk in chunks]
 
 
-class _BackwardEnd(torch.autograd.Function):
-    """Identity; its backward runs right after the collective's backward: closes the span."""
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward calls ``hook(key)`` as the gradient passes: placed on a collective's
+    input its backward runs right after the collective's backward (closes the span), on its output
+    right before (opens it)."""
 
     @staticmethod
-    def forward(ctx, x, probe, key):  # type: ignore[override]
-        ctx.probe, ctx.key = probe, key
+    def forward(ctx, x, hook, key):  # type: ignore[override]
+        ctx.hook, ctx.key = hook, key
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        ctx.probe._close_backward(ctx.key)
-        return grad, None, None
-
-
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the collective's output; its backward runs right before the collective's."""
-
-    @staticmethod
-    def forward(ctx, x, probe, key):  # type: ignore[override]
-        ctx.probe, ctx.key = probe, key
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        ctx.probe._open_backward(ctx.key)
+        ctx.hook(ctx.key)
         return grad, None, None
 
 
@@ -145,14 +133,7 @@ class MoEProbe:
 
     # --- lifecycle -------------------------------------------------------------------------
     def install(self, chunks: list[torch.nn.Module]) -> "MoEProbe":
-        import megatron.core
-
-        if megatron.core.__version__ not in SUPPORTED_MEGATRON_CORE:
-            raise RuntimeError(f"the ResiHP MoE probe supports megatron-core {SUPPORTED_MEGATRON_CORE}, "
-                               f"found {megatron.core.__version__}")
-        gone = missing_symbols()
-        if gone:
-            raise RuntimeError(f"megatron-core no longer has {gone}: update megatron_ext/resihp/moe_probe.py")
+        require_megatron_core("the ResiHP MoE probe's hooks", missing_symbols(), "megatron_ext/resihp/moe_probe.py")
         if MoEProbe._active is not None:
             raise RuntimeError("a MoE probe is already installed; uninstall() it first")
         layers = moe_layers(chunks)
@@ -230,13 +211,13 @@ class MoEProbe:
             if marked:
                 key = self._next_key
                 self._next_key += 1
-                bound.arguments["input_"] = _BackwardEnd.apply(x, self, key)
+                bound.arguments["input_"] = _OnBackward.apply(x, self._close_backward, key)
             t0 = self.clock()
             out = original(*bound.args, **bound.kwargs)
             t1 = self.clock()
             self._row(COLLECTIVE, t0, t1, t1 - t0)
             if marked and isinstance(out, torch.Tensor) and out.requires_grad:
-                out = _BackwardStart.apply(out, self, key)
+                out = _OnBackward.apply(out, self._open_backward, key)
             return out
 
         return collective
