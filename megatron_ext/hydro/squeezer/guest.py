@@ -78,6 +78,7 @@ class WindowGate:
         self.parent_pid = parent_pid
         self.idle_poll_s = idle_poll_s
         self._units: dict[str, collections.deque] = {}
+        self._median: dict[str, float] = {}   # per pause point, the median of its recent units
         self._history = history
         self._key: str | None = None
         self._unit_t0 = 0.0
@@ -86,6 +87,7 @@ class WindowGate:
         self._unit_seq = -1
         self._seq_used = self._seq_skipped = self._seq_seen = -1
         self._windows: collections.deque = collections.deque(maxlen=64)   # lengths of recent windows
+        self._cap: float | None = None   # _cap_s of the windows seen, computed once per new window
         self._parked = False
         self._critical = 0
         self._suspend_pending = False
@@ -137,8 +139,7 @@ class WindowGate:
                     self._suspend()
 
     def expected_s(self, where: str) -> float:
-        past = self._units.get(where)
-        return statistics.median(past) if past else 0.0
+        return self._median.get(where, 0.0)
 
     def _need_s(self, where: str) -> float:
         """Room the unit starting at ``where`` needs. A unit longer than most windows (rebuilding a
@@ -153,15 +154,15 @@ class WindowGate:
 
     def _cap_s(self) -> float | None:
         """Half the length of a window of the longer quarter (room for the wake-up latency); None
-        before 8 windows were seen."""
-        return statistics.quantiles(self._windows, n=4)[2] / 2 if len(self._windows) >= 8 else None
+        before 8 windows were seen. Asked at every pause point: kept from the last new window."""
+        return self._cap
 
     def _publish_min_unit(self) -> None:
         """The shortest room any unit needs, for the rank to skip shorter windows. 0 (offer every
         window) until the guest has seen enough windows to know what a long unit is: a guest that
         had measured one long unit would otherwise be offered no window to learn from."""
         cap = self._cap_s()
-        shortest = min(statistics.median(d) for d in self._units.values())
+        shortest = min(self._median.values())
         self.ctl["min_unit_s"] = 0.0 if cap is None else min(shortest, cap)
 
     def _saw_window(self) -> None:
@@ -169,6 +170,8 @@ class WindowGate:
         if seq != self._seq_seen:
             self._seq_seen = seq
             self._windows.append(float(self.ctl["deadline"] - self.ctl["t_open"]))
+            if len(self._windows) >= 8:
+                self._cap = statistics.quantiles(self._windows, n=4)[2] / 2
 
     def checkpoint(self, where: str) -> None:
         ctl = self.ctl
@@ -179,8 +182,9 @@ class WindowGate:
             # the core took meanwhile does not count, so a unit that outlived its window is measured
             # as truly as one that fit.
             if self._unit_seq >= 0:
-                self._units.setdefault(self._key, collections.deque(maxlen=self._history)).append(
-                    self.unit_clock() - self._unit_t0)
+                past = self._units.setdefault(self._key, collections.deque(maxlen=self._history))
+                past.append(self.unit_clock() - self._unit_t0)
+                self._median[self._key] = statistics.median(past)
                 self._publish_min_unit()
             ctl["units"] += 1
         if ctl["stop"]:
@@ -265,7 +269,7 @@ class WindowGate:
         ctl["overrun_s"] += max(0.0, total - inside)
 
     def unit_table(self) -> str:
-        return ", ".join(f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in sorted(self._units.items()))
+        return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(self._median.items()))
 
 
 # --- the operation log (for the parity check) -------------------------------------------------------
