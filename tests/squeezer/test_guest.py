@@ -10,7 +10,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from megatron_ext.hydro.squeezer.control import PARKED, RUNNING, STOPPED
+from megatron_ext.hydro.squeezer.control import PARKED, RUNNING, STOPPED, SUSPENDED
 from megatron_ext.hydro.squeezer.controller import GuestProcess, Squeezer
 from megatron_ext.hydro.squeezer.replay import read_oplog, replay
 from squeezer_helpers import WindowDriver, tiny_study, wait_for
@@ -26,20 +26,33 @@ def run(tmp_path_factory):
     guest = GuestProcess(tune_config=cfg, rank=0, device="cpu", log_dir=log_dir, budget_bytes=1 << 30)
     sq = Squeezer(guest, margin_s=0.001)
     sq.active = True
-    drive = WindowDriver(sq, open_s=0.03, closed_s=0.02)
+    drive = WindowDriver(sq, open_s=0.03, closed_s=0.02, early_every=4)
     out = {"cfg": cfg, "log_dir": log_dir, "guest": guest}
     guest.start()
     first_pid = guest.proc.pid
     assert wait_for(lambda: guest.ready, 120), f"the guest never reached a pause point: {guest.ctl.message}"
-    assert drive.until(lambda: guest.ctl["steps"] >= 25, 180), "the guest trained too little in windows"
-    out["parked_between"] = wait_for(lambda: guest.state == PARKED, 5)
+    # until it trained and was halted at least once at a window's close (the early closes)
+    assert drive.until(lambda: guest.ctl["steps"] >= 25 and guest.ctl.stops_since(0.0), 180), \
+        "the guest trained too little in windows, or was never halted at a close"
+    # between windows it is parked, halted by the rank (a stop not yet ended by a SIGCONT) or
+    # suspended by itself after a storage call
+    out["parked_between"] = wait_for(lambda: guest.state in (PARKED, SUSPENDED)
+                                     or guest.ctl.stops_since(0.0)[-1][1] == float("inf"), 5)
     out["runs_before_kill"] = guest.ctl.run_intervals()
     out["stops_before_kill"] = guest.ctl.stops_since(0.0)
     out["windows_before_kill"] = list(drive.windows)
-    # SIGKILL while it runs inside a window
-    w = drive._window((10 ** 6, 3, 1), time.perf_counter(), 1.0)
+    # SIGKILL while it runs inside a window, in the middle of a trial (not between a trial's tell
+    # and the next ask, when it owns no running trial to be marked failed)
+    study = optuna.load_study(study_name="sq", storage=f"sqlite:///{tmp}/hydro/sq.db")
+
+    def mid_trial() -> bool:
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return guest.state == RUNNING and any(t.user_attrs.get("squeeze_guest", {}).get("pid") == first_pid
+                                              for t in running)
+
+    w = drive._window((10 ** 6, 3, 1), time.perf_counter(), 5.0)
     sq.window_open(w)
-    wait_for(lambda: guest.state == RUNNING, 5)
+    assert wait_for(mid_trial, 5), "the guest never ran a trial in the long window"
     os.kill(first_pid, signal.SIGKILL)
     guest.proc.wait()
     sq.window_close(w, time.perf_counter())
@@ -52,7 +65,6 @@ def run(tmp_path_factory):
     guest.stop()
     out["final_state"] = guest.state
     out["stats"] = sq.stats()
-    study = optuna.load_study(study_name="sq", storage=f"sqlite:///{tmp}/hydro/sq.db")
     out["trials"] = study.get_trials(deepcopy=False)
     guest.close()
     return out
@@ -74,8 +86,12 @@ def test_a_guest_running_at_a_windows_close_is_halted_and_resumed_in_a_later_win
     for s0, s1 in stops[:-1]:
         assert any(abs(s0 - w1) < 1e-9 for _, w1 in windows)         # stopped at a window's close
         assert any(abs(s1 - w0) < 1e-9 for w0, _ in windows)         # resumed at a window's open
-    for t0, t1 in run["runs_before_kill"]:                            # it never ran while stopped
-        assert all(max(t0, s0) >= min(t1, s1) - 1e-9 for s0, s1 in stops), (t0, t1)
+    # It never ran while stopped, beyond the stop's delivery: the rank records the close as the
+    # stop's start and the kernel stops the guest at its next scheduling point (measured overlaps
+    # 17-35 us where the guest's own park came first).
+    for t0, t1 in run["runs_before_kill"]:
+        assert all(max(t0, s0) >= min(t1, s1) - 1e-3 for s0, s1 in stops), (
+            (t0, t1), [(s0, s1, min(t1, s1) - max(t0, s0)) for s0, s1 in stops if max(t0, s0) < min(t1, s1)])
 
 
 def test_the_guest_is_parked_when_no_window_is_open(run):
