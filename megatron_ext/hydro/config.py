@@ -97,6 +97,8 @@ class HydroTuneConfig:
         for key in ("fusion", "target_steps", "min_resource", "vocab_size", "max_tokens", "threads"):
             if getattr(self, key) < 0:
                 bad(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.memory_budget_mb < 0:
+            bad("memory_budget_mb", f"must be >= 0, got {self.memory_budget_mb}")
         if self.reduction_factor < 2 and self.pruner in ("successive_halving", "hyperband"):
             bad("reduction_factor", f"must be >= 2 for the {self.pruner} pruner")
         if not 0 < self.shrink_ratio <= 1:
@@ -137,8 +139,6 @@ class HydroTuneConfig:
             from .models import megatron_swiglu_ffn
             return megatron_swiglu_ffn(self.hidden_size)
         return self.ffn_mult * self.hidden_size
-        if self.memory_budget_mb < 0:
-            bad("memory_budget_mb", "must be >= 0")
 
     def target_shape(self, vocab_size: int) -> "GPTShape":
         """The target model's shape: the family's block at full width."""
