@@ -8,9 +8,10 @@ Every flag is also a YAML key; flags override YAML. ``--help`` lists them all. B
 reported before any model is built: one line ``pretrain_gpt.py: error: ...``, exit code 2.
 ``--nproc-per-node N`` checks the configuration for N ranks first and then starts them (through
 torch's elastic launcher, as torchrun would), so a bad layout is reported before any rank starts.
-With ``--resihp-on-stop continue`` it starts them itself instead (``runtime/launch.py``): this
+With ``--resihp-on-stop continue`` it starts them itself instead (``ft/launch.py``): this
 process hosts the rendezvous store and outlives every rank, and a rank that dies does not stop the
-others, so the survivors can go on without it.
+others, so the survivors can go on without it (and with ``--resihp-respawn N`` it starts a lost
+rank again, which rejoins). What happens when a rank dies: docs/fault_tolerance.md.
 """
 from __future__ import annotations
 
@@ -49,11 +50,13 @@ def _continues(cfg) -> bool:
 
 
 def _check(cfg, world: int, *, launcher: bool = False) -> None:
-    from megatron_ext.resihp import failstop
+    from megatron_ext.ft import preflight
     from megatron_ext.runtime.rundir import check_outputs
 
     cfg.validate(world)
-    failstop.check(cfg, world, launcher=launcher)
+    preflight.check(cfg, world, launcher=launcher)
+    if int(os.environ.get("MEGATRON_EXT_INCARNATION", "0")) > 0:
+        return  # a replacement process joins the running job: the outputs are that job's own
     demo = os.path.basename(cfg.source) == "demo.yaml"
     check_outputs(save=cfg.checkpoint.save, load=cfg.checkpoint.load, metrics_file=cfg.logging.metrics_file,
                   tensorboard_dir=cfg.logging.tensorboard_dir, clean_hint=" (make clean-demo)" if demo else "")
@@ -91,21 +94,27 @@ def _launch(nproc: int, argv: list[str]) -> int:
     return 0
 
 
-def _launch_own(nproc: int, argv: list[str]) -> int:
+def _launch_own(nproc: int, argv: list[str], respawn: int = 0) -> int:
     """``--resihp-on-stop continue``: start the ranks without torch's agent (which stops every rank
     when one dies), with the store in this process."""
-    from megatron_ext.runtime.launch import run_job
+    from megatron_ext.ft.launch import run_job
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        code, codes = run_job([os.path.abspath(__file__), *argv], nproc)
+        code, results = run_job([os.path.abspath(__file__), *argv], nproc, respawn=respawn)
     except KeyboardInterrupt:
         return 130
-    lost = [r for r, c in enumerate(codes) if c < 0]
-    if lost and code == 0:
-        print(f"{PROG}: rank(s) {', '.join(map(str, lost))} were lost; the others trained on without them",
+    lost = [r.rank for r in results if r.lost or len(r.incarnations) > 1]
+    codes = [r.returncode for r in results]
+    if code == 0 and lost:
+        rejoined = [r.rank for r in results if len(r.incarnations) > 1 and r.returncode == 0 and not r.spare]
+        spares = [r.rank for r in results if r.spare]
+        names = lambda ranks: ", ".join(map(str, ranks))  # noqa: E731
+        print(f"{PROG}: rank(s) {names(lost)} were lost; the others trained on"
+              + (f"; rank(s) {names(rejoined)} rejoined" if rejoined else "")
+              + (f"; rank(s) {names(spares)} ended as spares (no place in the layout)" if spares else ""),
               file=sys.stderr, flush=True)
-    elif code != 0:
+    elif code != 0 and results and results[0].job_end is None:
         print(f"{PROG}: error: exit codes per rank {codes}; their output is above", file=sys.stderr, flush=True)
     return code
 
@@ -138,42 +147,82 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_run_config(argv)
         if nproc is not None and "LOCAL_RANK" not in os.environ:
             _check(cfg, nproc, launcher=_continues(cfg))
-            return _launch_own(nproc, argv) if _continues(cfg) else _launch(nproc, argv)
+            if _continues(cfg):
+                return _launch_own(nproc, argv, respawn=cfg.ext("resihp").resihp_respawn)
+            return _launch(nproc, argv)
         _check(cfg, world)
     except UserError as exc:
         return fail(exc)
 
-    from megatron_ext.runtime import distributed
+    from megatron_ext.ft import errors as ft_errors
+    from megatron_ext.ft.core import print_traceback
     from megatron_ext.runtime.extension import build_extensions
-    from megatron_ext.runtime.failover import RESTART_EXIT_CODE, RestartNeeded
 
-    # With continue, nothing may wait for a lost rank longer than the continue timeout.
-    timeout_s = cfg.ext("resihp").resihp_continue_timeout_s if _continues(cfg) else 600.0
-    if cfg.parallel.engine == "deepspeed":
-        from deepspeed_patches import trainer as ds
-
-        ctx = ds.setup_distributed(cfg.parallel, seed=cfg.training.seed, timeout_s=timeout_s)
-        trainer_cls, teardown = ds.DeepSpeedTrainer, ds.teardown
-    else:
-        from megatron_ext.runtime.loop import Trainer
-
-        ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed, timeout_s=timeout_s)
-        trainer_cls, teardown = Trainer, distributed.teardown
     try:
-        trainer = trainer_cls(cfg, ctx, build_extensions(cfg)).setup()
+        trainer = _build_trainer(cfg, build_extensions(cfg))
         trainer.run()
     except UserError as exc:
         return fail(exc)
-    except RestartNeeded as exc:
+    except ft_errors.RankEnded as exc:
+        # This rank's own exception ended it; the others go on without it (they know from the
+        # store). One line, the one traceback worth reading, and no teardown: a collective with the
+        # others could wait on them.
+        print_traceback(exc.original, f"{PROG}: error: {exc}")
+        os._exit(ft_errors.FAILED_EXIT_CODE)
+    except ft_errors.JobFailed as exc:
+        if exc.report:
+            if exc.original is not None:
+                print_traceback(exc.original, f"{PROG}: error: {exc}")
+            else:
+                print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        os._exit(ft_errors.FAILED_EXIT_CODE)
+    except ft_errors.RestartNeeded as exc:
         # The process groups may be broken: no teardown (it could wait on a lost rank), no traceback.
         where = cfg.checkpoint.save or cfg.checkpoint.load
         if exc.report:
             print(f"resihp: cannot continue: {exc}; restart from the last checkpoint"
                   + (f" (--load {where})" if where else " (none was saved: --save DIR)"), file=sys.stderr, flush=True)
-        os._exit(RESTART_EXIT_CODE)
+        os._exit(ft_errors.RESTART_EXIT_CODE)
     finally:
-        teardown()
+        _teardown(cfg)
     return 0
+
+
+def _build_trainer(cfg, extensions):
+    """The engine's trainer, set up (or, in a process the launcher started again, waiting to join),
+    with the fault-tolerance core where the run has one."""
+    from megatron_ext.ft.core import FaultTolerance, FTConfig
+    from megatron_ext.runtime import distributed
+
+    # With continue, nothing may wait for a lost rank longer than the continue timeout.
+    resihp = cfg.ext("resihp")
+    timeout_s = resihp.resihp_continue_timeout_s if _continues(cfg) else 600.0
+    incarnation = int(os.environ.get("MEGATRON_EXT_INCARNATION", "0"))
+    if cfg.parallel.engine == "deepspeed":
+        from deepspeed_patches import trainer as ds
+
+        setup, trainer_cls = ds.setup_distributed, ds.DeepSpeedTrainer
+    else:
+        from megatron_ext.runtime.loop import Trainer
+
+        setup, trainer_cls = distributed.setup, Trainer
+    ctx = setup(cfg.parallel, seed=cfg.training.seed, timeout_s=timeout_s, join=incarnation > 0)
+    ft = None
+    store_addr = distributed.rendezvous_address(ctx)
+    launch_world = distributed.world_from_env()[1]
+    if resihp is not None and resihp.resihp and launch_world > 1 and store_addr is not None:
+        ft = FaultTolerance(FTConfig.from_run(cfg), store_addr=store_addr, member=ctx.member, incarnation=incarnation)
+        ft.backend = ctx.backend
+    trainer = trainer_cls(cfg, ctx, extensions, ft=ft)
+    return trainer.setup_spare() if incarnation > 0 else trainer.setup()
+
+
+def _teardown(cfg) -> None:
+    if cfg.parallel.engine == "deepspeed":
+        from deepspeed_patches.trainer import teardown
+    else:
+        from megatron_ext.runtime.distributed import teardown
+    teardown()
 
 
 if __name__ == "__main__":

@@ -20,22 +20,22 @@ class DeepSpeedTimelineExtension(TimelineExtension):
     name = "timeline"
 
     def setup(self, trainer: "DeepSpeedTrainer") -> None:
-        from megatron_ext.pipeline.collect import clock_offsets
         from megatron_ext.pipeline.events import EventRecorder, timing_for
 
         self.recorder = EventRecorder(self.cfg.timeline_capacity, timing=timing_for(trainer.ctx.device))
-        trainer.engine.attach_recorder(self.recorder)
-        self.offset_s = clock_offsets(self.recorder.clock)
         self.schedule = "deepspeed"
         self.export = set(self.cfg.timeline_iters or [trainer.cfg.training.train_iters])
+        self.attach(trainer)
 
     def attach(self, trainer: "DeepSpeedTrainer") -> None:
-        """After a live re-layout: the new engine records into the same recorder."""
+        """(Again after a live re-layout: the new engine records into the same recorder.)"""
         trainer.engine.attach_recorder(self.recorder)
+        self._sync_clocks(trainer)
 
     def before_iteration(self, trainer: "DeepSpeedTrainer", iteration: int) -> None:
         self.recorder.reset()
 
     def teardown(self, trainer: "DeepSpeedTrainer") -> None:
         # The recorder keeps the last iteration's events: record() still works after the run.
-        trainer.engine.attach_recorder(None)
+        if trainer.engine is not None:  # None on a rank that left the layout (a spare)
+            trainer.engine.attach_recorder(None)

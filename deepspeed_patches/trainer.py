@@ -25,7 +25,8 @@ import torch.distributed as dist
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import ParallelConfig, RunConfig
 from megatron_ext.runtime import distributed
-from megatron_ext.runtime import store as store_lib
+from megatron_ext.ft import store as store_lib
+from megatron_ext.ft.target import LayoutTarget
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.loop import Trainer
@@ -54,14 +55,26 @@ def check_config(cfg: RunConfig) -> None:
                           "reduces gradients after the schedule: drop it with --engine deepspeed")
 
 
-def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> DistContext:
+def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0,
+                      join: bool = False) -> DistContext:
     """Process group, DeepSpeed's comm backend (patched) and this rank's place in the PP x DP grid.
 
     DeepSpeed's grid orders ranks as megatron does with TP = 1 (data-parallel index fastest), so
     ``Layout(tp=1, pp, dp)`` describes it; ``DeepSpeedTrainer`` checks that against the engine's grid.
-    May be called again in the same processes for another pipeline size.
+    May be called again in the same processes for another pipeline size. ``join``: a replacement
+    process (no group until a layout change takes it in; ``layout_context`` then initialises
+    DeepSpeed's comm on the new group).
     """
     os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a lone process has no launcher
+    if join:
+        ctx = distributed.joining_context(parallel, timeout_s=timeout_s)
+        if ctx.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed_patches
+
+        deepspeed_patches.apply()
+        torch.manual_seed(seed)
+        return ctx
     rank, world, local_rank, device, backend = distributed.init_process_group(parallel, timeout_s=timeout_s)
     if device.type == "cpu":
         # Name the accelerator: DeepSpeed's auto-detection warns on every rank when it falls back to CPU.
@@ -163,11 +176,12 @@ class DeepSpeedTrainer(Trainer):
     relayout_knobs = frozenset({"layers", "permute"})
     _engine_groups: list = []
 
-    def _check_relayout(self, *, tp: int, pp: int, vpp: int | None, replica_microbatches: list[int] | None) -> None:
-        if tp != 1 or (vpp or 1) > 1:
+    def check_target(self, target: LayoutTarget) -> None:
+        if target.tp != 1 or target.vp > 1:
             raise ConfigError("--engine deepspeed re-lays out the pipeline only (TP 1, no virtual stages): use "
                               "--engine megatron for a TP or interleaved target")
-        if replica_microbatches is not None:
+        mbs = target.replica_microbatches
+        if mbs is not None and len(set(mbs)) > 1:
             raise ConfigError("--engine deepspeed cannot move micro-batches between replicas (its engine scales "
                               "every replica's loss by one accumulation count): use --engine megatron for DP "
                               "work migration")
@@ -186,22 +200,33 @@ class DeepSpeedTrainer(Trainer):
                     logger.debug("destroying an engine group: %s", exc)
         self._engine_groups = []
 
-    def _drop_gradients(self) -> None:
+    def drop_gradients(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
-    def _relayout_context(self, *, tp: int, pp: int, vpp: int | None, ep: int) -> DistContext:
+    def drop_model(self) -> None:
+        for ext in self.extensions:
+            ext.detach(self)
+        self.close_outputs()
         self._drop_engine()
-        return dataclasses.replace(self.ctx, layout=Layout.from_world(self.ctx.world_size, 1, pp), vpp=None)
+        self.scheduler = None
+        distributed.leave()
 
-    def _regroup_context(self, ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None,
-                         ep: int, store_addr: str | None = None) -> DistContext:
-        """After a fail-stop (DP shrink or fewer stages), or for a rank permutation: the new world;
-        the engine builds its grid over it."""
-        self._check_relayout(tp=tp, pp=pp, vpp=vpp, replica_microbatches=None)
+    def layout_context(self, target: LayoutTarget, *, generation: int | None, store_addr: str | None) -> DistContext:
+        """The new layout's place in DeepSpeed's grid, which the engine builds over the default group:
+        the same one (``generation`` None), or a new world (after a fail-stop, a rejoin, or for a
+        rank permutation)."""
+        self.check_target(target)
         self._drop_engine()
-        return distributed.new_world(ctx, members=members, tp=1, pp=pp, store_addr=store_addr)
+        if generation is None:
+            return dataclasses.replace(self.ctx, layout=Layout.from_world(self.ctx.world_size, 1, target.pp), vpp=None)
+        ctx = distributed.new_world(self.ctx, members=list(target.members), tp=1, pp=target.pp, store_addr=store_addr,
+                                    generation=generation)
+        import deepspeed
 
-    def _build_model(self) -> None:
+        deepspeed.init_distributed(dist_backend=ctx.backend, verbose=False)
+        return ctx
+
+    def build_model(self) -> None:
         import deepspeed
 
         from deepspeed_patches.engine import EventPipelineEngine
@@ -218,7 +243,7 @@ class DeepSpeedTrainer(Trainer):
             raise RuntimeError(f"rank {ctx.rank}: DeepSpeed grid (stage, dp) {got} != layout {ctx.coord}")
         self.optimizer = ClippedAdamW(list(self.model.parameters()), norm_params=norm_params(self.model),
                                       norm_group=grid.get_pipe_parallel_group(), clip_grad=t.clip_grad,
-                                      before_update=self._commit_update, after_update=self._update_applied, lr=t.lr,
+                                      before_update=self.commit_update, after_update=self.update_applied, lr=t.lr,
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer,
@@ -230,7 +255,7 @@ class DeepSpeedTrainer(Trainer):
             self._engine_groups = [g for g in dist.distributed_c10d._world.pg_map if g not in before]
         self.scheduler = build_scheduler(self.optimizer, t)
 
-    def _prepare_schedule(self) -> None:
+    def prepare_schedule(self) -> None:
         pass  # the engine builds its TrainSchedule every iteration
 
     def _num_parameters(self) -> int:

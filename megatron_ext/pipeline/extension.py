@@ -55,15 +55,13 @@ class TimelineExtension(Extension):
         self.guest_runs = None
 
     def setup(self, trainer: "Trainer") -> None:
-        from megatron_ext.pipeline.collect import clock_offsets
         from megatron_ext.pipeline.events import EventRecorder, timing_for
 
         # CUDA events on a GPU (also for ResiHP's op durations, read from this recorder).
         self.recorder = EventRecorder(self.cfg.timeline_capacity, timing=timing_for(trainer.ctx.device))
-        self.attach(trainer)
-        self.offset_s = clock_offsets(self.recorder.clock)
         last = trainer.cfg.training.train_iters
         self.export = set(self.cfg.timeline_iters or [last])
+        self.attach(trainer)
 
     def attach(self, trainer: "Trainer") -> None:
         """Wrap this layout's model chunks, optimizer step and gradient finalisation."""
@@ -76,6 +74,16 @@ class TimelineExtension(Extension):
         tconf.finalize_model_grads_func = wrap_phase(self.recorder, tconf.finalize_model_grads_func,
                                                      Phase.GRAD_REDUCE)
         self.schedule = "interleaved" if trainer.ctx.vpp else "1f1b"
+        self._sync_clocks(trainer)
+
+    def _sync_clocks(self, trainer: "Trainer") -> None:
+        """Collective: the clock offsets, at the start and again over every new world (its hosts
+        may differ; a process that joins sets up while the others attach, and both do it here)."""
+        from megatron_ext.pipeline.collect import clock_offsets
+
+        change = getattr(trainer, "layout_change", None)
+        if change is None or change.generation is not None:
+            self.offset_s = clock_offsets(self.recorder.clock)
 
     def detach(self, trainer: "Trainer") -> None:
         self.teardown(trainer)
@@ -133,7 +141,9 @@ class TimelineExtension(Extension):
     def teardown(self, trainer: "Trainer") -> None:
         if self.hooks is not None:
             self.hooks.uninstall()
-        trainer.optimizer.__dict__.pop("step", None)
+            self.hooks = None
+        if trainer.optimizer is not None:  # None on a rank that left the layout (a spare)
+            trainer.optimizer.__dict__.pop("step", None)
 
 
 @register_extension("timeline")

@@ -8,8 +8,9 @@ per replica (DP work migration) and a rank permutation (slow devices into one TP
 stage the planner chose), as far as the engine's ``relayout_knobs`` go. What the executor cannot do
 in a live job (fewer ranks, another TP/PP/DP shape from the planner's reshape search) is not asked
 of the planner under ``relayout``; under ``plan`` every knob is searched and the plan only logged.
-After a fail-stop (``--resihp-on-stop continue``) the survivors regroup anyway, and
-``failstop.decide`` uses every knob.
+A plan becomes a target by the one rule (``choose.target_from_plan``) and is checked by the core's
+one set of rules (``ft.target.check``). After a fail-stop (``--resihp-on-stop continue``) the
+survivors regroup anyway, and ``choose.choose_layout`` uses every knob.
 
 Devices are named by their launch rank (``DistContext.members``), which stays with the process
 when a permutation or a fail-stop renumbers the ranks: the policy's beliefs, the plans and the
@@ -24,89 +25,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_ext.resihp.planner_types import Cluster, Plan, PlanLayout, PlannerConfig, Workload
+from megatron_ext.resihp.choose import extension_of, make_planner, not_applicable, plan_layout, target_from_plan
+from megatron_ext.resihp.planner_types import Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_ext.resihp.config import ResiHPConfig
-    from megatron_ext.resihp.planner import Planner
     from megatron_ext.resihp.planner_policy import PlanPolicy
     from megatron_ext.resihp.verdicts import Verdict
     from megatron_ext.runtime.loop import Trainer
 
 logger = logging.getLogger(__name__)
-
-# In-memory state moves between CPU ranks on one host: about a memory copy plus pickling.
-CPU_LINK_BYTES_PER_S = 1e9
-CPU_RELAYOUT_PAUSE_S = 2.0   # groups, model chunks and optimizer rebuilt (measured 1-3 s on 2 cores)
-
-
-def plan_layout(trainer: "Trainer") -> PlanLayout:
-    """The layout in force, in the planner's terms. Devices are the launch ranks of the ranks in
-    megatron's order (``ctx.members``: ``0..world-1`` until a permutation or a fail-stop renumbers
-    them)."""
-    ctx, cfg = trainer.ctx, trainer.cfg
-    lay, vp = ctx.layout, ctx.vpp or 1
-    stages = cfg.parallel.pipeline_stage_layers
-    if stages is None:
-        per_chunk = cfg.model.num_layers // (lay.pp * vp)
-        layers = tuple(tuple([per_chunk] * vp) for _ in range(lay.pp))
-    else:
-        layers = tuple((int(n),) for n in stages)
-    split = cfg.parallel.data_parallel_microbatches
-    m = trainer.train_stream.num_microbatches
-    return PlanLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=vp, schedule="interleaved" if vp > 1 else "1f1b",
-                      layers=layers, microbatches=tuple(split) if split else (m,) * lay.dp,
-                      devices=tuple(ctx.members))
-
-
-def not_applicable(plan: Plan, world_size: int, *, after_loss: bool = False, permute: bool = True) -> str | None:
-    """Why the executor cannot apply ``plan``, or None when it can. ``after_loss``: the survivors
-    of a fail-stop form a new process group, so a smaller world is possible; ``permute``: the
-    engine re-lays out with the ranks in another order (``Trainer.relayout(rank_order=)``)."""
-    new, old = plan.new, plan.old
-    if not after_loss and sorted(new.devices) != sorted(old.devices):
-        return f"it runs on {new.world_size} of {world_size} ranks (only after a fail-stop, with --resihp-on-stop continue)"
-    if not after_loss and not permute and tuple(new.devices) != tuple(old.devices):
-        return "it permutes ranks between groups, which this engine cannot do live (--engine megatron can)"
-    if new.vp > 1 and len({n for row in new.layers for n in row}) > 1:
-        return "it needs uneven interleaved chunks"
-    return None
-
-
-def rank_order(plan: Plan, members: tuple[int, ...]) -> list[int] | None:
-    """``Trainer.relayout``'s ``rank_order`` for ``plan`` (current ranks in their new order), None
-    when nobody moves."""
-    order = [list(members).index(d) for d in plan.new.devices]
-    return None if order == list(range(len(order))) else order
-
-
-def make_planner(trainer: "Trainer", *, executable_only: bool, min_gain: float = 0.05, horizon: int = 500,
-                 healthy_times: list[float] | None = None) -> "Planner":
-    """A planner for the running job. ``executable_only``: search only what ``Trainer.relayout``
-    applies in a live job (layers per stage, micro-batches per replica). The device speed is scaled so that the model predicts the healthy
-    iterations measured so far: plans compare layouts relative to each other, but the pause is
-    amortized in seconds."""
-    from megatron_ext.resihp.live import model_spec
-    from megatron_ext.resihp.planner import Planner
-
-    spec = model_spec(trainer)
-    t = trainer.cfg.training
-    workload = Workload(seq_length=trainer.cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-                        state_bytes_per_param=12.0 if not t.bf16 else 16.0)
-    config = PlannerConfig(min_gain=min_gain, horizon_iterations=horizon,
-                           tp_regroup=not executable_only or "permute" in trainer.relayout_knobs,
-                           dp_migration="microbatches" in trainer.relayout_knobs,
-                           uneven_microbatches="microbatches" in trainer.relayout_knobs,
-                           drop_replicas=not executable_only,
-                           reshape=not executable_only)
-    probe = Cluster(device_flops=1e12, memory_bytes=float("inf"), link_bytes_per_s=CPU_LINK_BYTES_PER_S)
-    predicted = Planner(spec, probe, workload, config).iteration_s(plan_layout(trainer),
-                                                                   np.ones(max(trainer.ctx.members) + 1))
-    measured = statistics.median(healthy_times) if healthy_times else predicted
-    cluster = Cluster(device_flops=1e12 * predicted / max(measured, 1e-9), memory_bytes=float("inf"),
-                      link_bytes_per_s=CPU_LINK_BYTES_PER_S, relayout_pause_s=CPU_RELAYOUT_PAUSE_S)
-    return Planner(spec, cluster, workload, config)
-
 
 class Actor:
     """One per rank; the one on the detector's rank (``decider``) ``decides``.
@@ -175,39 +103,29 @@ class Actor:
                 plan = self.policy.observe(iteration, named, adopt=False)
                 if plan is not None:
                     decision, beliefs = plan.to_json(), self._beliefs()
-        ext = _extension(trainer)
+        ext = extension_of(trainer)
         box = [decision, beliefs, list(ext.verdicts) if decision is not None and ext is not None else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=self.decider)
         if box[0] is None:
             return None
         plan = Plan.from_json(box[0])
-        why = not_applicable(plan, trainer.ctx.world_size, permute="permute" in trainer.relayout_knobs)
+        target = target_from_plan(plan.new)
+        why = not_applicable(trainer, target)
         if self.decides:
             print(f" resihp: {plan.describe()}", flush=True)
             if self.cfg.resihp_act == "relayout" and why:
                 print(f" resihp: plan not applied: {why}", flush=True)
         if self.cfg.resihp_act == "relayout" and why is None:
-            new = plan.new
             self.carried = box[1]
-            order = rank_order(plan, members)
-            if order is not None:
+            if target.members != members:
                 # This process's rank after the permutation: the decider's role stays with the
                 # detector's rank, which may now be another process (it plans on from ``carried``,
                 # and its run-end outcome lines see the verdicts so far).
-                self.rank = order.index(self.rank)
+                self.rank = list(target.members).index(members[self.rank])
                 if not self.decides:
                     self.policy = None
                 if ext is not None and box[2] is not None:
                     ext.verdicts = box[2]
-            stages, mbs = list(new.stage_layers), list(new.microbatches)
-            even = len(set(stages)) == 1 and new.vp == 1
-            trainer.request_relayout(tp=new.tp, pp=new.pp, vpp=new.vp if new.vp > 1 else None,
-                                     stage_layers=None if even else stages,
-                                     replica_microbatches=None if len(set(mbs)) == 1 else mbs,
-                                     rank_order=order, reason=plan.describe())
+            trainer.request_layout(target, reason=plan.describe())
         return plan
-
-
-def _extension(trainer: "Trainer"):
-    return next((e for e in trainer.extensions if getattr(e, "name", None) == "resihp"), None)

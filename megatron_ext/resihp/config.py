@@ -42,11 +42,20 @@ class ResiHPConfig:
     resihp_trace_out: str = doc("Write the detector's input, one JSON record per iteration, to this "
                                 "file (trace format v1, docs/resihp_trace_format.md).", "")
     resihp_verdicts_out: str = doc("Append verdicts as JSON lines to this file.", "")
-    resihp_on_stop: str = doc("On a fail-stop verdict: 'abort' the job at once (naming the rank; the last "
+    resihp_on_stop: str = doc("On a lost rank: 'abort' the job at once (exit 75, naming the rank; the last "
                               "checkpoint stays), only 'report' it, or 'continue' on the survivors without a "
                               "restart (needs the project's launcher, pretrain_gpt.py --nproc-per-node N, or a "
-                              "store from python -m megatron_ext.runtime.store).", "abort",
+                              "store from python -m megatron_ext.ft.store).", "abort",
                               choices=("abort", "report", "continue"))
+    resihp_respawn: int = doc("With --resihp-on-stop continue under the project's launcher: start a lost rank's "
+                              "process again, up to N times per rank; the new process joins at the next iteration "
+                              "boundary and the planner re-expands the layout to use it.", 0)
+    resihp_keep_newer_stages: bool = doc("With --resihp-on-stop continue, when a lost rank's state has no copy "
+                                         "in memory: take only its shards from the last checkpoint and keep the "
+                                         "other stages' newer state (stages from different iterations), instead "
+                                         "of rolling every stage back to the checkpoint (the default).", False)
+    resihp_continue_experimental_nccl: bool = doc("Allow --resihp-on-stop continue on NCCL, whose abort path has "
+                                                  "not run on a machine with two GPUs yet.", False)
     resihp_continue_timeout_s: float = doc("With --resihp-on-stop continue: the timeout of every collective and "
                                            "of each step of a regroup, so that nothing waits for a lost rank "
                                            "longer (it must exceed the longest wait of a healthy run, e.g. a "
@@ -91,6 +100,8 @@ class ResiHPConfig:
             raise ConfigError(f"--resihp-heartbeat-interval-s must be > 0, got {self.resihp_heartbeat_interval_s}")
         if not 0 <= self.resihp_act_min_gain < 1:
             raise ConfigError(f"--resihp-act-min-gain must be in [0, 1), got {self.resihp_act_min_gain}")
+        if self.resihp_respawn < 0:
+            raise ConfigError(f"--resihp-respawn must be >= 0, got {self.resihp_respawn}")
         if self.resihp_act_horizon < 1:
             raise ConfigError(f"--resihp-act-horizon must be >= 1, got {self.resihp_act_horizon}")
         if self.resihp_continue_timeout_s <= self.resihp_heartbeat_timeout_s:

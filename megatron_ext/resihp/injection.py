@@ -11,8 +11,13 @@ matrix multiplies instead (on a box with fewer cores than ranks that also slows 
 ``--inject-stop RANK:ITER[:POINT]`` — in iteration ITER rank RANK kills itself with SIGKILL (no
 cleanup, as a lost device or node would), at POINT: ``start`` (default, before the forward),
 ``step`` (gradients reduced, before the optimizer update), ``save`` (inside a checkpoint save that
-iteration, after writing its own files) or ``relayout`` (while the survivors of an earlier loss
-regroup: a second fault). RANK is the rank at launch, also after a fail-stop renumbered the ranks.
+iteration, after writing its own files) or ``relayout`` (inside a layout change that starts before
+iteration ITER, once the new process groups exist: a second fault during a regroup, or a loss
+during a fail-slow re-layout). RANK is the rank at launch, also after a fail-stop renumbered the ranks.
+``--inject-error RANK:ITER[:KIND]`` — at the start of iteration ITER rank RANK raises an exception:
+``value`` (default; ``ValueError("injected error")``, an ordinary bug in one rank) or ``collective``
+(a ``RuntimeError`` as a failed gloo collective raises, while no rank is lost). The message is the
+same on every rank, so the same error on a second rank is the same signature.
 
 ``fail_at`` / ``slow_from`` build the same specs for tests.
 """
@@ -51,6 +56,16 @@ class StopFault:
     point: str = "start"
 
 
+ERROR_KINDS = ("value", "collective")
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorFault:
+    rank: int
+    at: int
+    kind: str = "value"
+
+
 def parse_slow(spec: str, where: str = "--inject-slow") -> SlowFault:
     parts = spec.split(":")
     try:
@@ -79,6 +94,21 @@ def parse_stop(spec: str, where: str = "--inject-stop") -> StopFault:
     return fault
 
 
+def parse_error(spec: str, where: str = "--inject-error") -> ErrorFault:
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        fault = ErrorFault(int(parts[0]), int(parts[1]), *parts[2:])
+    except ValueError:
+        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER[:KIND], e.g. 2:5 or 2:5:collective") from None
+    if fault.rank < 0 or fault.at < 1:
+        raise ConfigError(f"{where} {spec!r}: need RANK >= 0 and ITER >= 1")
+    if fault.kind not in ERROR_KINDS:
+        raise ConfigError(f"{where} {spec!r}: KIND must be one of {', '.join(ERROR_KINDS)}, got {fault.kind!r}")
+    return fault
+
+
 def slow_from(rank: int, iteration: int, factor: float) -> str:
     return f"{rank}:{iteration}:{factor}"
 
@@ -97,6 +127,10 @@ class FaultInjectionConfig:
     inject_stop: list[str] | None = doc("RANK:ITER[:POINT] — RANK (its rank at launch) dies (SIGKILL) in ITER at "
                                         "POINT: start (default), step (before the optimizer update), save (inside "
                                         "a checkpoint save), relayout (while survivors regroup) (repeatable).", None)
+    inject_error: list[str] | None = doc("RANK:ITER[:KIND] — RANK (its rank at launch) raises an exception at the "
+                                         "start of ITER: value (a ValueError, an ordinary bug) or collective (a "
+                                         "RuntimeError as a failed gloo collective raises, no rank lost) "
+                                         "(repeatable; for testing the exception policy).", None)
     inject_slow_mode: str = doc("How a slow rank is slowed: 'throttle' (held idle inside each op) or 'work' "
                                 "(extra real matrix multiplies inside each op).", "throttle",
                                 choices=("throttle", "work"))
@@ -104,18 +138,19 @@ class FaultInjectionConfig:
     def __post_init__(self) -> None:
         self.slow = [parse_slow(s) for s in self.inject_slow or []]
         self.stop = [parse_stop(s) for s in self.inject_stop or []]
+        self.error = [parse_error(s) for s in self.inject_error or []]
         ranks = [f.rank for f in self.slow]
         if len(ranks) != len(set(ranks)):
             raise ConfigError(f"--inject-slow names rank(s) more than once: {self.inject_slow}")
 
     def check_world(self, world_size: int) -> None:
-        for f in [*self.slow, *self.stop]:
+        for f in [*self.slow, *self.stop, *self.error]:
             if f.rank >= world_size:
                 raise ConfigError(f"fault injection names rank {f.rank}, but the world has {world_size} ranks")
 
     @property
     def any(self) -> bool:
-        return bool(self.slow or self.stop)
+        return bool(self.slow or self.stop or self.error)
 
 
 def burn(seconds: float, *, size: int = 96) -> None:
@@ -193,3 +228,13 @@ def die_now(rank: int, iteration: int, point: str = "start") -> None:
     print(f"[fault injection] rank {rank}: stopping at iteration {iteration}{where} (SIGKILL)", file=sys.stderr,
           flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def raise_now(fault: ErrorFault) -> None:
+    """The injected exception (a message first, so a reader sees where it came from)."""
+    print(f"[fault injection] rank {fault.rank}: raising a {fault.kind} error at iteration {fault.at}", file=sys.stderr,
+          flush=True)
+    if fault.kind == "collective":
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer (injected: a collective failing "
+                           "while no rank is lost)")
+    raise ValueError("injected error")

@@ -3,15 +3,15 @@
 Each iteration the pipeline events of all ranks are joined on the logging rank (last stage, tp 0,
 dp 0), turned into a trace record (per rank / chunk / micro-batch compute durations and the
 micro-batches' document lengths) and fed to the detector; verdicts go to the log, the verdict JSONL
-file and TensorBoard, and the record to ``--resihp-trace-out``. Fail-stop runs on every rank over the
-rendezvous store (``heartbeat_store``). Fault injection (``injection``) works with or without
+file and TensorBoard, and the record to ``--resihp-trace-out``. Fail-stop is the job's liveness
+(``ft/liveness.py``, run by the fault-tolerance core): this extension hands the core its layout
+chooser (``choose.choose_layout``) and turns each loss the core names into a ``fail_stop`` verdict
+for its log and the run-end outcome lines. Fault injection (``injection``) works with or without
 ``--resihp``, so the raw-time baseline can be measured on the same faults.
 """
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,8 @@ import numpy as np
 
 from megatron_ext.pipeline.events import Phase
 from megatron_ext.resihp import config as _config  # noqa: F401  (registers the "resihp" section)
-from megatron_ext.resihp.injection import FaultInjectionConfig, Throttle, die_now
+from megatron_ext.resihp.choose import model_spec
+from megatron_ext.resihp.injection import FaultInjectionConfig, Throttle, die_now, raise_now
 from megatron_ext.resihp.trace import FaultLabel, Layout, TraceRecord
 from megatron_ext.runtime.extension import Extension, IterationMetrics, register_extension
 
@@ -30,19 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron_ext.runtime.loop import Trainer
 
 logger = logging.getLogger(__name__)
-
-ABORT_EXIT_CODE = 75
-
-
-def model_spec(trainer: "Trainer"):
-    """The run's model as the FLOPs model sees it, from the model family's registry entry (GQA,
-    SwiGLU and MoE included)."""
-    from megatron_ext.runtime.families import flops_spec
-    from megatron_ext.runtime.model import padded_vocab_size
-
-    vocab = padded_vocab_size(trainer.splits.tokenizer.vocab_size, trainer.ctx.layout.tp)
-    return flops_spec(trainer.cfg.model, vocab)
-
 
 def model_chunks(trainer: "Trainer") -> list:
     """This rank's model chunks: megatron's per-virtual-stage chunks, or DeepSpeed's stage module."""
@@ -118,11 +106,13 @@ def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], l
         else:
             lines.append(what + f"named at iteration {hit.iteration} (x{hit.factor:.2f}, "
                          f"{hit.iteration - f.since} iterations later)")
-    for f in faults.stop:
-        what = f"injected: rank {f.rank} stopped at iteration {f.at}; "
-        hit = next((v for v in verdicts if v.kind == "fail_stop" and v.launch_rank == f.rank), None)
-        by = "the launcher (its exit)" if hit is not None and hit.detector == "launcher" else "heartbeat"
-        lines.append(what + (f"named by {by}" if hit is not None else "no verdict"))
+    named_by = {"launcher": "the launcher (its exit)", "self": "itself (its exception)", "heartbeat": "heartbeat"}
+    for what, rank in ([(f"injected: rank {f.rank} stopped at iteration {f.at}; ", f.rank) for f in faults.stop]
+                       + [(f"injected: rank {f.rank} raised {f.kind} error at iteration {f.at}; ", f.rank)
+                          for f in faults.error]):
+        hit = next((v for v in verdicts if v.kind == "fail_stop" and v.launch_rank == rank), None)
+        lines.append(what + (f"named by {named_by.get(hit.detector, hit.detector)}" if hit is not None
+                             else "no verdict"))
     return lines
 
 
@@ -135,8 +125,6 @@ class ResiHPExtension(Extension):
         self.faults = faults
         self.detect = bool(cfg is not None and cfg.resihp)
         self.throttle: Throttle | None = None
-        self.heartbeat = None
-        self.heartbeat_members: tuple[int, ...] = ()
         self.detector = None
         self.trace_writer = None
         self.verdict_log = None
@@ -144,15 +132,18 @@ class ResiHPExtension(Extension):
         self.verdicts: list[Verdict] = []
         self.actor = None
         self.trainer: Trainer | None = None
-        self.generation = 0
         self.moe_probe = None
         self.detector_member: int | None = None   # launch rank of the process holding the detector
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
+        """At the start of the run, or in a process that joins a running job (a replacement: it is
+        set up inside the layout change that takes it in, ``trainer.layout_change``)."""
         self.trainer = trainer
+        joining = getattr(trainer, "layout_change", None) is not None
         if self.faults is not None:
-            self.faults.check_world(trainer.ctx.world_size)
+            if not joining:  # fault ranks are launch ranks: checked against the world at launch
+                self.faults.check_world(trainer.ctx.world_size)
             trainer.fault_points.append(self._fault_point)
             mine = [f for f in self.faults.slow if f.rank == trainer.ctx.member]
             if mine:
@@ -163,12 +154,13 @@ class ResiHPExtension(Extension):
         self._install_moe_probe(trainer)
         if not self.detect:
             return
-        self._place_detector(trainer, trace_mode="w")
-        self._start_heartbeat(trainer)
-        if self.cfg.resihp_on_stop == "continue" and trainer.ctx.world_size > 1:
-            from megatron_ext.resihp import failstop
+        self._place_detector(trainer, trace_mode="a" if joining else "w")
+        ft = getattr(trainer, "ft", None)
+        if ft is not None:
+            from megatron_ext.resihp.choose import choose_layout
 
-            trainer.failover = failstop.make_failover(self, trainer)
+            ft.chooser = choose_layout
+            ft.listeners.append(self._on_loss)
 
     def _place_detector(self, trainer: "Trainer", *, trace_mode: str) -> None:
         """The detector runs on the logging rank (last stage, tp 0, dp 0). After a rank
@@ -210,7 +202,10 @@ class ResiHPExtension(Extension):
         detector; returns it on the receiving rank, None elsewhere. Why send it rather than start
         afresh: a new calibration learns a device that is known to be slow as normal, loses its
         verdict (no ``recovered`` would ever follow) and keeps nothing of the others' noise."""
-        ctx, old = trainer.ctx, self.detector_member
+        ctx = trainer.ctx
+        change = getattr(trainer, "layout_change", None)
+        # Every member of the new layout names the same old holder: the old logging rank.
+        old = change.old_logger if change is not None else self.detector_member
         new = ctx.members[self.detector_rank]
         if old is None or old == new or old not in ctx.members:
             return None
@@ -291,9 +286,9 @@ class ResiHPExtension(Extension):
 
     def attach(self, trainer: "Trainer") -> None:
         """After a re-layout: slow the new chunks of an injected slow rank, describe the new model
-        split. The detector, its files and the heartbeat stay where they are, or, when the ranks
-        were renumbered (a new generation), go with the logging rank. The detector sees the new
-        layout and rank order in the next record and carries its per-device state over
+        split. The detector and its files stay where they are, or, when the logging rank is now
+        another process, go with it (``_hand_over``). The detector sees the new layout and rank
+        order in the next record and carries its per-device state over
         (``detector._Base._relayout``)."""
         if self.throttle is not None:
             active = self.throttle.active
@@ -306,74 +301,31 @@ class ResiHPExtension(Extension):
             self.spec = model_spec(trainer)
         self._install_moe_probe(trainer)
         if self.detect:
-            if trainer.ctx.generation != self.generation:  # survivors of a fail-stop, renumbered
-                self.stop_heartbeat()
-                self._place_detector(trainer, trace_mode="a")
-                self._start_heartbeat(trainer)
-            elif self.heartbeat is not None:
-                self.heartbeat.tracker.stage_of = {r: c.pp for r, c in trainer.ctx.layout.coords()}
-
-    def _start_heartbeat(self, trainer: "Trainer") -> None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        from megatron_ext.resihp.heartbeat_store import StoreHeartbeat
-
-        ctx = trainer.ctx
-        self.generation = ctx.generation
-        store = _get_default_store()
-        if ctx.store_addr is not None:  # a client of its own (a client serialises its calls), per generation
-            from megatron_ext.runtime import store as store_lib
-
-            store = store_lib.generation(store_lib.connect(ctx.store_addr, timeout_s=ctx.timeout_s),
-                                         ctx.generation, "heartbeat")
-        stage_of = {r: c.pp for r, c in trainer.ctx.layout.coords()}
-        self.heartbeat_members = tuple(ctx.members)  # its verdicts name ranks of this generation
-        self.heartbeat = StoreHeartbeat(
-            store, rank=trainer.ctx.rank, world_size=trainer.ctx.world_size,
-            interval_s=self.cfg.resihp_heartbeat_interval_s, timeout_s=self.cfg.resihp_heartbeat_timeout_s,
-            stage_of=stage_of, on_verdict=self._on_stop_verdict).start()
-
-    def stop_heartbeat(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-            # The lost ranks stay named in the outcome, by device.
-            self.verdicts.extend(v.on_devices(self.heartbeat_members) for v in self.heartbeat.verdicts)
-            self.heartbeat = None
+            self._place_detector(trainer, trace_mode="a")
 
     def _fault_point(self, point: str, iteration: int) -> None:
         for f in self.faults.stop:
             if f.rank == self.trainer.ctx.member and f.at == iteration and f.point == point:
                 die_now(f.rank, iteration, point)
+        for f in self.faults.error:
+            if f.rank == self.trainer.ctx.member and f.at == iteration and point == "start":
+                raise_now(f)
 
-    def _on_stop_verdict(self, verdict: "Verdict", reporter: bool) -> None:
-        # Runs on the monitor thread: the main thread may be stuck in a collective with the dead rank.
-        verdict = verdict.on_devices(self.heartbeat_members)
-        if self.cfg.resihp_on_stop == "continue" and self.trainer is not None and self.trainer.failover is not None:
-            from megatron_ext.resihp import failstop
+    def _on_loss(self, loss, silence, reporter: bool) -> None:
+        """The core named a lost process: a ``fail_stop`` verdict for the log, the verdict file and
+        the run-end outcome (the detector's rank writes them)."""
+        from megatron_ext.resihp.verdicts import Verdict
 
-            if reporter:
-                print(f"resihp: {verdict.describe()}", file=sys.stderr, flush=True)
-            failstop.on_stop_verdict(self.trainer, verdict, reporter)
-            return
-        if reporter:
-            print(f"resihp: {verdict.describe()}", file=sys.stderr, flush=True)
-            if self.cfg.resihp_verdicts_out:
-                from megatron_ext.resihp.verdicts import VerdictLog
-
-                with VerdictLog(self.cfg.resihp_verdicts_out) as log:
-                    log.write(verdict)
-        if self.cfg.resihp_on_stop == "abort":
-            if reporter:
-                print(f"resihp: aborting the job: rank {verdict.rank} is gone; resume from the last checkpoint",
-                      file=sys.stderr, flush=True)
-            # Linger a few polls: the store may live in this process (rank 0 without torchrun's
-            # agent), and the other survivors should reach their own verdict before it goes.
-            time.sleep(3 * self.heartbeat.poll_s)
-            os._exit(ABORT_EXIT_CODE)
+        detail = {"launch_rank": loss.member, "how": loss.how, "why": loss.why}
+        if silence is not None:
+            v = Verdict.fail_stop(silence, launch_rank=loss.member)
+            v = Verdict(**{**v.to_dict(), "detail": {**v.detail, **detail}})
+        else:
+            v = Verdict(kind="fail_stop", rank=loss.member, stage=None, iteration=loss.iteration, factor=None,
+                        confidence=1.0, detector=loss.how, time_s=time.time(), detail=detail)
+        self.verdicts.append(v)
+        if self.verdict_log is not None:
+            self.verdict_log.write(v)
 
     # --- per iteration ---------------------------------------------------------------------
     def _active_faults(self, iteration: int) -> tuple[FaultLabel, ...]:
@@ -390,8 +342,6 @@ class ResiHPExtension(Extension):
             if self.throttle is not None:
                 since = next(f.since for f in self.faults.slow if f.rank == trainer.ctx.member)
                 self.throttle.active = iteration >= since
-        if self.heartbeat is not None:
-            self.heartbeat.set_iteration(iteration)
         if self.moe_probe is not None:
             self.moe_probe.reset()
 
@@ -437,26 +387,8 @@ class ResiHPExtension(Extension):
         return list(report.verdicts)
 
     def teardown(self, trainer: "Trainer") -> None:
-        from megatron_ext.runtime.failover import RestartNeeded
-
-        failure = sys.exc_info()[1]
-        if (failure is not None and self.heartbeat is not None and isinstance(failure, RuntimeError)
-                and not isinstance(failure, RestartNeeded)):  # continue: the loss is already known
-            # A collective failed (gloo sees a dead peer's closed socket at once, without saying
-            # which rank it was): give the heartbeat its timeout to name the lost rank first.
-            wait_s = self.cfg.resihp_heartbeat_timeout_s + 2 * self.heartbeat.poll_s
-            logger.error("collective failed (%s); waiting up to %.1f s for the heartbeat to name the lost rank",
-                         str(failure).splitlines()[0][:200], wait_s)
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and not self.heartbeat.verdicts:
-                time.sleep(self.heartbeat.poll_s)
-        self.stop_heartbeat()
         if self.detector is not None and self.faults is not None and self.faults.any:
-            from megatron_ext.resihp.verdicts import Verdict
-
-            lost = [Verdict(kind="fail_stop", rank=m, stage=None, iteration=c["iteration"], factor=None, confidence=1.0,
-                            detector="launcher") for c in trainer.continued for m in c["lost_ranks"]]
-            for line in injection_outcome(self.faults, self.verdicts + lost, trainer.iteration):
+            for line in injection_outcome(self.faults, self.verdicts, trainer.iteration):
                 print(f"resihp: {line}", flush=True)
         if self.throttle is not None:
             self.throttle.remove()

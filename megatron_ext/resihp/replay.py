@@ -21,9 +21,9 @@ from typing import Iterable, Sequence
 
 from megatron_ext.config.base import ArgumentParser, add_flags, build
 from megatron_ext.errors import UserError, report
+from megatron_ext.ft.liveness import HeartbeatTracker
 from megatron_ext.resihp.config import ResiHPConfig
 from megatron_ext.resihp.detector import IterationReport, make_detector
-from megatron_ext.resihp.heartbeat import HeartbeatTracker
 from megatron_ext.resihp.metrics import DetectionMetrics, labels_of, score
 from megatron_ext.resihp.trace import TraceRecord, read_trace
 from megatron_ext.resihp.verdicts import Verdict, VerdictLog
@@ -48,6 +48,7 @@ def replay(records: Sequence[TraceRecord], config: ResiHPConfig, detector: str,
     verdicts: list[Verdict] = []
     reports: list[IterationReport] = []
     tracker: HeartbeatTracker | None = None
+    stage_of: dict[int, int] = {}
     for rec in records:
         rep = det.observe(rec)
         verdicts += rep.verdicts
@@ -58,11 +59,11 @@ def replay(records: Sequence[TraceRecord], config: ResiHPConfig, detector: str,
         if tracker is None or set(tracker.last_seen) != set(range(rec.layout.world_size)):
             stage_of = {r: rec.layout.coords(r)[0] for r in range(rec.layout.world_size)}
             tracker = HeartbeatTracker(range(rec.layout.world_size), config.resihp_heartbeat_timeout_s,
-                                       start_s=rec.time_s - rec.iteration_s, stage_of=stage_of)
+                                       start_s=rec.time_s - rec.iteration_s)
         tracker.set_iteration(rec.iteration)
         for r in [int(x) for x in rec.present.nonzero()[0]]:
             tracker.beat(r, rec.time_s)
-        verdicts += tracker.check(rec.time_s)
+        verdicts += [Verdict.fail_stop(s, stage=stage_of.get(s.rank)) for s in tracker.check(rec.time_s)]
     labelled = any(r.faults for r in records)
     metrics = score(labels_of(records), verdicts) if labelled else None
     return ReplayResult(det.name, verdicts, reports, metrics)

@@ -61,6 +61,16 @@ class Verdict:
             return self
         return dataclasses.replace(self, detail={**self.detail, "launch_rank": int(members[self.rank])})
 
+    @classmethod
+    def fail_stop(cls, silence: Any, *, stage: int | None = None, detector: str = "heartbeat",
+                  launch_rank: int | None = None) -> "Verdict":
+        """The fail-stop verdict for a ``ft.liveness.Silence`` (a rank whose heartbeat stopped)."""
+        detail = {"last_seen_s": silence.last_seen_s, "silent_s": silence.silent_s, "timeout_s": silence.timeout_s}
+        if launch_rank is not None:
+            detail["launch_rank"] = int(launch_rank)
+        return cls(kind="fail_stop", rank=silence.rank, stage=stage, iteration=silence.iteration, factor=None,
+                   confidence=1.0, detector=detector, time_s=silence.time_s, detail=detail)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

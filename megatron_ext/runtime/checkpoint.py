@@ -29,7 +29,7 @@ import logging
 import os
 import random
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -425,11 +425,7 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
     want_rng = load_rng and same_layout and rng_file in meta["files"]
     verify(ckpt, meta, sorted(needed_files) + ([rng_file] if want_rng else []))
 
-    lookup = {}
-    for f in needed_files:
-        for p in torch.load(os.path.join(ckpt, f), map_location="cpu", weights_only=False):
-            lookup[_shard_id(f, p)] = p
-    staged = assemble(plan, lookup, ckpt)
+    staged = assemble(plan, _read_shards(ckpt, needed_files), ckpt)
     rng = torch.load(os.path.join(ckpt, rng_file), map_location="cpu", weights_only=False) if want_rng else None
 
     # Nothing above touched the model: a bad checkpoint raised before this point.
@@ -442,12 +438,8 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
                       scheduler=meta["scheduler"], extra=meta.get("extra", {}))
 
 
-def _shard_geometry(p: dict[str, Any]) -> tuple:
-    return (p["key"], tuple(p["index"]), tuple(p["offset"]), tuple(p["shape"]))
-
-
-def _uncovered(entries: list[ShardEntry], shards: list[dict[str, Any]]) -> list[ShardEntry]:
-    """The entries whose slice ``shards`` do not cover in full."""
+def uncovered(entries: list[ShardEntry], shards: list[dict[str, Any]]) -> list[ShardEntry]:
+    """The entries whose slice ``shards`` (geometry dicts) do not cover in full."""
     by_key: dict[tuple, list[dict[str, Any]]] = {}
     for s in shards:
         by_key.setdefault((s["key"], tuple(s["index"])), []).append(s)
@@ -460,44 +452,22 @@ def _uncovered(entries: list[ShardEntry], shards: list[dict[str, Any]]) -> list[
     return out
 
 
-def reshard_from_peers(payloads: list[list[dict[str, Any]] | None], *, model: Any, optimizer: Any,
-                       fallback: str | None = None) -> dict[str, Any]:
-    """The live transport: ``payloads[r]`` is what rank r's ``collect_payload`` returned under the old
-    layout (None: nothing usable from r); the same plan and apply as ``load``, with peers instead of
-    files as the source.
+def assemble_from_checkpoint(entries: list[ShardEntry], load_dir: str) -> tuple[list[tuple], dict[str, Any]]:
+    """Cut ``entries`` (some of this rank's slices) from the checkpoint at ``load_dir`` (a save
+    directory or one ``iter_N``), verified first. Touches no model: ``(staged for apply, meta)``."""
+    ckpt = resolve(load_dir)
+    meta = read_meta(ckpt)
+    saved = [{**s, "source": s["file"]} for s in meta["shards"]]
+    plan = plan_reshard(entries, saved, ckpt)
+    files = sorted({s["source"] for _, parts in plan for s, _ in parts})
+    verify(ckpt, meta, files)
+    return assemble(plan, _read_shards(ckpt, files), ckpt), {**meta, "path": ckpt}
 
-    Replicas of one shard (``collect_payload(every_replica=True)``) are read once. A slice no peer
-    holds — its only holder was lost in a fail-stop — is cut from the checkpoint at ``fallback``
-    instead, whole entry by whole entry, while every other slice keeps its live state. Returns
-    ``{"from_checkpoint": [keys], "checkpoint": dir or None, "checkpoint_iteration": n or None}``."""
-    seen: set[tuple] = set()
-    shards, lookup = [], {}
-    for r, payload in enumerate(payloads):
-        for p in payload or []:
-            geometry = _shard_geometry(p)
-            if geometry in seen:
-                continue
-            seen.add(geometry)
-            shards.append({k: p[k] for k in ("key", "index", "offset", "shape", "global_shape")} | {"source": r})
-            lookup[_shard_id(r, p)] = p
-    entries = _local_entries(model, main_only=False)
-    missing = _uncovered(entries, shards) if fallback is not None else []
-    live = [e for e in entries if all(e is not m for m in missing)]
-    staged = assemble(plan_reshard(live, shards, "live re-layout"), lookup, "live re-layout")
-    report: dict[str, Any] = {"from_checkpoint": [], "checkpoint": None, "checkpoint_iteration": None}
-    if missing:
-        ckpt = resolve(fallback)
-        meta = read_meta(ckpt)
-        saved = [{**s, "source": s["file"]} for s in meta["shards"]]
-        plan = plan_reshard(missing, saved, ckpt)
-        files = sorted({s["source"] for _, parts in plan for s, _ in parts})
-        verify(ckpt, meta, files)
-        from_files = {}
-        for f in files:
-            for p in torch.load(os.path.join(ckpt, f), map_location="cpu", weights_only=False):
-                from_files[_shard_id(f, p)] = p
-        staged += assemble(plan, from_files, ckpt)
-        report = {"from_checkpoint": sorted({e.key for e in missing}), "checkpoint": ckpt,
-                  "checkpoint_iteration": int(meta["iteration"])}
-    apply(staged, optimizer)
-    return report
+
+def _read_shards(ckpt: str, files: Iterable[str]) -> dict[tuple, dict[str, Any]]:
+    """Every shard of ``files`` (verified before), by ``_shard_id``."""
+    lookup = {}
+    for f in files:
+        for p in torch.load(os.path.join(ckpt, f), map_location="cpu", weights_only=False):
+            lookup[_shard_id(f, p)] = p
+    return lookup

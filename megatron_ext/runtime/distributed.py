@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config.run import ParallelConfig
-from megatron_ext.runtime import store as store_lib
+from megatron_ext.ft import store as store_lib
 from megatron_ext.runtime.layout import Coord, Layout
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,10 @@ class DistContext:
     members: tuple[int, ...] = ()
     """Launch rank of each rank of the current world, in rank order (default: 0..world-1)."""
     generation: int = 0
-    """How many times the default process group was re-formed over survivors."""
+    """The default process group's generation: 0 at launch, then the number of the round in which a
+    layout change formed it anew (a loss, a rejoin, a permutation; ``ft/core.py``)."""
     store_addr: str | None = None
-    """``host:port`` of a rendezvous store outside every rank (``runtime/store.py``), or None."""
+    """``host:port`` of a rendezvous store outside every rank (``ft/store.py``), or None."""
     timeout_s: float = 600.0
     """Timeout of every collective and rendezvous of this job's process groups."""
 
@@ -138,7 +139,27 @@ def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: in
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def setup(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0) -> DistContext:
+def joining_context(parallel: ParallelConfig, *, timeout_s: float) -> DistContext:
+    """A process the launcher started again in place of a lost one: no process group yet (the
+    layout change that takes it in forms one, ``ft/core.py``). ``member`` is its launch rank; the
+    rest describes no layout until then."""
+    rank, _, local_rank = world_from_env()
+    device, backend = resolve_device(parallel)
+    return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, backend=backend,
+                       layout=Layout(1, 1, 1), member=rank, members=(rank,), generation=-1,
+                       store_addr=store_lib.address_from_env(), timeout_s=timeout_s)
+
+
+def setup(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0, join: bool = False) -> DistContext:
+    """The process group and megatron's parallel state of the launch layout (``join``: a
+    replacement process, which waits for a layout change to take it in: no group yet)."""
+    if join:
+        ctx = joining_context(parallel, timeout_s=timeout_s)
+        if ctx.device.type == "cpu":
+            from megatron_ext.compat import megatron_cpu
+
+            megatron_cpu.apply()
+        return ctx
     rank, world, local_rank, device, backend = init_process_group(parallel, timeout_s=timeout_s)
     if device.type == "cpu":
         from megatron_ext.compat import megatron_cpu
@@ -207,40 +228,50 @@ def rendezvous_address(ctx: DistContext) -> str | None:
 
 
 def regroup(ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None, seed: int,
-            ep: int = 1, store_addr: str | None = None) -> DistContext:
+            ep: int = 1, store_addr: str | None = None, generation: int | None = None) -> DistContext:
     """A new default process group over ``members`` (launch ranks, in their new rank order; this
-    process among them) on the store keys of the next generation, and megatron's parallel state
-    for ``tp`` x ``pp`` over it: the survivors of a fail-stop, or every rank in another order (a
-    live rank permutation).
+    process among them) on the store keys of ``generation`` (default: the next one), and
+    megatron's parallel state for ``tp`` x ``pp`` over it: the survivors of a fail-stop, a rank
+    that rejoins, or every rank in another order (a live rank permutation).
 
     gloo cannot shrink or renumber a group, so the old default group and every group built on it
     are destroyed and a new one rendezvouses on fresh keys (torchft's pattern). Collective over
     ``members``; bounded by ``ctx.timeout_s``. ``store_addr``: where to meet (default
     ``ctx.store_addr``)."""
-    try:
-        destroy_parallel_state()
-    except Exception as exc:  # a group with a dead member may refuse a clean shutdown
-        logger.debug("destroying the old parallel state: %s", exc)
-    ctx = new_world(ctx, members=members, tp=tp, pp=pp, store_addr=store_addr)
+    ctx = new_world(ctx, members=members, tp=tp, pp=pp, store_addr=store_addr, generation=generation)
     build_parallel_state(ctx.layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
     return dataclasses.replace(ctx, vpp=vpp if vpp and vpp > 1 else None)
 
 
-def new_world(ctx: DistContext, *, members: list[int], tp: int, pp: int, store_addr: str | None = None) -> DistContext:
-    """The default process group of the next generation over ``members`` (launch ranks in their
-    new rank order), the old one destroyed; no megatron state (the DeepSpeed engine builds its own
-    groups). Collective over ``members``; bounded by ``ctx.timeout_s``. ``store_addr``: where to
-    meet (default ``ctx.store_addr``; ``rendezvous_address`` finds one)."""
-    addr = store_addr or ctx.store_addr
-    if addr is None:
-        raise RuntimeError("a new world needs a store outside the ranks (runtime/store.py)")
-    gen = ctx.generation + 1
-    rank, world = members.index(ctx.member), len(members)
+def leave() -> None:
+    """Destroy megatron's parallel state and the default group of this process (a rank that
+    leaves the layout, or before it joins a new world). Groups with a dead member may refuse a
+    clean shutdown: that is logged, not raised."""
+    try:
+        if dist.is_initialized():
+            destroy_parallel_state()
+    except Exception as exc:
+        logger.debug("destroying the old parallel state: %s", exc)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception as exc:
             logger.debug("destroying the old default group: %s", exc)
+
+
+def new_world(ctx: DistContext, *, members: list[int], tp: int, pp: int, store_addr: str | None = None,
+              generation: int | None = None) -> DistContext:
+    """The default process group of ``generation`` (default: the next one) over ``members``
+    (launch ranks in their new rank order), every old group destroyed; no megatron state (the
+    DeepSpeed engine builds its own groups). Collective over ``members``; bounded by
+    ``ctx.timeout_s``. ``store_addr``: where to meet (default ``ctx.store_addr``;
+    ``rendezvous_address`` finds one)."""
+    addr = store_addr or ctx.store_addr
+    if addr is None:
+        raise RuntimeError("a new world needs a store outside the ranks (ft/store.py)")
+    gen = ctx.generation + 1 if generation is None else generation
+    rank, world = members.index(ctx.member), len(members)
+    leave()
     base = store_lib.connect(addr, timeout_s=ctx.timeout_s)
     dist.init_process_group(backend=ctx.backend, store=store_lib.generation(base, gen, "pg"), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=ctx.timeout_s))

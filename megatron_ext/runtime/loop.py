@@ -1,7 +1,10 @@
 """The training loop: megatron-core's pipeline schedule over this rank's micro-batches.
 
 ``Trainer`` owns the runtime objects (model, optimizer, scheduler, data streams) as attributes, so
-extensions reach them through the trainer and a relayout can replace them.
+extensions reach them through the trainer and a layout change can replace them. It implements the
+fault-tolerance core's protocol (``ft/protocol.py``): the engine hooks a subclass for another engine
+overrides, and the parts a layout change carries over. With a core (``ft``) the loop meets it at
+three points: the start of a step, the commit vote before the update, and a failure.
 """
 from __future__ import annotations
 
@@ -16,10 +19,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config.run import RunConfig
-from megatron_ext.errors import one_line
 from megatron_ext.data.dataset import MicroBatchStream, build_splits, split_sizes
+from megatron_ext.errors import UserError
+from megatron_ext.ft import transaction
+from megatron_ext.ft.core import FaultTolerance, StepRecord
+from megatron_ext.ft.errors import JobFailed, RankEnded, RestartNeeded
+from megatron_ext.ft.target import KNOBS, LayoutTarget, check
 from megatron_ext.runtime import checkpoint as ckpt
-from megatron_ext.runtime import distributed, failover, rundir
+from megatron_ext.runtime import distributed, rundir
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.extension import Extension, IterationMetrics
 from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, stage_loss_func
@@ -34,43 +41,65 @@ def format_eta(seconds: float) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, ctx: DistContext, extensions: Iterable[Extension] = ()) -> None:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, extensions: Iterable[Extension] = (),
+                 ft: FaultTolerance | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.extensions = list(extensions)
+        self.ft = ft
+        """The fault-tolerance core (``ft/core.py``), or None (nothing survives a lost rank)."""
         self.iteration = 0
         self.history: list[dict[str, Any]] = []
         self._tb = None
         self._metrics_fh = None
         self.forward_backward_func = None
         self.last_batches: list[dict[str, Any]] = []
-        self.relayouts: list[dict[str, Any]] = []
-        self._pending_relayout: dict[str, Any] | None = None
-        # Fail-stop continue (runtime/failover.py): set by the extension that knows who is lost.
-        self.failover: failover.Failover | None = None
-        self.continued: list[dict[str, Any]] = []
-        self._inflight: dict[str, Any] | None = None   # the iteration between its start and its end
-        self._saving = False
-        self.rolled_back: int | None = None
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.train_stream: MicroBatchStream | None = None
+        self.layout_changes: list[dict[str, Any]] = []   # the ``layout_change`` rows of this process
+        self.layout_change: transaction.Change | None = None   # the one being applied
+        self._pending_layout: tuple[LayoutTarget, str] | None = None
+        self.step_record = StepRecord(iteration=0, consumed_samples=0)   # the iteration in flight
+        self.saving = False
+        self.extensions_set_up = False
         # Fault injection points inside an iteration: callables (point, iteration) -> None.
         self.fault_points: list[Callable[[str, int], None]] = []
 
+    @property
+    def relayouts(self) -> list[dict[str, Any]]:
+        """The planned re-layouts applied in this process (fail-slow plans, permutations)."""
+        return [c for c in self.layout_changes if c["cause"] == "relayout"]
+
     # --- setup -----------------------------------------------------------------------------
-    def setup(self) -> "Trainer":
-        cfg, ctx = self.cfg, self.ctx
+    def _build_splits(self) -> None:
+        cfg = self.cfg
         t, d, lg = cfg.training, cfg.data, cfg.logging
         self.splits = build_splits(
             data_path=d.data_path, tokenizer_file=d.tokenizer_file, split=d.split,
             seq_length=cfg.model.seq_length, seed=t.seed,
             sizes=split_sizes(t.train_iters, t.global_batch_size, lg.eval_interval, lg.eval_iters),
             cache=d.data_cache_dir)
-        self._build_model()
-        self._build_streams()
+
+    def setup_spare(self) -> "Trainer":
+        """A process the launcher started again in place of a lost one: the data, no model yet.
+        ``run`` first waits for a round that takes it in; the layout change that does builds the
+        model, receives its state from the holders and sets the extensions up."""
+        self._build_splits()
+        return self
+
+    def setup(self) -> "Trainer":
+        cfg, ctx = self.cfg, self.ctx
+        t, lg = cfg.training, cfg.logging
+        self._build_splits()
+        self.build_model()
+        self.build_streams()
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load)
         else:
             self.scheduler.step(0)
-        self._prepare_schedule()
+        self.prepare_schedule()
         if ctx.rank == 0:
             logger.info("layout %s (world %d) on %s/%s; %d parameters on rank 0; data %s; %d micro-batches "
                         "of %d per iteration", self.layout_name(), ctx.world_size, ctx.device, ctx.backend,
@@ -79,12 +108,15 @@ class Trainer:
         if ctx.is_logging_rank and lg.metrics_file and cfg.checkpoint.load:
             rundir.truncate_metrics(lg.metrics_file, self.iteration)
         # On a resume, TensorBoard drops the events a crashed run wrote after the checkpoint.
-        self._open_outputs(purge_step=self.iteration + 1 if cfg.checkpoint.load else None)
+        self.open_outputs(purge_step=self.iteration + 1 if cfg.checkpoint.load else None)
         for ext in self.extensions:
             ext.setup(self)
+        self.extensions_set_up = True
+        if self.ft is not None:
+            self.ft.arm(self)
         return self
 
-    def _build_streams(self, consumed_samples: int = 0) -> None:
+    def build_streams(self, consumed_samples: int = 0) -> None:
         """This rank's share of each global batch (its data-parallel index), from ``consumed_samples``."""
         cfg, ctx = self.cfg, self.ctx
         t, d, lg = cfg.training, cfg.data, cfg.logging
@@ -103,7 +135,7 @@ class Trainer:
             self.valid_stream = MicroBatchStream(self.splits.valid, **stream,
                                                  replica_microbatches=cfg.parallel.data_parallel_microbatches)
 
-    def _open_outputs(self, purge_step: int | None = None) -> None:
+    def open_outputs(self, purge_step: int | None = None) -> None:
         """The logging rank writes metrics lines and TensorBoard events (appending)."""
         lg = self.cfg.logging
         if not self.ctx.is_logging_rank:
@@ -116,7 +148,7 @@ class Trainer:
             os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
             self._metrics_fh = open(lg.metrics_file, "a", encoding="utf-8")
 
-    def _close_outputs(self) -> None:
+    def close_outputs(self) -> None:
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
@@ -125,101 +157,109 @@ class Trainer:
             self._metrics_fh.close()
             self._metrics_fh = None
 
-    # --- live re-layout ----------------------------------------------------------------------
-    def request_relayout(self, *, tp: int, pp: int, vpp: int | None = None, stage_layers: list[int] | None = None,
-                         replica_microbatches: list[int] | None = None, rank_order: list[int] | None = None,
-                         reason: str = "") -> None:
-        """Ask for a re-layout after the current iteration (extensions call this from
-        ``after_iteration``, on every rank with the same arguments: it is collective)."""
-        self._pending_relayout = dict(tp=tp, pp=pp, vpp=vpp, stage_layers=stage_layers,
-                                      replica_microbatches=replica_microbatches, rank_order=rank_order,
-                                      reason=reason)
+    def rewind_outputs(self, iteration: int) -> None:
+        """A rollback to the checkpoint of ``iteration`` redoes the iterations after it: their
+        train and validation rows go, from memory and the metrics file (as on a resume); every
+        other row (the layout change that rolled back) stays."""
+        redo = lambda row: row.get("kind") in ("train", "valid") and int(row.get("iteration", 0)) > iteration  # noqa: E731
+        self.history = [row for row in self.history if not redo(row)]
+        if self.cfg.logging.metrics_file:
+            rundir.truncate_metrics(self.cfg.logging.metrics_file, iteration, kinds=("train", "valid"))
 
-    def _apply_pending_relayout(self) -> dict[str, Any] | None:
-        pending, self._pending_relayout = getattr(self, "_pending_relayout", None), None
+    # --- layout changes ---------------------------------------------------------------------
+    def request_layout(self, target: LayoutTarget, *, reason: str = "") -> None:
+        """Ask for a re-layout after the current iteration (extensions call this from
+        ``after_iteration``, on every rank with the same target: it is collective)."""
+        self._pending_layout = (target, reason)
+
+    def _apply_pending_layout(self) -> dict[str, Any] | None:
+        pending, self._pending_layout = self._pending_layout, None
         if pending is None:
             return None
-        reason = pending.pop("reason")
-        info = self.relayout(**pending)
-        info["reason"] = reason
-        self.relayouts.append(info)
-        if self.ctx.is_logging_rank and self.cfg.logging.progress:
-            print(f" re-laid out {info['from']} -> {info['to']}"
-                  + (f" (layers per stage {' '.join(map(str, info['stage_layers']))})" if info["stage_layers"] else "")
-                  + (f" (micro-batches per replica {' '.join(map(str, info['replica_microbatches']))})"
-                     if info["replica_microbatches"] else "")
-                  + (f" (launch ranks in rank order {' '.join(map(str, info['members']))})"
-                     if info["rank_order"] else "")
-                  + f" at iteration {info['iteration']} in {info['pause_s']:.2f} s", flush=True)
-        self._record("relayout", {k: v for k, v in info.items() if k != "reason"} | {"plan": reason})
-        return info
+        target, reason = pending
+        return self.change_layout(target, reason=reason)
 
     def relayout(self, *, tp: int, pp: int, vpp: int | None = None, stage_layers: list[int] | None = None,
                  replica_microbatches: list[int] | None = None, rank_order: list[int] | None = None) -> dict[str, Any]:
         """Collective, at an iteration boundary: continue this run under another TP x PP (x DP) layout,
-        and with ``rank_order`` the ranks in another order, in the same processes without a restart
-        (``runtime/relayout.py``). Returns what it did (layouts, this rank's shard bytes, seconds)."""
-        from megatron_ext.runtime.relayout import relayout
+        and with ``rank_order`` the ranks in another order (rank ``i`` of the new layout is the
+        process that is rank ``rank_order[i]`` now), in the same processes without a restart. Model
+        and optimizer state move to their new owners point to point; bad input raises
+        ``UserError`` before anything changes. Returns the ``layout_change`` row (layouts, members,
+        this rank's bytes, seconds)."""
+        members = list(self.ctx.members)
+        if rank_order is not None:
+            order = [int(r) for r in rank_order]
+            if sorted(order) != list(range(len(members))):
+                raise UserError(f"relayout rank_order {order}: expected each rank 0..{len(members) - 1} once (every "
+                                "rank of the job keeps a place; only a fail-stop leaves ranks out)")
+            members = [members[r] for r in order]
+        target = LayoutTarget(tp=tp, pp=pp, members=tuple(members), vp=vpp or 1,
+                              stage_layers=tuple(stage_layers) if stage_layers else None,
+                              replica_microbatches=tuple(replica_microbatches) if replica_microbatches else None)
+        return self.change_layout(target, reason="")
 
-        return relayout(self, tp=tp, pp=pp, vpp=vpp, stage_layers=stage_layers,
-                        replica_microbatches=replica_microbatches, rank_order=rank_order)
+    def change_layout(self, target: LayoutTarget, *, reason: str = "") -> dict[str, Any]:
+        """Collective: apply ``target`` with every rank kept (``ft/transaction.py``), through the
+        fault-tolerance core where there is one, so that a loss in the middle is recovered."""
+        self.check_target(target)
+        check(target, cfg=self.cfg, members=self.ctx.members, knobs=self.relayout_knobs, membership_may_change=False)
+        new_world = tuple(target.members) != tuple(self.ctx.members)
+        if self.ft is not None:
+            info = self.ft.change_layout(self, target, reason=reason)
+        else:
+            store_addr = distributed.rendezvous_address(self.ctx) if new_world else None
+            if new_world and store_addr is None:
+                raise UserError(NO_STORE)
+            held = transaction.HeldState.capture(self)
+            from megatron_ext.ft.core import planned_change
 
-    def _rebuild(self, new_cfg: RunConfig, new_ctx: Callable[[], DistContext], reshard: Callable[[], Any]) -> Any:
-        """Swap in another layout: extensions let go, the process groups change (``new_ctx``), model,
-        DDP, optimizer and scheduler are rebuilt, ``reshard()`` fills them, the LR schedule's state and
-        the data position carry over, extensions attach to the new objects. Returns what
-        ``reshard`` returned."""
-        scheduler_state = self.scheduler.state_dict()
-        consumed = self.train_stream.consumed_samples
-        for ext in self.extensions:
-            ext.detach(self)
-        self._close_outputs()  # the logging rank may change: the new one appends to the same outputs
-        self.ctx = new_ctx()
-        self.cfg = new_cfg
-        self._build_model()
-        result = reshard()
-        self.scheduler.load_state_dict(scheduler_state)
-        self.scheduler.step(0)
-        self._build_streams(consumed)
-        self._prepare_schedule()
-        self._open_outputs()
-        for ext in self.extensions:
-            ext.attach(self)
-        return result
+            change = planned_change(self, target, reason=reason, held=held,
+                                    generation=self.ctx.generation + 1 if new_world else None, store_addr=store_addr)
+            info = transaction.apply(self, change, held)
+        self.layout_change = None
+        return info
 
     # Engine hooks: a subclass for another engine (deepspeed_patches/trainer.py) overrides these and
     # keeps data, LR schedule, checkpoints, logging and extensions.
-    relayout_knobs = frozenset({"shape", "layers", "microbatches", "permute"})
-    """What ``relayout`` can change live on this engine: TP/PP sizes, layers per stage, micro-batches
-    per replica, the rank order (the ResiHP planner searches only these)."""
+    relayout_knobs = KNOBS
+    """What ``relayout`` can change live on this engine (``ft.target.KNOBS``): TP/PP sizes, layers
+    per stage, micro-batches per replica, the rank order (the ResiHP planner searches only these)."""
 
-    def _check_relayout(self, *, tp: int, pp: int, vpp: int | None, replica_microbatches: list[int] | None) -> None:
+    def check_target(self, target: LayoutTarget) -> None:
         """Raise ``UserError`` for a target this engine cannot re-lay out to (before anything changes)."""
 
-    def _relayout_context(self, *, tp: int, pp: int, vpp: int | None, ep: int) -> DistContext:
-        """Process groups of the new layout, the old ones destroyed."""
-        return distributed.relayout(self.ctx, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed, ep=ep)
+    def layout_context(self, target: LayoutTarget, *, generation: int | None, store_addr: str | None) -> DistContext:
+        """Process groups of ``target``, the old ones destroyed: on the same default group, or (a
+        ``generation``) a new default group over ``target.members`` meeting at ``store_addr``."""
+        ep = self.cfg.parallel.expert_model_parallel_size
+        vpp = target.vp if target.vp > 1 else None
+        if generation is None:
+            return distributed.relayout(self.ctx, tp=target.tp, pp=target.pp, vpp=vpp, seed=self.cfg.training.seed,
+                                        ep=ep)
+        return distributed.regroup(self.ctx, members=list(target.members), tp=target.tp, pp=target.pp, vpp=vpp,
+                                   seed=self.cfg.training.seed, ep=ep, store_addr=store_addr, generation=generation)
 
-    def _regroup_context(self, ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None,
-                         ep: int, store_addr: str | None = None) -> DistContext:
-        """A new default group over ``members`` (launch ranks in their new rank order: the survivors
-        of a fail-stop, or every rank permuted) and the layout's groups, meeting at ``store_addr``
-        (default: the job's store)."""
-        return distributed.regroup(ctx, members=members, tp=tp, pp=pp, vpp=vpp, seed=self.cfg.training.seed, ep=ep,
-                                   store_addr=store_addr)
-
-    def _drop_gradients(self) -> None:
+    def drop_gradients(self) -> None:
         """Forget the gradients of an iteration that is rolled back."""
         self.model.zero_grad_buffer()
 
-    def _build_model(self) -> None:
+    def drop_model(self) -> None:
+        """A rank that becomes a spare lets go of its model and its process groups."""
+        for ext in self.extensions:
+            ext.detach(self)
+        self.close_outputs()
+        self.model = self.optimizer = self.scheduler = None
+        distributed.leave()
+
+    def build_model(self) -> None:
         """Set ``self.model``, ``self.optimizer`` and ``self.scheduler``."""
         self.model: ModelBundle = build_model(self.cfg, self.ctx, self.splits.tokenizer.vocab_size)
         params = list(self.model.parameters())
         self.optimizer = build_optimizer(params, self.cfg.training, self.ctx.device.type == "cuda", self.model.chunks)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.training)
 
-    def _prepare_schedule(self) -> None:
+    def prepare_schedule(self) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.forward_backward_func = get_forward_backward_func()
@@ -292,18 +332,18 @@ class Trainer:
 
     def train_step(self) -> IterationMetrics:
         it = self.iteration + 1
+        # What a failure in the middle needs to settle this iteration (``FaultTolerance.settle``).
+        self.step_record = (self.ft.start_step(self) if self.ft is not None
+                            else StepRecord(iteration=it, consumed_samples=self.train_stream.consumed_samples))
         for ext in self.extensions:
             ext.before_iteration(self, it)
         start = time.perf_counter()
-        # What a fail-stop in the middle needs to settle this iteration (``_settle_inflight``).
-        self._inflight = {"iteration": it, "consumed_samples": self.train_stream.consumed_samples,
-                          "committed": None, "applied": False, "scheduled": False}
         batches = self.train_stream.next_iteration()
         self.last_batches = batches
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
         losses, applied, grad_norm = self._train_batches(batches)
         self.scheduler.step(1)
-        self._inflight["scheduled"] = True
+        self.step_record.scheduled = True
         self._sync()
         elapsed = time.perf_counter() - start
         self.iteration = it
@@ -315,30 +355,28 @@ class Trainer:
             consumed_samples=self.train_stream.consumed_samples, skipped=not applied)
         for ext in self.extensions:
             ext.after_iteration(self, metrics)
-        self._inflight = None
         return metrics
 
-    def _fault_point(self, point: str, iteration: int | None = None) -> None:
-        it = iteration if iteration is not None else self._inflight["iteration"] if self._inflight else self.iteration
+    def fault_point(self, point: str, iteration: int | None = None) -> None:
+        """Test-only fault injection (``--inject-stop RANK:ITER:POINT``): the registered hooks."""
+        it = iteration if iteration is not None else self.step_record.iteration
         for hook in self.fault_points:
             hook(point, it)
 
-    def _commit_update(self) -> None:
+    def commit_update(self) -> None:
         """Right before this rank's optimizer update: no rank updates before every rank is ready
-        to (runtime/failover.py, "Commit"); raises ``RankLost`` when the iteration is abandoned."""
-        self._fault_point("step")
-        if self.failover is not None and self._inflight is not None:
-            self.failover.ledger.vote(self._inflight["iteration"])
-            self._inflight["committed"] = True
+        to (``ft/ledger.py``); raises ``RankLost`` when the iteration is abandoned."""
+        self.fault_point("step")
+        if self.ft is not None:
+            self.ft.vote(self.step_record.iteration)
 
-    def _update_applied(self) -> None:
-        if self._inflight is not None:
-            self._inflight["applied"] = True
+    def update_applied(self) -> None:
+        self.step_record.applied = True
 
     def _optimizer_step(self) -> tuple[bool, float | None]:
-        self._commit_update()
+        self.commit_update()
         out = self.optimizer.step()
-        self._update_applied()
+        self.update_applied()
         if isinstance(out, tuple):
             return bool(out[0]), (None if out[1] is None else float(out[1]))
         return bool(out), None
@@ -365,11 +403,11 @@ class Trainer:
     def save_checkpoint(self) -> str:
         state = ckpt.TrainState(iteration=self.iteration, consumed_samples=self.train_stream.consumed_samples,
                                 scheduler=self.scheduler.state_dict())
-        self._saving = True  # a fail-stop during the save saves again after the survivors regroup
+        self.saving = True  # a fail-stop during the save saves again after the survivors regroup
         path = ckpt.save(self.cfg.checkpoint.save, model=self.model, optimizer=self.optimizer, state=state,
                          config=self.cfg.flat(), layout=self.layout_dict(), keep_last=self.cfg.checkpoint.keep_last,
-                         on_written=lambda: self._fault_point("save"))
-        self._saving = False
+                         on_written=lambda: self.fault_point("save"))
+        self.saving = False
         return path
 
     def load_checkpoint(self, path: str) -> None:
@@ -409,7 +447,9 @@ class Trainer:
                            "weights (docs/runtime.md, 'Resuming')", "; ".join(changed))
 
     # --- logging ---------------------------------------------------------------------------
-    def _record(self, kind: str, payload: dict[str, Any]) -> None:
+    def record(self, kind: str, payload: dict[str, Any]) -> None:
+        if kind == "layout_change":
+            self.layout_changes.append(payload)
         row = {"kind": kind, **payload}
         self.history.append(row)
         if self._metrics_fh is not None:
@@ -420,7 +460,7 @@ class Trainer:
         if not self.ctx.is_logging_rank:
             return
         t = self.cfg.training
-        self._record("train", {"iteration": m.iteration, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,
+        self.record("train", {"iteration": m.iteration, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,
                                "iter_time_s": m.iter_time_s, "tokens_per_s": m.tokens_per_s,
                                "consumed_samples": m.consumed_samples, **m.extra})
         if self._tb is not None:
@@ -445,7 +485,7 @@ class Trainer:
         if not self.ctx.is_logging_rank or loss is None:
             return
         ppl = math.exp(min(loss, 50.0))
-        self._record("valid", {"iteration": self.iteration, "loss": loss, "ppl": ppl})
+        self.record("valid", {"iteration": self.iteration, "loss": loss, "ppl": ppl})
         if self._tb is not None:
             self._tb.add_scalar("valid/lm_loss", loss, self.iteration)
             self._tb.add_scalar("valid/ppl", ppl, self.iteration)
@@ -457,30 +497,36 @@ class Trainer:
         cfg = self.cfg
         t, lg, ck = cfg.training, cfg.logging, cfg.checkpoint
         times: list[float] = []
+        finished = ending = False
         try:
+            if self.ft is not None and self.ft.is_spare and not self.ft.wait_as_spare(self):
+                return self.history  # the job finished while this process waited for a place
             while self.iteration < t.train_iters:
                 try:
-                    if self.failover is not None and self.failover.lost():
-                        raise failover.RankLost("a rank is gone")  # named between two iterations
                     self._iterate(times)
                 except Exception as exc:
-                    if self.failover is None or isinstance(exc, failover.RestartNeeded):
+                    if self.ft is None:
                         raise
-                    try:
-                        self._continue_after_loss(exc)
-                    except failover.LeftOut as left:
-                        print(f" resihp: {left}", flush=True)
-                        break
+                    if not self.ft.on_failure(self, exc):
+                        return self.history  # left out, then the job finished while this rank waited
                     times.clear()
-            else:
-                if lg.eval_iters > 0:
-                    self._log_eval(self.evaluate())
-                if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
-                    self.save_checkpoint()
+            if lg.eval_iters > 0:
+                self._log_eval(self.evaluate())
+            if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
+                self.save_checkpoint()
+            finished = True
+        except (RankEnded, JobFailed, RestartNeeded):
+            # This process ends at once (the entry point exits without teardown): no extension may
+            # wait on a collective with the others or report a run this rank no longer takes part in.
+            ending = True
+            raise
         finally:
-            for ext in self.extensions:
-                ext.teardown(self)
-            self._close_outputs()
+            if self.ft is not None and finished:
+                self.ft.finish()
+            if not ending:
+                for ext in self.extensions:
+                    ext.teardown(self)
+            self.close_outputs()
         return self.history
 
     def _iterate(self, times: list[float]) -> None:
@@ -491,45 +537,16 @@ class Trainer:
         times.append(m.iter_time_s)
         recent = times[-20:]
         self._log(m, sum(recent) / len(recent))
-        if self._pending_relayout is not None:
-            try:
-                self._apply_pending_relayout()
-            except Exception as exc:
-                if self.failover is None:
-                    raise
-                # Half the state may be in the new layout: nothing consistent is left to continue from.
-                raise failover.RestartNeeded(f"a rank was lost during a live re-layout ({one_line(exc)[:160]})"
-                                             ) from exc
+        if self._pending_layout is not None:
+            self._apply_pending_layout()
             times.clear()  # the ETA follows the new layout's speed
         if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.iteration < t.train_iters:
             self._log_eval(self.evaluate())
         if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
             self.save_checkpoint()
 
-    # --- fail-stop: continue ---------------------------------------------------------------
-    def _settle_inflight(self) -> int:
-        """Close the iteration a fail-stop interrupted: keep it when every rank had reached its
-        update (the ledger's decision), else roll it back (gradients dropped, data position and
-        iteration as before it). Returns the last iteration whose update this rank applied."""
-        f, self._inflight = self._inflight, None
-        gbs = self.cfg.training.global_batch_size
-        if f is None:
-            return self.iteration
-        committed = f["committed"] if f["committed"] is not None else self.failover.ledger.settle(f["iteration"])
-        if committed:
-            if not f["scheduled"]:
-                self.scheduler.step(1)
-            self.iteration = f["iteration"]
-            self.train_stream.consumed_samples = f["consumed_samples"] + gbs
-            return f["iteration"] if f["applied"] else f["iteration"] - 1
-        self.iteration = f["iteration"] - 1
-        self.train_stream.consumed_samples = f["consumed_samples"]
-        self._drop_gradients()
-        self.rolled_back = f["iteration"]
-        return self.iteration
 
-    def _continue_after_loss(self, error: BaseException) -> None:
-        """Collective over the survivors: go on without the lost rank(s) (``runtime/survive.py``)."""
-        from megatron_ext.runtime.survive import continue_after_loss
-
-        continue_after_loss(self, error)
+NO_STORE = ("a live rank permutation (relayout rank_order) renumbers the ranks through a new process group, "
+            "which needs a store outside the old one: start the job with `python pretrain_gpt.py "
+            "--nproc-per-node N` or torchrun, or export the MEGATRON_EXT_STORE=host:port line of "
+            "`python -m megatron_ext.ft.store` to every rank")

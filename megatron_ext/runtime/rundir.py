@@ -53,9 +53,10 @@ def check_outputs(*, save: str | None, load: str | None, metrics_file: str | Non
                           f"run with --load, write elsewhere{hint}")
 
 
-def truncate_metrics(path: str, iteration: int) -> int:
+def truncate_metrics(path: str, iteration: int, kinds: tuple[str, ...] | None = None) -> int:
     """Keep the rows of ``path`` up to ``iteration`` (what the resumed checkpoint had seen); drop
-    later rows and a torn last line. Atomic: a crash here leaves the old file. Returns rows dropped."""
+    later rows (only those of ``kinds`` when given) and a torn last line. Atomic: a crash here
+    leaves the old file. Returns rows dropped."""
     if not os.path.isfile(path):
         return 0
     kept: list[str] = []
@@ -67,7 +68,7 @@ def truncate_metrics(path: str, iteration: int) -> int:
             except json.JSONDecodeError:
                 dropped += 1
                 continue
-            if int(row.get("iteration", 0)) <= iteration:
+            if int(row.get("iteration", 0)) <= iteration or (kinds is not None and row.get("kind") not in kinds):
                 kept.append(line if line.endswith("\n") else line + "\n")
             else:
                 dropped += 1

@@ -182,28 +182,18 @@ def test_burn_does_real_work():
     assert calls["n"] > 0
 
 
-def test_a_plan_names_devices_by_launch_rank_and_becomes_a_rank_order():
+def test_a_plan_names_devices_by_launch_rank_and_becomes_a_target():
     # After one permutation (launch ranks 0, 2, 1, 3 hold ranks 0..3), a plan that puts launch
-    # rank 1 first asks the executor for current rank 2 first; an engine that cannot permute
-    # refuses it with the alternative, and no live plan may leave a rank out.
+    # rank 1 first becomes a target whose members are launch ranks in the new rank order; even
+    # layers and an even micro-batch split are written as None (the one rule for both paths).
     import dataclasses
 
-    from megatron_ext.resihp.act import not_applicable, rank_order
-    from megatron_ext.resihp.planner_types import Plan, PlanLayout
+    from megatron_ext.resihp.choose import target_from_plan
+    from megatron_ext.resihp.planner_types import PlanLayout
 
     old = PlanLayout.even(num_layers=4, tp=1, pp=2, dp=2, num_microbatches=8, devices=(0, 2, 1, 3))
-
-    def plan(devices, dp=2):
-        new = dataclasses.replace(old, devices=devices, dp=dp, microbatches=(8,) * dp if dp == 1 else old.microbatches)
-        return Plan(old=old, new=new, actions=("tp_regroup",), iteration_s_before=1.0, iteration_s_after=0.5,
-                    bytes_to_move=0.0, max_bytes_per_device=0.0, move_s=0.0, horizon_iterations=500, optimum_s=0.5)
-
-    members = (0, 2, 1, 3)
-    assert rank_order(plan((1, 2, 0, 3)), members) == [2, 1, 0, 3]
-    assert rank_order(plan(members), members) is None
-    assert not_applicable(plan((1, 2, 0, 3)), 4) is None
-    assert not_applicable(plan((1, 2, 0, 3)), 4, permute=False) == (
-        "it permutes ranks between groups, which this engine cannot do live (--engine megatron can)")
-    assert not_applicable(plan((0, 2), dp=1), 4) == (
-        "it runs on 2 of 4 ranks (only after a fail-stop, with --resihp-on-stop continue)")
-    assert not_applicable(plan((0, 2), dp=1), 4, after_loss=True) is None
+    t = target_from_plan(dataclasses.replace(old, devices=(1, 2, 0, 3)))
+    assert (t.tp, t.pp, t.dp, t.members, t.stage_layers, t.replica_microbatches) == (1, 2, 2, (1, 2, 0, 3), None, None)
+    uneven = dataclasses.replace(old, layers=((3,), (1,)), microbatches=(5, 3))
+    t = target_from_plan(uneven)
+    assert (t.stage_layers, t.replica_microbatches) == ((3, 1), (5, 3))

@@ -6,8 +6,10 @@ continue`` the launcher process hosts a ``TCPStore`` (``host``), every rank conn
 client (``connect``), and each layout generation keeps its keys under its own prefix
 (``generation``): a new default process group after a fail-stop rendezvouses on fresh keys, as
 torchft does per quorum. ``MEGATRON_EXT_STORE=host:port`` tells a rank where the store is.
+Everything of the fault-tolerance core that must agree across ranks goes through this store,
+never through a process group (which may be the thing that is broken).
 
-    python -m megatron_ext.runtime.store [--host 0.0.0.0] [--port 29400]
+    python -m megatron_ext.ft.store [--host 0.0.0.0] [--port 29400]
 
 hosts one by itself and prints the ``MEGATRON_EXT_STORE=...`` line, for launchers that do not
 (srun: start it in the batch script, export the line, then srun the ranks).
@@ -55,13 +57,19 @@ def address_from_env() -> str | None:
     return os.environ.get(STORE_ENV) or None
 
 
-def generation(base: dist.Store, gen: int, part: str) -> dist.PrefixStore:
-    """The keys of layout generation ``gen`` for one purpose (``pg``, ``heartbeat``, ``commit``, ...).
+def job_keys(base: dist.Store, part: str) -> dist.PrefixStore:
+    """The keys of the whole job for one purpose (exit reports, errors, spares, the job's end).
     Under torchrun's agent store, which outlives a restart of the workers (``--max-restarts``),
-    each restart gets its own keys: a restarted job's generation 1 must not meet the last one's."""
+    each restart gets its own keys: a restarted job must not read the last one's."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     attempt = f"/restart{restart}" if restart not in ("", "0") else ""
-    return dist.PrefixStore(f"{PREFIX}{attempt}/gen{gen}/{part}", base)
+    return dist.PrefixStore(f"{PREFIX}{attempt}/{part}", base)
+
+
+def generation(base: dist.Store, gen: int, part: str) -> dist.PrefixStore:
+    """The keys of layout generation ``gen`` for one purpose (``pg``, ``heartbeat``, ``commit``,
+    ``join``, ...): a new generation never meets the last one's keys."""
+    return job_keys(base, f"gen{gen}/{part}")
 
 
 def wait_for_key(store: dist.Store, key: str, *, timeout_s: float, poll_s: float = 0.05,
@@ -80,7 +88,7 @@ def wait_for_key(store: dist.Store, key: str, *, timeout_s: float, poll_s: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_ext.runtime.store",
+    parser = argparse.ArgumentParser(prog="python -m megatron_ext.ft.store",
                                      description="Host the job's rendezvous store until stopped.")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
     parser.add_argument("--port", type=int, default=0, help="port (default: a free one)")

@@ -1,0 +1,158 @@
+"""Start N ranks of a script directly, as srun does (no torchrun agent in between).
+
+Used where the launcher must not react to a dying worker by itself -- ``--resihp-on-stop
+continue``, fail-stop tests and the live detector benchmark. This process hosts the rendezvous
+store (``ft/store.py``) and outlives every rank, so survivors of a lost rank, rank 0 included, can
+still meet there and form a new process group. A rank that dies does not stop the others: each
+rank's exit code is its own, and the moment one ends without finishing, its exit is reported in
+the store (``membership.report_exit``), so the survivors know at once instead of after the
+heartbeat timeout.
+
+With ``respawn`` (``--resihp-respawn N``) a rank that was lost is started again, up to N times per
+rank, as a new incarnation (``MEGATRON_EXT_INCARNATION=k``): the new process waits as a spare until
+the survivors take it in at an iteration boundary (``ft/core.py``, "grow"). Nothing is started
+again once the job has ended (``job/end``) or finished training (``job/done``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from megatron_ext.ft import membership as ms
+from megatron_ext.ft.errors import FAILED_EXIT_CODE
+from megatron_ext.ft.preflight import LAUNCHER_ENV
+from megatron_ext.ft.store import STORE_ENV, host
+
+INCARNATION_ENV = "MEGATRON_EXT_INCARNATION"
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    output: str
+    incarnations: list[int] = dataclasses.field(default_factory=list)
+    """Exit code of every process this rank had, the last one last (``returncode``)."""
+    lost: bool = False
+    """Its last process was lost while the job went on: killed, or ended on its own exception
+    (it said so in the store)."""
+    job_end: dict | None = None
+    """How the job ended when it ended early (``membership.declare_end``: code, one line)."""
+    spare: bool = False
+    """Its last process ended as a spare (it had no place in the layout at the end)."""
+
+
+def _rank_env(rank: int, nproc: int, addr: str, env: dict[str, str] | None, incarnation: int) -> dict[str, str]:
+    base = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # the store is ours; ranks must not host another
+        base.pop(key, None)
+    return {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), STORE_ENV: addr,
+            LAUNCHER_ENV: "1", INCARNATION_ENV: str(incarnation)}
+
+
+def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, env: dict[str, str] | None = None,
+                 timeout_s: float | None = 900.0, capture: bool = True, respawn: int = 0,
+                 respawn_delay_s: float = 0.0) -> list[RankResult]:
+    """Run ``python script_args...`` as ranks 0..nproc-1 and wait for all of them (and their
+    replacements). With ``capture`` each rank's output (stdout and stderr, of every incarnation)
+    comes back in its result; without, it goes to this process's streams as it is written.
+    ``respawn``: start a lost rank again, up to this many times per rank, after ``respawn_delay_s``."""
+    store, addr = host()
+    out = subprocess.PIPE if capture else None
+    texts: list[list[str]] = [[] for _ in range(nproc)]
+    codes: list[list[int]] = [[] for _ in range(nproc)]
+    procs: list[subprocess.Popen | None] = [None] * nproc
+    lock = threading.Lock()
+    watchers: list[threading.Thread] = []
+
+    def start(rank: int, incarnation: int) -> None:
+        p = subprocess.Popen([sys.executable, *script_args], cwd=cwd, env=_rank_env(rank, nproc, addr, env, incarnation),
+                             stdout=out, stderr=subprocess.STDOUT if capture else None, text=True)
+        with lock:
+            procs[rank] = p
+        w = threading.Thread(target=watch, args=(rank, incarnation, p), daemon=True)
+        watchers.append(w)
+        w.start()
+
+    def watch(rank: int, incarnation: int, p: subprocess.Popen) -> None:
+        if capture:
+            texts[rank].append(p.stdout.read())
+        code = p.wait()
+        codes[rank].append(code)
+        if code == 0:
+            return
+        # Survivors learn of a dead rank from the store at once, not after the heartbeat timeout.
+        try:
+            reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            ms.report_exit(store, rank, incarnation, code=code, reason=reason, by="launcher")
+            ended = ms.job_end(store) is not None or ms.is_done(store)
+        except Exception:  # the job is ending
+            return
+        if incarnation < respawn and not ended:
+            if respawn_delay_s:
+                time.sleep(respawn_delay_s)
+            start(rank, incarnation + 1)
+
+    for r in range(nproc):
+        start(r, 0)
+    try:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with lock:
+                pending = [w for w in watchers if w.is_alive()]
+            if not pending:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            pending[0].join(0.2)
+    finally:
+        with lock:
+            live = [p for p in procs if p is not None and p.poll() is None]
+        for p in live:
+            p.kill()
+            p.wait()
+        for w in list(watchers):
+            w.join(5.0)
+    # ``store`` lives until here, after every rank: the survivors of a lost rank meet through it.
+    end = ms.job_end(store)
+    results = []
+    for r in range(nproc):
+        code = codes[r][-1] if codes[r] else -9
+        report = ms.exit_report(store, r, len(codes[r]) - 1) if code != 0 else None
+        results.append(RankResult(r, code, "".join(texts[r]), list(codes[r]), job_end=end,
+                                  lost=code < 0 or (report is not None and report["by"] == "self"),
+                                  spare=code == 0 and ms.spare_state(store, r) == "waiting"))
+    return results
+
+
+def job_exit_code(results: list[RankResult]) -> int:
+    """The job's exit code: the code it ended with when it ended early (``job/end``: 1 for an
+    error that ends every rank, 75 for a restart); else 0 when every rank either finished with 0
+    or was lost while the others went on; else the first nonzero exit code of a rank that exited
+    by itself (1 when every rank was killed)."""
+    end = next((r.job_end for r in results if r.job_end is not None), None)
+    if end is not None:
+        return int(end["code"])
+    if any(r.returncode == 0 for r in results) and all(r.returncode == 0 or r.lost for r in results):
+        return 0
+    own = [r.returncode for r in results if r.returncode > 0]
+    return own[0] if own else FAILED_EXIT_CODE
+
+
+def run_job(script_args: list[str], nproc: int, *, respawn: int = 0) -> tuple[int, list[RankResult]]:
+    """``launch_ranks`` for a job on a terminal: output streamed, Ctrl-C stops every rank.
+    Returns (the job's exit code, each rank's result)."""
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        results = launch_ranks(script_args, nproc, timeout_s=None, capture=False, respawn=respawn)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return job_exit_code(results), results
