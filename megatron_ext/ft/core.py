@@ -151,6 +151,7 @@ class FaultTolerance:
         self._exits = ms.ExitWatch(self.base)
         self._watch_exits = ms.ExitWatch(self.watch_base)
         self.members: dict[int, int] = {}      # member -> incarnation, of the current generation, in rank order
+        self.stable: dict[int, int] = {}       # the members of the last generation every member completed
         self.round = 0                          # highest round (generation number) this process took part in
         self.arrivals_seen = 0
         self.ledger: CommitLedger | None = None
@@ -178,6 +179,8 @@ class FaultTolerance:
         ctx = trainer.ctx
         if not self.members or list(self.members) != list(ctx.members):
             self.members = {m: self.members.get(m, 0) for m in ctx.members}
+        if not self.stable:
+            self.stable = dict(self.members)
         if ctx.generation == 0:  # the layout the job was launched with (a rejoin may go back to it)
             launch = LayoutTarget.current(trainer.cfg.parallel, ctx.members)
             store_lib.job_keys(self.base, "job").compare_set("launch", "", json.dumps(launch.to_dict()))
@@ -237,8 +240,7 @@ class FaultTolerance:
             inc = self.members.get(m, 0)
             if (m, inc) in known:
                 continue
-            how = "heartbeat" if why.startswith("heartbeat") else (
-                "self" if not why.startswith(("killed", "exited")) else "launcher")
+            how = "self" if why_is_own_error(why) else "heartbeat" if why.startswith("heartbeat") else "launcher"
             loss = Loss(member=m, incarnation=inc, iteration=iteration, how=how, why=why)
             self.losses.append(loss)
             for listener in self.listeners:
@@ -338,6 +340,15 @@ class FaultTolerance:
         if self.cfg.on_stop != "continue":
             raise exc
         lost = lost or self._wait_for_loss()
+        if lost and all(why_is_own_error(w) for w in lost.values()):
+            # A rank that ended on its own exception may yet learn that another ended on the same one
+            # (then the job ends): give it the time it takes to find out before recovering.
+            deadline = time.monotonic() + SAME_ERROR_GRACE_S + 0.5
+            while time.monotonic() < deadline:
+                end = ms.job_end(self.base)
+                if end is not None:
+                    raise JobFailed(end["message"], report=False) from exc
+                time.sleep(0.05)
         if not lost:
             message = (f"rank {self.member}: {type(exc).__name__}: {one_line(exc)[:300]} (no rank was lost, so "
                        "the job cannot continue past it)")
@@ -418,7 +429,8 @@ class FaultTolerance:
                     self._round(trainer, cause="fail_stop", held=held, rolled_back=rolled_back, started=started)
                     break
                 except SecondFault as fault:
-                    logger.warning("round %d failed: %s; starting the next", self.round, fault)
+                    logger.warning("round %d failed (%s): round %d starts from the state held before it",
+                                   self.round, fault, self.round + 1)
         except NotMember as left:
             print(f" ft: rank {self.member} has no place in the next layout ({left}); it waits as a spare",
                   flush=True)
@@ -439,7 +451,8 @@ class FaultTolerance:
                     self._round(trainer, cause="grow", held=held, rolled_back=None, started=time.perf_counter())
                     break
                 except SecondFault as fault:
-                    logger.warning("round %d failed: %s; starting the next", self.round, fault)
+                    logger.warning("round %d failed (%s): round %d starts from the state held before it",
+                                   self.round, fault, self.round + 1)
         finally:
             self.phase = "training"
 
@@ -461,6 +474,7 @@ class FaultTolerance:
                                   members=target.members, lost=gone, timeout_s=self.cfg.timeout_s):
                     raise RankLost(f"rank(s) {sorted(gone())} lost before the re-layout was done")
                 self.retire_liveness()
+                self.stable = dict(self.members)
             return info
         except Exception as exc:
             lost = self.lost() or (self._wait_for_loss() if is_communication_error(exc) else {})
@@ -512,7 +526,8 @@ class FaultTolerance:
                                  give_up=lambda m=m, inc=inc: bool(self.lost({m: inc})))
             if got is not None and got.get("incarnation") == inc:
                 spares[m] = inc
-        lost = sorted(set(self.members) - set(survivors))
+        # Lost since the last generation everybody completed (a failed round's losses included).
+        lost = sorted(set(self.stable) - set(survivors))
         devices = survivors + sorted(spares)
         try:
             choice = self.chooser(trainer, devices, lost, cause) if self.chooser is not None else \
@@ -540,7 +555,8 @@ class FaultTolerance:
                 "old_pp": par.pipeline_model_parallel_size, "old_name": trainer.layout_name(),
                 "iteration": base["iteration"], "consumed_samples": base["consumed_samples"],
                 "scheduler": base["scheduler"], "incarnations": {str(k): v for k, v in incarnations.items()},
-                "lost": lost, "lost_why": {str(m): w for m, w in self.lost().items()},
+                "lost": lost, "lost_why": {str(m): w for m, w in {**self.lost(self.stable), **self.lost()}.items()
+                                           if m in lost},
                 "joined": sorted(set(spares) & set(target.members)), "arrivals_seen": arrivals, "rolled_back": rolled[0] if rolled else None}
 
     def _apply_decision(self, trainer: "TrainerLike", r: int, decision: dict[str, Any] | None, *, held: HeldState | None,
@@ -553,8 +569,10 @@ class FaultTolerance:
         if "restart" in decision:
             gone = ", ".join(map(str, decision.get("lost") or sorted(self.lost()))) or "none"
             # Spares waiting for a place and the launcher learn it from the store.
-            ms.declare_end(self.base, code=RESTART_EXIT_CODE, message=f"lost rank(s) {gone}: {decision['restart']}",
-                           by=decision.get("leader", self.member))
+            end = ms.declare_end(self.base, code=RESTART_EXIT_CODE, message=f"lost rank(s) {gone}: {decision['restart']}",
+                                 by=decision.get("leader", self.member))
+            if end["code"] != RESTART_EXIT_CODE:  # the job already ended for another reason
+                raise JobFailed(end["message"], report=False)
             raise RestartNeeded(f"lost rank(s) {gone}: {decision['restart']}",
                                 report=self.member == decision.get("leader", self.member))
         self.arrivals_seen = int(decision.get("arrivals_seen", self.arrivals_seen))
@@ -588,7 +606,7 @@ class FaultTolerance:
             raise
         except Exception as exc:
             if gone() or self._wait_for_loss_in(incarnations):
-                raise SecondFault(f"a rank was lost during the change: {one_line(exc)[:160]}") from exc
+                raise SecondFault(f"rank(s) {', '.join(map(str, sorted(gone())))} lost during the change") from exc
             from megatron_ext.runtime.checkpoint import CheckpointError
 
             if isinstance(exc, CheckpointError):
@@ -599,6 +617,7 @@ class FaultTolerance:
                           timeout_s=self.cfg.timeout_s):
             raise SecondFault(f"rank(s) {sorted(gone())} lost before round {r} was done")
         self.retire_liveness()
+        self.stable = dict(self.members)
         if self.ledger is not None:
             self.ledger.arrivals_seen = self.arrivals_seen
         self.phase = "training"
@@ -666,6 +685,11 @@ def planned_change(trainer: "TrainerLike", target: LayoutTarget, *, reason: str,
                   old_members=tuple(trainer.ctx.members), old_name=trainer.layout_name(),
                   old_tp=par.tensor_model_parallel_size, old_pp=par.pipeline_model_parallel_size,
                   iteration=held.iteration, consumed_samples=held.consumed_samples, scheduler=held.scheduler)
+
+
+def why_is_own_error(why: str) -> bool:
+    """Whether a loss's reason (``FaultTolerance.lost``) is a rank's own exception."""
+    return not why.startswith(("killed by signal", "exited with code", "heartbeat"))
 
 
 def _exit_why(report: dict[str, Any]) -> str:

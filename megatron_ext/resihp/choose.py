@@ -132,6 +132,16 @@ def _speeds(trainer: "TrainerLike", devices: list[int], lost: list[int]) -> np.n
     return speeds
 
 
+def _healthy_times(trainer: "TrainerLike") -> list[float]:
+    """Iteration times of the layout in force while healthy: the fail-slow actor's, where it runs
+    (taken before its first verdict), else the extension's recent ones."""
+    ext = extension_of(trainer)
+    actor = getattr(ext, "actor", None)
+    if actor is not None and actor.healthy_times:
+        return list(actor.healthy_times)
+    return list(getattr(ext, "iteration_times", []) or [])
+
+
 def choose_layout(trainer: "TrainerLike", devices: list[int], lost: list[int], cause: str
                   ) -> tuple[LayoutTarget, str] | str:
     """The core's ``Chooser``, on the round's leader: a target over ``devices`` (launch ranks) and
@@ -141,9 +151,10 @@ def choose_layout(trainer: "TrainerLike", devices: list[int], lost: list[int], c
     try:
         layout = plan_layout(trainer)  # devices are launch ranks, as ``devices``, ``lost`` and the policy's
         speeds = _speeds(trainer, devices, lost)
-        # The analytical model alone (1 TFLOP/s per rank), not scaled by measured iteration times:
-        # the layout is a function of the layout and of who is there, not of timing noise.
-        planner = make_planner(trainer, executable_only=False, min_gain=0.0)
+        # The model's device speed is scaled to the iteration times measured in the layout in force
+        # (before the fault): how compute weighs against the links on this machine decides between
+        # more replicas and more stages, and 1 TFLOP/s per CPU rank would misjudge it by 100x.
+        planner = make_planner(trainer, executable_only=False, min_gain=0.0, healthy_times=_healthy_times(trainer))
         if cause == "grow":
             return _grow(trainer, planner, layout, speeds, devices)
         plan = planner.plan(layout, speeds)

@@ -132,6 +132,8 @@ class ResiHPExtension(Extension):
         self.verdicts: list[Verdict] = []
         self.actor = None
         self.trainer: Trainer | None = None
+        self.iteration_times: list[float] = []   # recent ones of the layout in force (the chooser scales by them)
+        self._unlogged: list[Verdict] = []       # losses named while the verdict file was elsewhere
         self.moe_probe = None
         self.detector_member: int | None = None   # launch rank of the process holding the detector
 
@@ -184,12 +186,19 @@ class ResiHPExtension(Extension):
             from megatron_ext.resihp.detector import make_detector
             from megatron_ext.resihp.verdicts import VerdictLog
 
+            # The process that held the file is gone (no hand-over): the losses it could not write
+            # are written here.
+            orphaned = self.detector is None and received is None and trace_mode == "a"
             if self.detector is None:
                 self.detector = received if received is not None else make_detector(self.cfg)
             if self.trace_writer is None and self.cfg.resihp_trace_out:
                 self.trace_writer = JsonLinesWriter(self.cfg.resihp_trace_out, trace_mode)
             if self.verdict_log is None and self.cfg.resihp_verdicts_out:
                 self.verdict_log = VerdictLog(self.cfg.resihp_verdicts_out)
+            if self.verdict_log is not None and orphaned:
+                for v in self._unlogged:
+                    self.verdict_log.write(v)
+        self._unlogged = []
         if self.cfg.resihp_act != "off":
             from megatron_ext.resihp.act import Actor
 
@@ -290,6 +299,7 @@ class ResiHPExtension(Extension):
         another process, go with it (``_hand_over``). The detector sees the new layout and rank
         order in the next record and carries its per-device state over
         (``detector._Base._relayout``)."""
+        self.iteration_times = []  # another layout: its own times from here
         if self.throttle is not None:
             active = self.throttle.active
             self.throttle = Throttle(model_chunks(trainer), self.throttle.factor, self.faults.inject_slow_mode)
@@ -326,6 +336,8 @@ class ResiHPExtension(Extension):
         self.verdicts.append(v)
         if self.verdict_log is not None:
             self.verdict_log.write(v)
+        else:  # the detector's file may come here with the change that follows (``_place_detector``)
+            self._unlogged.append(v)
 
     # --- per iteration ---------------------------------------------------------------------
     def _active_faults(self, iteration: int) -> tuple[FaultLabel, ...]:
@@ -346,6 +358,7 @@ class ResiHPExtension(Extension):
             self.moe_probe.reset()
 
     def after_iteration(self, trainer: "Trainer", metrics: IterationMetrics) -> None:
+        self.iteration_times = (self.iteration_times + [metrics.iter_time_s])[-20:]
         if not self.detect:
             return
         record = self.timeline.record(trainer, metrics.iteration, dst=self.detector_rank)

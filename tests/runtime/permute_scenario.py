@@ -2,8 +2,8 @@
 started by the project's launcher (``runtime/launch.py``, the store in the launcher process).
 
 ``FORCE_RANK_ORDER=ITER:R0,R1,...`` in the environment: after iteration ITER the job re-lays out
-with the ranks in that order (``Trainer.request_relayout(rank_order=)``, same shape); everything
-else is ``pretrain_gpt.py``'s own ``main`` with the given flags.
+with the ranks in that order (``Trainer.request_layout`` with the same shape over the launch ranks
+of those ranks); everything else is ``pretrain_gpt.py``'s own ``main`` with the given flags.
 """
 from __future__ import annotations
 
@@ -24,8 +24,11 @@ class ForcedPermutation(Extension):
 
     def after_iteration(self, trainer, metrics) -> None:
         if metrics.iteration == self.at:
-            lay = trainer.ctx.layout
-            trainer.request_relayout(tp=lay.tp, pp=lay.pp, rank_order=self.order, reason="forced by the test")
+            from megatron_ext.ft.target import LayoutTarget
+
+            current = LayoutTarget.current(trainer.cfg.parallel, trainer.ctx.members)
+            members = tuple(trainer.ctx.members[r] for r in self.order)
+            trainer.request_layout(LayoutTarget(**{**current.to_dict(), "members": members}), reason="forced by the test")
 
 
 @register_extension("forced_permutation")
