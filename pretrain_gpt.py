@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_traceback(exc.original, f"{PROG}: error: {exc}")
             else:
                 print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-        os._exit(ft_errors.FAILED_EXIT_CODE)
+        os._exit(exc.code)
     except ft_errors.RestartNeeded as exc:
         # The process groups may be broken: no teardown (it could wait on a lost rank), no traceback.
         where = cfg.checkpoint.save or cfg.checkpoint.load

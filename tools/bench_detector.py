@@ -388,7 +388,7 @@ def run_live_traces(directory: str = LIVE_TRACES, max_delay: int = 10) -> dict:
 def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
     import tempfile
 
-    from megatron_ext.runtime.launch import launch_ranks
+    from megatron_ext.ft.launch import launch_ranks
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     common = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
@@ -403,7 +403,7 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
         stop_file = os.path.join(tmp, "stop.jsonl")
         launch_ranks(common + ["--train-iters", "200", "--inject-stop", f"3:{stop_at}",
                                "--resihp-heartbeat-interval-s", "0.5", "--resihp-heartbeat-timeout-s", "3",
-                               "--resihp-verdicts-out", stop_file], 4, cwd=root)
+                               "--resihp-verdicts-out", stop_file], 4, cwd=root, report_exits=False)
         stop = [json.loads(x) for x in open(stop_file)] if os.path.exists(stop_file) else []
     slow_v = [v for v in slow if v["kind"] == "fail_slow"]
     stop_v = [v for v in stop if v["kind"] == "fail_stop"]

@@ -459,7 +459,7 @@ def _live_fail_stop(root: str, tmp: str, name: str, *, nproc: int, layout: list[
                     save_interval: int | None) -> dict:
     """One ``pretrain_gpt.py --resihp-on-stop continue`` job through the project's launcher with a
     rank SIGKILLed, and a straight single-rank run of the same model and data for the curve."""
-    from megatron_ext.runtime.launch import launch_ranks
+    from megatron_ext.ft.launch import launch_ranks
 
     d = os.path.join(tmp, name)
     metrics = os.path.join(d, "metrics.jsonl")

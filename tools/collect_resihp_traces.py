@@ -5,7 +5,7 @@ without the load-balancing loss, whose routers drift to one EP rank's experts).
 
     python tools/collect_resihp_traces.py OUT_DIR [--runs 2] [--iters 80] [--only NAME_SUBSTRING ...] [--gzip]
 
-Each scenario is launched with the direct rank launcher (``megatron_ext.runtime.launch``), one
+Each scenario is launched with the direct rank launcher (``megatron_ext.ft.launch``), one
 after the other; a trace is written to ``OUT_DIR/<scenario>-r<k>.trace.jsonl`` and the live
 verdicts to ``...verdicts.jsonl``. The live detector runs with its defaults, so the verdicts
 show what the shipped settings do; the traces are then replayed offline with any setting
@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_ext.runtime.launch import launch_ranks  # noqa: E402
+from megatron_ext.ft.launch import launch_ranks  # noqa: E402
 
 # Small model: the point is the detector's view of real, noisy CPU timings, not training.
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "1",

@@ -27,7 +27,7 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
-from megatron_ext.resihp.act import make_planner, not_applicable, plan_layout, rank_order  # noqa: E402
+from megatron_ext.resihp.choose import make_planner, not_applicable, plan_layout, target_from_plan  # noqa: E402
 from megatron_ext.resihp.injection import Throttle  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
@@ -85,15 +85,13 @@ def main() -> None:
     decide_s = time.perf_counter() - t0
     result = {"healthy_s": healthy_s, "slow_s": slow_s, "decide_s": decide_s,
               "plan": plan.describe() if plan else None, "speeds": speeds}
-    if plan is not None and not_applicable(plan, ctx.world_size) is None:
+    target = target_from_plan(plan.new) if plan is not None else None
+    if target is not None and not_applicable(trainer, target) is None:
         if throttle is not None:
             throttle.remove()
-        mbs = list(plan.new.microbatches)
         # The plan's rank permutation too (the slow process moved off the output layer's stage):
         # ``rank`` stays this process's launch rank, so the throttle below follows the device.
-        info = trainer.relayout(tp=plan.new.tp, pp=plan.new.pp, stage_layers=list(plan.new.stage_layers),
-                                replica_microbatches=None if len(set(mbs)) == 1 else mbs,
-                                rank_order=rank_order(plan, ctx.members))
+        info = trainer.change_layout(target, reason=plan.describe())
         if rank == slow_rank:
             throttle = Throttle(list(trainer.model.chunks), FACTOR)
             throttle.active = True

@@ -158,7 +158,8 @@ class FaultTolerance:
         self.heartbeat: Heartbeat | None = None
         self.silent: dict[int, Silence] = {}    # members named by the heartbeat
         self.losses: list[Loss] = []
-        self.listeners: list[Callable[[Loss, Silence | None, bool], None]] = []
+        self.listeners: list[Callable[[Loss, Silence | None], None]] = []
+        """Told of every loss once (on any thread): ResiHP's fail-stop verdicts."""
         self.phase = "spare" if incarnation > 0 else "training"
         self.step: StepRecord | None = None
         self._grow = False
@@ -166,6 +167,7 @@ class FaultTolerance:
         self._lock = threading.Lock()
         self._iteration = 0
         self._retired: list[Heartbeat | None] = []
+        self._aborting = False
         self.backend = "gloo"
 
     @property
@@ -235,6 +237,10 @@ class FaultTolerance:
         return out
 
     def _record_losses(self, lost: dict[int, str], iteration: int) -> None:
+        with self._lock:
+            self._record_losses_locked(lost, iteration)
+
+    def _record_losses_locked(self, lost: dict[int, str], iteration: int) -> None:
         known = {(x.member, x.incarnation) for x in self.losses}
         for m, why in sorted(lost.items()):
             inc = self.members.get(m, 0)
@@ -244,7 +250,7 @@ class FaultTolerance:
             loss = Loss(member=m, incarnation=inc, iteration=iteration, how=how, why=why)
             self.losses.append(loss)
             for listener in self.listeners:
-                listener(loss, self.silent.get(m), False)
+                listener(loss, self.silent.get(m))
 
     def _on_silent(self, silence: Silence, reporter: bool, members: tuple[int, ...]) -> None:
         """Monitor thread: a member of the heartbeat's generation (``members``, in rank order) stopped
@@ -253,10 +259,12 @@ class FaultTolerance:
             return
         m = members[silence.rank]
         self.silent[m] = silence
+        why = f"heartbeat silent for {silence.silent_s:.1f} s"
         if reporter:
             print(f"ft: rank {m} of generation {self.round} is silent for {silence.silent_s:.1f} s "
                   f"(heartbeat timeout {silence.timeout_s:g} s): lost", file=sys.stderr, flush=True)
-        self._react({m: f"heartbeat silent for {silence.silent_s:.1f} s"}, reporter=reporter)
+        self._record_losses({m: why}, silence.iteration)
+        self._react({m: why}, reporter=reporter)
 
     def _watch(self) -> None:
         """Monitor thread, every poll: a new exit report of a member, or the job's end."""
@@ -280,18 +288,27 @@ class FaultTolerance:
             return
         what = ", ".join(f"{m} ({w})" for m, w in sorted(new.items()))
         if self.cfg.on_stop == "abort":
-            if reporter:
-                where = self.cfg.checkpoint
-                print(f"resihp: rank(s) {what} lost: aborting the job; resume from the last checkpoint"
-                      + (f" (--load {where})" if where else " (none was saved: --save DIR)"), file=sys.stderr, flush=True)
-            ms.declare_end(self.watch_base, code=RESTART_EXIT_CODE, message=f"rank(s) {what} lost", by=self.member)
-            # Linger a few polls: the other survivors should read it from the store before this goes.
-            time.sleep(0.5)
-            os._exit(RESTART_EXIT_CODE)
+            self._abort(what, reporter=reporter, store=self.watch_base)
         if self.cfg.on_stop == "report":
             return
         if self.phase in ("training", "changing"):
             unblock(self._backend, self.store_addr)
+
+    def _abort(self, what: str, *, reporter: bool, store: Any) -> None:
+        """``--resihp-on-stop abort``: the job ends on every survivor with exit 75 (restart from the
+        last checkpoint), one line naming the lost rank(s)."""
+        with self._lock:
+            if self._aborting:  # the monitor thread and the main thread may both get here
+                time.sleep(5.0)
+            self._aborting = True
+        end = ms.declare_end(store, code=RESTART_EXIT_CODE, message=f"rank(s) {what} gone", by=self.member)
+        if end["by"] == self.member:  # said once per job: by the survivor that declared the end
+            where = self.cfg.checkpoint
+            print(f"resihp: aborting the job: rank(s) {what} gone; resume from the last checkpoint"
+                  + (f" (--load {where})" if where else " (none was saved: --save DIR)"), file=sys.stderr, flush=True)
+        # Linger a few polls: the other survivors should read it from the store before this goes.
+        time.sleep(0.5)
+        os._exit(end["code"])
 
     @property
     def _backend(self) -> str:
@@ -305,7 +322,7 @@ class FaultTolerance:
             raise RankLost("a rank is gone")  # named between two iterations
         end = ms.job_end(self.base)
         if end is not None:
-            raise JobFailed(end["message"], report=False)
+            raise JobFailed(end["message"], report=False, code=end["code"])
         if self._grow:
             self._grow = False
             self.grow(trainer)
@@ -333,13 +350,15 @@ class FaultTolerance:
             raise exc
         end = ms.job_end(self.base)
         if end is not None:
-            raise JobFailed(end["message"], report=False) from exc
+            raise JobFailed(end["message"], report=False, code=end["code"]) from exc
         lost = self.lost()
         if not lost and not isinstance(exc, RankLost) and not is_communication_error(exc):
             self._end_this_rank(trainer, exc)
-        if self.cfg.on_stop != "continue":
+        if self.cfg.on_stop == "report":
             raise exc
         lost = lost or self._wait_for_loss()
+        if lost and self.cfg.on_stop == "abort":
+            self._abort(", ".join(f"{m} ({w})" for m, w in sorted(lost.items())), reporter=False, store=self.base)
         if lost and all(why_is_own_error(w) for w in lost.values()):
             # A rank that ended on its own exception may yet learn that another ended on the same one
             # (then the job ends): give it the time it takes to find out before recovering.
@@ -347,15 +366,15 @@ class FaultTolerance:
             while time.monotonic() < deadline:
                 end = ms.job_end(self.base)
                 if end is not None:
-                    raise JobFailed(end["message"], report=False) from exc
+                    raise JobFailed(end["message"], report=False, code=end["code"]) from exc
                 time.sleep(0.05)
         if not lost:
             message = (f"rank {self.member}: {type(exc).__name__}: {one_line(exc)[:300]} (no rank was lost, so "
                        "the job cannot continue past it)")
             end = ms.declare_end(self.base, code=FAILED_EXIT_CODE, message=message, by=self.member)
             if end["by"] == self.member:
-                raise JobFailed(end["message"], report=True, original=exc) from exc
-            raise JobFailed(end["message"], report=False) from exc
+                raise JobFailed(end["message"], report=True, original=exc, code=end["code"]) from exc
+            raise JobFailed(end["message"], report=False, code=end["code"]) from exc
         return self.recover(trainer, lost)
 
     # --- this rank's own exception ---------------------------------------------------------------
@@ -373,7 +392,7 @@ class FaultTolerance:
                      if count >= 2 and first["member"] != self.member else "")
             message = f"rank {self.member}: {described} (iteration {it}{other})"
             end = ms.declare_end(self.base, code=FAILED_EXIT_CODE, message=message, by=self.member)
-            raise JobFailed(end["message"], report=end["by"] == self.member, original=exc) from exc
+            raise JobFailed(end["message"], report=end["by"] == self.member, original=exc, code=end["code"]) from exc
         raise RankEnded(f"rank {self.member} lost: {described} (iteration {it}); the other ranks go on "
                         "without it", exc) from exc
 
@@ -385,7 +404,7 @@ class FaultTolerance:
                 return lost
             end = ms.job_end(self.base)
             if end is not None:
-                raise JobFailed(end["message"], report=False)
+                raise JobFailed(end["message"], report=False, code=end["code"])
             if time.monotonic() > deadline:
                 return {}
             time.sleep(0.02)
@@ -564,7 +583,7 @@ class FaultTolerance:
         if decision is None:
             end = ms.job_end(self.base)
             if end is not None:
-                raise JobFailed(end["message"], report=False)
+                raise JobFailed(end["message"], report=False, code=end["code"])
             raise SecondFault("the round's leader was lost before it decided")
         if "restart" in decision:
             gone = ", ".join(map(str, decision.get("lost") or sorted(self.lost()))) or "none"
@@ -572,7 +591,7 @@ class FaultTolerance:
             end = ms.declare_end(self.base, code=RESTART_EXIT_CODE, message=f"lost rank(s) {gone}: {decision['restart']}",
                                  by=decision.get("leader", self.member))
             if end["code"] != RESTART_EXIT_CODE:  # the job already ended for another reason
-                raise JobFailed(end["message"], report=False)
+                raise JobFailed(end["message"], report=False, code=end["code"])
             raise RestartNeeded(f"lost rank(s) {gone}: {decision['restart']}",
                                 report=self.member == decision.get("leader", self.member))
         self.arrivals_seen = int(decision.get("arrivals_seen", self.arrivals_seen))
@@ -647,7 +666,7 @@ class FaultTolerance:
             if r is None:
                 end = ms.job_end(self.base)
                 if end is not None:
-                    raise JobFailed(end["message"], report=False)
+                    raise JobFailed(end["message"], report=False, code=end["code"])
                 return False
             last = r
             self.round = r

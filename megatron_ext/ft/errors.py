@@ -49,12 +49,15 @@ class RankEnded(RuntimeError):
 
 class JobFailed(RuntimeError):
     """The job ends on every rank with this one-line error. ``report``: this rank prints it (one
-    rank per job does); ``original``: the exception itself on the rank it was raised on."""
+    rank per job does); ``original``: the exception itself on the rank it was raised on; ``code``:
+    the exit code the job ends with (1, or 75 when another rank ended it for a restart)."""
 
-    def __init__(self, message: str, *, report: bool, original: BaseException | None = None) -> None:
+    def __init__(self, message: str, *, report: bool, original: BaseException | None = None,
+                 code: int = FAILED_EXIT_CODE) -> None:
         super().__init__(message)
         self.report = report
         self.original = original
+        self.code = code
 
 
 class NotMember(Exception):

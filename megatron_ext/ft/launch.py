@@ -57,11 +57,13 @@ def _rank_env(rank: int, nproc: int, addr: str, env: dict[str, str] | None, inca
 
 def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, env: dict[str, str] | None = None,
                  timeout_s: float | None = 900.0, capture: bool = True, respawn: int = 0,
-                 respawn_delay_s: float = 0.0) -> list[RankResult]:
+                 respawn_delay_s: float = 0.0, report_exits: bool = True) -> list[RankResult]:
     """Run ``python script_args...`` as ranks 0..nproc-1 and wait for all of them (and their
     replacements). With ``capture`` each rank's output (stdout and stderr, of every incarnation)
     comes back in its result; without, it goes to this process's streams as it is written.
-    ``respawn``: start a lost rank again, up to this many times per rank, after ``respawn_delay_s``."""
+    ``respawn``: start a lost rank again, up to this many times per rank, after ``respawn_delay_s``.
+    ``report_exits`` False: say nothing of a dead rank, as srun does (only the heartbeat then names
+    it: what the detector's tests and benchmark measure)."""
     store, addr = host()
     out = subprocess.PIPE if capture else None
     texts: list[list[str]] = [[] for _ in range(nproc)]
@@ -84,7 +86,7 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
             texts[rank].append(p.stdout.read())
         code = p.wait()
         codes[rank].append(code)
-        if code == 0:
+        if code == 0 or not report_exits:
             return
         # Survivors learn of a dead rank from the store at once, not after the heartbeat timeout.
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import threading
 from typing import Any
 
 
@@ -19,15 +20,20 @@ class JsonLinesWriter:
             if parent:
                 os.makedirs(parent, exist_ok=True)
             self._fh, self._owned = open(path, mode, encoding="utf-8"), True
+        # A lost rank's verdict is written from the liveness monitor's thread, beside the main one's.
+        self._lock = threading.Lock()
 
     def write(self, item: Any) -> None:
-        self._fh.write(item.to_json() + "\n")
-        self._fh.flush()
+        self.write_text(item.to_json())
 
     def write_line(self, obj: dict[str, Any]) -> None:
         """A plain JSON object (e.g. a re-layout plan beside the verdicts)."""
-        self._fh.write(json.dumps(obj) + "\n")
-        self._fh.flush()
+        self.write_text(json.dumps(obj))
+
+    def write_text(self, line: str) -> None:
+        with self._lock:
+            self._fh.write(line + "\n")
+            self._fh.flush()
 
     def close(self) -> None:
         if self._owned:

@@ -321,14 +321,16 @@ class ResiHPExtension(Extension):
             if f.rank == self.trainer.ctx.member and f.at == iteration and point == "start":
                 raise_now(f)
 
-    def _on_loss(self, loss, silence, reporter: bool) -> None:
-        """The core named a lost process: a ``fail_stop`` verdict for the log, the verdict file and
-        the run-end outcome (the detector's rank writes them)."""
+    def _on_loss(self, loss, silence) -> None:
+        """The core named a lost process (on any thread): a ``fail_stop`` verdict for the verdict
+        file and the run-end outcome (the detector's rank writes them)."""
         from megatron_ext.resihp.verdicts import Verdict
 
         detail = {"launch_rank": loss.member, "how": loss.how, "why": loss.why}
         if silence is not None:
-            v = Verdict.fail_stop(silence, launch_rank=loss.member)
+            layout = self.trainer.ctx.layout
+            stage = layout.coord(silence.rank).pp if silence.rank < self.trainer.ctx.world_size else None
+            v = Verdict.fail_stop(silence, stage=stage, launch_rank=loss.member)
             v = Verdict(**{**v.to_dict(), "detail": {**v.detail, **detail}})
         else:
             v = Verdict(kind="fail_stop", rank=loss.member, stage=None, iteration=loss.iteration, factor=None,

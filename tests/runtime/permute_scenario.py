@@ -1,5 +1,5 @@
 """``pretrain_gpt.py`` with one forced live rank permutation, for test_failstop.py: the ranks are
-started by the project's launcher (``runtime/launch.py``, the store in the launcher process).
+started by the project's launcher (``ft/launch.py``, the store in the launcher process).
 
 ``FORCE_RANK_ORDER=ITER:R0,R1,...`` in the environment: after iteration ITER the job re-lays out
 with the ranks in that order (``Trainer.request_layout`` with the same shape over the launch ranks
