@@ -198,6 +198,10 @@ def _build_trainer(cfg, extensions):
     resihp = cfg.ext("resihp")
     timeout_s = resihp.resihp_continue_timeout_s if _continues(cfg) else 600.0
     incarnation = int(os.environ.get("MEGATRON_EXT_INCARNATION", "0"))
+    if _continues(cfg):
+        # NCCL: an error in a collective must reach the survivor as an exception it can recover
+        # from, not end its process (torch's default tears the process down).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     if cfg.parallel.engine == "deepspeed":
         from deepspeed_patches import trainer as ds
 

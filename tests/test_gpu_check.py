@@ -145,6 +145,9 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     assert report["packed"]["documents_isolated"] is True
     assert report["hydro"]["param_max_rel_diff"] < 1e-4
     assert report["helix"]["compiled"] is True and report["helix"]["loss_max_rel_diff"] < 1e-4
+    # The NCCL section's job on gloo: the survivor of a SIGKILLed rank trains to the end.
+    ft = report["ft_nccl"]
+    assert (ft["backend"], ft["continued"], ft["exit_codes"], ft["job_exit_code"]) == ("gloo", True, [0, -9], 0)
     llama = report["llama"]  # skipped until the runtime's config has the LLaMA-style flags
     assert llama.get("skipped", "").startswith("the runtime has no LLaMA-style model family yet (no --") or (
         llama["dtype"] == "bfloat16" and llama["resume_max_rel_diff"] == 0.0 and llama["params"] != gpt["params"])

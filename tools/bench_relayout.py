@@ -455,65 +455,178 @@ def _rows(path: str, kind: str) -> list[dict]:
     return [r for r in map(json.loads, open(path, encoding="utf-8")) if r["kind"] == kind] if os.path.exists(path) else []
 
 
-def _live_fail_stop(root: str, tmp: str, name: str, *, nproc: int, layout: list[str], stop: str, iters: int,
-                    save_interval: int | None) -> dict:
-    """One ``pretrain_gpt.py --resihp-on-stop continue`` job through the project's launcher with a
-    rank SIGKILLed, and a straight single-rank run of the same model and data for the curve."""
+def _launch_watched(argv: list[str], nproc: int, root: str, metrics: str, *, respawn: int = 0,
+                    mark_iteration: int | None = None) -> tuple[list, float, float | None]:
+    """``launch_ranks`` with the metrics file watched: returns the ranks, the wall seconds, and the
+    seconds from the moment the row of ``mark_iteration`` appeared to the end of the job."""
+    import threading
+
     from megatron_ext.ft.launch import launch_ranks
+
+    seen: dict[str, float] = {}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.05):
+            if mark_iteration is not None and "mark" not in seen and any(
+                    r["iteration"] >= mark_iteration for r in _rows(metrics, "train")):
+                seen["mark"] = time.monotonic()
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    ranks = launch_ranks(argv, nproc, cwd=root, timeout_s=1800, respawn=respawn)
+    end = time.monotonic()
+    stop.set()
+    t.join()
+    return ranks, end - t0, (end - seen["mark"]) if "mark" in seen else None
+
+
+def _straight(root: str, d: str, iters: int) -> dict[int, float]:
+    import subprocess
+
+    ref = os.path.join(d, "straight.jsonl")
+    subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--train-iters", str(iters),
+                    "--metrics-file", ref], cwd=root, capture_output=True, text=True,
+                   env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    return {r["iteration"]: r["loss"] for r in _rows(ref, "train")}
+
+
+def _max_rel(train: dict[int, dict], straight: dict[int, float]) -> float | None:
+    common = [i for i in straight if i in train]
+    return max(abs(train[i]["loss"] - straight[i]) / abs(straight[i]) for i in common) if common else None
+
+
+def _live_fail_stop(root: str, tmp: str, name: str, *, nproc: int, layout: list[str], stop: list[str], iters: int,
+                    save_interval: int | None) -> dict:
+    """One ``pretrain_gpt.py --resihp-on-stop continue`` job through the project's launcher with
+    ranks SIGKILLed, and a straight single-rank run of the same model and data for the curve."""
+    from megatron_ext.ft.launch import job_exit_code
 
     d = os.path.join(tmp, name)
     metrics = os.path.join(d, "metrics.jsonl")
     argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, *layout, "--train-iters", str(iters),
-            "--resihp", "--resihp-on-stop", "continue", "--inject-stop", stop, "--metrics-file", metrics]
+            "--resihp", "--resihp-on-stop", "continue", "--inject-stop", *stop, "--metrics-file", metrics]
     if save_interval:
         argv += ["--save", os.path.join(d, "ck"), "--save-interval", str(save_interval)]
-    t0 = time.time()
-    ranks = launch_ranks(argv, nproc, cwd=root, timeout_s=1800)
-    wall = time.time() - t0
-    ref = os.path.join(d, "straight.jsonl")
-    import subprocess
-
-    subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--train-iters", str(iters),
-                    "--metrics-file", ref], cwd=root, capture_output=True, text=True,
-                   env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    ranks, wall, _ = _launch_watched(argv, nproc, root, metrics)
+    straight = _straight(root, d, iters)
     train = {r["iteration"]: r for r in _rows(metrics, "train")}
-    straight = {r["iteration"]: r["loss"] for r in _rows(ref, "train")}
-    cont = _rows(metrics, "fail_stop_continue")
+    cont = _rows(metrics, "layout_change")
     codes = [r.returncode for r in ranks]
-    continued = bool(cont) and max(train, default=0) == iters
-    at = int(stop.split(":")[1])
+    continued = bool(cont) and max(train, default=0) == iters and job_exit_code(ranks) == 0
+    at = min(int(s.split(":")[1]) for s in stop)
     before = [train[i]["iter_time_s"] for i in range(2, at) if i in train]
     iteration_s = float(np.median(before)) if before else float("nan")
-    common = [i for i in straight if i in train]
-    out = {"continued": continued, "lost_iterations": cont[0]["lost_iterations"] if cont else None,
-           "pause_s": round(cont[0]["pause_s"], 3) if cont else None, "iteration_s": round(iteration_s, 4),
-           "pause_iterations": round(cont[0]["pause_s"] / iteration_s, 2) if cont else None,
-           "rolled_back": cont[0]["rolled_back"] if cont else None, "to": cont[0]["to"] if cont else None,
+    pause = sum(c["pause_s"] for c in cont)
+    out = {"continued": continued, "lost_iterations": sum(c["lost_iterations"] for c in cont) if cont else None,
+           "changes": len(cont), "pause_s": round(pause, 3) if cont else None, "iteration_s": round(iteration_s, 4),
+           "pause_iterations": round(pause / iteration_s, 2) if cont else None,
+           "rolled_back": cont[0]["rolled_back"] if cont else None, "to": cont[-1]["to"] if cont else None,
            "plan": cont[0]["plan"] if cont else None, "exit_codes": codes, "wall_s": round(wall, 1),
-           "loss_max_rel_diff": (max(abs(train[i]["loss"] - straight[i]) / abs(straight[i]) for i in common)
-                                 if common else None)}
-    print(f"  {name}: {' '.join(layout)} on {nproc} ranks, --inject-stop {stop}: continued {out['continued']} "
-          f"(exit codes {codes}) -> {out['to']}; iteration {out['rolled_back']} rolled back; lost iterations "
-          f"{out['lost_iterations']}; pause {out['pause_s']} s = {out['pause_iterations']} iterations of "
-          f"{iteration_s * 1e3:.0f} ms; loss vs straight run max rel diff "
-          + (f"{out['loss_max_rel_diff']:.2e}" if common else "n/a"))
+           "loss_max_rel_diff": _max_rel(train, straight)}
+    print(f"  {name}: {' '.join(layout)} on {nproc} ranks, --inject-stop {' '.join(stop)}: continued {out['continued']} "
+          f"(exit codes {codes}) -> {out['to']} in {len(cont)} change(s); iteration {out['rolled_back']} rolled back; "
+          f"lost iterations {out['lost_iterations']}; pause {out['pause_s']} s = {out['pause_iterations']} iterations "
+          f"of {iteration_s * 1e3:.0f} ms; loss vs straight run max rel diff "
+          + (f"{out['loss_max_rel_diff']:.2e}" if out["loss_max_rel_diff"] is not None else "n/a"))
     return out
 
 
-def run_live(iters: int) -> dict:
-    """Part (a): prints its table, returns the "live" JSON block."""
+def _live_regrow(root: str, tmp: str, *, iters: int = 100, stop_at: int = 10) -> dict:
+    """PP2 x DP2, rank 3 SIGKILLed in its step at ``stop_at`` with ``--resihp-respawn 1``: the
+    survivors shrink, the launcher starts rank 3 again, it rejoins; tokens/s healthy (iterations 2
+    to the fault), after the rejoin (from 5 iterations after it to the end), medians."""
+    d = os.path.join(tmp, "regrow")
+    metrics = os.path.join(d, "metrics.jsonl")
+    argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--pipeline-model-parallel-size", "2",
+            "--train-iters", str(iters), "--resihp", "--resihp-on-stop", "continue", "--resihp-respawn", "1",
+            "--inject-stop", f"3:{stop_at}:step", "--metrics-file", metrics]
+    ranks, wall, _ = _launch_watched(argv, 4, root, metrics, respawn=1)
+    straight = _straight(root, d, iters)
+    train = {r["iteration"]: r for r in _rows(metrics, "train")}
+    grow = [c for c in _rows(metrics, "layout_change") if c["cause"] == "grow"]
+    shrink = [c for c in _rows(metrics, "layout_change") if c["cause"] == "fail_stop"]
+    healthy = float(np.median([train[i]["tokens_per_s"] for i in range(2, stop_at) if i in train]))
+    out = {"rejoined": bool(grow), "exit_codes": [r.incarnations for r in ranks], "wall_s": round(wall, 1),
+           "healthy_tok_s": round(healthy, 1), "loss_max_rel_diff": _max_rel(train, straight),
+           "shrink_to": shrink[0]["to"] if shrink else None, "shrink_pause_s": round(shrink[0]["pause_s"], 3)
+           if shrink else None}
+    if grow:
+        g = grow[0]
+        after = [train[i]["tokens_per_s"] for i in range(g["iteration"] + 5, iters + 1) if i in train]
+        during = [train[i]["tokens_per_s"] for i in range(stop_at + 2, g["iteration"] + 1) if i in train]
+        out.update({"grow_iteration": g["iteration"], "grow_to": g["to"], "pause_s": round(g["pause_s"], 3),
+                    "shrunk_tok_s": round(float(np.median(during)), 1) if during else None,
+                    "after_tok_s": round(float(np.median(after)), 1) if after else None,
+                    "after_vs_healthy": round(float(np.median(after)) / healthy, 4) if after else None,
+                    "after_iterations": len(after), "plan": g["plan"]})
+    print(f"  regrow: PP2 x DP2, rank 3 lost at {stop_at} and started again (--resihp-respawn 1): shrink to "
+          f"{out['shrink_to']} (pause {out['shrink_pause_s']} s), "
+          + (f"rejoined at iteration {out['grow_iteration']} -> {out['grow_to']} (pause {out['pause_s']} s); tokens/s "
+             f"healthy {healthy:.0f} | shrunk {out['shrunk_tok_s']} | after rejoin {out['after_tok_s']} "
+             f"({out['after_vs_healthy']} of healthy, median of {out['after_iterations']} iterations)"
+             if grow else "never rejoined")
+          + f"; loss vs straight run max rel diff {out['loss_max_rel_diff']:.2e}")
+    return out
+
+
+def _live_error_exit(root: str, tmp: str, name: str, errors: list[str], *, at: int = 10) -> dict:
+    """A job whose ranks raise at iteration ``at`` (``--inject-error``) ends on every rank: the
+    seconds from the last row before it to the end of every process, and what was printed."""
+    from megatron_ext.ft.launch import job_exit_code
+
+    d = os.path.join(tmp, name)
+    metrics = os.path.join(d, "metrics.jsonl")
+    argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--pipeline-model-parallel-size", "2",
+            "--train-iters", str(at + 10), "--resihp", "--resihp-on-stop", "continue", "--inject-error", *errors,
+            "--metrics-file", metrics]
+    ranks, wall, exit_s = _launch_watched(argv, 4, root, metrics, mark_iteration=at - 1)
+    lines = [line for r in ranks for line in r.output.splitlines() if line.startswith("pretrain_gpt.py:")]
+    tracebacks = sum(r.output.count("Traceback") for r in ranks)
+    resets = sum(r.output.count("Connection reset") + r.output.count("Connection closed by peer") for r in ranks)
+    out = {"exit_s": round(exit_s, 2) if exit_s is not None else None, "job_exit_code": job_exit_code(ranks),
+           "exit_codes": [r.returncode for r in ranks], "error_lines": lines, "tracebacks": tracebacks,
+           "connection_reset_lines": resets, "wall_s": round(wall, 1)}
+    print(f"  {name}: --inject-error {' '.join(errors)}: job exit {out['job_exit_code']} (ranks {out['exit_codes']}) "
+          f"{out['exit_s']} s after iteration {at - 1}; {len(lines)} error line(s), {tracebacks} traceback(s), "
+          f"{resets} connection-reset line(s); first: {lines[0] if lines else '-'}")
+    return out
+
+
+LIVE_PARTS = ("pp2", "pp2dp2", "fail_stop", "fail_stop_dp1", "second_fault", "regrow", "plain_error",
+              "collective_error")
+
+
+def run_live(iters: int, parts: tuple[str, ...] = LIVE_PARTS) -> dict:
+    """Part (a): prints its table, returns the "live" JSON block (``parts``: which cases)."""
     import tempfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     print(f"ResiHP re-layout benchmark (a), live on CPU ranks: 12-layer tiny GPT, m=8, a rank slowed 2x; medians of "
           f"{iters} iterations per phase; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start")
     with tempfile.TemporaryDirectory() as tmp:
-        live = {"pp2": _live_relayout(root, tmp, iters, "pp2", 2),
-                "pp2dp2": _live_relayout(root, tmp, iters, "pp2dp2", 4)}
-        live["fail_stop"] = _live_fail_stop(root, tmp, "fail_stop", nproc=4, iters=30, save_interval=None,
-                                            layout=["--pipeline-model-parallel-size", "2"], stop="3:15:step")
-        live["fail_stop_dp1"] = _live_fail_stop(root, tmp, "fail_stop_dp1", nproc=2, iters=30, save_interval=10,
-                                                layout=["--pipeline-model-parallel-size", "2"], stop="1:15:step")
+        live: dict = {}
+        for scenario, nproc in (("pp2", 2), ("pp2dp2", 4)):
+            if scenario in parts:
+                live[scenario] = _live_relayout(root, tmp, iters, scenario, nproc)
+        if "fail_stop" in parts:
+            live["fail_stop"] = _live_fail_stop(root, tmp, "fail_stop", nproc=4, iters=30, save_interval=None,
+                                                layout=["--pipeline-model-parallel-size", "2"], stop=["3:15:step"])
+        if "fail_stop_dp1" in parts:
+            live["fail_stop_dp1"] = _live_fail_stop(root, tmp, "fail_stop_dp1", nproc=2, iters=30, save_interval=10,
+                                                    layout=["--pipeline-model-parallel-size", "2"], stop=["1:15:step"])
+        if "second_fault" in parts:  # a second loss inside the change that the first one started
+            live["second_fault"] = _live_fail_stop(root, tmp, "second_fault", nproc=4, iters=30, save_interval=10,
+                                                   layout=["--pipeline-model-parallel-size", "2"],
+                                                   stop=["3:15", "1:15:relayout"])
+        if "regrow" in parts:
+            live["regrow"] = _live_regrow(root, tmp)
+        if "plain_error" in parts:  # the same ValueError on every rank (a deterministic bug): one line, exit 1
+            live["plain_error"] = _live_error_exit(root, tmp, "plain_error", [f"{r}:10" for r in range(4)])
+            live["plain_error_exit_s"] = live["plain_error"]["exit_s"]
+        if "collective_error" in parts:  # a collective failing while no rank is lost: re-raised on every rank
+            live["collective_error"] = _live_error_exit(root, tmp, "collective_error", ["2:10:collective"])
     live["load_average_end"] = round(os.getloadavg()[0], 1)
     return live
 
@@ -549,9 +662,15 @@ def main() -> int:
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--no-live", action="store_true", help="skip part (a), the live CPU run")
     ap.add_argument("--live-iters", type=int, default=15, help="measured iterations per live phase")
+    ap.add_argument("--live-parts", default=",".join(LIVE_PARTS),
+                    help=f"comma-separated live cases to run (default: all of {','.join(LIVE_PARTS)})")
     ap.add_argument("--no-sim", action="store_true", help="skip part (b), the simulation")
     args = ap.parse_args()
-    live = None if args.no_live else run_live(args.live_iters)
+    parts = tuple(p.strip() for p in args.live_parts.split(",") if p.strip())
+    unknown = sorted(set(parts) - set(LIVE_PARTS))
+    if unknown:
+        ap.error(f"--live-parts: unknown case(s) {', '.join(unknown)}; choose from {', '.join(LIVE_PARTS)}")
+    live = None if args.no_live else run_live(args.live_iters, parts)
     if args.no_sim:
         print(json.dumps({"live": live}))
         return 0

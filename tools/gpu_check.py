@@ -16,6 +16,10 @@ Sections (each reports its own error and the others go on):
   hydro        Hydro's fused bundle of B=8 trials against the same 8 trials one after another
   helix        pretrain's --helix path compiles the runtime's GPT with Inductor on CUDA (cost model
                calibrated from CUDA micro-benchmarks) and reproduces the uncompiled loss curve
+  ft_nccl      --resihp-on-stop continue on NCCL: 2 ranks (one GPU each) under the project's
+               launcher, rank 1 SIGKILLed at iteration 6; the survivor is freed by the process
+               group's abort and trains to the end alone. Needs at least 2 CUDA devices; skipped
+               with the reason otherwise (on --cpu-smoke it runs the same job on gloo)
 
 Prints a table, then one JSON line. Without CUDA it prints why and exits 0 (a skip, not a failure)
 unless ``--cpu-smoke`` runs every section on CPU with tiny sizes to exercise this script's code
@@ -49,7 +53,7 @@ sys.path.insert(0, ROOT)
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("env", "gpt", "llama", "packed", "flops_model", "hydro", "helix")
+SECTIONS = ("env", "gpt", "llama", "packed", "flops_model", "hydro", "helix", "ft_nccl")
 # Keys every report carries (None when a section failed or was skipped): the issue's JSON shape.
 REQUIRED: dict[str, tuple[str, ...]] = {
     "env": ("torch", "cuda", "nccl", "transformer_engine", "apex", "device"),
@@ -57,6 +61,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "flops_model": ("median_abs_err", "p95_abs_err"),
     "hydro": ("fused_b8_speedup",),
     "helix": ("compiled", "loss_max_rel_diff"),
+    "ft_nccl": ("continued", "exit_codes", "pause_s"),
 }
 # Dense bf16 tensor-core peak FLOP/s by device-name fragment (vendor data sheets, SXM parts).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12,
@@ -604,9 +609,41 @@ def section_helix(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def section_ft_nccl(ctx: dict[str, Any]) -> dict[str, Any]:
+    """A lost rank on NCCL: the survivor continues (what lifts the refusal of continue on NCCL)."""
+    import torch
+
+    from megatron_ext.ft.launch import job_exit_code, launch_ranks
+
+    gpus = torch.cuda.device_count() if ctx["cuda"] else 0
+    if ctx["cuda"] and gpus < 2:
+        return {"skipped": f"needs at least 2 CUDA devices (one per NCCL rank), found {gpus}: continue on NCCL stays "
+                           "behind --resihp-continue-experimental-nccl"}
+    backend = ["--device", "cuda", "--distributed-backend", "nccl"] if ctx["cuda"] else ["--device", "cpu"]
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        argv = [os.path.join(ROOT, "pretrain_gpt.py"), *backend, "--num-layers", "2", "--hidden-size", "64",
+                "--num-attention-heads", "4", "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size",
+                "2", "--train-iters", "20", "--eval-iters", "0", "--log-interval", "5", "--resihp",
+                "--resihp-on-stop", "continue", "--resihp-continue-experimental-nccl", "--resihp-heartbeat-interval-s",
+                "0.5", "--resihp-heartbeat-timeout-s", "4", "--resihp-continue-timeout-s", "60", "--inject-stop",
+                "1:6", "--metrics-file", metrics]
+        ranks = launch_ranks(argv, 2, cwd=ROOT, timeout_s=300)
+        rows = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+    change = next((r for r in rows if r["kind"] == "layout_change"), None)
+    trained = max((r["iteration"] for r in rows if r["kind"] == "train"), default=0)
+    out = {"backend": "nccl" if ctx["cuda"] else "gloo", "exit_codes": [r.returncode for r in ranks],
+           "job_exit_code": job_exit_code(ranks), "continued": change is not None and trained == 20,
+           "pause_s": round(change["pause_s"], 3) if change else None, "to": change["to"] if change else None}
+    if not out["continued"]:
+        out["error"] = "the survivor did not train to the end: " + " | ".join(
+            r.output.strip().splitlines()[-1][:200] for r in ranks if r.output.strip())
+    return out
+
+
 SECTION_FUNCS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "env": section_env, "gpt": section_gpt, "llama": section_llama, "packed": section_packed,
-    "flops_model": section_flops_model, "hydro": section_hydro, "helix": section_helix,
+    "flops_model": section_flops_model, "hydro": section_hydro, "helix": section_helix, "ft_nccl": section_ft_nccl,
 }
 
 

@@ -10,9 +10,13 @@ Everything of the fault-tolerance core that must agree across ranks goes through
 never through a process group (which may be the thing that is broken).
 
     python -m megatron_ext.ft.store [--host 0.0.0.0] [--port 29400]
+    python -m megatron_ext.ft.store --exit-code HOST:PORT
 
 hosts one by itself and prints the ``MEGATRON_EXT_STORE=...`` line, for launchers that do not
-(srun: start it in the batch script, export the line, then srun the ranks).
+(srun: start it in the batch script, export the line, then srun the ranks). ``--exit-code`` asks a
+running store how the job ended (0: training finished, whoever was lost on the way; else the code
+the job ended with) and prints one line: what a batch script exits with, since srun's own code
+counts every lost rank as a failure.
 """
 from __future__ import annotations
 
@@ -92,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Host the job's rendezvous store until stopped.")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
     parser.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    parser.add_argument("--exit-code", metavar="HOST:PORT", help="print how the job of the store at HOST:PORT ended "
+                        "and exit with its code")
     args = parser.parse_args(argv)
+    if args.exit_code:
+        return job_exit_code(args.exit_code)
     _, addr = host(args.host, args.port)
     print(f"{STORE_ENV}={addr}", flush=True)
     stop = threading.Event()
@@ -100,6 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
     return 0
+
+
+def job_exit_code(addr: str) -> int:
+    """How the job of the store at ``addr`` ended, as an exit code (one line on stdout)."""
+    base = connect(addr, timeout_s=30)
+    keys = job_keys(base, "job")
+    if keys.check(["end"]):
+        import json
+
+        end = json.loads(keys.get("end"))
+        print(f"job ended (exit {end['code']}): {end['message']}", flush=True)
+        return int(end["code"])
+    if keys.check(["done"]):
+        print("job finished training", flush=True)
+        return 0
+    print("job did not finish training and did not say why (every rank lost?)", flush=True)
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# A real single-node Slurm cluster on this machine, for CI and local testing of the sbatch scripts.
+# A real Slurm cluster on this machine, for CI and local testing of the sbatch scripts: one
+# slurmctld and one slurmd per node name (node1, node2 by default: SLURM_LOCAL_NODES), every node on
+# this host (its own port and spool), so a job can span two "nodes" and lose one of them.
 #
 #   scripts/slurm/local_cluster.sh start    # install (Debian packages) if needed, start munge + slurm
 #   scripts/slurm/local_cluster.sh status
@@ -12,6 +14,7 @@ set -euo pipefail
 
 DIR=${SLURM_LOCAL_DIR:-/tmp/megatron-ext-slurm}
 CONF=$DIR/slurm.conf
+NODES=${SLURM_LOCAL_NODES:-2}
 
 log() { echo "[local_cluster] $*"; }
 
@@ -41,11 +44,14 @@ start_munge() {
 }
 
 write_conf() {
-  mkdir -p "$DIR"/{state,spool}
-  local cpus mem
+  mkdir -p "$DIR"/state
+  local cpus mem names n
   cpus=$(slurmd -C | sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' | head -1)
-  mem=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)
-  cat > "$CONF" <<CONF
+  # The nodes share this host's memory: each declares its share.
+  mem=$(awk -v n="$NODES" '/MemTotal/ {printf "%d", $2 / 1024 * 0.9 / n}' /proc/meminfo)
+  names=$(seq -s, -f 'node%g' 1 "$NODES")
+  {
+    cat <<CONF
 ClusterName=megatron-ext-local
 SlurmctldHost=localhost
 AuthType=auth/munge
@@ -58,17 +64,21 @@ ReturnToService=2
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd.%n.pid
 SlurmctldLogFile=$DIR/slurmctld.log
-SlurmdLogFile=$DIR/slurmd.log
+SlurmdLogFile=$DIR/slurmd.%n.log
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-NodeName=localhost CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 CONF
+    for n in $(seq 1 "$NODES"); do
+      mkdir -p "$DIR/spool/node$n"
+      echo "NodeName=node$n NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((17000 + n)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+    done
+    echo "PartitionName=debug Nodes=$names Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"
+  } > "$CONF"
 }
 
 start() {
@@ -77,9 +87,12 @@ start() {
   write_conf
   export SLURM_CONF=$CONF
   [ -f "$DIR/slurmctld.pid" ] && kill -0 "$(cat "$DIR/slurmctld.pid")" 2>/dev/null || slurmctld -c -i -f "$CONF"
-  [ -f "$DIR/slurmd.pid" ] && kill -0 "$(cat "$DIR/slurmd.pid")" 2>/dev/null || slurmd -N localhost -f "$CONF"
+  for n in $(seq 1 "$NODES"); do
+    [ -f "$DIR/slurmd.node$n.pid" ] && kill -0 "$(cat "$DIR/slurmd.node$n.pid")" 2>/dev/null \
+      || slurmd -N "node$n" -f "$CONF"
+  done
   for _ in $(seq 1 60); do
-    if scontrol ping >/dev/null 2>&1 && sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix)'; then
+    if scontrol ping >/dev/null 2>&1 && [ "$(sinfo -h -N -o %t 2>/dev/null | grep -cE '^(idle|mix)')" -ge "$NODES" ]; then
       log "up: $(sinfo -h -o '%P %D %t %c cpus')"
       log "export SLURM_CONF=$CONF"
       return 0
@@ -87,15 +100,15 @@ start() {
     sleep 1
   done
   log "slurm did not come up; logs in $DIR"
-  tail -n 20 "$DIR"/slurmctld.log "$DIR"/slurmd.log >&2 || true
+  tail -n 20 "$DIR"/slurmctld.log "$DIR"/slurmd.*.log >&2 || true
   return 1
 }
 
 stop() {
-  for d in slurmd slurmctld; do
-    if [ -f "$DIR/$d.pid" ]; then
-      kill "$(cat "$DIR/$d.pid")" 2>/dev/null || true
-      rm -f "$DIR/$d.pid"
+  for f in "$DIR"/slurmd.*.pid "$DIR"/slurmctld.pid; do
+    if [ -f "$f" ]; then
+      kill "$(cat "$f")" 2>/dev/null || true
+      rm -f "$f"
     fi
   done
   log "stopped"

@@ -170,7 +170,10 @@ def test_the_deepspeed_engine_continues_by_dp_shrink(launches):
     run = launches["ds"]
     assert run["job"] == 0 and run["codes"][3] == -9, tail(run)
     (change,) = changes(run)
-    assert (change["from"], change["to"], change["members"]) == ("deepspeed pp2dp2", "deepspeed pp2dp1", [0, 2])
+    # The survivors' layout is the planner's (scaled to the measured iteration times: PP2 x DP1 or
+    # PP3 on this host, both built by DeepSpeed's PipelineModule over the new world).
+    assert change["from"] == "deepspeed pp2dp2" and change["to"] in ("deepspeed pp2dp1", "deepspeed pp3dp1"), change
+    assert 3 not in change["members"] and change["lost_ranks"] == [3]
     assert (change["rolled_back"], change["lost_iterations"]) == (3, 0)
     assert max_rel(curve(run["metrics"]), launches["straight5"]) < 1e-5
 

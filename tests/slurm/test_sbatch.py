@@ -1,9 +1,12 @@
-"""The sbatch script trains for real on the local single-node Slurm that .ci/run starts."""
+"""The sbatch script trains for real on the local Slurm that .ci/run starts (two node names on this
+host, each with its own slurmd)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -55,3 +58,64 @@ def test_sbatch_trains_and_exits_zero(tmp_path):
     assert re.search(r"iteration\s+3/\s+3 \| loss \d", log), log[-2000:]
     assert "validation at iteration      3" in log
     assert (ckpt / "latest").read_text().strip() == "iter_0000003"
+
+
+def _node_processes(job_id: str, node: str) -> list[int]:
+    """Every process of ``job_id`` that runs on ``node`` (the local cluster's nodes share this host:
+    Slurm puts the node's name in each task's environment)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in env and f"SLURMD_NODENAME={node}".encode() in env:
+            pids.append(int(pid))
+    return pids
+
+
+def test_continue_across_two_nodes_survives_a_lost_node(tmp_path):
+    # Two nodes of the local cluster, two ranks each (DP4): every process of node2 is SIGKILLed
+    # mid-run, as a lost host would be; node1's ranks name them by heartbeat (no launcher reports
+    # exits under srun), regroup through the store the batch script hosts, and train to the end.
+    idle = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split()
+    if len(set(idle)) < 2:
+        pytest.skip("needs two nodes in the local cluster (scripts/slurm/local_cluster.sh starts node1 and node2)")
+    out, metrics = tmp_path / "job.out", tmp_path / "metrics.jsonl"
+    env = {**os.environ, "NPROC_PER_NODE": "2", "PYTHON": os.path.join(ROOT, ".venv", "bin", "python")
+           if os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")) else "python3"}
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", "--nodes", "2", "--output", str(out), "scripts/slurm/pretrain_gpt.sbatch",
+         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+         "--global-batch-size", "8", "--micro-batch-size", "1", "--train-iters", "40", "--eval-iters", "0",
+         "--log-interval", "5", "--metrics-file", str(metrics), "--save", str(tmp_path / "ckpt"),
+         "--resihp", "--resihp-on-stop", "continue", "--resihp-heartbeat-interval-s", "0.5",
+         "--resihp-heartbeat-timeout-s", "4", "--resihp-continue-timeout-s", "60"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    deadline = time.time() + 600
+    killed: list[int] = []
+    state, code = "PENDING", ""
+    while time.time() < deadline:
+        state, code = job_state(job_id)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        done = [json.loads(line)["iteration"] for line in open(metrics)] if metrics.exists() else []
+        if not killed and done and max(done) >= 8:
+            killed = _node_processes(job_id, "node2")
+            for pid in killed:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)
+    log = out.read_text() if out.exists() else "(no output file)"
+    assert killed, f"node2 had no process of job {job_id} to kill:\n{log[-3000:]}"
+    assert (state, code) == ("COMPLETED", "0:0"), f"job {job_id} ended {state} {code}:\n{log[-3000:]}"
+    assert "2 node(s) x 2 ranks, continue past lost ranks" in log
+    rows = [json.loads(line) for line in open(metrics)]
+    (change,) = [r for r in rows if r["kind"] == "layout_change"]
+    assert change["cause"] == "fail_stop" and sorted(change["lost_ranks"]) == [2, 3], change
+    assert sorted(change["members"]) == [0, 1] and change["lost_iterations"] == 0
+    assert all(v.startswith("heartbeat silent") for v in change["lost_why"].values()), change["lost_why"]
+    assert max(r["iteration"] for r in rows if r["kind"] == "train") == 40
+    assert "job finished training" in log
