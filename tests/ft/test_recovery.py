@@ -24,6 +24,8 @@ injected faults, and single-rank straight runs as the reference curves.
 * "regrow" (PP2 x DP2, ``--resihp-respawn 1``): rank 3 dies, the survivors shrink, the launcher
   starts rank 3 again, it rejoins at an iteration boundary with its state from its holders, and the
   planner re-expands the layout to use it; the curve through shrink and regrow is the straight run's.
+* "keep_newer" (PP2 on 2 ranks, ``--resihp-keep-newer-stages``): the lost stage alone comes from
+  the checkpoint and the other keeps its newer state, as that option promises.
 """
 from __future__ import annotations
 
@@ -55,6 +57,9 @@ SCENARIOS = {
     "collective": (2, ["--train-iters", "8", "--inject-error", "1:5:collective"], None),
     "regrow": (4, [*PP2, "--train-iters", "150", "--log-interval", "10", "--inject-stop", "3:3:step",
                    "--resihp-respawn", "1"], None),
+    # PP2 on 2 ranks (no replica), the explicit option: only the lost stage from the checkpoint.
+    "keep_newer": (2, [*PP2, "--train-iters", "8", "--save-interval", "2", "--inject-stop", "1:6",
+                       "--resihp-keep-newer-stages"], None),
 }
 
 
@@ -237,3 +242,17 @@ def test_a_replaced_rank_rejoins_and_the_curve_is_the_straight_runs(launches):
     assert [r["iteration"] for r in rows(run["metrics"], "train")] == list(range(1, 151))
     assert max_rel(curve(run["metrics"]), launches["straight150"]) < 1e-5
     assert "layout change (rank(s) 3 joined)" in "".join(run["logs"])
+
+
+@pytest.mark.multirank
+def test_keep_newer_stages_takes_only_the_lost_stage_from_the_checkpoint(launches):
+    run = launches["keep_newer"]
+    assert run["codes"] == [0, -9] and run["job"] == 0, tail(run)
+    (change,) = changes(run)
+    # Iteration 5 was committed, the checkpoint is of iteration 4: stage 1's shards from it, stage 0
+    # keeps its state of iteration 5, nothing is redone (the stages are from different iterations:
+    # one iteration lost on stage 1, counted).
+    assert (change["iteration"], change["checkpoint_iteration"], change["rolled_back_to"]) == (5, 4, None), change
+    assert change["restored_from_checkpoint"] and change["lost_iterations"] == 1
+    assert [r["iteration"] for r in rows(run["metrics"], "train")] == list(range(1, 9))
+    assert "the other stages kept theirs" in run["logs"][0]
