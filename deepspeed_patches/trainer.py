@@ -204,8 +204,9 @@ class DeepSpeedTrainer(Trainer):
         self.model.zero_grad(set_to_none=True)
 
     def drop_model(self) -> None:
-        for ext in self.extensions:
-            ext.detach(self)
+        if self.engine is not None and self.extensions_set_up:
+            for ext in self.extensions:
+                ext.detach(self)
         self.close_outputs()
         self._drop_engine()
         self.scheduler = None

@@ -533,41 +533,75 @@ def _live_fail_stop(root: str, tmp: str, name: str, *, nproc: int, layout: list[
     return out
 
 
-def _live_regrow(root: str, tmp: str, *, iters: int = 100, stop_at: int = 10) -> dict:
+def _regrow_round(root: str, d: str, base: list[str], stop_at: int, first: str) -> dict:
+    """One round: the healthy job and the job that loses rank 3 and takes it back, in the order
+    ``first`` says."""
+    out: dict = {}
+    for arm in (("healthy", "fault") if first == "healthy" else ("fault", "healthy")):
+        metrics = os.path.join(d, f"{arm}.jsonl")
+        if arm == "healthy":
+            _launch_watched([*base, "--metrics-file", metrics], 4, root, metrics)
+            out["healthy"] = {r["iteration"]: r for r in _rows(metrics, "train")}
+        else:
+            argv = [*base, "--resihp", "--resihp-on-stop", "continue", "--resihp-respawn", "1",
+                    "--inject-stop", f"3:{stop_at}:step", "--metrics-file", metrics]
+            ranks, wall, _ = _launch_watched(argv, 4, root, metrics, respawn=1)
+            out.update(fault={r["iteration"]: r for r in _rows(metrics, "train")}, ranks=ranks, wall_s=wall,
+                       changes=_rows(metrics, "layout_change"))
+    return out
+
+
+def _live_regrow(root: str, tmp: str, *, iters: int = 100, stop_at: int = 10, rounds: int = 2) -> dict:
     """PP2 x DP2, rank 3 SIGKILLed in its step at ``stop_at`` with ``--resihp-respawn 1``: the
-    survivors shrink, the launcher starts rank 3 again, it rejoins; tokens/s healthy (iterations 2
-    to the fault), after the rejoin (from 5 iterations after it to the end), medians."""
-    d = os.path.join(tmp, "regrow")
-    metrics = os.path.join(d, "metrics.jsonl")
-    argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--pipeline-model-parallel-size", "2",
-            "--train-iters", str(iters), "--resihp", "--resihp-on-stop", "continue", "--resihp-respawn", "1",
-            "--inject-stop", f"3:{stop_at}:step", "--metrics-file", metrics]
-    ranks, wall, _ = _launch_watched(argv, 4, root, metrics, respawn=1)
-    straight = _straight(root, d, iters)
-    train = {r["iteration"]: r for r in _rows(metrics, "train")}
-    grow = [c for c in _rows(metrics, "layout_change") if c["cause"] == "grow"]
-    shrink = [c for c in _rows(metrics, "layout_change") if c["cause"] == "fail_stop"]
-    healthy = float(np.median([train[i]["tokens_per_s"] for i in range(2, stop_at) if i in train]))
-    out = {"rejoined": bool(grow), "exit_codes": [r.incarnations for r in ranks], "wall_s": round(wall, 1),
-           "healthy_tok_s": round(healthy, 1), "loss_max_rel_diff": _max_rel(train, straight),
-           "shrink_to": shrink[0]["to"] if shrink else None, "shrink_pause_s": round(shrink[0]["pause_s"], 3)
-           if shrink else None}
-    if grow:
-        g = grow[0]
-        after = [train[i]["tokens_per_s"] for i in range(g["iteration"] + 5, iters + 1) if i in train]
-        during = [train[i]["tokens_per_s"] for i in range(stop_at + 2, g["iteration"] + 1) if i in train]
-        out.update({"grow_iteration": g["iteration"], "grow_to": g["to"], "pause_s": round(g["pause_s"], 3),
-                    "shrunk_tok_s": round(float(np.median(during)), 1) if during else None,
-                    "after_tok_s": round(float(np.median(after)), 1) if after else None,
-                    "after_vs_healthy": round(float(np.median(after)) / healthy, 4) if after else None,
-                    "after_iterations": len(after), "plan": g["plan"]})
-    print(f"  regrow: PP2 x DP2, rank 3 lost at {stop_at} and started again (--resihp-respawn 1): shrink to "
-          f"{out['shrink_to']} (pause {out['shrink_pause_s']} s), "
-          + (f"rejoined at iteration {out['grow_iteration']} -> {out['grow_to']} (pause {out['pause_s']} s); tokens/s "
-             f"healthy {healthy:.0f} | shrunk {out['shrunk_tok_s']} | after rejoin {out['after_tok_s']} "
-             f"({out['after_vs_healthy']} of healthy, median of {out['after_iterations']} iterations)"
-             if grow else "never rejoined")
-          + f"; loss vs straight run max rel diff {out['loss_max_rel_diff']:.2e}")
+    survivors shrink, the launcher starts rank 3 again, it rejoins. Beside it, the same job with no
+    fault, the two interleaved over ``rounds`` rounds with the order rotated: tokens/s after the
+    rejoin (from 5 iterations after it to the end) against the healthy job's over the same
+    iterations, medians per round, then the median of the rounds' ratios; the loss curve against the
+    straight single-rank run and against the healthy job (whose own difference from the straight
+    run is the floor: float reduction order in another layout)."""
+    base = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--pipeline-model-parallel-size", "2",
+            "--train-iters", str(iters)]
+    straight = _straight(root, os.path.join(tmp, "regrow"), iters)
+    per_round = []
+    for k in range(rounds):
+        d = os.path.join(tmp, f"regrow{k}")
+        os.makedirs(d, exist_ok=True)
+        r = _regrow_round(root, d, base, stop_at, "healthy" if k % 2 == 0 else "fault")
+        train, ok = r["fault"], r["healthy"]
+        grow = [c for c in r["changes"] if c["cause"] == "grow"]
+        shrink = [c for c in r["changes"] if c["cause"] == "fail_stop"]
+        row = {"first": "healthy" if k % 2 == 0 else "fault", "rejoined": bool(grow),
+               "exit_codes": [x.incarnations for x in r["ranks"]], "wall_s": round(r["wall_s"], 1),
+               "shrink_to": shrink[0]["to"] if shrink else None,
+               "shrink_pause_s": round(shrink[0]["pause_s"], 3) if shrink else None,
+               "loss_max_rel_diff": _max_rel(train, straight),
+               "loss_max_rel_diff_vs_healthy_job": _max_rel(train, {i: x["loss"] for i, x in ok.items()}),
+               "healthy_job_vs_straight": _max_rel(ok, straight)}
+        if grow:
+            g = grow[0]
+            span = [i for i in range(g["iteration"] + 5, iters + 1) if i in train and i in ok]
+            after = float(np.median([train[i]["tokens_per_s"] for i in span]))
+            same = float(np.median([ok[i]["tokens_per_s"] for i in span]))
+            row.update(grow_iteration=g["iteration"], grow_to=g["to"], pause_s=round(g["pause_s"], 3),
+                       after_tok_s=round(after, 1), healthy_tok_s=round(same, 1),
+                       after_vs_healthy=round(after / same, 4), after_iterations=len(span), plan=g["plan"])
+        per_round.append(row)
+        print(f"  regrow round {k + 1} ({row['first']} first): shrink to {row['shrink_to']} (pause "
+              f"{row['shrink_pause_s']} s), "
+              + (f"rejoined at iteration {row['grow_iteration']} -> {row['grow_to']} (pause {row['pause_s']} s); "
+                 f"tokens/s after rejoin {row['after_tok_s']} vs the healthy job's {row['healthy_tok_s']} over the "
+                 f"same {row['after_iterations']} iterations ({row['after_vs_healthy']})" if grow else "never rejoined")
+              + f"; loss vs straight max rel diff {row['loss_max_rel_diff']:.2e} (the healthy job's own "
+                f"{row['healthy_job_vs_straight']:.2e}; vs the healthy job {row['loss_max_rel_diff_vs_healthy_job']:.2e})")
+    ratios = [r["after_vs_healthy"] for r in per_round if "after_vs_healthy" in r]
+    pauses = [r["pause_s"] for r in per_round if "pause_s" in r]
+    out = {"rounds": per_round, "rejoined": all(r["rejoined"] for r in per_round),
+           "after_vs_healthy": round(float(np.median(ratios)), 4) if ratios else None,
+           "pause_s": round(float(np.median(pauses)), 3) if pauses else None,
+           "loss_max_rel_diff": max(r["loss_max_rel_diff"] for r in per_round),
+           "loss_max_rel_diff_vs_healthy_job": max(r["loss_max_rel_diff_vs_healthy_job"] for r in per_round)}
+    print(f"  regrow: median over {rounds} rounds: tokens/s after rejoin / healthy {out['after_vs_healthy']} "
+          f"(rounds {ratios}), pause {out['pause_s']} s")
     return out
 
 
@@ -584,13 +618,15 @@ def _live_error_exit(root: str, tmp: str, name: str, errors: list[str], *, at: i
     ranks, wall, exit_s = _launch_watched(argv, 4, root, metrics, mark_iteration=at - 1)
     lines = [line for r in ranks for line in r.output.splitlines() if line.startswith("pretrain_gpt.py:")]
     tracebacks = sum(r.output.count("Traceback") for r in ranks)
-    resets = sum(r.output.count("Connection reset") + r.output.count("Connection closed by peer") for r in ranks)
+    # On the ranks that did not report the error (the reporter's own line may quote a gloo message).
+    resets = sum(r.output.count("Connection reset") + r.output.count("Connection closed by peer") for r in ranks
+                 if "pretrain_gpt.py: error:" not in r.output)
     out = {"exit_s": round(exit_s, 2) if exit_s is not None else None, "job_exit_code": job_exit_code(ranks),
            "exit_codes": [r.returncode for r in ranks], "error_lines": lines, "tracebacks": tracebacks,
            "connection_reset_lines": resets, "wall_s": round(wall, 1)}
     print(f"  {name}: --inject-error {' '.join(errors)}: job exit {out['job_exit_code']} (ranks {out['exit_codes']}) "
           f"{out['exit_s']} s after iteration {at - 1}; {len(lines)} error line(s), {tracebacks} traceback(s), "
-          f"{resets} connection-reset line(s); first: {lines[0] if lines else '-'}")
+          f"{resets} connection-reset line(s) on the other ranks; first: {lines[0] if lines else '-'}")
     return out
 
 

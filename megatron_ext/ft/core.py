@@ -264,7 +264,7 @@ class FaultTolerance:
             print(f"ft: rank {m} of generation {self.round} is silent for {silence.silent_s:.1f} s "
                   f"(heartbeat timeout {silence.timeout_s:g} s): lost", file=sys.stderr, flush=True)
         self._record_losses({m: why}, silence.iteration)
-        self._react({m: why}, reporter=reporter)
+        self._react({m: why})
 
     def _watch(self) -> None:
         """Monitor thread, every poll: a new exit report of a member, or the job's end."""
@@ -277,9 +277,9 @@ class FaultTolerance:
         exited = self._watch_exits.exited(self.members)
         new = {m: _exit_why(r) for m, r in exited.items() if (m, self.members.get(m, 0)) not in self._notified}
         if new:
-            self._react(new, reporter=self.member == min(set(self.members) - set(exited), default=-1))
+            self._react(new)
 
-    def _react(self, lost: dict[int, str], *, reporter: bool) -> None:
+    def _react(self, lost: dict[int, str]) -> None:
         """A loss is known (monitor thread): act on it by the policy."""
         with self._lock:
             new = {m: w for m, w in lost.items() if (m, self.members.get(m, 0)) not in self._notified}
@@ -288,13 +288,13 @@ class FaultTolerance:
             return
         what = ", ".join(f"{m} ({w})" for m, w in sorted(new.items()))
         if self.cfg.on_stop == "abort":
-            self._abort(what, reporter=reporter, store=self.watch_base)
+            self._abort(what, store=self.watch_base)
         if self.cfg.on_stop == "report":
             return
         if self.phase in ("training", "changing"):
             unblock(self._backend, self.store_addr)
 
-    def _abort(self, what: str, *, reporter: bool, store: Any) -> None:
+    def _abort(self, what: str, *, store: Any) -> None:
         """``--resihp-on-stop abort``: the job ends on every survivor with exit 75 (restart from the
         last checkpoint), one line naming the lost rank(s)."""
         with self._lock:
@@ -358,7 +358,7 @@ class FaultTolerance:
             raise exc
         lost = lost or self._wait_for_loss()
         if lost and self.cfg.on_stop == "abort":
-            self._abort(", ".join(f"{m} ({w})" for m, w in sorted(lost.items())), reporter=False, store=self.base)
+            self._abort(", ".join(f"{m} ({w})" for m, w in sorted(lost.items())), store=self.base)
         if lost and all(why_is_own_error(w) for w in lost.values()):
             # A rank that ended on its own exception may yet learn that another ended on the same one
             # (then the job ends): give it the time it takes to find out before recovering.

@@ -246,8 +246,9 @@ class Trainer:
 
     def drop_model(self) -> None:
         """A rank that becomes a spare lets go of its model and its process groups."""
-        for ext in self.extensions:
-            ext.detach(self)
+        if self.model is not None and self.extensions_set_up:
+            for ext in self.extensions:
+                ext.detach(self)
         self.close_outputs()
         self.model = self.optimizer = self.scheduler = None
         distributed.leave()
