@@ -624,13 +624,16 @@ class FaultTolerance:
         except (RestartNeeded, JobFailed):
             raise
         except Exception as exc:
-            if gone() or self._wait_for_loss_in(incarnations):
-                raise SecondFault(f"rank(s) {', '.join(map(str, sorted(gone())))} lost during the change") from exc
             from megatron_ext.runtime.checkpoint import CheckpointError
 
-            if isinstance(exc, CheckpointError):
-                raise RestartNeeded(f"lost rank(s) {', '.join(map(str, decision['lost'])) or 'none'}: {exc}",
-                                    report=trainer.ctx.rank == 0) from exc
+            if isinstance(exc, CheckpointError) and not gone():
+                # Decided alike on every member from the gathered geometry: a shard with no copy
+                # anywhere and no checkpoint. The one case a restart remains for.
+                message = f"lost rank(s) {', '.join(map(str, decision['lost'])) or 'none'}: {exc}"
+                end = ms.declare_end(self.base, code=RESTART_EXIT_CODE, message=message, by=self.member)
+                raise RestartNeeded(message, report=end["by"] == self.member) from exc
+            if gone() or self._wait_for_loss_in(incarnations):
+                raise SecondFault(f"rank(s) {', '.join(map(str, sorted(gone())))} lost during the change") from exc
             raise
         if not ms.barrier(self.base, round_=r, name="done", member=self.member, members=target.members, lost=gone,
                           timeout_s=self.cfg.timeout_s):

@@ -24,6 +24,8 @@ injected faults, and single-rank straight runs as the reference curves.
 * "regrow" (PP2 x DP2, ``--resihp-respawn 1``): rank 3 dies, the survivors shrink, the launcher
   starts rank 3 again, it rejoins at an iteration boundary with its state from its holders, and the
   planner re-expands the layout to use it; the curve through shrink and regrow is the straight run's.
+* "no_copy" (PP2 on 2 ranks, no checkpoint): the lost stage has no copy anywhere: exit 75 with one
+  line, the only case a restart remains for.
 * "keep_newer" (PP2 on 2 ranks, ``--resihp-keep-newer-stages``): the lost stage alone comes from
   the checkpoint and the other keeps its newer state, as that option promises.
 """
@@ -57,6 +59,8 @@ SCENARIOS = {
     "collective": (2, ["--train-iters", "8", "--inject-error", "1:5:collective"], None),
     "regrow": (4, [*PP2, "--train-iters", "150", "--log-interval", "10", "--inject-stop", "3:3:step",
                    "--resihp-respawn", "1"], None),
+    # PP2 on 2 ranks, no replica and no checkpoint: what truly cannot continue (exit 75).
+    "no_copy": (2, [*PP2, "--train-iters", "8", "--inject-stop", "1:4"], None),
     # PP2 on 2 ranks (no replica), the explicit option: only the lost stage from the checkpoint.
     "keep_newer": (2, [*PP2, "--train-iters", "8", "--save-interval", "2", "--inject-stop", "1:6",
                        "--resihp-keep-newer-stages"], None),
@@ -80,7 +84,8 @@ def launches(tmp_path_factory):
     for name, (nproc, args, env) in SCENARIOS.items():
         d = out / name
         script = "tests/runtime/permute_scenario.py" if name == "perm" else "pretrain_gpt.py"
-        argv = [script, *MODEL, *CONTINUE, *args, "--save", str(d / "ck"),
+        save = [] if name == "no_copy" else ["--save", str(d / "ck")]
+        argv = [script, *MODEL, *CONTINUE, *args, *save,
                 "--metrics-file", str(d / "metrics.jsonl"), "--resihp-verdicts-out", str(d / "verdicts.jsonl")]
         t0 = time.monotonic()
         ranks = launch_ranks(argv, nproc, cwd=ROOT, timeout_s=600, env=env, respawn=int(args[-1]) if
@@ -256,3 +261,13 @@ def test_keep_newer_stages_takes_only_the_lost_stage_from_the_checkpoint(launche
     assert change["restored_from_checkpoint"] and change["lost_iterations"] == 1
     assert [r["iteration"] for r in rows(run["metrics"], "train")] == list(range(1, 9))
     assert "the other stages kept theirs" in run["logs"][0]
+
+
+@pytest.mark.multirank
+def test_a_shard_with_no_copy_anywhere_is_the_one_restart(launches):
+    run = launches["no_copy"]
+    assert run["codes"] == [75, -9] and run["job"] == 75, tail(run)
+    lines = [line for line in run["logs"][0].splitlines() if line.startswith("resihp: cannot continue")]
+    assert len(lines) == 1 and "lost rank(s) 1:" in lines[0] and "there is no checkpoint (--save)" in lines[0], tail(run)
+    assert lines[0].endswith("restart from the last checkpoint (none was saved: --save DIR)")
+    assert changes(run) == []
