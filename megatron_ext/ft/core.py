@@ -271,6 +271,7 @@ class FaultTolerance:
         end = ms.job_end(self.watch_base)
         if end is not None and ("end", end["by"]) not in self._notified:
             self._notified.add(("end", end["by"]))
+            self._ended(end)  # its losses reach the verdict file here, whatever the main thread does
             if self.phase in ("training", "changing"):
                 unblock(self._backend, self.store_addr)
             return
@@ -286,22 +287,37 @@ class FaultTolerance:
             self._notified |= {(m, self.members.get(m, 0)) for m in new}
         if not new:
             return
-        what = ", ".join(f"{m} ({w})" for m, w in sorted(new.items()))
         if self.cfg.on_stop == "abort":
-            self._abort(what, store=self.watch_base)
+            self._abort(new, store=self.watch_base)
         if self.cfg.on_stop == "report":
             return
         if self.phase in ("training", "changing"):
             unblock(self._backend, self.store_addr)
 
-    def _abort(self, what: str, *, store: Any) -> None:
+    def _ended(self, end: dict[str, Any]) -> JobFailed:
+        """The job ended (``end``, by another rank): tell the listeners of the losses that ended it
+        (this process may hold the detector's verdict file), then the exception to end on."""
+        lost = end.get("lost") or {}
+        for m, info in lost.items():
+            if info.get("silence") is not None and int(m) not in self.silent:
+                self.silent[int(m)] = Silence(**info["silence"])
+        if lost:
+            self._record_losses({int(m): info["why"] for m, info in lost.items()}, self._iteration)
+        return JobFailed(end["message"], report=False, code=end["code"])
+
+    def _abort(self, lost: dict[int, str], *, store: Any) -> None:
         """``--resihp-on-stop abort``: the job ends on every survivor with exit 75 (restart from the
         last checkpoint), one line naming the lost rank(s)."""
         with self._lock:
             if self._aborting:  # the monitor thread and the main thread may both get here
                 time.sleep(5.0)
             self._aborting = True
-        end = ms.declare_end(store, code=RESTART_EXIT_CODE, message=f"rank(s) {what} gone", by=self.member)
+        what = ", ".join(f"{m} ({w})" for m, w in sorted(lost.items()))
+        info = {str(m): {"why": w, "silence": dataclasses.asdict(self.silent[m]) if m in self.silent else None}
+                for m, w in lost.items()}
+        self._record_losses(lost, self._iteration)
+        end = ms.declare_end(store, code=RESTART_EXIT_CODE, message=f"rank(s) {what} gone", by=self.member,
+                             lost=info)
         if end["by"] == self.member:  # said once per job: by the survivor that declared the end
             where = self.cfg.checkpoint
             print(f"resihp: aborting the job: rank(s) {what} gone; resume from the last checkpoint"
@@ -322,7 +338,7 @@ class FaultTolerance:
             raise RankLost("a rank is gone")  # named between two iterations
         end = ms.job_end(self.base)
         if end is not None:
-            raise JobFailed(end["message"], report=False, code=end["code"])
+            raise self._ended(end)
         if self._grow:
             self._grow = False
             self.grow(trainer)
@@ -350,7 +366,7 @@ class FaultTolerance:
             raise exc
         end = ms.job_end(self.base)
         if end is not None:
-            raise JobFailed(end["message"], report=False, code=end["code"]) from exc
+            raise self._ended(end) from exc
         lost = self.lost()
         if not lost and not isinstance(exc, RankLost) and not is_communication_error(exc):
             self._end_this_rank(trainer, exc)
@@ -358,7 +374,7 @@ class FaultTolerance:
             raise exc
         lost = lost or self._wait_for_loss()
         if lost and self.cfg.on_stop == "abort":
-            self._abort(", ".join(f"{m} ({w})" for m, w in sorted(lost.items())), store=self.base)
+            self._abort(lost, store=self.base)
         if lost and all(why_is_own_error(w) for w in lost.values()):
             # A rank that ended on its own exception may yet learn that another ended on the same one
             # (then the job ends): give it the time it takes to find out before recovering.
@@ -366,7 +382,7 @@ class FaultTolerance:
             while time.monotonic() < deadline:
                 end = ms.job_end(self.base)
                 if end is not None:
-                    raise JobFailed(end["message"], report=False, code=end["code"]) from exc
+                    raise self._ended(end) from exc
                 time.sleep(0.05)
         if not lost:
             message = (f"rank {self.member}: {type(exc).__name__}: {one_line(exc)[:300]} (no rank was lost, so "
@@ -374,7 +390,7 @@ class FaultTolerance:
             end = ms.declare_end(self.base, code=FAILED_EXIT_CODE, message=message, by=self.member)
             if end["by"] == self.member:
                 raise JobFailed(end["message"], report=True, original=exc, code=end["code"]) from exc
-            raise JobFailed(end["message"], report=False, code=end["code"]) from exc
+            raise self._ended(end) from exc
         return self.recover(trainer, lost)
 
     # --- this rank's own exception ---------------------------------------------------------------
@@ -404,7 +420,7 @@ class FaultTolerance:
                 return lost
             end = ms.job_end(self.base)
             if end is not None:
-                raise JobFailed(end["message"], report=False, code=end["code"])
+                raise self._ended(end)
             if time.monotonic() > deadline:
                 return {}
             time.sleep(0.02)
@@ -583,7 +599,7 @@ class FaultTolerance:
         if decision is None:
             end = ms.job_end(self.base)
             if end is not None:
-                raise JobFailed(end["message"], report=False, code=end["code"])
+                raise self._ended(end)
             raise SecondFault("the round's leader was lost before it decided")
         if "restart" in decision:
             gone = ", ".join(map(str, decision.get("lost") or sorted(self.lost()))) or "none"
@@ -591,7 +607,7 @@ class FaultTolerance:
             end = ms.declare_end(self.base, code=RESTART_EXIT_CODE, message=f"lost rank(s) {gone}: {decision['restart']}",
                                  by=decision.get("leader", self.member))
             if end["code"] != RESTART_EXIT_CODE:  # the job already ended for another reason
-                raise JobFailed(end["message"], report=False, code=end["code"])
+                raise self._ended(end)
             raise RestartNeeded(f"lost rank(s) {gone}: {decision['restart']}",
                                 report=self.member == decision.get("leader", self.member))
         self.arrivals_seen = int(decision.get("arrivals_seen", self.arrivals_seen))
@@ -669,7 +685,7 @@ class FaultTolerance:
             if r is None:
                 end = ms.job_end(self.base)
                 if end is not None:
-                    raise JobFailed(end["message"], report=False, code=end["code"])
+                    raise self._ended(end)
                 return False
             last = r
             self.round = r

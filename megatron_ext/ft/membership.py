@@ -100,10 +100,12 @@ def report_error(base: Any, member: int, exc: BaseException, described: str) -> 
     return count, json.loads(keys.get(f"{sig}/first"))
 
 
-def declare_end(base: Any, *, code: int, message: str, by: int) -> dict[str, Any]:
-    """End the job with ``code`` and one line (the first declaration wins). Returns the one in force."""
+def declare_end(base: Any, *, code: int, message: str, by: int, lost: dict | None = None) -> dict[str, Any]:
+    """End the job with ``code`` and one line (the first declaration wins). ``lost``: the lost
+    processes that ended it (member -> what is known of the loss), so every rank that ends on it
+    can report them. Returns the end in force."""
     keys = store_lib.job_keys(base, "job")
-    value = json.dumps({"code": code, "message": message, "by": by})
+    value = json.dumps({"code": code, "message": message, "by": by, "lost": lost or {}})
     keys.compare_set("end", "", value)
     return json.loads(keys.get("end"))
 
