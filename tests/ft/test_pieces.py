@@ -179,7 +179,8 @@ def test_the_same_error_on_a_second_rank_is_counted_by_its_signature(store):
     assert count == 2 and first == {"member": 2, "error": "ValueError: boom (iteration 5)"}
     assert ms.job_end(base) is None
     assert ms.declare_end(base, code=1, message="rank 1: ...", by=1)["by"] == 1
-    assert ms.declare_end(base, code=75, message="later", by=0) == {"code": 1, "message": "rank 1: ...", "by": 1}
+    assert ms.declare_end(base, code=75, message="later", by=0) == {"code": 1, "message": "rank 1: ...", "by": 1,
+                                                                    "lost": {}}
 
 
 def test_a_barrier_fails_as_soon_as_a_member_is_lost(store):
