@@ -56,14 +56,20 @@ def _check(cfg, world: int, *, launcher: bool = False) -> None:
     cfg.validate(world)
     preflight.check(cfg, world, launcher=launcher)
     if int(os.environ.get("MEGATRON_EXT_INCARNATION", "0")) > 0:
+        _engine_check(cfg)
         return  # a replacement process joins the running job: the outputs are that job's own
     demo = os.path.basename(cfg.source) == "demo.yaml"
     check_outputs(save=cfg.checkpoint.save, load=cfg.checkpoint.load, metrics_file=cfg.logging.metrics_file,
                   tensorboard_dir=cfg.logging.tensorboard_dir, clean_hint=" (make clean-demo)" if demo else "")
-    if cfg.parallel.engine == "deepspeed":
-        from deepspeed_patches.trainer import check_config
+    _engine_check(cfg)
 
-        check_config(cfg)
+
+def _engine_check(cfg) -> None:
+    from megatron_ext.engines import engine
+
+    spec = engine(cfg.parallel.engine)
+    if spec.check is not None:
+        spec.load("check")(cfg)
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 def _build_trainer(cfg, extensions):
     """The engine's trainer, set up (or, in a process the launcher started again, waiting to join),
     with the fault-tolerance core where the run has one."""
+    from megatron_ext.engines import engine
     from megatron_ext.ft.core import FaultTolerance, FTConfig
     from megatron_ext.runtime import distributed
 
@@ -202,14 +209,8 @@ def _build_trainer(cfg, extensions):
         # NCCL: an error in a collective must reach the survivor as an exception it can recover
         # from, not end its process (torch's default tears the process down).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    if cfg.parallel.engine == "deepspeed":
-        from deepspeed_patches import trainer as ds
-
-        setup, trainer_cls = ds.setup_distributed, ds.DeepSpeedTrainer
-    else:
-        from megatron_ext.runtime.loop import Trainer
-
-        setup, trainer_cls = distributed.setup, Trainer
+    spec = engine(cfg.parallel.engine)
+    setup, trainer_cls = spec.load("setup_distributed"), spec.load("trainer")
     ctx = setup(cfg.parallel, seed=cfg.training.seed, timeout_s=timeout_s, join=incarnation > 0)
     ft = None
     store_addr = distributed.rendezvous_address(ctx)
@@ -222,11 +223,9 @@ def _build_trainer(cfg, extensions):
 
 
 def _teardown(cfg) -> None:
-    if cfg.parallel.engine == "deepspeed":
-        from deepspeed_patches.trainer import teardown
-    else:
-        from megatron_ext.runtime.distributed import teardown
-    teardown()
+    from megatron_ext.engines import engine
+
+    engine(cfg.parallel.engine).load("teardown")()
 
 
 if __name__ == "__main__":

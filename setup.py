@@ -30,9 +30,10 @@ setup(
     # Training-loop extensions: importing the module registers its config section and factory.
     entry_points={"megatron_ext.extensions": [
         "timeline = megatron_ext.pipeline.extension",
-        "resihp = megatron_ext.resihp.live",
+        "resihp = megatron_ext.resihp.extension",
         "helix = megatron_ext.helix.extension",
         "squeeze = megatron_ext.hydro.squeezer.extension",
+        "moe-aux-loss = megatron_ext.runtime.moe_aux_loss",
     ]},
     extras_require={
         # GPU clusters only; never needed on CPU. No apex: megatron-core uses TE's fused kernels.

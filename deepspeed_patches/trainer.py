@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import ParallelConfig, RunConfig
+from megatron_ext.engines import engine
 from megatron_ext.runtime import distributed
 from megatron_ext.ft import store as store_lib
 from megatron_ext.ft.target import LayoutTarget
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.layout import Layout
-from megatron_ext.runtime.loop import Trainer
+from megatron_ext.runtime.loop import RecorderHooks, Trainer
 from megatron_ext.runtime.model import padded_vocab_size
 from megatron_ext.runtime.optimizer import _param_groups, build_scheduler
 
@@ -37,22 +38,22 @@ logger = logging.getLogger(__name__)
 
 
 def check_config(cfg: RunConfig) -> None:
-    """What ``--engine deepspeed`` does not support beyond RunConfig's own checks (TP = 1, no vpp)."""
+    """What ``--engine deepspeed`` does not support beyond RunConfig's own checks (TP = 1, no vpp;
+    the lines are the engine spec's, ``megatron_ext/engines.py``)."""
     # Model families the PipelineModule does not build are refused by RunConfig.validate
-    # (runtime/families.py: mixture of experts).
+    # (models/families.py: mixture of experts).
+    spec = engine("deepspeed")
     if cfg.training.bf16:
-        raise ConfigError("--engine deepspeed trains in fp32: drop --bf16 or use --engine megatron")
+        spec.refuse("bf16")
     if cfg.data.doc_length_dist:
         # Packed documents need their block-causal mask on every stage and per-document attention;
         # the PipelineModule passes hidden states only.
-        raise ConfigError("--doc-length-dist (packed documents) is not supported by --engine deepspeed yet: "
-                          "use --engine megatron")
+        spec.refuse("packed_documents")
     if cfg.parallel.data_parallel_microbatches is not None:
-        raise ConfigError("--data-parallel-microbatches is not built for --engine deepspeed (its engine scales "
-                          "every replica's loss by one accumulation count): use --engine megatron")
+        # Its engine scales every replica's loss by one accumulation count.
+        spec.refuse("data_parallel_microbatches")
     if cfg.parallel.overlap_grad_reduce:
-        raise ConfigError("--overlap-grad-reduce is a megatron DDP option; DeepSpeed's pipeline engine "
-                          "reduces gradients after the schedule: drop it with --engine deepspeed")
+        spec.refuse("overlap_grad_reduce")
 
 
 def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0,
@@ -258,6 +259,21 @@ class DeepSpeedTrainer(Trainer):
 
     def prepare_schedule(self) -> None:
         pass  # the engine builds its TrainSchedule every iteration
+
+    @property
+    def schedule_name(self) -> str:
+        return "deepspeed"
+
+    def install_recorder(self, recorder: Any) -> RecorderHooks:
+        """The engine records its own instructions (``EventPipelineEngine``): attach the recorder."""
+        self.engine.attach_recorder(recorder)
+
+        def uninstall() -> None:
+            # The recorder keeps the last iteration's events: record() still works after the run.
+            if self.engine is not None:
+                self.engine.attach_recorder(None)
+
+        return RecorderHooks(new_iteration=lambda: None, uninstall=uninstall)
 
     def _num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

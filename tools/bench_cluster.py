@@ -24,7 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_ext.cluster.bubbles import TuningScenario, run_tuning_scenario  # noqa: E402
+from megatron_ext.cluster.tuning import TuningScenario, run_tuning_scenario  # noqa: E402
 from megatron_ext.cluster.config import POLICIES, ClusterSimConfig  # noqa: E402
 from megatron_ext.cluster.engine import simulate  # noqa: E402
 from megatron_ext.cluster.metrics import format_table, summarize  # noqa: E402

@@ -212,28 +212,34 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
     return None
 
 
-def gpt_iteration_flops(layers: int, hidden: int, heads: int, vocab: int, seq: int, global_batch: int, *,
-                        ffn_hidden_size: int | None = None, num_query_groups: int | None = None,
-                        gated_linear_unit: bool = False) -> float:
-    """Model FLOPs of one iteration (forward + backward) by ResiHP's FLOPs model: full sequences as
-    single documents, attention counted over the whole score matrix (the usual MFU convention)."""
-    from megatron_ext.resihp.flops import ModelSpec, microbatch_flops
+def iteration_flops(spec: Any, seq: int, global_batch: int) -> float:
+    """Model FLOPs of one iteration (forward + backward) of ``spec`` (``resihp.flops.ModelSpec``) by
+    ResiHP's FLOPs model: full sequences as single documents, attention counted over the whole score
+    matrix (the usual MFU convention), experts at top-k per token."""
+    from megatron_ext.resihp.flops import microbatch_flops
 
-    spec = ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab,
-                     ffn_hidden_size=ffn_hidden_size, num_query_groups=num_query_groups,
-                     gated_linear_unit=gated_linear_unit)
-    fwd, bwd = microbatch_flops(spec, [seq] * global_batch, layers, first_stage=True, last_stage=True)
+    fwd, bwd = microbatch_flops(spec, [seq] * global_batch, spec.num_layers, first_stage=True, last_stage=True)
     return fwd.total + bwd.total
 
 
+def gpt_iteration_flops(layers: int, hidden: int, heads: int, vocab: int, seq: int, global_batch: int, *,
+                        ffn_hidden_size: int | None = None, num_query_groups: int | None = None,
+                        gated_linear_unit: bool = False) -> float:
+    """``iteration_flops`` of a dense model given by its sizes."""
+    from megatron_ext.resihp.flops import ModelSpec
+
+    return iteration_flops(ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                     vocab_size=vocab, ffn_hidden_size=ffn_hidden_size,
+                                     num_query_groups=num_query_groups, gated_linear_unit=gated_linear_unit),
+                           seq, global_batch)
+
+
 def model_iteration_flops(cfg: Any, vocab: int) -> float:
-    """``gpt_iteration_flops`` of a run config's model (GPT or LLaMA-style flags)."""
-    m, t = cfg.model, cfg.training
-    gqa = getattr(m, "group_query_attention", False)
-    return gpt_iteration_flops(m.num_layers, m.hidden_size, m.num_attention_heads, vocab, m.seq_length,
-                               t.global_batch_size, ffn_hidden_size=m.ffn_hidden_size,
-                               num_query_groups=getattr(m, "num_query_groups", None) if gqa else None,
-                               gated_linear_unit=getattr(m, "swiglu", False))
+    """``iteration_flops`` of a run config's model, whatever its family (the model families'
+    registry gives its FLOPs shape: GQA, SwiGLU and experts included)."""
+    from megatron_ext.models.families import flops_spec
+
+    return iteration_flops(flops_spec(cfg.model, vocab), cfg.model.seq_length, cfg.training.global_batch_size)
 
 
 def _trainer(values: dict[str, Any], dctx: Any):

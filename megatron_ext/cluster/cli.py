@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any, Sequence
 
-from megatron_ext.cluster.bubbles import TuningScenario, run_tuning_scenario
+from megatron_ext.cluster.tuning import TuningScenario, run_tuning_scenario
 from megatron_ext.cluster.config import ClusterSimConfig
 from megatron_ext.cluster.engine import SimRun, simulate
 from megatron_ext.cluster.metrics import format_table, jcts, summarize, write_outputs

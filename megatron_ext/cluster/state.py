@@ -1,4 +1,5 @@
-"""Per-run job state of the cluster simulator and the sorted-list helpers its queues use.
+"""Per-run job state of the cluster simulator (a job, and a bubble slot a guest job may hold) and
+the sorted-list helpers its queues use.
 
 Its own module so that the engine, the bubble model and the Helios-compatible simulator import it
 without importing each other.
@@ -8,12 +9,8 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from megatron_ext.cluster.trace import Job, VCSpec
-
-if TYPE_CHECKING:  # pragma: no cover
-    from megatron_ext.cluster.bubbles import BubbleSlot
 
 PENDING, RUNNING, GUEST, DONE = 0, 1, 2, 3
 _FINISH, _TIMER, _LEASE, _WAKE = 0, 1, 2, 3
@@ -94,3 +91,17 @@ def _remove(entries: list, key: tuple, js: "JobState") -> None:
     if i >= len(entries) or entries[i][1] is not js:
         raise RuntimeError(f"{js} is not in its sorted list under key {key}")
     del entries[i]
+
+
+class BubbleSlot:
+    __slots__ = ("host", "stage", "spare_gb", "speed", "guest")
+
+    def __init__(self, host: "JobState", stage: int, spare_gb: float, speed: float):
+        self.host = host
+        self.stage = stage
+        self.spare_gb = spare_gb
+        self.speed = speed
+        self.guest: "JobState | None" = None
+
+    def __repr__(self) -> str:
+        return f"BubbleSlot(host={self.host.job.job_id}, stage={self.stage}, spare={self.spare_gb}GB, speed={self.speed})"

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 from megatron_ext.config.base import (ArgumentParser, ConfigError, add_flags, build, check_unknown, doc,
                                       field_names, load_yaml)
+from megatron_ext.engines import engine
+from megatron_ext.models.families import swiglu_ffn_hidden_size
 
 _SECTIONS: dict[str, type] = {}
 # Core sections are attributes of RunConfig; the rest are extension sections.
@@ -56,7 +58,7 @@ def sections() -> dict[str, type]:
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     """Model shape: the GPT block, or the LLaMA-style / MoE families by the flags below (Megatron-LM's
-    names and meaning; runtime/families.py builds them)."""
+    names and meaning; models/families.py describes them, runtime/families.py builds them)."""
 
     num_layers: int = doc("Number of transformer layers.", 4)
     hidden_size: int = doc("Transformer hidden size.", 64)
@@ -102,7 +104,7 @@ class ModelConfig:
                               f"--num-attention-heads ({self.num_attention_heads})")
         if self.ffn_hidden_size is None:
             # Megatron-LM's default: 4h, or for SwiGLU 2/3 of it (same parameters) rounded down to 64.
-            self.ffn_hidden_size = int(self.hidden_size * 4 * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+            self.ffn_hidden_size = swiglu_ffn_hidden_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
             if self.ffn_hidden_size < 1:
                 raise ConfigError(f"--swiglu with --hidden-size {self.hidden_size} gives Megatron-LM's default "
                                   "--ffn-hidden-size of 0: give --ffn-hidden-size")
@@ -117,7 +119,7 @@ class ModelConfig:
 
 
     def _check_families(self) -> None:
-        """Field checks of the LLaMA-style and MoE flags (layout checks: runtime/families.validate)."""
+        """Field checks of the LLaMA-style and MoE flags (layout checks: models/families.validate)."""
         if self.rotary_base != 10000 and self.position_embedding_type != "rope":
             raise ConfigError("--rotary-base needs --position-embedding-type rope")
         if self.rotary_base < 1:
@@ -178,8 +180,8 @@ class ParallelConfig:
     distributed_backend: str = doc("torch.distributed backend; auto = nccl on GPU, gloo on CPU.", "auto",
                                    choices=("auto", "gloo", "nccl"))
     device: str = doc("Where to train; auto = cuda when available.", "auto", choices=("auto", "cpu", "cuda"))
-    engine: str = doc("Training engine: megatron-core schedules, or DeepSpeed's PipelineEngine (PP x DP).",
-                      "megatron", choices=("megatron", "deepspeed"))
+    engine: str = doc("Training engine (megatron_ext/engines.py): megatron-core schedules, or DeepSpeed's "
+                      "PipelineEngine (PP x DP).", "megatron", choices=("megatron", "deepspeed"))
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
@@ -191,8 +193,9 @@ class ParallelConfig:
                               f"and a value >= 1, got {vpp}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        if self.use_distributed_optimizer and self.engine != "megatron":
-            raise ConfigError("--use-distributed-optimizer is megatron's optimizer: it needs --engine megatron")
+        spec = engine(self.engine)
+        if self.use_distributed_optimizer:
+            spec.refuse("distributed_optimizer")
         stages = self.pipeline_stage_layers
         if stages is not None:
             if len(stages) != self.pipeline_model_parallel_size or min(stages) < 1:
@@ -205,12 +208,14 @@ class ParallelConfig:
         if split is not None:
             if min(split) < 1:
                 raise ConfigError(f"--data-parallel-microbatches needs counts >= 1, got {split}")
-            if (vpp or 1) > 1 or self.engine != "megatron":
+            if (vpp or 1) > 1:
                 raise ConfigError("--data-parallel-microbatches needs --engine megatron and plain 1F1B "
                                   "(no --virtual-pipeline-model-parallel-size)")
-        if self.engine == "deepspeed" and (self.tensor_model_parallel_size > 1 or (vpp or 1) > 1):
-            raise ConfigError("--engine deepspeed trains PP x DP: it needs --tensor-model-parallel-size 1 "
-                              "and no --virtual-pipeline-model-parallel-size")
+            spec.refuse("data_parallel_microbatches")
+        if self.tensor_model_parallel_size > 1:
+            spec.refuse("tensor_parallel")
+        if (vpp or 1) > 1:
+            spec.refuse("virtual_pipeline")
 
 
 @section("training")
@@ -383,7 +388,7 @@ class RunConfig:
         if self.parallel.sequence_parallel and self.model.seq_length % tp:
             raise ConfigError(f"--sequence-parallel needs --seq-length ({self.model.seq_length}) divisible by "
                               f"--tensor-model-parallel-size ({tp})")
-        from megatron_ext.runtime.families import validate as validate_family
+        from megatron_ext.models.families import validate as validate_family
 
         validate_family(self, world_size)
         path = self.data.data_path

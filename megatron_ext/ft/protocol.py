@@ -54,6 +54,14 @@ class TrainerLike(Protocol):
 
     def layout_name(self) -> str: ...
 
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule the engine runs: ``1f1b``, ``interleaved`` or ``deepspeed``."""
+
+    def install_recorder(self, recorder: Any) -> Any:
+        """Record the pipeline events of this layout into ``recorder``; returns a handle with
+        ``new_iteration()`` (before each iteration) and ``uninstall()``."""
+
     # --- the runtime's own parts ---------------------------------------------------------------
     def build_streams(self, consumed_samples: int) -> None: ...
 

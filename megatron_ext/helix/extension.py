@@ -76,6 +76,7 @@ def _factory(cfg) -> HelixExtension | None:
     h = cfg.ext("helix")
     if h is None or not h.helix:
         return None
-    if cfg.parallel.engine != "megatron":
-        raise ConfigError("--helix compiles megatron-core's GPTModel: use it with --engine megatron")
+    from megatron_ext.engines import engine
+
+    engine(cfg.parallel.engine).refuse("helix")
     return HelixExtension(h)

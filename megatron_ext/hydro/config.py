@@ -136,8 +136,9 @@ class HydroTuneConfig:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
         if self.model_family == "llama":
-            from .models import megatron_swiglu_ffn
-            return megatron_swiglu_ffn(self.hidden_size)
+            from megatron_ext.models.families import swiglu_ffn_hidden_size
+
+            return swiglu_ffn_hidden_size(self.hidden_size)
         return self.ffn_mult * self.hidden_size
 
     def target_shape(self, vocab_size: int) -> "GPTShape":

@@ -3,7 +3,7 @@
 Written so that torch.fx traces them and the trial-major fused layout works unchanged: every
 reshape takes its batch size from the input (``x.shape[0]``), and position ids are per sample.
 
-``GPT`` builds the two dense blocks of the runtime's model families (``runtime/families.py``):
+``GPT`` builds the two dense blocks of the runtime's model families (``models/families.py``):
 ``gpt`` (LayerNorm, GELU MLP, learned positions, biases) and ``llama`` (RMSNorm, SwiGLU, rotary
 positions, grouped-query attention, no biases; ``llama_shape``). The flags mean what Megatron-LM's
 do: ``swiglu`` is ``--swiglu`` (a gated unit with SiLU, three matrices), ``n_query_groups`` is
@@ -19,6 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megatron_ext.models.families import family_of, swiglu_ffn_hidden_size
 
 try:  # muP readout layer (1/width output multiplier); optional at import, required for parametrization="mup"
     from mup import MuReadout
@@ -84,12 +86,19 @@ class GPTShape:
     def ffn_size(self) -> int:
         return self.ffn_hidden or self.ffn_mult * self.d_model
 
+    def model_flags(self) -> dict:
+        """The run's ``ModelConfig`` fields this shape stands for (Megatron-LM's flags)."""
+        return {"normalization": "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm", "swiglu": self.swiglu,
+                "group_query_attention": self.kv_heads != self.n_heads,
+                "position_embedding_type": "rope" if self.position == "rope" else "learned_absolute",
+                "disable_bias_linear": not self.bias, "qk_layernorm": False, "num_experts": None}
+
     @property
     def family(self) -> str:
-        """``llama`` when any flag leaves the GPT block (as ``runtime.families.family_of``)."""
-        gpt = (self.norm == "layernorm" and not self.swiglu and self.kv_heads == self.n_heads
-               and self.position == "learned" and self.bias)
-        return "gpt" if gpt else "llama"
+        """The model family the runtime would build for these flags (``models.families.family_of``)."""
+        import types
+
+        return family_of(types.SimpleNamespace(**self.model_flags())).name
 
     @property
     def rope_base(self) -> float:
@@ -103,16 +112,11 @@ class GPTShape:
         return 1.0 / math.sqrt(self.head_dim)
 
 
-def megatron_swiglu_ffn(d_model: int) -> int:
-    """Megatron-LM's ``--swiglu`` default MLP size: ``int(4h * 2/3 / 64) * 64`` (the runtime's rule)."""
-    return int(d_model * 4 * 2 / 3 / 64) * 64
-
-
 def llama_shape(*, vocab_size: int, seq_len: int, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
                 n_query_groups: int = 0, ffn_hidden: int = 0, rotary_base: float = 10000.0, **kw) -> GPTShape:
     """The LLaMA-style block: RMSNorm, SwiGLU, rotary positions, grouped-query attention, no
     biases. ``ffn_hidden=0`` takes Megatron-LM's SwiGLU size, or 4 x d_model where that is 0."""
-    ffn = ffn_hidden or megatron_swiglu_ffn(d_model) or 4 * d_model
+    ffn = ffn_hidden or swiglu_ffn_hidden_size(d_model) or 4 * d_model
     return GPTShape(vocab_size=vocab_size, seq_len=seq_len, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                     norm="rmsnorm", activation="silu", swiglu=True, ffn_hidden=ffn, n_query_groups=n_query_groups,
                     position="rope", rotary_base=rotary_base, bias=False, **kw)

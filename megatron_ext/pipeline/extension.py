@@ -1,9 +1,11 @@
-"""``--timeline`` / ``--timeline-out``: pipeline events in the training loop.
+"""``--timeline`` / ``--timeline-out``: pipeline events in the training loop, on every engine.
 
-Installs the megatron-core hooks, resets the recorder each iteration, puts each stage's bubble
-fraction into the log line and TensorBoard at every log interval, and writes Chrome-trace timelines
-of the chosen iterations. Other extensions (ResiHP, the Bubble Squeezer) declare it in ``requires``,
-read ``recorder`` and call ``record()`` for the joined IterationRecord.
+Asks the trainer to record into its recorder (``Trainer.install_recorder``: megatron-core's schedule
+wrapped from outside, or DeepSpeed's engine recording its own instructions), resets the recorder
+each iteration, puts each stage's bubble fraction into the log line and TensorBoard at every log
+interval, and writes Chrome-trace timelines of the chosen iterations. Other extensions (ResiHP, the
+Bubble Squeezer) declare it in ``requires``, read ``recorder`` and call ``record()`` for the joined
+IterationRecord.
 """
 from __future__ import annotations
 
@@ -64,16 +66,9 @@ class TimelineExtension(Extension):
         self.attach(trainer)
 
     def attach(self, trainer: "Trainer") -> None:
-        """Wrap this layout's model chunks, optimizer step and gradient finalisation."""
-        from megatron_ext.pipeline.events import Phase
-        from megatron_ext.pipeline.megatron_hooks import MegatronPipelineHooks, wrap_phase
-
-        self.hooks = MegatronPipelineHooks(self.recorder, trainer.model.chunks).install()
-        trainer.optimizer.step = wrap_phase(self.recorder, trainer.optimizer.step, Phase.OPTIMIZER)
-        tconf = trainer.model.config
-        tconf.finalize_model_grads_func = wrap_phase(self.recorder, tconf.finalize_model_grads_func,
-                                                     Phase.GRAD_REDUCE)
-        self.schedule = "interleaved" if trainer.ctx.vpp else "1f1b"
+        """Record this layout's events (again after a layout change: new chunks, a new engine)."""
+        self.hooks = trainer.install_recorder(self.recorder)
+        self.schedule = trainer.schedule_name
         self._sync_clocks(trainer)
 
     def _sync_clocks(self, trainer: "Trainer") -> None:
@@ -90,7 +85,8 @@ class TimelineExtension(Extension):
 
     def before_iteration(self, trainer: "Trainer", iteration: int) -> None:
         self.recorder.reset()
-        self.hooks.new_iteration()
+        if self.hooks is not None:
+            self.hooks.new_iteration()
 
     def record(self, trainer: "Trainer", iteration: int, dst: int | None = None) -> "IterationRecord | None":
         """Collective: the joined record of the iteration just run (on ``dst``, or every rank)."""
@@ -142,8 +138,6 @@ class TimelineExtension(Extension):
         if self.hooks is not None:
             self.hooks.uninstall()
             self.hooks = None
-        if trainer.optimizer is not None:  # None on a rank that left the layout (a spare)
-            trainer.optimizer.__dict__.pop("step", None)
 
 
 @register_extension("timeline")
@@ -152,8 +146,4 @@ def _factory(cfg, required: bool = False) -> TimelineExtension | None:
     # ``required``: another extension reads the pipeline events (ResiHP, the Bubble Squeezer).
     if tl is None or not (tl.timeline or required):
         return None
-    if cfg.parallel.engine == "deepspeed":  # the engine records its own instructions
-        from deepspeed_patches.timeline import DeepSpeedTimelineExtension
-
-        return DeepSpeedTimelineExtension(tl)
     return TimelineExtension(tl)

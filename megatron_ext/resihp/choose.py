@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 def model_spec(trainer: "TrainerLike"):
     """The run's model as the FLOPs model sees it, from the model family's registry entry (GQA,
     SwiGLU and MoE included)."""
-    from megatron_ext.runtime.families import flops_spec
+    from megatron_ext.models.families import flops_spec
     from megatron_ext.runtime.model import padded_vocab_size
 
     vocab = padded_vocab_size(trainer.splits.tokenizer.vocab_size, trainer.ctx.layout.tp)

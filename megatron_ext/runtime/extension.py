@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_ext.config.run import RunConfig
-    from megatron_ext.runtime.loop import Trainer
+    from megatron_ext.ft.protocol import TrainerLike as Trainer
 
 
 @dataclasses.dataclass
@@ -29,7 +29,8 @@ class IterationMetrics:
 
 
 class Extension:
-    """Base class: override what you need. Runtime objects come through ``trainer``.
+    """Base class: override what you need. Runtime objects come through ``trainer`` (what a trainer
+    offers: ``ft/protocol.py``; the runtime's ``Trainer`` and the DeepSpeed engine's implement it).
 
     ``requires`` names extensions this one reads (e.g. the timeline's event recorder): they are
     built even when their own flag is off, set up before this one, and handed over in ``deps``."""

@@ -140,7 +140,7 @@ def model_config_of(meta: dict[str, Any], where: str) -> Any:
 def hf_model_type(m: Any, where: str) -> str:
     """The HF ``model_type`` equal to the model ``m`` describes, or ConversionError saying which flag
     has no counterpart there."""
-    from megatron_ext.runtime import families
+    from megatron_ext.models import families
 
     fam = families.family_of(m)
     if fam is families.GPT:

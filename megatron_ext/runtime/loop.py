@@ -8,6 +8,7 @@ three points: the start of a step, the commit vote before the update, and a fail
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -264,6 +265,31 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.forward_backward_func = get_forward_backward_func()
+
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule this engine runs (``pipeline/schedule_orders.py``)."""
+        return "interleaved" if self.ctx.vpp else "1f1b"
+
+    def install_recorder(self, recorder: Any) -> "RecorderHooks":
+        """Record this layout's pipeline events into ``recorder`` (an ``EventRecorder``): megatron's
+        schedule and p2p calls wrapped from outside, and the optimizer step and the gradient
+        finalisation timed. The handle's ``new_iteration()`` runs before each iteration and
+        ``uninstall()`` undoes it all (before a layout change, at the end)."""
+        from megatron_ext.pipeline.events import Phase
+        from megatron_ext.pipeline.megatron_hooks import MegatronPipelineHooks, wrap_phase
+
+        hooks = MegatronPipelineHooks(recorder, self.model.chunks).install()
+        self.optimizer.step = wrap_phase(recorder, self.optimizer.step, Phase.OPTIMIZER)
+        tconf = self.model.config
+        tconf.finalize_model_grads_func = wrap_phase(recorder, tconf.finalize_model_grads_func, Phase.GRAD_REDUCE)
+
+        def uninstall() -> None:
+            hooks.uninstall()
+            if self.optimizer is not None:
+                self.optimizer.__dict__.pop("step", None)
+
+        return RecorderHooks(new_iteration=hooks.new_iteration, uninstall=uninstall)
 
     def _num_parameters(self) -> int:
         return count_parameters(self.model.chunks)
@@ -545,6 +571,14 @@ class Trainer:
             self._log_eval(self.evaluate())
         if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
             self.save_checkpoint()
+
+
+@dataclasses.dataclass(frozen=True)
+class RecorderHooks:
+    """What ``Trainer.install_recorder`` returns: called before each iteration, and to undo."""
+
+    new_iteration: Callable[[], None]
+    uninstall: Callable[[], None]
 
 
 NO_STORE = ("a live rank permutation (relayout rank_order) renumbers the ranks through a new process group, "

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ext.cluster.bubbles import (TuningScenario, bubble_fraction_from_timeline, host_slots,
-                                          run_tuning_scenario)
+from megatron_ext.cluster.bubbles import bubble_fraction_from_timeline, host_slots
+from megatron_ext.cluster.tuning import TuningScenario, run_tuning_scenario
 from megatron_ext.cluster.cluster import NodePool
 from megatron_ext.cluster.engine import VCSimulator
 from megatron_ext.cluster.state import JobState

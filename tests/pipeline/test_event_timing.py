@@ -113,12 +113,12 @@ def test_timeline_extension_picks_the_recorder_timing_of_its_device(device, timi
             built.update(kwargs)
             super().__init__(capacity)  # host buffers: no GPU needed to construct
 
+    from megatron_ext.runtime.loop import RecorderHooks
+
     monkeypatch.setattr(events_mod, "EventRecorder", Spy)
-    config = types.SimpleNamespace(finalize_model_grads_func=lambda *a, **k: None)
     trainer = types.SimpleNamespace(
-        ctx=types.SimpleNamespace(device=device, vpp=None),
-        model=types.SimpleNamespace(chunks=[object()], config=config),
-        optimizer=types.SimpleNamespace(step=lambda: None),
+        ctx=types.SimpleNamespace(device=device, vpp=None), schedule_name="1f1b", layout_change=None,
+        install_recorder=lambda recorder: RecorderHooks(new_iteration=lambda: None, uninstall=lambda: None),
         cfg=types.SimpleNamespace(training=types.SimpleNamespace(train_iters=1)))
     ext = TimelineExtension(TimelineConfig(timeline=True))
     ext.setup(trainer)

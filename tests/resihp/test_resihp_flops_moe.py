@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_ext.config.run import parse_run_config
 from megatron_ext.resihp.flops import ModelSpec, microbatch_flops
-from megatron_ext.runtime.families import flops_spec
+from megatron_ext.models.families import flops_spec
 
 
 class MoEMLP(torch.nn.Module):

@@ -6,7 +6,7 @@ import logging
 from megatron_ext.resihp.config import ResiHPConfig
 from megatron_ext.resihp.detector import make_detector
 from megatron_ext.resihp.injection import FaultInjectionConfig
-from megatron_ext.resihp.live import injection_outcome
+from megatron_ext.resihp.extension import injection_outcome
 from megatron_ext.resihp.synthetic import SlowFault, SyntheticSpec, generate
 from megatron_ext.resihp.verdicts import Verdict
 

@@ -7,6 +7,8 @@ import torch
 
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import config_from_values, parse_run_config
+from megatron_ext.engines import DEEPSPEED
+from megatron_ext.models import families as model_families
 from megatron_ext.runtime import distributed, families
 from megatron_ext.runtime.model import _full_value, _seed_for, build_model, iter_sharded_tensors, unwrap
 from megatron_ext.runtime.optimizer import CPUOptimizer, collect_param_states, restore_param_states
@@ -60,7 +62,7 @@ def test_field_checks_name_the_flags(argv, message):
             "--expert-model-parallel-size", "2", "--device", "cpu"], 4,
      "--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size > 1 and --expert-model-parallel-size "
      "> 1 needs NCCL (uneven all-gathers); on gloo use --moe-token-dispatcher-type allgather"),
-    (MOE + ["--engine", "deepspeed"], 1, families.MOE.deepspeed_refusal + " (model flags: --normalization --swiglu "
+    (MOE + ["--engine", "deepspeed"], 1, DEEPSPEED.refusals[model_families.MOE.engine_feature] + " (model flags: --normalization --swiglu "
      "--group-query-attention --position-embedding-type --disable-bias-linear --qk-layernorm --num-experts)"),
 ])
 def test_layout_checks_run_before_any_model(argv, world, message):
@@ -71,10 +73,10 @@ def test_layout_checks_run_before_any_model(argv, world, message):
 
 
 def test_family_registry():
-    assert families.family_of(parse_run_config([]).model) is families.GPT
-    assert families.family_of(parse_run_config(["--normalization", "RMSNorm"]).model) is families.LLAMA
-    assert families.family_of(parse_run_config(LLAMA).model) is families.LLAMA
-    assert families.family_of(parse_run_config(MOE).model) is families.MOE
+    assert model_families.family_of(parse_run_config([]).model) is model_families.GPT
+    assert model_families.family_of(parse_run_config(["--normalization", "RMSNorm"]).model) is model_families.LLAMA
+    assert model_families.family_of(parse_run_config(LLAMA).model) is model_families.LLAMA
+    assert model_families.family_of(parse_run_config(MOE).model) is model_families.MOE
     # The GPT block passes no family field to TransformerConfig: its config is what it always was.
     assert set(families.transformer_config_kwargs(parse_run_config([]).model)) == {
         "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "hidden_dropout",
@@ -92,8 +94,8 @@ def test_configs_parse_and_validate_for_four_ranks():
     for name in ("llama3_tiny", "qwen3_moe_tiny"):
         cfg = parse_run_config(["--config", f"configs/{name}.yaml"])
         cfg.validate(4)
-    assert families.family_of(parse_run_config(["--config", "configs/llama3_tiny.yaml"]).model) is families.LLAMA
-    assert families.family_of(parse_run_config(["--config", "configs/qwen3_moe_tiny.yaml"]).model) is families.MOE
+    assert model_families.family_of(parse_run_config(["--config", "configs/llama3_tiny.yaml"]).model) is model_families.LLAMA
+    assert model_families.family_of(parse_run_config(["--config", "configs/qwen3_moe_tiny.yaml"]).model) is model_families.MOE
 
 
 # --- in-process model ---------------------------------------------------------------------------

@@ -32,6 +32,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from megatron_ext.helix.ir import op_name, set_tile, value_of
+from megatron_ext.helix.passes import tiling_shape_rules  # noqa: F401  (registers the shape, indexing,
+#                                                                  collective and autograd.Function rules)
 from megatron_ext.helix.passes.tiling_rules import RULES, Plan, Refuse, RuleCtx, _elementwise, find_rule
 
 logger = logging.getLogger(__name__)

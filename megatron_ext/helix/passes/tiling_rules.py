@@ -346,7 +346,3 @@ def _embedding(ctx: RuleCtx) -> Plan:
     if weight in ctx.dims or ids not in ctx.dims:
         raise Refuse("embedding table is tiled")
     return Plan(out_dim=ctx.dims[ids])
-
-
-# Shape, indexing, collective and autograd.Function rules live next door; importing registers them.
-from megatron_ext.helix.passes import tiling_shape_rules  # noqa: E402,F401

@@ -1,5 +1,6 @@
 """Tiling rules for shape manipulation, indexing, concatenation, functional collectives and
-autograd.Function nodes (the compute rules are in :mod:`tiling_rules`, which imports this module).
+autograd.Function nodes (the compute rules and the registry are in :mod:`tiling_rules`; the tiling
+pass, their consumer, imports this module to register these).
 """
 from __future__ import annotations
 

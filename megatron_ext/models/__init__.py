@@ -1,0 +1,1 @@
+"""The model's one description: families (``families.py``) and what is derived from them."""

@@ -1,0 +1,145 @@
+"""Model families: the one description of the model's architecture the rest of the project derives from.
+
+Three families share megatron-core's ``GPTModel`` and differ in the flags of ``ModelConfig``
+(``config/run.py``; Megatron-LM's names and meaning):
+
+* ``gpt``   - GPT-2/3 block: LayerNorm, GELU MLP, learned positions, biases, multi-head attention;
+* ``llama`` - LLaMA-3-style block: RMSNorm, SwiGLU, rotary positions, grouped-query attention, no
+  biases (any of these flags makes a model ``llama``);
+* ``moe``   - Qwen3-MoE-style block: the ``llama`` block whose MLP is megatron's ``MoELayer``
+  (router top-k, experts sharded over ``--expert-model-parallel-size``).
+
+Pure (no megatron, no torch.distributed; it reads a ``ModelConfig`` / ``RunConfig`` without
+importing the config, which imports it): which family a config is (``family_of``), the checks
+that need the world size (``validate``), the FLOPs shape ResiHP counts (``flops_spec``), the
+widths every consumer must agree on (``swiglu_ffn_hidden_size``), and each family's Hugging Face
+model type. Derived from it: megatron's TransformerConfig fields and layer specs
+(``runtime/families.py``), the DeepSpeed PipelineModule's blocks (``deepspeed_patches/gpt.py``),
+Hydro's small models (``hydro/models.py``), the Hugging Face tables (``convert/hf.py``) and the GPU
+check's FLOPs (``tools/gpu_check.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_ext.config.base import ConfigError
+from megatron_ext.engines import engine
+
+
+def swiglu_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron-LM's ``--swiglu`` default MLP width: ``int(8 h / 3 / 64) * 64``."""
+    return int(hidden_size * 4 * 2 / 3 / 64) * 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    summary: str
+    engine_feature: str | None = None
+    """The engine feature (``megatron_ext/engines.py``) the family needs beyond the dense GPT:
+    an engine that refuses it refuses the family."""
+    hf_model_type: str | None = None
+    """The Hugging Face ``model_type`` its checkpoints export to (``convert/hf.py``; the LLaMA-style
+    block exports as ``qwen3`` when it has per-head q/k norms)."""
+
+
+GPT = ModelFamily("gpt", "GPT-2/3 block: LayerNorm, GELU MLP, learned positions, biases", hf_model_type="gpt2")
+LLAMA = ModelFamily("llama", "LLaMA-3-style block: RMSNorm, SwiGLU, rotary positions, GQA, no biases",
+                    hf_model_type="llama")
+MOE = ModelFamily("moe", "Qwen3-MoE-style block: the llama block with megatron's MoELayer as MLP",
+                  engine_feature="mixture_of_experts", hf_model_type="qwen3_moe")
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (GPT, LLAMA, MOE)}
+
+# Flags (ModelConfig fields) that leave the GPT block, with the value that keeps it.
+_GPT_VALUES: dict[str, Any] = {"normalization": "LayerNorm", "swiglu": False, "group_query_attention": False,
+                               "position_embedding_type": "learned_absolute", "disable_bias_linear": False,
+                               "qk_layernorm": False}
+
+
+def family_of(m: Any) -> ModelFamily:
+    if m.num_experts is not None:
+        return MOE
+    if any(getattr(m, k) != v for k, v in _GPT_VALUES.items()):
+        return LLAMA
+    return GPT
+
+
+def non_gpt_flags(m: Any) -> list[str]:
+    """The flags (``--name``) by which ``m`` differs from the GPT block."""
+    out = ["--" + k.replace("_", "-") for k, v in _GPT_VALUES.items() if getattr(m, k) != v]
+    if m.num_experts is not None:
+        out.append("--num-experts")
+    return out
+
+
+# --- checks that need the world size and device -------------------------------------------------
+
+def validate(cfg: Any, world_size: int) -> None:
+    """Refuse bad combinations of model and layout flags before any model is built."""
+    m, p = cfg.model, cfg.parallel
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    fam = family_of(m)
+    if fam.engine_feature is not None:
+        engine(p.engine).refuse(fam.engine_feature, f"model flags: {' '.join(non_gpt_flags(m))}")
+    if m.group_query_attention and m.num_query_groups % tp:
+        raise ConfigError(f"--num-query-groups ({m.num_query_groups}) is not divisible by "
+                          f"--tensor-model-parallel-size ({tp})")
+    if ep > 1 and m.num_experts is None:
+        raise ConfigError(f"--expert-model-parallel-size ({ep}) needs --num-experts")
+    if m.num_experts is None:
+        return
+    if m.num_experts % ep:
+        raise ConfigError(f"--num-experts ({m.num_experts}) is not divisible by --expert-model-parallel-size ({ep})")
+    if world_size % (ep * tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by --expert-model-parallel-size ({ep}) x "
+                          f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) "
+                          f"= {ep * tp * pp}")
+    if m.moe_ffn_hidden_size % tp:
+        raise ConfigError(f"--moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) is not divisible by "
+                          f"--tensor-model-parallel-size ({tp})")
+    if tp > 1 and not p.sequence_parallel:
+        # megatron-core's MoELayer refuses to train this: with TP, the router and experts take the
+        # sequence-parallel shard of the tokens (otherwise every TP rank routes every token).
+        raise ConfigError(f"--num-experts with --tensor-model-parallel-size > 1 ({tp}) needs --sequence-parallel")
+    want = p.device
+    on_gpu = want == "cuda" or (want == "auto" and _cuda_available())
+    gloo = p.distributed_backend == "gloo" or (p.distributed_backend == "auto" and not on_gpu)
+    if gloo and tp > 1 and ep > 1 and m.moe_token_dispatcher_type == "alltoall":
+        # With expert TP > 1 the all-to-all dispatcher gathers a different token count from each TP
+        # rank (all_gather with uneven sizes), which NCCL does and gloo refuses.
+        raise ConfigError("--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size > 1 and "
+                          "--expert-model-parallel-size > 1 needs NCCL (uneven all-gathers); on gloo use "
+                          "--moe-token-dispatcher-type allgather")
+    if m.moe_grouped_gemm:
+        if not on_gpu:
+            raise ConfigError("--moe-grouped-gemm runs experts as one grouped GEMM kernel on a GPU "
+                              "(Transformer Engine); this run is on CPU: leave it off")
+        import importlib.util
+
+        helix = cfg.ext("helix")
+        local = [f for f, on in (("--helix", bool(helix is not None and helix.helix)),
+                                 ("--doc-length-dist", bool(cfg.data.doc_length_dist))) if on]
+        if local or importlib.util.find_spec("transformer_engine") is None:
+            why = (f"{' and '.join(local)} build{'s' if len(local) == 1 else ''} on megatron's local layer spec"
+                   if local else "transformer_engine is not installed")
+            raise ConfigError(f"--moe-grouped-gemm needs Transformer Engine's layer spec, but {why}: leave it off")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# --- ResiHP's FLOPs shape -----------------------------------------------------------------------
+
+def flops_spec(m: Any, vocab_size: int) -> Any:
+    """The model as ResiHP's FLOPs model sees it (``resihp.flops.ModelSpec``)."""
+    from megatron_ext.resihp.flops import ModelSpec
+
+    return ModelSpec(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                     vocab_size=vocab_size, ffn_hidden_size=m.ffn_hidden_size,
+                     num_query_groups=m.num_query_groups if m.group_query_attention else None,
+                     gated_linear_unit=m.swiglu, num_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                     moe_ffn_hidden_size=m.moe_ffn_hidden_size)
