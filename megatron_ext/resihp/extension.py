@@ -21,7 +21,7 @@ from megatron_ext.pipeline.events import Phase
 from megatron_ext.resihp import config as _config  # noqa: F401  (registers the "resihp" section)
 from megatron_ext.resihp.choose import model_spec
 from megatron_ext.resihp.injection import FaultInjectionConfig, Throttle, die_now, raise_now
-from megatron_ext.resihp.trace import FaultLabel, Layout, TraceRecord
+from megatron_ext.resihp.trace import FaultLabel, TraceLayout, TraceRecord
 from megatron_ext.runtime.extension import Extension, IterationMetrics, register_extension
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,7 +62,7 @@ def to_trace_record(rec: "IterationRecord", *, model, iteration_s: float, faults
         bwd[r, b["chunk"], b["microbatch"]] = b["t1"] - b["t0"]
     dps = sorted({e.dp for e in rec.ranks.values()})
     tps = sorted({e.tp for e in rec.ranks.values()})
-    layout = Layout(tp=len(tps), pp=rec.num_stages, dp=len(dps), vp=vp, schedule=rec.schedule, num_microbatches=m,
+    layout = TraceLayout(tp=len(tps), pp=rec.num_stages, dp=len(dps), vp=vp, schedule=rec.schedule, num_microbatches=m,
                     ranks=tuple((rec.ranks[r].stage, rec.ranks[r].dp, rec.ranks[r].tp) for r in range(world)))
     documents = []
     for d in dps:
@@ -173,7 +173,7 @@ class ResiHPExtension(Extension):
         from megatron_ext.resihp.jsonl import JsonLinesWriter
 
         rank = trainer.ctx.rank
-        self.detector_rank = next(r for r, c in trainer.ctx.layout.coords()
+        self.detector_rank = next(r for r, c in trainer.ctx.layout.rank_coords()
                                   if c.pp == trainer.ctx.layout.pp - 1 and c.tp == 0 and c.dp == 0)
         received = self._hand_over(trainer)
         self.detector_member = trainer.ctx.members[self.detector_rank]

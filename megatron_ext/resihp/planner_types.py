@@ -18,6 +18,7 @@ import numpy as np
 
 from megatron_ext.pipeline.schedule_orders import SCHEDULES
 from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.runtime.layout import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +35,12 @@ class PlanningError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PlanLayout:
-    """A concrete layout: sizes, layers per [stage][chunk], micro-batches per DP replica and which
-    device (global rank) sits in each slot. Slots follow ``runtime.layout.Layout``'s rank order:
-    ``slot = tp_rank + tp * (dp_rank + dp * stage)``. Devices not listed are spares."""
+class PlanLayout(Layout):
+    """The runtime's ``Layout`` as the planner needs it: plus layers per [stage][chunk],
+    micro-batches per DP replica and which device (global rank) sits in each slot. Slots follow the
+    ``Layout``'s rank order: ``slot = tp_rank + tp * (dp_rank + dp * stage)``. Devices not listed
+    are spares."""
 
-    tp: int
-    pp: int
-    dp: int
     vp: int = 1
     schedule: str = "1f1b"
     layers: tuple[tuple[int, ...], ...]
@@ -99,10 +98,6 @@ class PlanLayout:
         devs = tuple(range(tp * pp * dp)) if devices is None else tuple(devices)
         return cls(tp=tp, pp=pp, dp=dp, vp=vp, schedule=schedule, layers=layers,
                    microbatches=tuple(_split_even(num_microbatches, dp)), devices=devs)
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
 
     @property
     def num_layers(self) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 from megatron_ext.pipeline.schedule_orders import schedule_order
 from megatron_ext.resihp.flops import ModelSpec, stage_costs
 from megatron_ext.resihp.pipesim import compile_plan, simulate
-from megatron_ext.resihp.trace import FaultLabel, TraceRecord, Layout
+from megatron_ext.resihp.trace import FaultLabel, TraceLayout, TraceRecord
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ class SyntheticSpec:
         return ModelSpec(num_layers=self.layers_per_chunk * self.stages * self.chunks, hidden_size=self.hidden_size,
                          num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size)
 
-    def layout(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.stages, dp=self.dp, vp=self.chunks, schedule=self.schedule,
+    def layout(self) -> TraceLayout:
+        return TraceLayout(tp=self.tp, pp=self.stages, dp=self.dp, vp=self.chunks, schedule=self.schedule,
                       num_microbatches=self.microbatches)
 
 

@@ -48,7 +48,7 @@ import logging
 import numpy as np
 
 from megatron_ext.resihp.flops import ModelSpec
-from megatron_ext.resihp.trace import FaultLabel, Layout, TraceRecord
+from megatron_ext.resihp.trace import FaultLabel, TraceLayout, TraceRecord
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +191,8 @@ class DeviceJob:
         return ModelSpec(num_layers=self.layers_per_chunk * self.stages * self.chunks, hidden_size=self.hidden_size,
                          num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size, **moe)
 
-    def layout(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.stages, dp=self.dp, vp=self.chunks, schedule=self.schedule,
+    def layout(self) -> TraceLayout:
+        return TraceLayout(tp=self.tp, pp=self.stages, dp=self.dp, vp=self.chunks, schedule=self.schedule,
                       num_microbatches=self.microbatches)
 
 

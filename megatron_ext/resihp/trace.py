@@ -24,6 +24,7 @@ from megatron_ext.errors import UserError
 from megatron_ext.pipeline.schedule_orders import SCHEDULES
 from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.resihp.jsonl import JsonLinesWriter
+from megatron_ext.runtime.layout import Coord, Layout
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +38,12 @@ class TraceError(UserError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Layout:
-    """Parallel layout of the iteration. ``ranks[r] = (stage, dp, tp)``; when absent, megatron's
-    default order (tensor-parallel rank fastest, then data-parallel, pipeline stage slowest)."""
+class TraceLayout(Layout):
+    """The runtime's ``Layout`` as a trace records it: plus virtual stages, the schedule, the
+    micro-batches of the iteration and, where a re-layout permuted them, the ranks' coordinates
+    (``ranks[r] = (stage, dp, tp)``; when absent, megatron's default order: tensor-parallel rank
+    fastest, then data-parallel, pipeline stage slowest)."""
 
-    tp: int
-    pp: int
-    dp: int
     vp: int = 1
     schedule: str = "1f1b"
     num_microbatches: int
@@ -66,15 +66,16 @@ class Layout:
                 raise ValueError(f"layout.ranks must list each (stage, dp, tp) of a {self.pp}x{self.dp}x{self.tp} "
                                  f"layout once, one per rank; got {len(ranks)} entries")
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(stage, dp, tp) of a rank."""
         if self.ranks is not None:
             return self.ranks[rank]
-        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+        c = Layout.coord(self, rank)
+        return c.pp, c.dp, c.tp
+
+    def coord(self, rank: int) -> Coord:
+        stage, dp, tp = self.coords(rank)
+        return Coord(tp=tp, pp=stage, dp=dp)
 
     @functools.cached_property
     def coord_array(self) -> np.ndarray:
@@ -113,7 +114,7 @@ class TraceRecord:
 
     iteration: int
     iteration_s: float
-    layout: Layout
+    layout: TraceLayout
     model: ModelSpec
     documents: list[list[list[int]]]  # [dp replica][micro-batch] -> document lengths
     fwd_s: np.ndarray
@@ -263,7 +264,7 @@ def _parse(data: Any, where: str) -> TraceRecord:
         raise TraceError(f"{where}: key 'time_s' expects a number, got {time_s!r:.60}")
     lay = _require(data, "layout", dict, where)
     try:
-        layout = Layout(**lay)
+        layout = TraceLayout(**lay)
     except (TypeError, ValueError) as exc:
         raise TraceError(f"{where}: key 'layout': {exc}") from None
     try:

@@ -1,5 +1,10 @@
 """Parallel layout (tp, pp, dp) <-> global ranks: a pure function of the sizes.
 
+The one layout type of the project: the runtime's process groups are built from it, and ResiHP's
+trace (``resihp.trace.TraceLayout``: schedule, micro-batches, an explicit rank order) and planner
+(``resihp.planner_types.PlanLayout``: layers per stage, micro-batches per replica, devices per slot)
+extend it with what they need.
+
 The rank order is megatron-core's default ``order="tp-cp-ep-dp-pp"`` with cp = ep = 1: tensor
 parallel ranks are adjacent (they share the fastest links), then data parallel, then pipeline
 stages. ``tests/runtime/test_layout.py`` checks these groups against the ones megatron's
@@ -62,13 +67,14 @@ class Layout:
         pp = rank // (self.tp * self.dp)
         return Coord(tp=tp, pp=pp, dp=dp)
 
-    def coords(self) -> Iterator[tuple[int, Coord]]:
+    def rank_coords(self) -> Iterator[tuple[int, Coord]]:
+        """Every rank with its coordinate, in rank order."""
         for rank in range(self.world_size):
             yield rank, self.coord(rank)
 
     def _groups(self, axis: str) -> list[list[int]]:
         groups: dict[tuple, list[int]] = {}
-        for rank, c in self.coords():
+        for rank, c in self.rank_coords():
             key = tuple(getattr(c, a) for a in ("tp", "pp", "dp") if a != axis)
             groups.setdefault(key, []).append(rank)
         return sorted(groups.values())
@@ -86,12 +92,12 @@ class Layout:
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups (tp x pp): the ranks that together hold one model replica."""
         groups: dict[int, list[int]] = {}
-        for rank, c in self.coords():
+        for rank, c in self.rank_coords():
             groups.setdefault(c.dp, []).append(rank)
         return sorted(groups.values())
 
     def stage_ranks(self, stage: int) -> list[int]:
-        return [r for r, c in self.coords() if c.pp == stage]
+        return [r for r, c in self.rank_coords() if c.pp == stage]
 
 
 def layers_per_stage(num_layers: int, pp: int) -> list[int]:

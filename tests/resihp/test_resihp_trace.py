@@ -9,11 +9,11 @@ import pytest
 
 from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.resihp.trace import (
-    FaultLabel, TraceRecord, Layout, TraceError, TraceWriter, read_trace, write_trace)
+    FaultLabel, TraceRecord, TraceLayout, TraceError, TraceWriter, read_trace, write_trace)
 
 
 def record(iteration=1, **kw):
-    lay = Layout(tp=2, pp=2, dp=1, num_microbatches=3)
+    lay = TraceLayout(tp=2, pp=2, dp=1, num_microbatches=3)
     fwd = np.arange(12, dtype=float).reshape(4, 1, 3) / 100
     base = dict(iteration=iteration, iteration_s=0.5, layout=lay,
                 model=ModelSpec(num_layers=4, hidden_size=16, num_attention_heads=2, vocab_size=64),

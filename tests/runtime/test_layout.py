@@ -19,7 +19,7 @@ def test_groups_partition_the_world(tp, pp, dp):
         flat = sorted(r for g in groups for r in g)
         assert flat == list(range(lay.world_size))
         assert all(len(g) == size for g in groups)
-    for rank, c in lay.coords():
+    for rank, c in lay.rank_coords():
         assert lay.rank(c) == rank
     # pipeline groups run from the first stage to the last
     for g in lay.pp_groups():
