@@ -31,33 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_ext.runtime.checkpoint import ShardEntry
+from megatron_ext.models.families import (FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, OUTPUT_LAYER, POSITION_EMBEDDINGS,
+                                          WORD_EMBEDDINGS, layer_key)
+from megatron_ext.runtime.reshard import ShardEntry
 from megatron_ext.runtime.model import _full_value, _seed_for
 
 logger = logging.getLogger(__name__)
 
 TIED_KEY = "embed"
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
-# megatron's local spec publishes its norms under the Transformer Engine names (fused into the next
-# linear), so checkpoints are interchangeable between specs; we use the same names.
-LAYER_KEYS = {
-    "q_layernorm.weight": "self_attention.q_layernorm.weight",
-    "q_layernorm.bias": "self_attention.q_layernorm.bias",
-    "k_layernorm.weight": "self_attention.k_layernorm.weight",
-    "k_layernorm.bias": "self_attention.k_layernorm.bias",
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "linear_qkv.weight": "self_attention.linear_qkv.weight",
-    "linear_qkv.bias": "self_attention.linear_qkv.bias",
-    "linear_proj.weight": "self_attention.linear_proj.weight",
-    "linear_proj.bias": "self_attention.linear_proj.bias",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
-    "linear_fc1.weight": "mlp.linear_fc1.weight",
-    "linear_fc1.bias": "mlp.linear_fc1.bias",
-    "linear_fc2.weight": "mlp.linear_fc2.weight",
-    "linear_fc2.bias": "mlp.linear_fc2.bias",
-}
 # megatron's attention_mask_func fills masked scores with this (not -inf): kept for bitwise-close parity.
 MASKED_SCORE = -10000.0
 
@@ -92,7 +73,7 @@ class EmbeddingPipe(nn.Module):
     def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
         yield WORD_EMBEDDINGS, (), self.word_embeddings.weight
         if self.position_embeddings is not None:
-            yield "embedding.position_embeddings.weight", (), self.position_embeddings.weight
+            yield POSITION_EMBEDDINGS, (), self.position_embeddings.weight
 
 
 def output_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -190,7 +171,7 @@ class TransformerLayerPipe(nn.Module):
 
     def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
         for name, param in self.named_parameters():
-            yield "decoder.layers." + LAYER_KEYS[name], (self.layer_number,), param
+            yield layer_key(name), (self.layer_number,), param
 
 
 class FinalNormPipe(nn.Module):
@@ -202,9 +183,9 @@ class FinalNormPipe(nn.Module):
         return self.norm(x)
 
     def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
-        yield "decoder.final_layernorm.weight", (), self.norm.weight
+        yield FINAL_NORM_WEIGHT, (), self.norm.weight
         if getattr(self.norm, "bias", None) is not None:
-            yield "decoder.final_layernorm.bias", (), self.norm.bias
+            yield FINAL_NORM_BIAS, (), self.norm.bias
 
 
 class OutputHeadPipe(nn.Module):
@@ -218,7 +199,7 @@ class OutputHeadPipe(nn.Module):
         return _linear(hidden, self.weight)
 
     def shard_params(self) -> Iterator[tuple[str, tuple[int, ...], nn.Parameter]]:
-        yield "output_layer.weight", (), self.weight
+        yield OUTPUT_LAYER, (), self.weight
 
 
 def lm_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -30,7 +30,8 @@ def check_export(ckpt: str, hf_dir: str, *, batch: int = 2, seq: int = 64, seed:
 
     from megatron_ext.config.run import config_from_values
     from megatron_ext.runtime import checkpoint as ckpt_mod
-    from megatron_ext.runtime import distributed, hf_export
+    from megatron_ext.convert import hf as hf_export
+    from megatron_ext.runtime import distributed
 
     tf = hf_export.transformers_module()
     model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from megatron_ext.runtime import hf_export
+        from megatron_ext.convert import hf as hf_export
 
         if args.command == "export":
             done = hf_export.export(args.checkpoint, args.out, tokenizer_file=args.tokenizer_file,

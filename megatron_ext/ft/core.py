@@ -640,7 +640,7 @@ class FaultTolerance:
         except (RestartNeeded, JobFailed):
             raise
         except Exception as exc:
-            from megatron_ext.runtime.checkpoint import CheckpointError
+            from megatron_ext.runtime.reshard import CheckpointError
 
             if isinstance(exc, CheckpointError) and not gone():
                 # Decided alike on every member from the gathered geometry: a shard with no copy

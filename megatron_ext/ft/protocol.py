@@ -74,6 +74,10 @@ class TrainerLike(Protocol):
 
     def record(self, kind: str, payload: dict[str, Any]) -> None: ...
 
+    @property
+    def tensorboard(self) -> Any:
+        """The TensorBoard writer on the logging rank (None elsewhere)."""
+
     def save_checkpoint(self) -> str: ...
 
     def load_checkpoint(self, path: str) -> None: ...

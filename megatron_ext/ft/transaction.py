@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch.distributed as dist
 
 from megatron_ext.ft.target import LayoutTarget
-from megatron_ext.runtime import checkpoint as ckpt
+from megatron_ext.runtime import reshard
 from megatron_ext.runtime import transport
 from megatron_ext.runtime.layout import Coord
 
@@ -64,9 +64,9 @@ class HeldState:
         payload = None
         if valid and trainer.model is not None:
             try:
-                payload = ckpt.collect_payload(trainer.model, trainer.optimizer, every_replica=True)
-            except ckpt.CheckpointError:
-                payload = ckpt.collect_payload(trainer.model, trainer.optimizer)
+                payload = reshard.collect_payload(trainer.model, trainer.optimizer, every_replica=True)
+            except reshard.CheckpointError:
+                payload = reshard.collect_payload(trainer.model, trainer.optimizer)
         return cls(payload=payload, iteration=trainer.iteration,
                    consumed_samples=trainer.train_stream.consumed_samples if trainer.train_stream else 0,
                    scheduler=trainer.scheduler.state_dict() if trainer.scheduler is not None else None)

@@ -27,6 +27,44 @@ from megatron_ext.config.base import ConfigError
 from megatron_ext.engines import engine
 
 
+# The checkpoint's names of the tensors (megatron-core's ``sharded_state_dict`` keys), by the name of
+# the part in a transformer layer. megatron's local spec publishes its norms under the Transformer
+# Engine names (fused into the next linear), so checkpoints are interchangeable between specs and
+# engines: the DeepSpeed PipelineModule and the Hugging Face tables use these names too.
+LAYER_PREFIX = "decoder.layers."
+LAYER_KEYS = {
+    "q_layernorm.weight": "self_attention.q_layernorm.weight",
+    "q_layernorm.bias": "self_attention.q_layernorm.bias",
+    "k_layernorm.weight": "self_attention.k_layernorm.weight",
+    "k_layernorm.bias": "self_attention.k_layernorm.bias",
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "linear_qkv.weight": "self_attention.linear_qkv.weight",
+    "linear_qkv.bias": "self_attention.linear_qkv.bias",
+    "linear_proj.weight": "self_attention.linear_proj.weight",
+    "linear_proj.bias": "self_attention.linear_proj.bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "linear_fc1.weight": "mlp.linear_fc1.weight",
+    "linear_fc1.bias": "mlp.linear_fc1.bias",
+    "linear_fc2.weight": "mlp.linear_fc2.weight",
+    "linear_fc2.bias": "mlp.linear_fc2.bias",
+    "router.weight": "mlp.router.weight",
+    "expert_fc1.weight": "mlp.experts.experts.linear_fc1.weight",
+    "expert_fc2.weight": "mlp.experts.experts.linear_fc2.weight",
+}
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
+FINAL_NORM_WEIGHT = "decoder.final_layernorm.weight"
+FINAL_NORM_BIAS = "decoder.final_layernorm.bias"
+OUTPUT_LAYER = "output_layer.weight"
+
+
+def layer_key(part: str) -> str:
+    """The checkpoint key of a transformer layer's ``part`` (``LAYER_KEYS``), layer index apart."""
+    return LAYER_PREFIX + LAYER_KEYS[part]
+
+
 def swiglu_ffn_hidden_size(hidden_size: int) -> int:
     """Megatron-LM's ``--swiglu`` default MLP width: ``int(8 h / 3 / 64) * 64``."""
     return int(hidden_size * 4 * 2 / 3 / 64) * 64

@@ -114,7 +114,7 @@ class IterationRecord:
 
     def expected_bubbles(self) -> dict[int, dict[str, float]]:
         """Per stage: the simulated idle window before each op (keyed 'F3', 'B0.1', 'end')."""
-        from megatron_ext.resihp.pipesim import compile_plan, simulate
+        from megatron_ext.pipeline.pipesim import compile_plan, simulate
 
         plan = compile_plan(self.order)
         fwd, bwd = self.observed_durations()
@@ -144,7 +144,7 @@ class IterationRecord:
         Returns per stage the measured and expected bubble fraction, and ResiHP's pipeline
         simulator error (``timeline_error``): relative makespan error, mean start error, and the
         largest per-stage idle error in seconds."""
-        from megatron_ext.resihp.pipesim import compile_plan, simulate, timeline_error
+        from megatron_ext.pipeline.pipesim import compile_plan, simulate, timeline_error
 
         plan = compile_plan(self.order)
         fwd, bwd = self.observed_durations()

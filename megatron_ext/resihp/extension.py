@@ -387,7 +387,7 @@ class ResiHPExtension(Extension):
         if "max_rank_score" in scalars:
             metrics.extra["resihp_max_score"] = round(scalars["max_rank_score"], 3)
             metrics.extra["resihp_max_score_rank"] = int(np.nanargmax(report.rank_scores))
-        tb = getattr(trainer, "_tb", None)
+        tb = trainer.tensorboard
         if tb is not None:
             for k, v in scalars.items():
                 if np.isfinite(v):

@@ -39,7 +39,7 @@ import numpy as np
 
 from megatron_ext.pipeline.schedule_orders import schedule_order
 from megatron_ext.resihp.flops import ModelSpec, stage_cost
-from megatron_ext.resihp.pipesim import compile_plan, simulate
+from megatron_ext.pipeline.pipesim import compile_plan, simulate
 from megatron_ext.resihp.planner_types import (HEALTHY_EPS, Cluster, MemoryModel, Plan, PlanLayout, PlannerConfig,
                                                PlanningError, Workload, _short, _split_even)
 

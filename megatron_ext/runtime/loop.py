@@ -9,10 +9,7 @@ three points: the start of a step, the commit vote before the update, and a fail
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
-import os
 import time
 from typing import Any, Callable, Iterable
 
@@ -31,14 +28,10 @@ from megatron_ext.runtime import distributed, rundir
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.extension import Extension, IterationMetrics
 from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, stage_loss_func
+from megatron_ext.runtime.runlog import RunLog
 from megatron_ext.runtime.optimizer import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
-
-
-def format_eta(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 class Trainer:
@@ -50,9 +43,7 @@ class Trainer:
         self.ft = ft
         """The fault-tolerance core (``ft/core.py``), or None (nothing survives a lost rank)."""
         self.iteration = 0
-        self.history: list[dict[str, Any]] = []
-        self._tb = None
-        self._metrics_fh = None
+        self.log = RunLog(cfg.logging, cfg.training.train_iters)
         self.forward_backward_func = None
         self.last_batches: list[dict[str, Any]] = []
         self.model: Any = None
@@ -136,36 +127,35 @@ class Trainer:
             self.valid_stream = MicroBatchStream(self.splits.valid, **stream,
                                                  replica_microbatches=cfg.parallel.data_parallel_microbatches)
 
-    def open_outputs(self, purge_step: int | None = None) -> None:
-        """The logging rank writes metrics lines and TensorBoard events (appending)."""
-        lg = self.cfg.logging
-        if not self.ctx.is_logging_rank:
-            return
-        if lg.tensorboard_dir and self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+    # --- the run's outputs (runtime/runlog.py) -------------------------------------------------
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The rows this process kept (the logging rank's: train, valid, layout changes, ...)."""
+        return self.log.history
 
-            self._tb = SummaryWriter(log_dir=lg.tensorboard_dir, purge_step=purge_step)
-        if lg.metrics_file and self._metrics_fh is None:
-            os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
-            self._metrics_fh = open(lg.metrics_file, "a", encoding="utf-8")
+    @history.setter
+    def history(self, rows: list[dict[str, Any]]) -> None:
+        self.log.history = rows
+
+    @property
+    def tensorboard(self) -> Any:
+        """The TensorBoard writer on the logging rank (None elsewhere, or without --tensorboard-dir)."""
+        return self.log.tensorboard
+
+    def open_outputs(self, purge_step: int | None = None) -> None:
+        if self.ctx.is_logging_rank:
+            self.log.open(purge_step=purge_step)
 
     def close_outputs(self) -> None:
-        if self._tb is not None:
-            self._tb.flush()
-            self._tb.close()
-            self._tb = None
-        if self._metrics_fh is not None:
-            self._metrics_fh.close()
-            self._metrics_fh = None
+        self.log.close()
 
     def rewind_outputs(self, iteration: int) -> None:
-        """A rollback to the checkpoint of ``iteration`` redoes the iterations after it: their
-        train and validation rows go, from memory and the metrics file (as on a resume); every
-        other row (the layout change that rolled back) stays."""
-        redo = lambda row: row.get("kind") in ("train", "valid") and int(row.get("iteration", 0)) > iteration  # noqa: E731
-        self.history = [row for row in self.history if not redo(row)]
-        if self.cfg.logging.metrics_file:
-            rundir.truncate_metrics(self.cfg.logging.metrics_file, iteration, kinds=("train", "valid"))
+        self.log.rewind(iteration)
+
+    def record(self, kind: str, payload: dict[str, Any]) -> None:
+        if kind == "layout_change":
+            self.layout_changes.append(payload)
+        self.log.record(kind, payload)
 
     # --- layout changes ---------------------------------------------------------------------
     def request_layout(self, target: LayoutTarget, *, reason: str = "") -> None:
@@ -473,51 +463,13 @@ class Trainer:
                            "rate stays at min-lr. To train on a new schedule, start a new run from the "
                            "weights (docs/runtime.md, 'Resuming')", "; ".join(changed))
 
-    # --- logging ---------------------------------------------------------------------------
-    def record(self, kind: str, payload: dict[str, Any]) -> None:
-        if kind == "layout_change":
-            self.layout_changes.append(payload)
-        row = {"kind": kind, **payload}
-        self.history.append(row)
-        if self._metrics_fh is not None:
-            self._metrics_fh.write(json.dumps(row) + "\n")
-            self._metrics_fh.flush()
-
     def _log(self, m: IterationMetrics, avg_time: float) -> None:
-        if not self.ctx.is_logging_rank:
-            return
-        t = self.cfg.training
-        self.record("train", {"iteration": m.iteration, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,
-                               "iter_time_s": m.iter_time_s, "tokens_per_s": m.tokens_per_s,
-                               "consumed_samples": m.consumed_samples, **m.extra})
-        if self._tb is not None:
-            self._tb.add_scalar("train/lm_loss", m.loss, m.iteration)
-            self._tb.add_scalar("train/lr", m.lr, m.iteration)
-            self._tb.add_scalar("train/tokens_per_s", m.tokens_per_s, m.iteration)
-            if m.grad_norm is not None:
-                self._tb.add_scalar("train/grad_norm", m.grad_norm, m.iteration)
-            for k, v in m.extra.items():
-                if isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"train/{k}", v, m.iteration)
-        if self.cfg.logging.progress and m.iteration % self.cfg.logging.log_interval == 0:
-            eta = format_eta(avg_time * (t.train_iters - m.iteration))
-            gn = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "n/a"
-            extra = "".join(f" | {k}: {v:.3g}" if isinstance(v, float) else f" | {k}: {v}"
-                            for k, v in m.extra.items())
-            print(f" iteration {m.iteration:6d}/{t.train_iters:6d} | loss {m.loss:.4f} | lr {m.lr:.3e} | "
-                  f"grad norm {gn} | {m.iter_time_s * 1000:7.1f} ms | {m.tokens_per_s:8.0f} tokens/s | "
-                  f"ETA {eta}{' | skipped' if m.skipped else ''}{extra}", flush=True)
+        if self.ctx.is_logging_rank:
+            self.log.train(m, avg_time)
 
     def _log_eval(self, loss: float | None) -> None:
-        if not self.ctx.is_logging_rank or loss is None:
-            return
-        ppl = math.exp(min(loss, 50.0))
-        self.record("valid", {"iteration": self.iteration, "loss": loss, "ppl": ppl})
-        if self._tb is not None:
-            self._tb.add_scalar("valid/lm_loss", loss, self.iteration)
-            self._tb.add_scalar("valid/ppl", ppl, self.iteration)
-        if self.cfg.logging.progress:
-            print(f" validation at iteration {self.iteration:6d} | loss {loss:.4f} | ppl {ppl:.2f}", flush=True)
+        if self.ctx.is_logging_rank and loss is not None:
+            self.log.validation(self.iteration, loss)
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.runtime import checkpoint as ckpt
+from megatron_ext.runtime import reshard
 
 GEOMETRY = ("key", "index", "offset", "shape", "global_shape")
 
@@ -69,7 +70,7 @@ def plan_transfers(held: Sequence[Sequence[dict[str, Any]]], needed: Sequence[Se
             shards.append({**g, "source": (r, k)})
         entries = [types.SimpleNamespace(**g) for g in slices]
         seen: set[tuple] = set()
-        for _, parts in ckpt.plan_reshard(entries, shards, where):
+        for _, parts in reshard.plan_reshard(entries, shards, where):
             for s, (lo, hi) in parts:
                 src, k = s["source"]
                 box = (k, tuple(lo), tuple(hi))
@@ -90,7 +91,7 @@ def missing(held: Sequence[Sequence[dict[str, Any]]], needed: Sequence[Sequence[
     out = []
     for slices in needed:
         entries = [types.SimpleNamespace(**g) for g in slices]
-        gone = {id(e) for e in ckpt.uncovered(entries, shards)}
+        gone = {id(e) for e in reshard.uncovered(entries, shards)}
         out.append([i for i, e in enumerate(entries) if id(e) in gone])
     return out
 
@@ -133,7 +134,7 @@ def move_state(payload: list[dict[str, Any]] | None, *, model: Any, optimizer: A
     "checkpoint_iteration"}`` (state bytes: weights, masters, moments; ``held_bytes``: this rank's
     whole payload, what an all-gather would have sent to every other rank)."""
     payload = payload or []
-    entries = ckpt._local_entries(model, main_only=False)
+    entries = reshard.local_entries(model, main_only=False)
     mine = ([geometry(p) for p in payload], [geometry(e) for e in entries])
     if dist.is_initialized() and dist.get_world_size() > 1:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -149,7 +150,7 @@ def move_state(payload: list[dict[str, Any]] | None, *, model: Any, optimizer: A
     if report["missing"]:
         keys = sorted({needed[r][i]["key"] for r in range(world) for i in gone[r]})
         if checkpoint is None:
-            raise ckpt.CheckpointError(f"no copy of {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} is left "
+            raise reshard.CheckpointError(f"no copy of {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} is left "
                                        "in memory and there is no checkpoint (--save) to take it from")
         if not keep_newer:
             return {**report, "rollback": True, "from_checkpoint": keys}
@@ -176,15 +177,15 @@ def move_state(payload: list[dict[str, Any]] | None, *, model: Any, optimizer: A
     shards, lookup = [], {}
     for src, p in pieces:
         shards.append({**geometry(p), "source": src})
-        lookup[ckpt._shard_id(src, p)] = p
+        lookup[reshard.shard_id(src, p)] = p
     lost_here = [entries[i] for i in gone[rank]]
     live = [e for e in entries if all(e is not m for m in lost_here)]
-    staged = ckpt.assemble(ckpt.plan_reshard(live, shards, "live re-layout"), lookup, "live re-layout")
+    staged = reshard.assemble(reshard.plan_reshard(live, shards, "live re-layout"), lookup, "live re-layout")
     if report["missing"]:
         if lost_here:
-            from_files, meta = ckpt.assemble_from_checkpoint(lost_here, checkpoint)
+            from_files, meta = reshard.assemble_from_checkpoint(lost_here, checkpoint)
             staged += from_files
             report["from_checkpoint"] = sorted({e.key for e in lost_here})
         report["checkpoint_iteration"] = int(ckpt.read_meta(ckpt.resolve(checkpoint))["iteration"])
-    ckpt.apply(staged, optimizer)
+    reshard.apply(staged, optimizer)
     return report

@@ -1,4 +1,4 @@
-"""Export to and import from Hugging Face transformers (megatron_ext/runtime/hf_export.py).
+"""Export to and import from Hugging Face transformers (megatron_ext/convert/hf.py).
 
 transformers' own GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM, loaded
 from the export, give the logits of the runtime's megatron-core model loaded from the checkpoint, on
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megatron_ext.config.run import config_from_values, parse_run_config
-from megatron_ext.runtime import distributed, hf_export
+from megatron_ext.convert import hf as hf_export
+from megatron_ext.runtime import distributed
 from megatron_ext.runtime.loop import Trainer
 from tests.conftest import run_torchrun
 from tests.runtime.hf_export_scenarios import BASE, MODELS

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from megatron_ext.runtime.checkpoint import CheckpointError
+from megatron_ext.runtime.reshard import CheckpointError
 from megatron_ext.runtime.transport import cut, plan_transfers
 
 

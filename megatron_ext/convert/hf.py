@@ -264,66 +264,69 @@ def _gpt2_qkv(ours: Key, theirs: str, m: Any, weight: bool) -> Rule:
 
 
 def rules(m: Any, model_type: str) -> list[Rule]:
-    """Every tensor of the model ``m`` and its place in the HF model ``model_type``."""
-    L = "decoder.layers."
+    """Every tensor of the model ``m`` and its place in the HF model ``model_type`` (the megatron
+    side by the model families' checkpoint keys)."""
+    from megatron_ext.models.families import (FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, OUTPUT_LAYER, POSITION_EMBEDDINGS,
+                                              WORD_EMBEDDINGS, layer_key)
+
     out: list[Rule] = []
     tied = not m.untie_embeddings_and_output_weights
     bias = not m.disable_bias_linear
     if model_type == "gpt2":
-        out.append(_same(("embedding.word_embeddings.weight", ()), "transformer.wte.weight"))
-        out.append(_same(("embedding.position_embeddings.weight", ()), "transformer.wpe.weight"))
+        out.append(_same((WORD_EMBEDDINGS, ()), "transformer.wte.weight"))
+        out.append(_same((POSITION_EMBEDDINGS, ()), "transformer.wpe.weight"))
         for i in range(m.num_layers):
             h, ix = f"transformer.h.{i}.", (i,)
-            out += [_same((L + "self_attention.linear_qkv.layer_norm_weight", ix), h + "ln_1.weight"),
-                    _same((L + "self_attention.linear_qkv.layer_norm_bias", ix), h + "ln_1.bias"),
-                    _gpt2_qkv((L + "self_attention.linear_qkv.weight", ix), h + "attn.c_attn.weight", m, True),
-                    _gpt2_qkv((L + "self_attention.linear_qkv.bias", ix), h + "attn.c_attn.bias", m, False),
-                    _transposed((L + "self_attention.linear_proj.weight", ix), h + "attn.c_proj.weight"),
-                    _same((L + "self_attention.linear_proj.bias", ix), h + "attn.c_proj.bias"),
-                    _same((L + "mlp.linear_fc1.layer_norm_weight", ix), h + "ln_2.weight"),
-                    _same((L + "mlp.linear_fc1.layer_norm_bias", ix), h + "ln_2.bias"),
-                    _transposed((L + "mlp.linear_fc1.weight", ix), h + "mlp.c_fc.weight"),
-                    _same((L + "mlp.linear_fc1.bias", ix), h + "mlp.c_fc.bias"),
-                    _transposed((L + "mlp.linear_fc2.weight", ix), h + "mlp.c_proj.weight"),
-                    _same((L + "mlp.linear_fc2.bias", ix), h + "mlp.c_proj.bias")]
-        out += [_same(("decoder.final_layernorm.weight", ()), "transformer.ln_f.weight"),
-                _same(("decoder.final_layernorm.bias", ()), "transformer.ln_f.bias")]
+            out += [_same((layer_key("input_layernorm.weight"), ix), h + "ln_1.weight"),
+                    _same((layer_key("input_layernorm.bias"), ix), h + "ln_1.bias"),
+                    _gpt2_qkv((layer_key("linear_qkv.weight"), ix), h + "attn.c_attn.weight", m, True),
+                    _gpt2_qkv((layer_key("linear_qkv.bias"), ix), h + "attn.c_attn.bias", m, False),
+                    _transposed((layer_key("linear_proj.weight"), ix), h + "attn.c_proj.weight"),
+                    _same((layer_key("linear_proj.bias"), ix), h + "attn.c_proj.bias"),
+                    _same((layer_key("pre_mlp_layernorm.weight"), ix), h + "ln_2.weight"),
+                    _same((layer_key("pre_mlp_layernorm.bias"), ix), h + "ln_2.bias"),
+                    _transposed((layer_key("linear_fc1.weight"), ix), h + "mlp.c_fc.weight"),
+                    _same((layer_key("linear_fc1.bias"), ix), h + "mlp.c_fc.bias"),
+                    _transposed((layer_key("linear_fc2.weight"), ix), h + "mlp.c_proj.weight"),
+                    _same((layer_key("linear_fc2.bias"), ix), h + "mlp.c_proj.bias")]
+        out += [_same((FINAL_NORM_WEIGHT, ()), "transformer.ln_f.weight"),
+                _same((FINAL_NORM_BIAS, ()), "transformer.ln_f.bias")]
         if not tied:
-            out.append(_same(("output_layer.weight", ()), "lm_head.weight"))
+            out.append(_same((OUTPUT_LAYER, ()), "lm_head.weight"))
         return out
 
-    out.append(_same(("embedding.word_embeddings.weight", ()), "model.embed_tokens.weight"))
+    out.append(_same((WORD_EMBEDDINGS, ()), "model.embed_tokens.weight"))
     for i in range(m.num_layers):
         h, ix = f"model.layers.{i}.", (i,)
         a = h + "self_attn."
-        out += [_same((L + "self_attention.linear_qkv.layer_norm_weight", ix), h + "input_layernorm.weight"),
-                _qkv((L + "self_attention.linear_qkv.weight", ix), (a + "q_proj.weight", a + "k_proj.weight",
+        out += [_same((layer_key("input_layernorm.weight"), ix), h + "input_layernorm.weight"),
+                _qkv((layer_key("linear_qkv.weight"), ix), (a + "q_proj.weight", a + "k_proj.weight",
                                                                      a + "v_proj.weight"), m),
-                _same((L + "self_attention.linear_proj.weight", ix), a + "o_proj.weight"),
-                _same((L + "mlp.linear_fc1.layer_norm_weight", ix), h + "post_attention_layernorm.weight")]
+                _same((layer_key("linear_proj.weight"), ix), a + "o_proj.weight"),
+                _same((layer_key("pre_mlp_layernorm.weight"), ix), h + "post_attention_layernorm.weight")]
         if bias:
-            out += [_qkv((L + "self_attention.linear_qkv.bias", ix), (a + "q_proj.bias", a + "k_proj.bias",
+            out += [_qkv((layer_key("linear_qkv.bias"), ix), (a + "q_proj.bias", a + "k_proj.bias",
                                                                    a + "v_proj.bias"), m),
-                    _same((L + "self_attention.linear_proj.bias", ix), a + "o_proj.bias")]
+                    _same((layer_key("linear_proj.bias"), ix), a + "o_proj.bias")]
         if m.qk_layernorm:
-            out += [_same((L + "self_attention.q_layernorm.weight", ix), a + "q_norm.weight"),
-                    _same((L + "self_attention.k_layernorm.weight", ix), a + "k_norm.weight")]
+            out += [_same((layer_key("q_layernorm.weight"), ix), a + "q_norm.weight"),
+                    _same((layer_key("k_layernorm.weight"), ix), a + "k_norm.weight")]
         if model_type == "qwen3_moe":
-            out.append(_same((L + "mlp.router.weight", ix), h + "mlp.gate.weight"))
+            out.append(_same((layer_key("router.weight"), ix), h + "mlp.gate.weight"))
             for e in range(m.num_experts):
                 x, ex = f"{h}mlp.experts.{e}.", (i, e)
-                out += [_halves((L + "mlp.experts.experts.linear_fc1.weight", ex), x + "gate_proj.weight",
+                out += [_halves((layer_key("expert_fc1.weight"), ex), x + "gate_proj.weight",
                                 x + "up_proj.weight"),
-                        _same((L + "mlp.experts.experts.linear_fc2.weight", ex), x + "down_proj.weight")]
+                        _same((layer_key("expert_fc2.weight"), ex), x + "down_proj.weight")]
             continue
-        out += [_halves((L + "mlp.linear_fc1.weight", ix), h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                _same((L + "mlp.linear_fc2.weight", ix), h + "mlp.down_proj.weight")]
+        out += [_halves((layer_key("linear_fc1.weight"), ix), h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                _same((layer_key("linear_fc2.weight"), ix), h + "mlp.down_proj.weight")]
         if bias:
-            out += [_halves((L + "mlp.linear_fc1.bias", ix), h + "mlp.gate_proj.bias", h + "mlp.up_proj.bias"),
-                    _same((L + "mlp.linear_fc2.bias", ix), h + "mlp.down_proj.bias")]
-    out.append(_same(("decoder.final_layernorm.weight", ()), "model.norm.weight"))
+            out += [_halves((layer_key("linear_fc1.bias"), ix), h + "mlp.gate_proj.bias", h + "mlp.up_proj.bias"),
+                    _same((layer_key("linear_fc2.bias"), ix), h + "mlp.down_proj.bias")]
+    out.append(_same((FINAL_NORM_WEIGHT, ()), "model.norm.weight"))
     if not tied:
-        out.append(_same(("output_layer.weight", ()), "lm_head.weight"))
+        out.append(_same((OUTPUT_LAYER, ()), "lm_head.weight"))
     return out
 
 

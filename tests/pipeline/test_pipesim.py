@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.pipeline.schedule_orders import Op, ScheduleOrder, schedule_order
-from megatron_ext.resihp.pipesim import ScheduleDeadlock, compile_plan, simulate
+from megatron_ext.pipeline.pipesim import ScheduleDeadlock, compile_plan, simulate
 
 
 def reference_times(order: ScheduleOrder, fwd, bwd, lat: float):
@@ -183,7 +183,7 @@ def test_shape_errors():
 
 
 def test_timeline_error_is_zero_on_own_output_and_sees_blocking_waits():
-    from megatron_ext.resihp.pipesim import timeline_error
+    from megatron_ext.pipeline.pipesim import timeline_error
 
     rng = np.random.default_rng(5)
     p, m = 3, 4
