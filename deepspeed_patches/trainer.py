@@ -211,7 +211,7 @@ class DeepSpeedTrainer(Trainer):
         self.close_outputs()
         self._drop_engine()
         self.scheduler = None
-        distributed.leave()
+        distributed.leave(self.ctx)
 
     def layout_context(self, target: LayoutTarget, *, generation: int | None, store_addr: str | None) -> DistContext:
         """The new layout's place in DeepSpeed's grid, which the engine builds over the default group:

@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,11 @@ class DistContext:
     """``host:port`` of a rendezvous store outside every rank (``ft/store.py``), or None."""
     timeout_s: float = 600.0
     """Timeout of every collective and rendezvous of this job's process groups."""
+    pgs: Any = None
+    """The layout's process groups (megatron-core's ``ProcessGroupCollection``: tp, pp, dp, mp, ep,
+    embedding groups, ...), built with the layout and destroyed with it; passed explicitly to the
+    model, DDP, the gradient finalisation, the optimizer and the schedules. None on an engine that
+    builds its own (DeepSpeed)."""
 
     def __post_init__(self) -> None:
         if self.member < 0:
@@ -116,9 +122,18 @@ def init_process_group(parallel: ParallelConfig, *, timeout_s: float = 600.0) ->
 
 
 def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: int, ep: int = 1,
-                         timeout_s: float = 1800.0) -> None:
-    """megatron-core parallel state for ``layout`` (same rank order as Layout), then RNG seeding."""
+                         timeout_s: float = 1800.0) -> Any:
+    """The process groups of ``layout`` (same rank order as Layout) as one ``ProcessGroupCollection``,
+    then RNG seeding.
+
+    The adapter to megatron-core 0.16.1's globals: the groups are built by ``initialize_model_parallel``
+    and read back into the collection (``use_mpu_process_groups``), because 0.16.1 still reads
+    ``parallel_state`` where no collection reaches it: ``get_forward_backward_func`` (the pipeline
+    size picks the schedule), the CUDA RNG tracker (``model_parallel_cuda_manual_seed``), the MoE
+    token dispatchers and aux-loss tracker, and the layers' defaults for what ``GPTModel`` does not
+    pass on. Everything of ours takes the collection (``DistContext.pgs``)."""
     from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.initialize_model_parallel(
@@ -131,12 +146,34 @@ def build_parallel_state(layout: Layout, rank: int, *, vpp: int | None, seed: in
         order="tp-cp-ep-dp-pp",
         distributed_timeout_minutes=timeout_s / 60.0,
     )
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
     c = layout.coord(rank)
-    got = Coord(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
-                dp=ps.get_data_parallel_rank())
+    got = Coord(tp=dist.get_rank(pgs.tp), pp=dist.get_rank(pgs.pp), dp=dist.get_rank(pgs.dp))
     if got != c:  # the Layout function and megatron disagree: groups would be wrong
         raise RuntimeError(f"rank {rank}: megatron parallel state {got} != layout {c} ({layout.name})")
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return pgs
+
+
+def collection_groups(pgs: Any) -> list[Any]:
+    """Every distinct process group a collection holds (its list-valued fields included)."""
+    out: dict[int, Any] = {}
+    for f in dataclasses.fields(pgs):
+        value = getattr(pgs, f.name, None)
+        for g in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(g, dist.ProcessGroup):
+                out.setdefault(id(g), g)
+    return list(out.values())
+
+
+def megatron_groups_outside_the_collection() -> list[Any]:
+    """The adapter's other half: groups ``initialize_model_parallel`` 0.16.1 builds that a
+    ``ProcessGroupCollection`` does not carry and ``destroy_model_parallel`` does not destroy (it
+    destroys the ``*_GLOO`` twins): the tensor-and-data-parallel group, read by its getter."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_and_data_parallel_group(check_initialized=False)
+    return [group] if isinstance(group, dist.ProcessGroup) else []
 
 
 def joining_context(parallel: ParallelConfig, *, timeout_s: float) -> DistContext:
@@ -167,10 +204,12 @@ def setup(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0, join
         megatron_cpu.apply()
     layout = Layout.from_world(world, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
     vpp = parallel.virtual_pipeline_model_parallel_size
-    build_parallel_state(layout, rank, vpp=vpp, seed=seed, ep=parallel.expert_model_parallel_size, timeout_s=timeout_s)
+    pgs = build_parallel_state(layout, rank, vpp=vpp, seed=seed, ep=parallel.expert_model_parallel_size,
+                               timeout_s=timeout_s)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
                        layout=layout, vpp=vpp if vpp and vpp > 1 else None, member=rank,
-                       members=tuple(range(world)), store_addr=store_lib.address_from_env(), timeout_s=timeout_s)
+                       members=tuple(range(world)), store_addr=store_lib.address_from_env(), timeout_s=timeout_s,
+                       pgs=pgs)
 
 
 def teardown() -> None:
@@ -182,24 +221,25 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def destroy_parallel_state() -> int:
-    """Destroy megatron's parallel state and every process group it created on this rank.
-
-    ``destroy_model_parallel`` only forgets most groups (it really destroys the ``*_GLOO`` ones), so
-    each re-layout would leak a full set of groups; the groups this rank joined are listed in
-    ``parallel_state._global_process_group_list``, read before megatron clears it. Returns how
-    many groups were destroyed here. The default group stays."""
+def destroy_parallel_state(pgs: Any) -> int:
+    """Destroy the layout's process groups (``pgs``, the collection it was built with, and what the
+    adapter says megatron built beside it) and megatron's parallel state. The default group stays.
+    Returns how many groups were destroyed here."""
     from megatron.core import parallel_state as ps
 
-    groups = [g for g in (getattr(ps, "_global_process_group_list", None) or []) if g is not None]
+    groups = (collection_groups(pgs) if pgs is not None else []) + megatron_groups_outside_the_collection()
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    live = dist.distributed_c10d._world.pg_map
+        ps.destroy_model_parallel()  # forgets the globals; destroys the gloo twins
+    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
     destroyed = 0
-    for group in groups:
-        if group in live:  # megatron already destroyed its gloo twins
+    for group in {id(g): g for g in groups}.values():
+        if group is default:
+            continue
+        try:
             dist.destroy_process_group(group)
             destroyed += 1
+        except (ValueError, RuntimeError) as exc:  # already gone with a world that had a dead member
+            logger.debug("destroying a process group: %s", exc)
     return destroyed
 
 
@@ -210,9 +250,9 @@ def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int, 
     groups are rebuilt from ``Layout``. Collective: every rank of the default group calls it.
     """
     layout = Layout.from_world(ctx.world_size, tp, pp)
-    destroy_parallel_state()
-    build_parallel_state(layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
-    return dataclasses.replace(ctx, layout=layout, vpp=vpp if vpp and vpp > 1 else None)
+    destroy_parallel_state(ctx.pgs)
+    pgs = build_parallel_state(layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
+    return dataclasses.replace(ctx, layout=layout, vpp=vpp if vpp and vpp > 1 else None, pgs=pgs)
 
 
 def rendezvous_address(ctx: DistContext) -> str | None:
@@ -239,17 +279,17 @@ def regroup(ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int 
     ``members``; bounded by ``ctx.timeout_s``. ``store_addr``: where to meet (default
     ``ctx.store_addr``)."""
     ctx = new_world(ctx, members=members, tp=tp, pp=pp, store_addr=store_addr, generation=generation)
-    build_parallel_state(ctx.layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
-    return dataclasses.replace(ctx, vpp=vpp if vpp and vpp > 1 else None)
+    pgs = build_parallel_state(ctx.layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
+    return dataclasses.replace(ctx, vpp=vpp if vpp and vpp > 1 else None, pgs=pgs)
 
 
-def leave() -> None:
-    """Destroy megatron's parallel state and the default group of this process (a rank that
+def leave(ctx: DistContext) -> None:
+    """Destroy the layout's process groups and the default group of this process (a rank that
     leaves the layout, or before it joins a new world). Groups with a dead member may refuse a
     clean shutdown: that is logged, not raised."""
     try:
         if dist.is_initialized():
-            destroy_parallel_state()
+            destroy_parallel_state(ctx.pgs)
     except Exception as exc:
         logger.debug("destroying the old parallel state: %s", exc)
     if dist.is_initialized():
@@ -271,7 +311,7 @@ def new_world(ctx: DistContext, *, members: list[int], tp: int, pp: int, store_a
         raise RuntimeError("a new world needs a store outside the ranks (ft/store.py)")
     gen = ctx.generation + 1 if generation is None else generation
     rank, world = members.index(ctx.member), len(members)
-    leave()
+    leave(ctx)
     base = store_lib.connect(addr, timeout_s=ctx.timeout_s)
     dist.init_process_group(backend=ctx.backend, store=store_lib.generation(base, gen, "pg"), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=ctx.timeout_s))

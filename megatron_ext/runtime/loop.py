@@ -242,13 +242,14 @@ class Trainer:
                 ext.detach(self)
         self.close_outputs()
         self.model = self.optimizer = self.scheduler = None
-        distributed.leave()
+        distributed.leave(self.ctx)
 
     def build_model(self) -> None:
         """Set ``self.model``, ``self.optimizer`` and ``self.scheduler``."""
         self.model: ModelBundle = build_model(self.cfg, self.ctx, self.splits.tokenizer.vocab_size)
         params = list(self.model.parameters())
-        self.optimizer = build_optimizer(params, self.cfg.training, self.ctx.device.type == "cuda", self.model.chunks)
+        self.optimizer = build_optimizer(params, self.cfg.training, self.ctx.device.type == "cuda", self.model.chunks,
+                                         pgs=self.ctx.pgs)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.training)
 
     def prepare_schedule(self) -> None:
@@ -300,8 +301,11 @@ class Trainer:
         return output, stage_loss_func(batch["loss_mask"].to(dev), per_token=per_token)
 
     def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool) -> list[dict[str, Any]]:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
         chunks = self.model.chunks
         iters = [iter(batches) for _ in chunks]
+        pgs = self.ctx.pgs
         return self.forward_backward_func(
             forward_step_func=self._forward_step,
             data_iterator=iters if len(chunks) > 1 else iters[0],
@@ -310,24 +314,25 @@ class Trainer:
             seq_length=self.cfg.model.seq_length,
             micro_batch_size=self.cfg.training.micro_batch_size,
             forward_only=forward_only,
+            # The layout's groups, explicitly: the schedule takes both or neither.
+            pg_collection=pgs,
+            p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=self.model.config),
         )
 
     def _reduce_loss(self, losses: list[dict[str, Any]]) -> float | None:
         """Mean lm loss over micro-batches and data-parallel ranks; None off the last stage."""
-        from megatron.core import parallel_state as ps
-
         if not self.ctx.is_last_stage:
             return None
         if self.cfg.parallel.data_parallel_microbatches is not None:  # [sum, count] per micro-batch
             sums = torch.stack([d["lm loss"].float().cpu() for d in losses]).sum(0) if losses else torch.zeros(2)
             if self.ctx.layout.dp > 1:
                 sums = sums.to(self.ctx.device)
-                dist.all_reduce(sums, group=ps.get_data_parallel_group())
+                dist.all_reduce(sums, group=self.ctx.pgs.dp)
             return float(sums[0] / sums[1].clamp(min=1.0))
         value = torch.stack([d["lm loss"].float().cpu() for d in losses]).mean() if losses else torch.tensor(0.0)
         if self.ctx.layout.dp > 1:
             value = value.to(self.ctx.device)
-            dist.all_reduce(value, group=ps.get_data_parallel_group())
+            dist.all_reduce(value, group=self.ctx.pgs.dp)
             value = value / self.ctx.layout.dp
         return float(value)
 

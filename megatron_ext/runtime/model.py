@@ -118,7 +118,8 @@ def layer_spec(on_gpu: bool, *, per_document_attention: bool = False, local: boo
 
 def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
                 wrap_ddp: bool = True) -> ModelBundle:
-    from megatron.core import parallel_state as ps
+    import functools
+
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -138,10 +139,12 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
             transformer_layer_spec=spec,
             vocab_size=vocab,
             max_sequence_length=cfg.model.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            # The first chunk of the first stage embeds, the last chunk of the last stage has the head.
+            pre_process=ctx.is_first_stage and vp == 0,
+            post_process=ctx.is_last_stage and vp == n_chunks - 1,
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
             vp_stage=vp_stage,
+            pg_collection=ctx.pgs,
             **families.gpt_model_kwargs(cfg.model),
         )
         model.to(ctx.device)
@@ -161,11 +164,11 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
         )
         chunks = [
             DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
-                                    disable_bucketing=(i > 0))
+                                    disable_bucketing=(i > 0), pg_collection=ctx.pgs)
             for i, c in enumerate(chunks)
         ]
         tconfig.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
-        tconfig.finalize_model_grads_func = finalize_model_grads
+        tconfig.finalize_model_grads_func = functools.partial(finalize_model_grads, pg_collection=ctx.pgs)
     return ModelBundle(chunks=chunks, config=tconfig, vocab_size=vocab)
 
 

@@ -37,9 +37,10 @@ def _param_groups(params: Iterable[torch.nn.Parameter]) -> list[dict[str, Any]]:
 class CPUOptimizer:
     """AdamW over ``main_grad`` with model-parallel-aware clipping; megatron-optimizer-like API."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cfg: TrainingConfig) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], cfg: TrainingConfig, pgs: Any = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.clip_grad = cfg.clip_grad
+        self.pgs = pgs  # the layout's process groups (DistContext.pgs); None: one rank
         self.optimizer = torch.optim.AdamW(_param_groups(self.params), lr=cfg.lr,
                                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
@@ -52,7 +53,6 @@ class CPUOptimizer:
         """Global L2 norm over the whole model: each shard counted once across TP/PP ranks, and
         expert-parallel weights (``allreduce=False``: each EP rank holds other experts) summed over
         the expert TP x EP x PP group, as megatron's clip_grads does."""
-        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
@@ -66,11 +66,11 @@ class CPUOptimizer:
                 sq += g.double().pow(2).sum()
             else:
                 expert_sq += g.double().pow(2).sum()
-        if dist.is_initialized():
-            dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        if dist.is_initialized() and self.pgs is not None:
+            dist.all_reduce(sq, group=self.pgs.mp)
             # Uniform over ranks: with EP > 1 every rank holds expert weights.
-            if ps.get_expert_model_parallel_world_size() > 1:
-                dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+            if dist.get_world_size(self.pgs.ep) > 1:
+                dist.all_reduce(expert_sq, group=self.pgs.tp_ep_pp)
         return float((sq + expert_sq).sqrt())
 
     def step(self) -> tuple[bool, float]:
@@ -130,13 +130,15 @@ def _uses_distributed_optimizer(model_chunks: Any) -> bool:
     return any(getattr(d, "use_distributed_optimizer", False) for d in ddp_configs)
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainingConfig, on_gpu: bool, model_chunks=None):
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainingConfig, on_gpu: bool, model_chunks=None,
+                    pgs: Any = None):
     """AdamW for fp32 CPU runs; megatron's optimizer on GPUs and for ``--bf16`` (master weights).
+    ``pgs``: the layout's process groups (``DistContext.pgs``).
 
     The distributed optimizer is used exactly when the DDP wrappers were built for it (their
     ``ddp_config.use_distributed_optimizer``): megatron requires the two to agree."""
     if not on_gpu and not cfg.bf16 and not _uses_distributed_optimizer(model_chunks):
-        return CPUOptimizer(params, cfg)
+        return CPUOptimizer(params, cfg, pgs)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     if not model_chunks:
@@ -145,15 +147,18 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainingConfig, on_gp
                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
                            clip_grad=cfg.clip_grad, bf16=cfg.bf16, params_dtype=torch.float32,
                            use_distributed_optimizer=_uses_distributed_optimizer(model_chunks))
+    # The layout's groups, explicitly; megatron's gloo twins are not asked for (its optimizer uses
+    # them only for its own checkpoint format, which this runtime does not write).
+    groups = dict(pg_collection=pgs, use_gloo_process_groups=False) if pgs is not None else {}
     if on_gpu:
-        return get_megatron_optimizer(ocfg, model_chunks)
+        return get_megatron_optimizer(ocfg, model_chunks, **groups)
     from megatron_ext.compat.megatron_cpu import applied, cuda_type_names
 
     if not applied():
         raise RuntimeError("megatron's optimizer on CPU needs the compat shims: call "
                            "megatron_ext.compat.megatron_cpu.apply() (distributed.setup does on CPU)")
     with cuda_type_names():
-        return MegatronOptimizerOnCPU(get_megatron_optimizer(ocfg, model_chunks))
+        return MegatronOptimizerOnCPU(get_megatron_optimizer(ocfg, model_chunks, **groups))
 
 
 # --- per-parameter optimizer state (checkpoints) --------------------------------------------

@@ -183,7 +183,7 @@ def move_state(payload: list[dict[str, Any]] | None, *, model: Any, optimizer: A
     staged = reshard.assemble(reshard.plan_reshard(live, shards, "live re-layout"), lookup, "live re-layout")
     if report["missing"]:
         if lost_here:
-            from_files, meta = reshard.assemble_from_checkpoint(lost_here, checkpoint)
+            from_files, meta = ckpt.assemble_from_checkpoint(lost_here, checkpoint)
             staged += from_files
             report["from_checkpoint"] = sorted({e.key for e in lost_here})
         report["checkpoint_iteration"] = int(ckpt.read_meta(ckpt.resolve(checkpoint))["iteration"])
