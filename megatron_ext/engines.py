@@ -16,7 +16,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from megatron_ext.config.base import ConfigError
+from megatron_ext.errors import ConfigError
 
 FEATURES = ("tensor_parallel", "virtual_pipeline", "distributed_optimizer", "data_parallel_microbatches",
             "mixture_of_experts", "bf16", "packed_documents", "overlap_grad_reduce", "helix")

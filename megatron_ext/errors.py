@@ -19,6 +19,13 @@ class UserError(Exception):
     """Bad input from the user. The message says what was wrong, where, and what to do."""
 
 
+class ConfigError(UserError, ValueError):
+    """Bad configuration: the message names the key, the file or flag, and what to do.
+
+    Defined here, below every package, so that the pure descriptions the config reads (the engine
+    registry, the model families) raise it without importing the config; ``config.base`` re-exports it."""
+
+
 def one_line(message: object) -> str:
     """The message on one line (a multi-line message would break 'program: error: ...' parsing)."""
     return " ".join(str(message).split())

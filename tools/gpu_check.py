@@ -36,7 +36,6 @@ import importlib
 import importlib.metadata
 import json
 import logging
-import math
 import os
 import re
 import statistics
@@ -237,9 +236,9 @@ def gpt_iteration_flops(layers: int, hidden: int, heads: int, vocab: int, seq: i
 def model_iteration_flops(cfg: Any, vocab: int) -> float:
     """``iteration_flops`` of a run config's model, whatever its family (the model families'
     registry gives its FLOPs shape: GQA, SwiGLU and experts included)."""
-    from megatron_ext.models.families import flops_spec
+    from megatron_ext.resihp.flops import spec_of_model
 
-    return iteration_flops(flops_spec(cfg.model, vocab), cfg.model.seq_length, cfg.training.global_batch_size)
+    return iteration_flops(spec_of_model(cfg.model, vocab), cfg.model.seq_length, cfg.training.global_batch_size)
 
 
 def _trainer(values: dict[str, Any], dctx: Any):

@@ -17,11 +17,9 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from megatron_ext.errors import UserError, one_line
-
-
-class ConfigError(UserError, ValueError):
-    """Bad configuration: the message names the key, the file or flag, and what to do."""
+# ConfigError lives in megatron_ext.errors (below the engine registry and the model families, which
+# raise it); the config modules and their callers import it from here.
+from megatron_ext.errors import ConfigError, one_line
 
 
 class ArgumentParser(argparse.ArgumentParser):

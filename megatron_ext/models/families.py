@@ -11,19 +11,18 @@ Three families share megatron-core's ``GPTModel`` and differ in the flags of ``M
 
 Pure (no megatron, no torch.distributed; it reads a ``ModelConfig`` / ``RunConfig`` without
 importing the config, which imports it): which family a config is (``family_of``), the checks
-that need the world size (``validate``), the FLOPs shape ResiHP counts (``flops_spec``), the
-widths every consumer must agree on (``swiglu_ffn_hidden_size``), and each family's Hugging Face
-model type. Derived from it: megatron's TransformerConfig fields and layer specs
+that need the world size (``validate``), the widths every consumer must agree on
+(``swiglu_ffn_hidden_size``), and each family's Hugging Face model type. Derived from it: megatron's TransformerConfig fields and layer specs
 (``runtime/families.py``), the DeepSpeed PipelineModule's blocks (``deepspeed_patches/gpt.py``),
-Hydro's small models (``hydro/models.py``), the Hugging Face tables (``convert/hf.py``) and the GPU
-check's FLOPs (``tools/gpu_check.py``).
+Hydro's small models (``hydro/models.py``), the Hugging Face tables (``convert/hf.py``) and ResiHP's
+FLOPs shape (``resihp/flops.spec_of_model``, which the GPU check counts too).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from megatron_ext.config.base import ConfigError
+from megatron_ext.errors import ConfigError
 from megatron_ext.engines import engine
 
 
@@ -168,16 +167,3 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-# --- ResiHP's FLOPs shape -----------------------------------------------------------------------
-
-def flops_spec(m: Any, vocab_size: int) -> Any:
-    """The model as ResiHP's FLOPs model sees it (``resihp.flops.ModelSpec``)."""
-    from megatron_ext.resihp.flops import ModelSpec
-
-    return ModelSpec(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                     vocab_size=vocab_size, ffn_hidden_size=m.ffn_hidden_size,
-                     num_query_groups=m.num_query_groups if m.group_query_attention else None,
-                     gated_linear_unit=m.swiglu, num_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
-                     moe_ffn_hidden_size=m.moe_ffn_hidden_size)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_ext.ft.target import LayoutTarget
+from megatron_ext.resihp.flops import spec_of_model
 from megatron_ext.resihp.planner_types import Cluster, PlanLayout, PlannerConfig, Workload
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,11 +35,10 @@ logger = logging.getLogger(__name__)
 def model_spec(trainer: "TrainerLike"):
     """The run's model as the FLOPs model sees it, from the model family's registry entry (GQA,
     SwiGLU and MoE included)."""
-    from megatron_ext.models.families import flops_spec
     from megatron_ext.runtime.model import padded_vocab_size
 
     vocab = padded_vocab_size(trainer.splits.tokenizer.vocab_size, trainer.ctx.layout.tp)
-    return flops_spec(trainer.cfg.model, vocab)
+    return spec_of_model(trainer.cfg.model, vocab)
 
 
 def extension_of(trainer: "TrainerLike"):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -141,6 +141,16 @@ class StageCost:
     def backward(self, tokens: float, sum_sq: float, routed_pairs: float | None = None) -> Flops:
         return Flops(self.bwd_per_token * tokens, self.bwd_per_sq * sum_sq,
                      self.bwd_per_pair * self.pairs(tokens, routed_pairs))
+
+
+def spec_of_model(m: Any, vocab_size: int) -> ModelSpec:
+    """A run's model (``config.run.ModelConfig``: whichever family its flags make it) as the FLOPs
+    model sees it: GQA groups, SwiGLU and experts included."""
+    return ModelSpec(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                     vocab_size=vocab_size, ffn_hidden_size=m.ffn_hidden_size,
+                     num_query_groups=m.num_query_groups if m.group_query_attention else None,
+                     gated_linear_unit=m.swiglu, num_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                     moe_ffn_hidden_size=m.moe_ffn_hidden_size)
 
 
 def layer_linear_flops_per_token(spec: ModelSpec) -> float:

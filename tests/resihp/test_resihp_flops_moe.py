@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_ext.config.run import parse_run_config
-from megatron_ext.resihp.flops import ModelSpec, microbatch_flops
-from megatron_ext.models.families import flops_spec
+from megatron_ext.resihp.flops import ModelSpec, microbatch_flops, spec_of_model
 
 
 class MoEMLP(torch.nn.Module):
@@ -75,10 +74,10 @@ def test_topk_is_checked():
 
 def test_live_spec_carries_gqa_swiglu_and_experts():
     llama = parse_run_config(["--config", "configs/llama3_tiny.yaml"]).model
-    spec = flops_spec(llama, 4096)
+    spec = spec_of_model(llama, 4096)
     assert (spec.num_query_groups, spec.gated_linear_unit, spec.ffn, spec.num_experts) == (2, True, 320, None)
     moe = parse_run_config(["--config", "configs/qwen3_moe_tiny.yaml"]).model
-    spec = flops_spec(moe, 4096)
+    spec = spec_of_model(moe, 4096)
     assert (spec.num_experts, spec.moe_router_topk, spec.expert_ffn) == (4, 2, 128)
     # Old traces (no MoE keys) still read.
     assert ModelSpec.from_dict({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
