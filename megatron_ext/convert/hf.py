@@ -5,8 +5,10 @@
     MoE            <-> Qwen3MoeForCausalLM   (qwen3_moe)
 
 A checkpoint is read as full tensors: every saved shard is placed at its global offset, whatever
-TP/PP/DP/EP layout wrote it, so export does not depend on the layout. One table of ``Rule`` s per
-model (``rules``) maps each full megatron tensor to its Hugging Face tensors and back; export and
+TP/PP/DP/EP layout wrote it, so export does not depend on the layout. The model family's adapter
+(``convert/hf_adapters.py``, named in its ``models/families.py`` entry) carries the architecture:
+its transformers config and one table of ``Rule`` s per model, mapping each full megatron tensor
+to its Hugging Face tensors and back; export and
 import walk the same table in opposite directions, and both refuse a tensor the table has no place
 for, so nothing is dropped silently.
 
@@ -35,32 +37,23 @@ import hashlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import re
 import shutil
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from megatron_ext.errors import UserError
+from megatron_ext.convert.hf_adapters import (ConversionError, Key, Rule, adapter_for_config, adapter_for_model,
+                                              adapters)
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, tuple[int, ...]]  # (megatron checkpoint key, index along stacked axes: layer, expert)
 Tensors = dict[Key, torch.Tensor]
 
-# megatron's layernorm_epsilon: TransformerConfig's default, which the runtime never changes.
-NORM_EPS = 1e-5
-HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "qwen3_moe": "Qwen3MoeForCausalLM"}
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-
-
-class ConversionError(UserError):
-    """A checkpoint or Hugging Face model that cannot be converted; the message names what and where."""
 
 
 def transformers_module() -> Any:
@@ -138,196 +131,14 @@ def model_config_of(meta: dict[str, Any], where: str) -> Any:
 # --- which Hugging Face architecture ---------------------------------------------------------------
 
 def hf_model_type(m: Any, where: str) -> str:
-    """The HF ``model_type`` equal to the model ``m`` describes, or ConversionError saying which flag
-    has no counterpart there."""
-    from megatron_ext.models import families
-
-    fam = families.family_of(m)
-    if fam is families.GPT:
-        return "gpt2"
-    need = [flag for flag, ok in (("--normalization RMSNorm", m.normalization == "RMSNorm"), ("--swiglu", m.swiglu),
-                                  ("--position-embedding-type rope", m.position_embedding_type == "rope")) if not ok]
-    target = "Qwen3-MoE" if fam is families.MOE else ("Qwen3" if m.qk_layernorm else "Llama")
-    if need:
-        raise ConversionError(f"{where}: the {fam.name} model ({' '.join(families.non_gpt_flags(m))}) has no "
-                              f"Hugging Face equivalent: {target} needs {', '.join(need)}")
-    if fam is families.LLAMA:
-        if m.qk_layernorm and not m.disable_bias_linear:
-            raise ConversionError(f"{where}: --qk-layernorm with biases has no Hugging Face equivalent: Qwen3 "
-                                  "(the HF model with q/k norms) has no MLP biases; use --disable-bias-linear")
-        return "qwen3" if m.qk_layernorm else "llama"
-    if not m.disable_bias_linear:
-        raise ConversionError(f"{where}: the MoE model with biases has no Hugging Face equivalent: Qwen3-MoE has "
-                              "no biases; use --disable-bias-linear")
-    if not m.qk_layernorm:
-        raise ConversionError(f"{where}: the MoE model without --qk-layernorm has no Hugging Face equivalent: "
-                              "Qwen3-MoE normalises queries and keys per head")
-    if m.moe_router_load_balancing_type == "sinkhorn" and m.moe_router_topk == 1:
-        raise ConversionError(f"{where}: Sinkhorn routing with --moe-router-topk 1 weighs the expert by a sigmoid, "
-                              "which Qwen3-MoE's router does not")
-    return "qwen3_moe"
-
-
-def hf_config_kwargs(m: Any, model_type: str, vocab_size: int, eod: int | None, pad: int | None) -> dict[str, Any]:
-    """Keyword arguments of the transformers config class of ``model_type`` for the model ``m``."""
-    tied = not m.untie_embeddings_and_output_weights
-    common = dict(vocab_size=vocab_size, initializer_range=m.init_method_std, bos_token_id=eod, eos_token_id=eod,
-                  pad_token_id=pad, tie_word_embeddings=tied, architectures=[HF_CLASSES[model_type]])
-    if model_type == "gpt2":
-        return dict(common, n_positions=m.max_position_embeddings, n_embd=m.hidden_size, n_layer=m.num_layers,
-                    n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, activation_function="gelu",
-                    resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
-                    layer_norm_epsilon=NORM_EPS, scale_attn_weights=True)
-    kw = dict(common, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-              num_attention_heads=m.num_attention_heads, num_key_value_heads=_groups(m), hidden_act="silu",
-              max_position_embeddings=m.max_position_embeddings, rms_norm_eps=NORM_EPS,
-              rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
-              attention_dropout=m.attention_dropout, attention_bias=not m.disable_bias_linear)
-    if model_type == "llama":
-        kw.update(mlp_bias=not m.disable_bias_linear, head_dim=m.hidden_size // m.num_attention_heads)
-    elif model_type == "qwen3":
-        kw.update(head_dim=m.hidden_size // m.num_attention_heads, use_sliding_window=False)
-    else:
-        kw.update(use_sliding_window=False, num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
-                  moe_intermediate_size=m.moe_ffn_hidden_size, decoder_sparse_step=1, mlp_only_layers=[],
-                  norm_topk_prob=m.moe_router_load_balancing_type != "sinkhorn",
-                  router_aux_loss_coef=m.moe_aux_loss_coeff)
-    return kw
-
-
-def _groups(m: Any) -> int:
-    return m.num_query_groups if m.group_query_attention else m.num_attention_heads
-
-
-# --- one table, both directions --------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One megatron tensor and the Hugging Face tensors it becomes (``to_hf``) and comes from (``from_hf``)."""
-
-    ours: Key
-    theirs: tuple[str, ...]
-    to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
-    from_hf: Callable[[list[torch.Tensor]], torch.Tensor]
-
-
-def _same(ours: Key, theirs: str) -> Rule:
-    return Rule(ours, (theirs,), lambda t: [t], lambda ts: ts[0])
-
-
-def _transposed(ours: Key, theirs: str) -> Rule:
-    return Rule(ours, (theirs,), lambda t: [t.t().contiguous()], lambda ts: ts[0].t().contiguous())
-
-
-def _halves(ours: Key, gate: str, up: str) -> Rule:
-    # SwiGLU [W; V]: W is gated by SiLU (megatron's glu: chunk(2)[0]), HF's gate_proj.
-    return Rule(ours, (gate, up), lambda t: [c.contiguous() for c in torch.chunk(t, 2, dim=0)],
-                lambda ts: torch.cat(ts, dim=0))
-
-
-def split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
-    """megatron's per-group [q heads of the group; k; v] rows -> [q, k, v] (weights or biases)."""
-    r, rest = heads // groups, t.shape[1:]
-    g = t.reshape(groups, (r + 2) * head_dim, *rest)
-    return [g[:, : r * head_dim].reshape(heads * head_dim, *rest).contiguous(),
-            g[:, r * head_dim:(r + 1) * head_dim].reshape(groups * head_dim, *rest).contiguous(),
-            g[:, (r + 1) * head_dim:].reshape(groups * head_dim, *rest).contiguous()]
-
-
-def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int,
-             head_dim: int) -> torch.Tensor:
-    """Inverse of ``split_qkv``."""
-    r, rest = heads // groups, q.shape[1:]
-    return torch.cat([q.reshape(groups, r * head_dim, *rest), k.reshape(groups, head_dim, *rest),
-                      v.reshape(groups, head_dim, *rest)], dim=1).reshape(-1, *rest).contiguous()
-
-
-def _qkv(ours: Key, theirs: tuple[str, str, str], m: Any) -> Rule:
-    shape = (m.num_attention_heads, _groups(m), m.hidden_size // m.num_attention_heads)
-    return Rule(ours, theirs, lambda t: split_qkv(t, *shape), lambda ts: join_qkv(*ts, *shape))
-
-
-def _gpt2_qkv(ours: Key, theirs: str, m: Any, weight: bool) -> Rule:
-    """GPT-2's one ``c_attn``: [q | k | v] along its output axis, a Conv1D ([in, out]) for the weight."""
-    shape = (m.num_attention_heads, m.num_attention_heads, m.hidden_size // m.num_attention_heads)
-    h = m.hidden_size
-
-    def to_hf(t: torch.Tensor) -> list[torch.Tensor]:
-        qkv = torch.cat(split_qkv(t, *shape), dim=0)
-        return [qkv.t().contiguous() if weight else qkv]
-
-    def from_hf(ts: list[torch.Tensor]) -> torch.Tensor:
-        qkv = ts[0].t() if weight else ts[0]
-        return join_qkv(qkv[:h], qkv[h:2 * h], qkv[2 * h:], *shape)
-
-    return Rule(ours, (theirs,), to_hf, from_hf)
+    """The HF ``model_type`` equal to the model ``m`` describes (its family's adapter), or
+    ConversionError saying which flag has no counterpart there."""
+    return adapter_for_model(m, where).model_type
 
 
 def rules(m: Any, model_type: str) -> list[Rule]:
-    """Every tensor of the model ``m`` and its place in the HF model ``model_type`` (the megatron
-    side by the model families' checkpoint keys)."""
-    from megatron_ext.models.families import (FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, OUTPUT_LAYER, POSITION_EMBEDDINGS,
-                                              WORD_EMBEDDINGS, layer_key)
-
-    out: list[Rule] = []
-    tied = not m.untie_embeddings_and_output_weights
-    bias = not m.disable_bias_linear
-    if model_type == "gpt2":
-        out.append(_same((WORD_EMBEDDINGS, ()), "transformer.wte.weight"))
-        out.append(_same((POSITION_EMBEDDINGS, ()), "transformer.wpe.weight"))
-        for i in range(m.num_layers):
-            h, ix = f"transformer.h.{i}.", (i,)
-            out += [_same((layer_key("input_layernorm.weight"), ix), h + "ln_1.weight"),
-                    _same((layer_key("input_layernorm.bias"), ix), h + "ln_1.bias"),
-                    _gpt2_qkv((layer_key("linear_qkv.weight"), ix), h + "attn.c_attn.weight", m, True),
-                    _gpt2_qkv((layer_key("linear_qkv.bias"), ix), h + "attn.c_attn.bias", m, False),
-                    _transposed((layer_key("linear_proj.weight"), ix), h + "attn.c_proj.weight"),
-                    _same((layer_key("linear_proj.bias"), ix), h + "attn.c_proj.bias"),
-                    _same((layer_key("pre_mlp_layernorm.weight"), ix), h + "ln_2.weight"),
-                    _same((layer_key("pre_mlp_layernorm.bias"), ix), h + "ln_2.bias"),
-                    _transposed((layer_key("linear_fc1.weight"), ix), h + "mlp.c_fc.weight"),
-                    _same((layer_key("linear_fc1.bias"), ix), h + "mlp.c_fc.bias"),
-                    _transposed((layer_key("linear_fc2.weight"), ix), h + "mlp.c_proj.weight"),
-                    _same((layer_key("linear_fc2.bias"), ix), h + "mlp.c_proj.bias")]
-        out += [_same((FINAL_NORM_WEIGHT, ()), "transformer.ln_f.weight"),
-                _same((FINAL_NORM_BIAS, ()), "transformer.ln_f.bias")]
-        if not tied:
-            out.append(_same((OUTPUT_LAYER, ()), "lm_head.weight"))
-        return out
-
-    out.append(_same((WORD_EMBEDDINGS, ()), "model.embed_tokens.weight"))
-    for i in range(m.num_layers):
-        h, ix = f"model.layers.{i}.", (i,)
-        a = h + "self_attn."
-        out += [_same((layer_key("input_layernorm.weight"), ix), h + "input_layernorm.weight"),
-                _qkv((layer_key("linear_qkv.weight"), ix), (a + "q_proj.weight", a + "k_proj.weight",
-                                                                     a + "v_proj.weight"), m),
-                _same((layer_key("linear_proj.weight"), ix), a + "o_proj.weight"),
-                _same((layer_key("pre_mlp_layernorm.weight"), ix), h + "post_attention_layernorm.weight")]
-        if bias:
-            out += [_qkv((layer_key("linear_qkv.bias"), ix), (a + "q_proj.bias", a + "k_proj.bias",
-                                                                   a + "v_proj.bias"), m),
-                    _same((layer_key("linear_proj.bias"), ix), a + "o_proj.bias")]
-        if m.qk_layernorm:
-            out += [_same((layer_key("q_layernorm.weight"), ix), a + "q_norm.weight"),
-                    _same((layer_key("k_layernorm.weight"), ix), a + "k_norm.weight")]
-        if model_type == "qwen3_moe":
-            out.append(_same((layer_key("router.weight"), ix), h + "mlp.gate.weight"))
-            for e in range(m.num_experts):
-                x, ex = f"{h}mlp.experts.{e}.", (i, e)
-                out += [_halves((layer_key("expert_fc1.weight"), ex), x + "gate_proj.weight",
-                                x + "up_proj.weight"),
-                        _same((layer_key("expert_fc2.weight"), ex), x + "down_proj.weight")]
-            continue
-        out += [_halves((layer_key("linear_fc1.weight"), ix), h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                _same((layer_key("linear_fc2.weight"), ix), h + "mlp.down_proj.weight")]
-        if bias:
-            out += [_halves((layer_key("linear_fc1.bias"), ix), h + "mlp.gate_proj.bias", h + "mlp.up_proj.bias"),
-                    _same((layer_key("linear_fc2.bias"), ix), h + "mlp.down_proj.bias")]
-    out.append(_same((FINAL_NORM_WEIGHT, ()), "model.norm.weight"))
-    if not tied:
-        out.append(_same((OUTPUT_LAYER, ()), "lm_head.weight"))
-    return out
+    """Every tensor of the model ``m`` and its place in the HF model ``model_type``."""
+    return adapters()[model_type].rules(m)
 
 
 def _name(key: Key) -> str:
@@ -340,7 +151,7 @@ def to_hf_tensors(full: Tensors, m: Any, model_type: str, where: str) -> dict[st
     extra = sorted(_name(k) for k in set(full) - {r.ours for r in table})
     if missing or extra:
         raise ConversionError(f"{where}: the checkpoint's tensors do not match its model config "
-                              f"({HF_CLASSES[model_type]} mapping): "
+                              f"({adapters()[model_type].hf_class} mapping): "
                               + "; ".join(p for p in (f"missing {', '.join(missing[:4])}" if missing else "",
                                                       f"not mapped {', '.join(extra[:4])}" if extra else "") if p))
     out = {}
@@ -357,7 +168,7 @@ def from_hf_tensors(hf: dict[str, torch.Tensor], m: Any, model_type: str, where:
     # A tied model may still carry lm_head.weight (a copy of the embedding); nothing else is ignored.
     extra = sorted(set(hf) - wanted - ({"lm_head.weight"} if not m.untie_embeddings_and_output_weights else set()))
     if missing or extra:
-        raise ConversionError(f"{where}: the weights do not match config.json ({HF_CLASSES[model_type]}): "
+        raise ConversionError(f"{where}: the weights do not match config.json ({adapters()[model_type].hf_class}): "
                               + "; ".join(p for p in (f"missing {', '.join(missing[:4])}" if missing else "",
                                                       f"not mapped {', '.join(extra[:4])}" if extra else "") if p))
     return {r.ours: r.from_hf([hf[n] for n in r.theirs]) for r in table}
@@ -423,17 +234,21 @@ def export(path: str, out_dir: str, *, tokenizer_file: str | None = None, dtype:
                               "pass the run's --tokenizer-file")
     pad = tok.vocab.get(PAD)
     tf = transformers_module()
-    config = tf.AutoConfig.for_model(model_type, **hf_config_kwargs(m, model_type, vocab, tok.eod, pad))
+    adapter = adapters()[model_type]
+    common = dict(vocab_size=vocab, initializer_range=m.init_method_std, bos_token_id=tok.eod,
+                  eos_token_id=tok.eod, pad_token_id=pad, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+                  architectures=[adapter.hf_class])
+    config = tf.AutoConfig.for_model(model_type, **adapter.config_kwargs(m, common))
     config.dtype = str(dtype).removeprefix("torch.")
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
-    if model_type != "gpt2":
-        # transformers < 5 reads the rotary base from rope_theta (5 writes rope_parameters only).
-        cfg_path = os.path.join(out_dir, "config.json")
-        data = json.load(open(cfg_path, encoding="utf-8"))
-        data.setdefault("rope_theta", float(m.rotary_base))
+    cfg_path = os.path.join(out_dir, "config.json")
+    data = json.load(open(cfg_path, encoding="utf-8"))
+    patched = dict(data)
+    adapter.patch_config_json(patched, m)
+    if patched != data:
         with open(cfg_path, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
+            json.dump(patched, fh, indent=2, sort_keys=True)
     save_file({k: v.to(dtype).contiguous() for k, v in hf.items()}, os.path.join(out_dir, WEIGHTS),
               metadata={"format": "pt"})
     from megatron_ext.data.tokenizer import EOD
@@ -441,8 +256,8 @@ def export(path: str, out_dir: str, *, tokenizer_file: str | None = None, dtype:
     hf_tok = tf.PreTrainedTokenizerFast(tokenizer_file=tok_path, bos_token=EOD, eos_token=EOD,
                                         pad_token=PAD if pad is not None else None)
     hf_tok.save_pretrained(out_dir)
-    logger.info("exported %s (iteration %s) to %s as %s", path, meta.get("iteration"), out_dir, HF_CLASSES[model_type])
-    return Exported(out_dir=out_dir, model_type=model_type, hf_class=HF_CLASSES[model_type], num_tensors=len(hf))
+    logger.info("exported %s (iteration %s) to %s as %s", path, meta.get("iteration"), out_dir, adapters()[model_type].hf_class)
+    return Exported(out_dir=out_dir, model_type=model_type, hf_class=adapters()[model_type].hf_class, num_tensors=len(hf))
 
 
 # --- import ----------------------------------------------------------------------------------------
@@ -450,71 +265,12 @@ def export(path: str, out_dir: str, *, tokenizer_file: str | None = None, dtype:
 def model_values(hf_config: Any, where: str) -> tuple[str, dict[str, Any]]:
     """(model_type, the ``ModelConfig`` values of the architecture) for a transformers config, or
     ConversionError naming the key that megatron-ext's blocks cannot reproduce."""
-    c = hf_config
-    mt = getattr(c, "model_type", None)
-    if mt not in HF_CLASSES:
-        raise ConversionError(f"{where}: model_type {mt!r} is not one of {', '.join(HF_CLASSES)}")
+    adapter = adapter_for_config(hf_config, where)
 
     def refuse(key: str, value: Any, why: str) -> None:
         raise ConversionError(f"{where}: {key} {value!r} cannot be mapped: {why}")
 
-    tied = bool(getattr(c, "tie_word_embeddings", True))
-    if mt == "gpt2":
-        if c.activation_function != "gelu":
-            refuse("activation_function", c.activation_function, "megatron-ext's GPT block uses the exact GELU "
-                   "(\"gelu\")")
-        if not math.isclose(c.layer_norm_epsilon, NORM_EPS):
-            refuse("layer_norm_epsilon", c.layer_norm_epsilon, f"megatron's norms use epsilon {NORM_EPS}")
-        for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                          ("add_cross_attention", False)):
-            if bool(getattr(c, key, want)) != want:
-                refuse(key, getattr(c, key), f"megatron's attention has {key} {want}")
-        return mt, dict(num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head,
-                        ffn_hidden_size=c.n_inner or 4 * c.n_embd, max_position_embeddings=c.n_positions,
-                        position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=not tied,
-                        normalization="LayerNorm", swiglu=False, group_query_attention=False,
-                        disable_bias_linear=False, qk_layernorm=False)
-    if c.hidden_act != "silu":
-        refuse("hidden_act", c.hidden_act, "megatron-ext's --swiglu uses SiLU")
-    if not math.isclose(c.rms_norm_eps, NORM_EPS):
-        refuse("rms_norm_eps", c.rms_norm_eps, f"megatron's norms use epsilon {NORM_EPS} (no flag sets another)")
-    rope = dict(getattr(c, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        refuse("rope_parameters.rope_type", rope.get("rope_type"), "megatron-ext's rotary embedding is unscaled")
-    theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
-    if theta != int(theta):
-        refuse("rope_theta", theta, "--rotary-base is an integer")
-    heads, kv = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    if head_dim * heads != c.hidden_size:
-        refuse("head_dim", head_dim, f"megatron-ext's heads are hidden_size / num_attention_heads "
-               f"({c.hidden_size} / {heads}) wide")
-    attn_bias = bool(getattr(c, "attention_bias", False))
-    if mt == "llama":
-        if attn_bias != bool(getattr(c, "mlp_bias", False)):
-            refuse("attention_bias", attn_bias, f"megatron's --disable-bias-linear covers attention and MLP alike "
-                   f"(mlp_bias is {getattr(c, 'mlp_bias', False)})")
-    elif attn_bias:
-        refuse("attention_bias", attn_bias, f"{HF_CLASSES[mt]} has no MLP biases, megatron's biases cover both")
-    if mt != "llama" and getattr(c, "use_sliding_window", False):
-        refuse("use_sliding_window", True, "megatron-ext's attention is full causal attention")
-    values: dict[str, Any] = dict(
-        num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=heads,
-        ffn_hidden_size=c.intermediate_size, max_position_embeddings=c.max_position_embeddings,
-        position_embedding_type="rope", rotary_base=int(theta), untie_embeddings_and_output_weights=not tied,
-        normalization="RMSNorm", swiglu=True, group_query_attention=kv != heads,
-        num_query_groups=kv if kv != heads else None, disable_bias_linear=not attn_bias,
-        qk_layernorm=mt != "llama")
-    if mt == "qwen3_moe":
-        if c.decoder_sparse_step != 1 or list(c.mlp_only_layers or []):
-            refuse("decoder_sparse_step / mlp_only_layers", (c.decoder_sparse_step, c.mlp_only_layers),
-                   "every MLP of megatron-ext's MoE model is an MoE layer")
-        if not c.norm_topk_prob:
-            refuse("norm_topk_prob", False, "megatron's router (softmax over the top-k logits) renormalises the "
-                   "top-k weights")
-        values.update(num_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
-                      moe_ffn_hidden_size=c.moe_intermediate_size)
-    return mt, values
+    return adapter.model_type, adapter.model_values(hf_config, refuse)
 
 
 def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -581,9 +337,7 @@ def import_hf(hf_dir: str, out_dir: str, run_argv: list[str] | None = None, *,
     model_type, values = model_values(hf_config, cfg_path)
     # Training choices that HF's config records too (initialisation, load-balancing loss): defaults
     # the run's flags may change, unlike the architecture.
-    soft = {"init_method_std": hf_config.initializer_range}
-    if model_type == "qwen3_moe":
-        soft["moe_aux_loss_coeff"] = hf_config.router_aux_loss_coef
+    soft = adapters()[model_type].training_defaults(hf_config)
     cfg = parse_run_config(list(run_argv or []), defaults={**soft, **values})
     for k, v in values.items():
         if getattr(cfg.model, k) != v:
@@ -615,12 +369,12 @@ def import_hf(hf_dir: str, out_dir: str, run_argv: list[str] | None = None, *,
                      extra={"imported_from": os.path.abspath(hf_dir), "hf_model_type": model_type})
     model_yaml = os.path.join(out_dir, "model.yaml")
     with open(model_yaml, "w", encoding="utf-8") as fh:
-        fh.write(f"# The model of {HF_CLASSES[model_type]} (imported by tools/convert_checkpoint.py); "
+        fh.write(f"# The model of {adapters()[model_type].hf_class} (imported by tools/convert_checkpoint.py); "
                  "train on with --config this file --load this directory\n")
         yaml.safe_dump({k: v for k, v in dataclasses.asdict(m).items() if v is not None}, fh, sort_keys=False)
     tok_dst = os.path.join(out_dir, "tokenizer.json")
     shutil.copyfile(tok_src, tok_dst)
-    logger.info("imported %s (%s) into %s (%s)", hf_dir, HF_CLASSES[model_type], out_dir, ckpt.iter_dir_name(0))
+    logger.info("imported %s (%s) into %s (%s)", hf_dir, adapters()[model_type].hf_class, out_dir, ckpt.iter_dir_name(0))
     return Imported(save_dir=out_dir, model_type=model_type, model_yaml=model_yaml, tokenizer_file=tok_dst)
 
 

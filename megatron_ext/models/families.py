@@ -12,7 +12,7 @@ Three families share megatron-core's ``GPTModel`` and differ in the flags of ``M
 Pure (no megatron, no torch.distributed; it reads a ``ModelConfig`` / ``RunConfig`` without
 importing the config, which imports it): which family a config is (``family_of``), the checks
 that need the world size (``validate``), the widths every consumer must agree on
-(``swiglu_ffn_hidden_size``), and each family's Hugging Face model type. Derived from it: megatron's TransformerConfig fields and layer specs
+(``swiglu_ffn_hidden_size``), and each family's Hugging Face adapters. Derived from it: megatron's TransformerConfig fields and layer specs
 (``runtime/families.py``), the DeepSpeed PipelineModule's blocks (``deepspeed_patches/gpt.py``),
 Hydro's small models (``hydro/models.py``), the Hugging Face tables (``convert/hf.py``) and ResiHP's
 FLOPs shape (``resihp/flops.spec_of_model``, which the GPU check counts too).
@@ -76,16 +76,18 @@ class ModelFamily:
     engine_feature: str | None = None
     """The engine feature (``megatron_ext/engines.py``) the family needs beyond the dense GPT:
     an engine that refuses it refuses the family."""
-    hf_model_type: str | None = None
-    """The Hugging Face ``model_type`` its checkpoints export to (``convert/hf.py``; the LLaMA-style
-    block exports as ``qwen3`` when it has per-head q/k norms)."""
+    hf_adapters: tuple[str, ...] = ()
+    """Its Hugging Face architectures (``module:attribute`` of a ``convert.hf_adapters.HFAdapter``), in
+    the order the converter tries them: each adapter carries the config and the tensor table."""
 
 
-GPT = ModelFamily("gpt", "GPT-2/3 block: LayerNorm, GELU MLP, learned positions, biases", hf_model_type="gpt2")
+_ADAPTERS = "megatron_ext.convert.hf_adapters:"
+GPT = ModelFamily("gpt", "GPT-2/3 block: LayerNorm, GELU MLP, learned positions, biases",
+                  hf_adapters=(_ADAPTERS + "GPT2_ADAPTER",))
 LLAMA = ModelFamily("llama", "LLaMA-3-style block: RMSNorm, SwiGLU, rotary positions, GQA, no biases",
-                    hf_model_type="llama")
+                    hf_adapters=(_ADAPTERS + "LLAMA_ADAPTER", _ADAPTERS + "QWEN3_ADAPTER"))
 MOE = ModelFamily("moe", "Qwen3-MoE-style block: the llama block with megatron's MoELayer as MLP",
-                  engine_feature="mixture_of_experts", hf_model_type="qwen3_moe")
+                  engine_feature="mixture_of_experts", hf_adapters=(_ADAPTERS + "QWEN3_MOE_ADAPTER",))
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (GPT, LLAMA, MOE)}
 
 # Flags (ModelConfig fields) that leave the GPT block, with the value that keeps it.
