@@ -1,5 +1,6 @@
 # make demo  - install into .venv if needed, then train the tiny GPT on 4 CPU ranks (TP2 x PP2)
-# make test  - install into .venv if needed, then run the test suite
+# make test  - install into .venv if needed, then run the test suite (what CI runs)
+# make test-fast  - the inner loop: every test but the multi-rank and Slurm ones (~2 min on 2 cores)
 # make gpu-check [ARGS=--record]  - the prepared GPU check (tools/gpu_check.py); skips without CUDA
 PYTHON ?= python3.11
 VENV   := .venv
@@ -8,7 +9,7 @@ STAMP  := $(VENV)/.installed
 NPROC  ?= 4
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench clean-demo gpu-check
+.PHONY: setup demo test test-fast bench clean-demo gpu-check
 
 setup: $(STAMP)
 
@@ -28,6 +29,11 @@ demo: setup
 test: setup
 	# One intra-op thread per process: tests launch several ranks on few cores.
 	PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Single-process tests only: the multi-rank ones (torchrun / mp.spawn launches, marked `multirank`)
+# are where the suite's time goes; `make test` runs them.
+test-fast: setup
+	PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not multirank and not slurm" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) tools/bench_parallel.py

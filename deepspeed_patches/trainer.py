@@ -189,7 +189,11 @@ class DeepSpeedTrainer(Trainer):
 
     def _drop_engine(self) -> None:
         # The engine's grid built its own groups (pipe, data, slice and p2p pairs): destroy exactly
-        # those; the new PipelineModule builds the new layout's.
+        # those; the new PipelineModule builds the new layout's. DeepSpeed has no group collection:
+        # PipelineParallelGrid calls dist.new_group for every group of every rank (new_group is
+        # collective) but keeps only this rank's, so the ones it made are known only as the process
+        # groups that appeared while it was built (build_model) -- the one place this engine reads
+        # torch's group registry, _world.pg_map.
         self.engine = self.model = self.optimizer = None
         gc.collect()
         live = dist.distributed_c10d._world.pg_map

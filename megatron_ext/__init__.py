@@ -5,3 +5,7 @@ optimizer, checkpoint, loop), pipeline (events and bubble timelines), helix (gra
 resihp (resilience), hydro (fused tuning trials), cluster (scheduler simulator).
 """
 __version__ = "0.1.0"
+
+from megatron_ext.compat import megatron_import as _megatron_import
+
+_megatron_import.install()  # on CPU, importing megatron-core does not import TorchDynamo (see there)

@@ -116,3 +116,39 @@ def test_moved_type_name_check_is_reported(monkeypatch):
 
 def test_type_name_checks_still_present():
     assert "cuda-type-names" not in megatron_cpu.missing_fragments()
+
+
+# --- megatron_import: megatron's jit_fuser on a machine without CUDA ---------------------------------
+
+def test_importing_megatron_core_after_the_package_does_not_import_dynamo():
+    # A fresh interpreter: this one may have imported dynamo already.
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_ext, megatron.core.models.gpt, megatron.core.jit as j; "
+            "print(j.jit_fuser is j.noop_decorator, 'torch._inductor.compile_fx' in sys.modules, "
+            "'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False", "False"]
+
+
+def test_the_fragment_the_import_shim_relies_on_is_there():
+    import inspect
+
+    from megatron.core import jit
+
+    source = inspect.getsource(jit)
+    assert "jit_fuser = torch.compile" in source and "def noop_decorator" in source
+
+
+def test_jit_fuser_is_kept_with_cuda_or_without_a_noop(monkeypatch):
+    import types
+
+    from megatron_ext.compat import megatron_import
+
+    module = types.SimpleNamespace(jit_fuser=torch.compile, noop_decorator=lambda f: f)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not megatron_import.replace_jit_fuser(module) and module.jit_fuser is torch.compile
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not megatron_import.replace_jit_fuser(types.SimpleNamespace(jit_fuser=torch.compile))
+    assert megatron_import.replace_jit_fuser(module) and module.jit_fuser is module.noop_decorator
