@@ -37,10 +37,11 @@ COPY tools ./tools
 RUN command -v make >/dev/null || (apt-get update && apt-get install -y --no-install-recommends make \
     && rm -rf /var/lib/apt/lists/*)
 
-# The exact pins of setup.py, read from it (one list, no copy to drift).
-RUN python -c "import ast; t = ast.parse(open('setup.py').read()); \
-print('\n'.join(next(ast.literal_eval(n.value) for n in t.body if isinstance(n, ast.Assign) \
-and getattr(n.targets[0], 'id', '') == 'INSTALL_REQUIRES')))" > /tmp/requirements.txt
+# The exact pins of setup.py, read from it (one list, no copy to drift); NO_DEPS_REQUIRES (mup) are
+# installed without their own requirements (setup.py says why).
+RUN for name in INSTALL_REQUIRES NO_DEPS_REQUIRES; do python -c "import ast, sys; \
+t = ast.parse(open('setup.py').read()); print('\n'.join(next(ast.literal_eval(n.value) for n in t.body \
+if isinstance(n, ast.Assign) and getattr(n.targets[0], 'id', '') == sys.argv[1])))" $name > /tmp/$name.txt; done
 
 # Default: every pin honoured (torch is already the pinned version; pip keeps it).
 # KEEP_BASE_TORCH=1 deviates on purpose, because replacing an NGC image's torch with the PyPI build
@@ -51,12 +52,13 @@ and getattr(n.targets[0], 'id', '') == 'INSTALL_REQUIRES')))" > /tmp/requirement
 #     project's code runs on 3.12, its CI runs on 3.11.
 RUN set -e; \
     if [ "$KEEP_BASE_TORCH" = "1" ]; then \
-        grep -v '^torch==' /tmp/requirements.txt > /tmp/requirements-no-torch.txt; \
+        grep -v '^torch==' /tmp/INSTALL_REQUIRES.txt > /tmp/requirements-no-torch.txt; \
         python -m pip install --no-cache-dir -r /tmp/requirements-no-torch.txt; \
     else \
-        python -m pip install --no-cache-dir -r /tmp/requirements.txt; \
+        python -m pip install --no-cache-dir -r /tmp/INSTALL_REQUIRES.txt; \
         python -m pip install --no-cache-dir --no-build-isolation "$TRANSFORMER_ENGINE"; \
     fi; \
+    python -m pip install --no-cache-dir --no-deps -r /tmp/NO_DEPS_REQUIRES.txt; \
     python -m pip install --no-cache-dir --no-deps --ignore-requires-python -e .; \
     python -c "import torch, megatron.core, deepspeed, megatron_ext; \
 print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'megatron-core', megatron.core.__version__)"

@@ -13,12 +13,21 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
+# A list of setup.py, one requirement a line (read, not run: the Dockerfile reads it the same way).
+SETUP_LIST = $(PY) -c "import ast, sys; t = ast.parse(open('setup.py').read()); print('\n'.join(next( \
+	ast.literal_eval(n.value) for n in t.body if isinstance(n, ast.Assign) and getattr(n.targets[0], 'id', '') == sys.argv[1])))"
+
 # Re-installs only when setup.py changes; torch==2.13.0 is pinned so pip takes the CPU wheel
-# where one is provided locally instead of pulling a CUDA build.
+# where one is provided locally instead of pulling a CUDA build. NO_DEPS_REQUIRES (mup) go in without
+# their own requirements, and a torchvision an older .venv got from them is removed: setup.py says why.
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps $$($(SETUP_LIST) NO_DEPS_REQUIRES)
+	@if $(PY) -m pip show --quiet torchvision 2>/dev/null; then \
+		echo "removing torchvision (no build of it matches the CPU torch; see setup.py)"; \
+		$(PY) -m pip uninstall --quiet --yes torchvision; fi
 	@touch $(STAMP)
 
 # pretrain_gpt.py --nproc-per-node checks the configuration for NPROC ranks, then starts them.

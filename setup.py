@@ -14,6 +14,16 @@ INSTALL_REQUIRES = [
     "optuna==5.0.0",
     "matplotlib==3.11.2",
     "tqdm==4.70.1",
+]
+
+# Installed without their own requirements (`pip install --no-deps`: the Makefile and the Dockerfile
+# read this list). mup 1.0.0 requires torchvision, pandas and seaborn for its coord_check plots and its
+# tests, which the project never imports: megatron_ext.hydro uses mup's shape, layer, init and optim
+# modules, which import only torch and pyyaml (pinned above). torchvision must stay out: no build of it
+# matches the pinned CPU torch (PyPI's fails to import beside it, "operator torchvision::nms does not
+# exist"), and transformers imports torchvision whenever it is installed, so with it no Hugging Face
+# export would load. `make setup` removes a torchvision an older environment holds.
+NO_DEPS_REQUIRES = [
     "mup==1.0.0",
 ]
 
