@@ -11,7 +11,8 @@ block, LlamaForCausalLM for the LLaMA-style model (Qwen3ForCausalLM with --qk-la
 Qwen3MoeForCausalLM for the MoE model. ``--check`` then runs the export with transformers and the
 checkpoint with the runtime's megatron-core model on the same tokens and prints the largest logit
 difference. ``import`` writes a save directory (iteration 0, weights only) for the run whose flags
-follow; its model flags come from the Hugging Face config (model.yaml).
+follow, and model.yaml: every model field of the Hugging Face config, its context as --seq-length unless
+the flags give one, and one comment line naming any field the run's config has no place for (printed too).
 """
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.out}: iteration 0 of {done.model_type}; train on with "
                   f"pretrain_gpt.py --config {done.model_yaml} --load {args.out} (data tokenized with "
                   f"{done.tokenizer_file})")
+            if done.not_carried:
+                print(f"not carried from {args.hf_dir}/config.json: {'; '.join(done.not_carried)}")
     except UserError as exc:
         return report(PROG, exc)
     return 0

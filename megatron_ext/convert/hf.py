@@ -38,7 +38,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 from typing import Any
@@ -57,32 +56,30 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 def transformers_module() -> Any:
-    """``import transformers``, keeping an unloadable torchvision out of its way.
-
-    transformers imports torchvision whenever it is installed (image utilities, reached from every
-    config class). PyPI's torchvision wheels are CUDA builds whose ops library needs libtorch_cuda,
-    which a CPU torch does not have, so that import raises; ``mup`` pulls such a torchvision into a
-    CPU venv. A ``None`` in ``sys.modules`` makes ``find_spec`` answer "not installed", which is true
-    for all purposes of this process (nothing can import it)."""
-    if "torchvision" not in sys.modules and _torchvision_needs_cuda_libs():
-        sys.modules["torchvision"] = None  # type: ignore[assignment]
+    """``import transformers``, or ConversionError saying what to install or remove."""
     try:
         import transformers
     except ImportError as exc:
         raise ConversionError(f"transformers is not installed ({exc}): pip install -e \".[dev]\"") from None
+    _refuse_unloadable_torchvision()
     return transformers
 
 
-def _torchvision_needs_cuda_libs() -> bool:
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations or torch.version.cuda is not None:
-        return False
-    try:  # read, not import: importing it is what fails
-        text = open(os.path.join(list(spec.submodule_search_locations)[0], "version.py"), encoding="utf-8").read()
-    except OSError:
-        return False
-    found = re.search(r"__version__\s*=\s*['\"][^'\"]*\+cu\d+", text)
-    return found is not None
+def _refuse_unloadable_torchvision() -> None:
+    """transformers imports torchvision for every model and config class whenever it is installed, so
+    a torchvision that cannot be imported beside this torch (PyPI's builds beside the pinned CPU torch:
+    "operator torchvision::nms does not exist") fails every load with "Could not import module
+    'LlamaConfig'", which names neither. The project's environment holds none (setup.py); this says so
+    where another one does."""
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        importlib.import_module("torchvision")
+    except Exception as exc:  # any failure: an ImportError, or a RuntimeError from its ops library
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConversionError(f"torchvision is installed but does not import beside torch {torch.__version__} "
+                              f"({first}), and transformers imports it for every model: pip uninstall "
+                              "torchvision (make setup removes it)") from None
 
 
 # --- reading a checkpoint in any layout ----------------------------------------------------------
@@ -253,9 +250,19 @@ def export(path: str, out_dir: str, *, tokenizer_file: str | None = None, dtype:
               metadata={"format": "pt"})
     from megatron_ext.data.tokenizer import EOD
 
+    # model_max_length: the context the model was built for (the tokenizer's truncation limit).
     hf_tok = tf.PreTrainedTokenizerFast(tokenizer_file=tok_path, bos_token=EOD, eos_token=EOD,
-                                        pad_token=PAD if pad is not None else None)
+                                        pad_token=PAD if pad is not None else None,
+                                        model_max_length=m.max_position_embeddings)
     hf_tok.save_pretrained(out_dir)
+    # transformers 5 records the class as TokenizersBackend, which transformers < 5 does not have;
+    # both load PreTrainedTokenizerFast (in 5 another name of the same class).
+    tok_cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    tok_cfg = json.load(open(tok_cfg_path, encoding="utf-8"))
+    if tok_cfg.get("tokenizer_class") != "PreTrainedTokenizerFast":
+        tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(tok_cfg_path, "w", encoding="utf-8") as fh:
+            json.dump(tok_cfg, fh, indent=2, sort_keys=True)
     logger.info("exported %s (iteration %s) to %s as %s", path, meta.get("iteration"), out_dir, adapters()[model_type].hf_class)
     return Exported(out_dir=out_dir, model_type=model_type, hf_class=adapters()[model_type].hf_class, num_tensors=len(hf))
 
@@ -305,6 +312,7 @@ class Imported:
     model_type: str
     model_yaml: str
     tokenizer_file: str
+    not_carried: list[str]  # the HF config's fields the run's config has no place for: "key value (why)"
 
 
 def import_hf(hf_dir: str, out_dir: str, run_argv: list[str] | None = None, *,
@@ -314,7 +322,8 @@ def import_hf(hf_dir: str, out_dir: str, run_argv: list[str] | None = None, *,
 
     ``run_argv``: the flags of the run that will continue it (its learning-rate schedule is written,
     because a checkpoint's schedule wins on resume); model flags among them must agree with the HF
-    model. Also writes ``out_dir/model.yaml`` (the model section, for ``--config``) and
+    model. Also writes ``out_dir/model.yaml`` (the model section, for ``--config``: every model field the HF
+    config has, and the training sequence length = its context unless ``run_argv`` sets one) and
     ``out_dir/tokenizer.json``."""
     import yaml
 
@@ -335,9 +344,11 @@ def import_hf(hf_dir: str, out_dir: str, run_argv: list[str] | None = None, *,
     except (ValueError, KeyError, OSError) as exc:
         raise ConversionError(f"{cfg_path}: {str(exc).splitlines()[0]}") from None
     model_type, values = model_values(hf_config, cfg_path)
-    # Training choices that HF's config records too (initialisation, load-balancing loss): defaults
-    # the run's flags may change, unlike the architecture.
-    soft = adapters()[model_type].training_defaults(hf_config)
+    adapter = adapters()[model_type]
+    # Defaults the run's flags may change, unlike the architecture: the training sequence length is the
+    # model's context, and the training choices HF's config records too (initialisation, dropout,
+    # load-balancing loss).
+    soft = {"seq_length": values["max_position_embeddings"], **adapter.training_defaults(hf_config)}
     cfg = parse_run_config(list(run_argv or []), defaults={**soft, **values})
     for k, v in values.items():
         if getattr(cfg.model, k) != v:
@@ -362,6 +373,13 @@ def import_hf(hf_dir: str, out_dir: str, run_argv: list[str] | None = None, *,
             n = min(vocab, full[key].shape[0])
             rows[:n] = full[key][:n]
             full[key] = rows
+    not_carried = adapter.not_carried(hf_config)
+    if hf_vocab != vocab:
+        not_carried.append(f"vocab_size {hf_vocab} (the run's vocabulary is the tokenizer's {tok.vocab_size} tokens "
+                           f"padded to {vocab})")
+    dtype = str(getattr(hf_config, "dtype", None) or "float32").removeprefix("torch.")
+    if dtype != "float32":
+        not_carried.append(f"dtype {dtype} (the weights are imported as float32; --bf16 trains in bfloat16)")
 
     scheduler = build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.training.lr),
                                 cfg.training).state_dict()
@@ -369,13 +387,16 @@ def import_hf(hf_dir: str, out_dir: str, run_argv: list[str] | None = None, *,
                      extra={"imported_from": os.path.abspath(hf_dir), "hf_model_type": model_type})
     model_yaml = os.path.join(out_dir, "model.yaml")
     with open(model_yaml, "w", encoding="utf-8") as fh:
-        fh.write(f"# The model of {adapters()[model_type].hf_class} (imported by tools/convert_checkpoint.py); "
+        fh.write(f"# The model of {adapter.hf_class} (imported by tools/convert_checkpoint.py); "
                  "train on with --config this file --load this directory\n")
+        if not_carried:
+            fh.write(f"# not carried from {cfg_path}: {'; '.join(not_carried)}\n")
         yaml.safe_dump({k: v for k, v in dataclasses.asdict(m).items() if v is not None}, fh, sort_keys=False)
     tok_dst = os.path.join(out_dir, "tokenizer.json")
     shutil.copyfile(tok_src, tok_dst)
     logger.info("imported %s (%s) into %s (%s)", hf_dir, adapters()[model_type].hf_class, out_dir, ckpt.iter_dir_name(0))
-    return Imported(save_dir=out_dir, model_type=model_type, model_yaml=model_yaml, tokenizer_file=tok_dst)
+    return Imported(save_dir=out_dir, model_type=model_type, model_yaml=model_yaml, tokenizer_file=tok_dst,
+                    not_carried=not_carried)
 
 
 def write_checkpoint(save_dir: str, full: Tensors, *, config: dict[str, Any], scheduler: dict[str, Any],

@@ -138,6 +138,11 @@ class HFAdapter:
         """Training choices the HF config records too: defaults the importing run's flags may change."""
         return {"init_method_std": c.initializer_range}
 
+    def not_carried(self, c: Any) -> list[str]:
+        """The HF config's fields that neither ``model_values`` nor ``training_defaults`` can carry and
+        that do not hold their neutral value, as "key value (why)"."""
+        return []
+
 
 class GPT2(HFAdapter):
     model_type, hf_class, title = "gpt2", "GPT2LMHeadModel", "GPT-2"
@@ -187,6 +192,16 @@ class GPT2(HFAdapter):
                     untie_embeddings_and_output_weights=not bool(getattr(c, "tie_word_embeddings", True)),
                     normalization="LayerNorm", swiglu=False, group_query_attention=False,
                     disable_bias_linear=False, qk_layernorm=False)
+
+    def training_defaults(self, c: Any) -> dict[str, Any]:
+        return dict(super().training_defaults(c), hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop)
+
+    def not_carried(self, c: Any) -> list[str]:
+        # megatron's --hidden-dropout is both GPT-2's embd_pdrop and resid_pdrop (export writes it to both).
+        if c.embd_pdrop != c.resid_pdrop:
+            return [f"embd_pdrop {c.embd_pdrop} (megatron's one --hidden-dropout, here resid_pdrop {c.resid_pdrop}, "
+                    "also drops after the embedding)"]
+        return []
 
 
 class Llama(HFAdapter):
@@ -285,6 +300,10 @@ class Llama(HFAdapter):
                     normalization="RMSNorm", swiglu=True, group_query_attention=kv != heads,
                     num_query_groups=kv if kv != heads else None, disable_bias_linear=not attn_bias,
                     qk_layernorm=self.model_type != "llama")
+
+    def training_defaults(self, c: Any) -> dict[str, Any]:
+        # HF's LLaMA-style models have no dropout after attention and MLP (megatron's --hidden-dropout).
+        return dict(super().training_defaults(c), attention_dropout=float(c.attention_dropout))
 
 
 class Qwen3(Llama):

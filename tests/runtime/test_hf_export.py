@@ -127,7 +127,8 @@ def test_import_gives_back_the_checkpoint_and_trains_on(ctx, checkpoints, root, 
     out = str(root / "hf_rt" / name)
     hf_export.export(checkpoints[name], out)
     back = str(root / "imported" / name)
-    done = hf_export.import_hf(out, back, ["--lr", "1e-3", "--seq-length", "32"])
+    # no --seq-length: model.yaml carries the model's context (32 here), as every other model field
+    done = hf_export.import_hf(out, back, ["--lr", "1e-3"])
     _, original = hf_export.read_full_tensors(checkpoints[name])
     _, imported = hf_export.read_full_tensors(back)
     assert set(imported) == set(original)
