@@ -92,7 +92,7 @@ def engine(name: str) -> EngineSpec:
 MEGATRON = register_engine(EngineSpec(
     name="megatron", summary="megatron-core: GPTModel, DDP, the 1F1B and interleaved schedules (TP x PP x DP, EP)",
     trainer="megatron_ext.runtime.loop:Trainer", setup_distributed="megatron_ext.runtime.distributed:setup",
-    teardown="megatron_ext.runtime.distributed:teardown"))
+    teardown="megatron_ext.runtime.distributed:teardown", check="megatron_ext.runtime.model:check_config"))
 
 DEEPSPEED = register_engine(EngineSpec(
     name="deepspeed", summary="DeepSpeed's PipelineEngine over the GPT as a PipelineModule (PP x DP)",

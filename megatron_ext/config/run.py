@@ -94,6 +94,19 @@ class ModelConfig:
                                     "(moe_load_balancing_loss / moe_seq_load_balancing_loss).", 0.0)
     moe_grouped_gemm: bool = doc("Run a rank's experts as one grouped GEMM (GPU with Transformer Engine only).",
                                  False)
+    moe_router_pre_softmax: bool = doc("Score all experts (softmax, or sigmoid) before the top-k selection instead "
+                                       "of a softmax over the top-k logits; megatron-core needs it with "
+                                       "--moe-router-topk 1 and the softmax score function.", False)
+    moe_router_score_function: str = doc("How the router scores the experts (sigmoid: DeepSeek-V3 style; with "
+                                         "top-k > 1 the chosen scores are renormalised).", "softmax",
+                                         choices=("softmax", "sigmoid"))
+    moe_router_topk_scaling_factor: float | None = doc("Multiply the top-k routing weights by this factor "
+                                                       "(e.g. with --moe-router-pre-softmax); unset = 1.", None)
+    moe_shared_expert_intermediate_size: int | None = doc(
+        "Shared experts: MLP width every token passes through besides its routed experts (number of shared "
+        "experts x the width of each); unset = none.", None)
+    moe_layer_freq: str = doc("Which layers are MoE layers (Megatron-LM's 1:N ratio or [1,0,...] pattern); "
+                              "megatron-ext makes every layer's MLP an MoE layer, so only 1 is accepted.", "1")
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -137,7 +150,9 @@ class ModelConfig:
             moe_set = [f"--{k.replace('_', '-')}" for k, default in (
                 ("moe_router_topk", 2), ("moe_ffn_hidden_size", None), ("moe_token_dispatcher_type", "allgather"),
                 ("moe_router_load_balancing_type", "aux_loss"), ("moe_aux_loss_coeff", 0.0),
-                ("moe_grouped_gemm", False)) if getattr(self, k) != default]
+                ("moe_grouped_gemm", False), ("moe_router_pre_softmax", False),
+                ("moe_router_score_function", "softmax"), ("moe_router_topk_scaling_factor", None),
+                ("moe_shared_expert_intermediate_size", None), ("moe_layer_freq", "1")) if getattr(self, k) != default]
             if moe_set:
                 raise ConfigError(f"{', '.join(moe_set)} need{'s' if len(moe_set) == 1 else ''} --num-experts")
             return
@@ -152,6 +167,18 @@ class ModelConfig:
             raise ConfigError(f"--moe-ffn-hidden-size must be >= 1, got {self.moe_ffn_hidden_size}")
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        scale = self.moe_router_topk_scaling_factor
+        if scale is not None and not scale > 0:
+            raise ConfigError(f"--moe-router-topk-scaling-factor must be > 0, got {scale}")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and shared < 1:
+            raise ConfigError(f"--moe-shared-expert-intermediate-size must be >= 1, got {shared}")
+        if str(self.moe_layer_freq).strip() != "1":
+            # One layer spec for every layer: the checkpoint keys of a layer, ResiHP's FLOPs model and the
+            # Hugging Face tables all assume that every MLP is an MoE layer.
+            raise ConfigError(f"--moe-layer-freq {self.moe_layer_freq}: megatron-ext makes every layer's MLP an "
+                              "MoE layer (one layer spec for all layers), so dense layers between MoE layers are "
+                              "not supported: leave it at 1")
 
 @section("parallel")
 @dataclasses.dataclass(kw_only=True)
@@ -399,6 +426,12 @@ class RunConfig:
                                   "tools/preprocess_data.py or leave --data-path unset for the default corpus")
         if self.checkpoint.load is not None and not os.path.isdir(self.checkpoint.load):
             raise ConfigError(f"--load {self.checkpoint.load}: no such directory")
+        for ext in self.extensions.values():
+            # An extension section's own checks that need the world size (e.g. a fault injected into
+            # a rank the world does not have), before any rank starts like the rest.
+            check_world = getattr(ext, "check_world", None)
+            if callable(check_world):
+                check_world(world_size)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -137,6 +137,14 @@ def validate(cfg: Any, world_size: int) -> None:
     if m.moe_ffn_hidden_size % tp:
         raise ConfigError(f"--moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) is not divisible by "
                           f"--tensor-model-parallel-size ({tp})")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared is not None and shared % tp:
+        raise ConfigError(f"--moe-shared-expert-intermediate-size ({shared}) is not divisible by "
+                          f"--tensor-model-parallel-size ({tp})")
+    helix = cfg.ext("helix")
+    if shared is not None and helix is not None and helix.helix:
+        raise ConfigError("--moe-shared-expert-intermediate-size with --helix: Helix's traceable MoE dispatch "
+                          "(helix/adapter_moe.py) does not implement shared experts; drop one of them")
     if tp > 1 and not p.sequence_parallel:
         # megatron-core's MoELayer refuses to train this: with TP, the router and experts take the
         # sequence-parallel shard of the tokens (otherwise every TP rank routes every token).

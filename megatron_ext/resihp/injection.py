@@ -144,9 +144,14 @@ class FaultInjectionConfig:
             raise ConfigError(f"--inject-slow names rank(s) more than once: {self.inject_slow}")
 
     def check_world(self, world_size: int) -> None:
-        for f in [*self.slow, *self.stop, *self.error]:
-            if f.rank >= world_size:
-                raise ConfigError(f"fault injection names rank {f.rank}, but the world has {world_size} ranks")
+        """Every fault names a rank of the world (``RunConfig.validate``: before any rank starts)."""
+        for flag, specs, faults in (("--inject-slow", self.inject_slow, self.slow),
+                                    ("--inject-stop", self.inject_stop, self.stop),
+                                    ("--inject-error", self.inject_error, self.error)):
+            for spec, f in zip(specs or [], faults):
+                if f.rank >= world_size:
+                    raise ConfigError(f"{flag} {spec} names rank {f.rank}, but the world has {world_size} ranks "
+                                      f"(0..{world_size - 1})")
 
     @property
     def any(self) -> bool:

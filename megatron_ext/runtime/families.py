@@ -46,7 +46,11 @@ def transformer_config_kwargs(m: "ModelConfig") -> dict[str, Any]:
         kw.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
                   moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_token_dispatcher_type=m.moe_token_dispatcher_type,
                   moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-                  moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_grouped_gemm=m.moe_grouped_gemm)
+                  moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_grouped_gemm=m.moe_grouped_gemm,
+                  moe_router_pre_softmax=m.moe_router_pre_softmax,
+                  moe_router_score_function=m.moe_router_score_function,
+                  moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+                  moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size)
     return kw
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import RunConfig
 from megatron_ext.runtime import families
 from megatron_ext.runtime.distributed import DistContext
@@ -76,10 +77,22 @@ def stage_layout(stage_layers: list[int] | None) -> list[list[str]] | None:
 
 
 def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
+    """megatron-core's TransformerConfig of this run on this rank's device; a configuration megatron-core
+    refuses is a ``ConfigError`` naming the flags (``check_config`` runs the same before any rank starts)."""
+    return build_transformer_config(cfg, on_gpu=ctx.device.type == "cuda", vpp=ctx.vpp)
+
+
+def build_transformer_config(cfg: RunConfig, *, on_gpu: bool, vpp: int | None) -> Any:
+    try:
+        return _transformer_config(cfg, on_gpu=on_gpu, vpp=vpp)
+    except MEGATRON_REFUSALS as exc:
+        raise ConfigError(refusal_line(cfg, exc, on_gpu=on_gpu)) from None
+
+
+def _transformer_config(cfg: RunConfig, *, on_gpu: bool, vpp: int | None) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m, p, t = cfg.model, cfg.parallel, cfg.training
-    on_gpu = ctx.device.type == "cuda"
     # --bf16 holds bf16 weights on CPU too (slow, but it is how the mixed-precision optimizer and
     # its checkpoints are tested without a GPU).
     dtype = torch.bfloat16 if t.bf16 else torch.float32
@@ -88,7 +101,7 @@ def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=ctx.vpp,
+        virtual_pipeline_model_parallel_size=vpp,
         pipeline_model_parallel_layout=stage_layout(p.pipeline_stage_layers),
         calculate_per_token_loss=p.data_parallel_microbatches is not None,
         sequence_parallel=p.sequence_parallel,
@@ -105,6 +118,84 @@ def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
         apply_rope_fusion=False,
         bias_dropout_fusion=on_gpu,
     )
+
+
+# --- megatron-core's own checks, before any rank starts ---------------------------------------------
+
+MEGATRON_REFUSALS = (ValueError, AssertionError, NotImplementedError)
+"""What TransformerConfig.__post_init__ raises for a configuration it refuses."""
+
+# The run's flags that reach TransformerConfig (``_transformer_config``): the model's, and these.
+_PARALLEL_FLAGS = ("tensor_model_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size",
+                   "virtual_pipeline_model_parallel_size", "pipeline_stage_layers", "data_parallel_microbatches",
+                   "sequence_parallel", "device", "bf16")
+
+
+def check_config(cfg: RunConfig) -> None:
+    """The megatron engine's check before any rank starts (``engines.py``): build megatron-core's
+    TransformerConfig of the run as a rank would (device and virtual stages resolved the same way),
+    so that what megatron-core refuses is one line here instead of a traceback from every rank."""
+    build_transformer_config(cfg, on_gpu=_on_gpu(cfg), vpp=_vpp(cfg))
+
+
+def _on_gpu(cfg: RunConfig) -> bool:
+    device = cfg.parallel.device
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def _vpp(cfg: RunConfig) -> int | None:
+    """The virtual stages a rank's context holds (``DistContext.vpp``): None for plain 1F1B."""
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    return vpp if vpp and vpp > 1 else None
+
+
+def _message(exc: BaseException) -> str:
+    """megatron-core's message, or for a bare ``assert`` where it failed."""
+    text = " ".join(str(exc).split())
+    if text:
+        return text
+    import traceback
+
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    where = frame.filename.split("site-packages/")[-1]
+    return f"{type(exc).__name__} at {where}:{frame.lineno} ({(frame.line or '').strip()})"
+
+
+def refusal_line(cfg: RunConfig, exc: BaseException, *, on_gpu: bool) -> str:
+    """One line for megatron-core's refusal ``exc``, naming the flags it is about: each flag set away
+    from its default whose default (everything else kept) makes this refusal go away."""
+    from megatron_ext.config.base import flag_name
+    from megatron_ext.config.run import config_from_values
+
+    message = _message(exc)
+    values = cfg.flat()
+    defaults = config_from_values({}).flat()
+    keys = [f.name for f in dataclasses.fields(cfg.model)] + list(_PARALLEL_FLAGS)
+    involved = []
+    for key in keys:
+        if values.get(key) == defaults.get(key):
+            continue
+        try:
+            trial = config_from_values({k: v for k, v in values.items() if k != key})
+        except ConfigError:
+            continue  # this flag alone cannot go back to its default
+        try:
+            _transformer_config(trial, on_gpu=on_gpu if key != "device" else _on_gpu(trial), vpp=_vpp(trial))
+        except MEGATRON_REFUSALS as other:
+            if _message(other) == message:
+                continue
+        involved.append(key)
+
+    def shown(key: str) -> str:
+        value = values[key]
+        if value is True:
+            return flag_name(key)
+        if isinstance(value, (list, tuple)):
+            return f"{flag_name(key)} {' '.join(map(str, value))}"
+        return f"{flag_name(key)} {value}"
+
+    what = ", ".join(shown(k) for k in involved) if involved else "the model configuration"
+    return f"{what}: megatron-core refuses it (TransformerConfig): {message}"
 
 
 def layer_spec(on_gpu: bool, *, per_document_attention: bool = False, local: bool = False,

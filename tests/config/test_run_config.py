@@ -12,7 +12,8 @@ CORE_FLAGS = [
     "position_embedding_type", "untie_embeddings_and_output_weights", "rotary_base", "normalization", "swiglu",
     "group_query_attention", "num_query_groups", "disable_bias_linear", "qk_layernorm", "num_experts",
     "moe_router_topk", "moe_ffn_hidden_size", "moe_token_dispatcher_type", "moe_router_load_balancing_type",
-    "moe_aux_loss_coeff", "moe_grouped_gemm",
+    "moe_aux_loss_coeff", "moe_grouped_gemm", "moe_router_pre_softmax", "moe_router_score_function",
+    "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_layer_freq",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
     "virtual_pipeline_model_parallel_size", "pipeline_stage_layers",
     "data_parallel_microbatches",
@@ -189,3 +190,4 @@ def test_data_parallel_microbatches_checks():
         parse_run_config(["--data-parallel-microbatches", "4", "0"])
     with pytest.raises(ConfigError, match="needs --engine megatron and plain 1F1B"):
         parse_run_config(["--data-parallel-microbatches", "3", "1", "--engine", "deepspeed"])
+

@@ -36,6 +36,25 @@ def test_layout_error_is_one_line_before_any_rank_starts():
         "--pipeline-model-parallel-size (3) = 3"]
 
 
+def test_a_fault_in_a_rank_the_world_lacks_is_refused_before_any_rank_starts():
+    res = run(["--nproc-per-node", "4", "--inject-stop", "9:3:step"])
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr.splitlines() == [
+        "pretrain_gpt.py: error: --inject-stop 9:3:step names rank 9, but the world has 4 ranks (0..3)"]
+
+
+def test_megatron_cores_own_refusal_is_one_line_before_any_rank_starts(tmp_path):
+    # TransformerConfig's check (top-1 routing needs the pre-softmax router) runs in the launcher,
+    # not as a traceback from each of the four ranks.
+    res = run(["--nproc-per-node", "4", "--config", "configs/qwen3_moe_tiny.yaml", "--moe-router-topk", "1",
+               "--save", str(tmp_path / "ck"), "--metrics-file", str(tmp_path / "m.jsonl"),
+               "--tensorboard-dir", str(tmp_path / "tb")])
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr.splitlines() == [
+        "pretrain_gpt.py: error: --moe-router-topk 1: megatron-core refuses it (TransformerConfig): Please use "
+        "--moe-router-pre-softmax when topk is 1."]
+
+
 def test_misspelled_flag_is_one_line_with_a_suggestion():
     res = run(["--hiden-size", "8"])
     assert res.returncode == 2

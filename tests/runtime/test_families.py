@@ -33,6 +33,17 @@ MOE = LLAMA + ["--num-experts", "4"]
     (["--swiglu", "--hidden-size", "16", "--num-attention-heads", "2"],
      "--swiglu with --hidden-size 16 gives Megatron-LM's default --ffn-hidden-size of 0: give --ffn-hidden-size"),
     (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be >= 1, got 0"),
+    (["--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor", "2",
+      "--moe-shared-expert-intermediate-size", "64", "--moe-layer-freq", "2"],
+     "--moe-router-pre-softmax, --moe-router-score-function, --moe-router-topk-scaling-factor, "
+     "--moe-shared-expert-intermediate-size, --moe-layer-freq need --num-experts"),
+    (["--num-experts", "4", "--moe-router-topk-scaling-factor", "0"], "--moe-router-topk-scaling-factor must be > 0, "
+     "got 0.0"),
+    (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "0"],
+     "--moe-shared-expert-intermediate-size must be >= 1, got 0"),
+    (["--num-experts", "4", "--moe-layer-freq", "([1]*3+[0]*1)*3"],
+     "--moe-layer-freq ([1]*3+[0]*1)*3: megatron-ext makes every layer's MLP an MoE layer (one layer spec for all "
+     "layers), so dense layers between MoE layers are not supported: leave it at 1"),
 ])
 def test_field_checks_name_the_flags(argv, message):
     with pytest.raises(ConfigError) as err:
@@ -62,6 +73,11 @@ def test_field_checks_name_the_flags(argv, message):
             "--expert-model-parallel-size", "2", "--device", "cpu"], 4,
      "--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size > 1 and --expert-model-parallel-size "
      "> 1 needs NCCL (uneven all-gathers); on gloo use --moe-token-dispatcher-type allgather"),
+    (MOE + ["--moe-shared-expert-intermediate-size", "33", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     2, "--moe-shared-expert-intermediate-size (33) is not divisible by --tensor-model-parallel-size (2)"),
+    (MOE + ["--moe-shared-expert-intermediate-size", "32", "--helix"], 1, "--moe-shared-expert-intermediate-size "
+     "with --helix: Helix's traceable MoE dispatch (helix/adapter_moe.py) does not implement shared experts; drop "
+     "one of them"),
     (MOE + ["--engine", "deepspeed"], 1, DEEPSPEED.refusals[model_families.MOE.engine_feature] + " (model flags: --normalization --swiglu "
      "--group-query-attention --position-embedding-type --disable-bias-linear --qk-layernorm --num-experts)"),
 ])
@@ -107,17 +123,53 @@ SMALL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "group_qu
 
 
 @pytest.fixture(scope="module")
-def moe_model():
+def one_rank():
     from megatron_ext.compat import megatron_cpu
 
     shims_before = megatron_cpu.applied()
-    cfg = config_from_values(dict(SMALL))
-    ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
-    bundle = build_model(cfg, ctx, vocab_size=100, wrap_ddp=False)
-    yield cfg, bundle
+    ctx = distributed.setup(config_from_values(dict(SMALL)).parallel, seed=1234)
+    yield ctx
     distributed.teardown()
     if not shims_before:  # leave the process as found (tests/compat checks apply() from scratch)
         megatron_cpu.remove()
+
+
+@pytest.fixture(scope="module")
+def moe_model(one_rank):
+    cfg = config_from_values(dict(SMALL))
+    return cfg, build_model(cfg, one_rank, vocab_size=100, wrap_ddp=False)
+
+
+def test_megatron_lm_moe_flags_reach_the_model(one_rank):
+    # Megatron-LM's router and shared-expert flags, by their Megatron-LM names: in the
+    # TransformerConfig, and in what the layers compute.
+    cfg = parse_run_config([*MOE, "--hidden-size", "32", "--ffn-hidden-size", "48", "--moe-ffn-hidden-size", "24",
+                            "--num-layers", "2", "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid",
+                            "--moe-router-topk-scaling-factor", "2.5", "--moe-shared-expert-intermediate-size", "16",
+                            "--moe-layer-freq", "1"])
+    bundle = build_model(cfg, one_rank, vocab_size=100, wrap_ddp=False)
+    tc = bundle.config
+    assert (tc.moe_router_pre_softmax, tc.moe_router_score_function, tc.moe_router_topk_scaling_factor,
+            tc.moe_shared_expert_intermediate_size, tc.moe_layer_freq) == (True, "sigmoid", 2.5, 16, 1)
+    mlp = unwrap(bundle.chunks[0]).decoder.layers[0].mlp
+    assert mlp.shared_experts.linear_fc1.weight.shape == (2 * 16, 32)  # SwiGLU: [W; V]
+    with torch.no_grad():
+        probs, routing_map = mlp.router(torch.randn(8, 2, 32))
+    # Sigmoid scores of the top 2, renormalised, times the scaling factor: 2.5 per token.
+    assert routing_map.sum(dim=-1).tolist() == [2] * 16
+    assert torch.allclose(probs.sum(dim=-1), torch.full((16,), 2.5))
+
+
+def test_megatron_core_refusal_is_one_line_naming_the_flag():
+    from megatron_ext.runtime.model import check_config
+
+    cfg = parse_run_config(["--config", "configs/qwen3_moe_tiny.yaml", "--moe-router-topk", "1"])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    assert str(err.value) == ("--moe-router-topk 1: megatron-core refuses it (TransformerConfig): Please use "
+                              "--moe-router-pre-softmax when topk is 1.")
+    check_config(parse_run_config(["--config", "configs/qwen3_moe_tiny.yaml", "--moe-router-topk", "1",
+                                   "--moe-router-pre-softmax"]))
 
 
 def test_every_parameter_is_initialised_by_global_name(moe_model):
