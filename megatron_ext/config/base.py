@@ -64,11 +64,15 @@ def suggest_flag(message: str, known: Iterable[str]) -> str:
 
 
 def doc(help: str, default: Any = dataclasses.MISSING, *, choices: Iterable[Any] | None = None,
-        default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with a help text (shown by ``--help`` and in docs/)."""
-    meta = {"help": help}
+        default_factory: Any = dataclasses.MISSING, aliases: Iterable[str] = ()) -> Any:
+    """A dataclass field with a help text (shown by ``--help`` and in docs/). ``aliases``: other
+    spellings of its flag (Megatron-LM's, e.g. ``--override-opt_param-scheduler``); the YAML key
+    is the field's name."""
+    meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = tuple(choices)
+    if aliases:
+        meta["aliases"] = tuple(aliases)
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -116,16 +120,17 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
+        names = (flag_name(f.name), *f.metadata.get("aliases", ()))
         if base is bool:
             # --flag, --flag true/false, and --no-flag all work.
-            group.add_argument(flag_name(f.name), nargs="?", const=True, type=_parse_bool, **kwargs)
+            group.add_argument(*names, nargs="?", const=True, type=_parse_bool, **kwargs)
             group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const",
                                const=False, default=None, help=argparse.SUPPRESS)
         elif typing.get_origin(base) in (list, tuple):
             (elem,) = set(typing.get_args(base)) - {Ellipsis} or {str}
-            group.add_argument(flag_name(f.name), nargs="+", type=elem, **kwargs)
+            group.add_argument(*names, nargs="+", type=elem, **kwargs)
         else:
-            group.add_argument(flag_name(f.name), type=base if base in (int, float, str) else str, **kwargs)
+            group.add_argument(*names, type=base if base in (int, float, str) else str, **kwargs)
 
 
 def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:

@@ -267,6 +267,11 @@ class TrainingConfig:
     seed: int = doc("Random seed (weights, data order, dropout).", 1234)
     bf16: bool = doc("bf16 weights with fp32 master weights in megatron's optimizer (on CPU too, slowly).",
                      False)
+    override_opt_param_scheduler: bool = doc(
+        "On resume (--load), take the learning-rate schedule from these flags (--lr, --min-lr, --lr-warmup-iters, "
+        "--lr-decay-iters, --lr-decay-style, --weight-decay) instead of the checkpoint's, at the checkpoint's "
+        "iteration: how a finished run is trained on (Megatron-LM's --override-opt_param-scheduler). Without it "
+        "the checkpoint's schedule wins.", False, aliases=("--override-opt_param-scheduler",))
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters"):

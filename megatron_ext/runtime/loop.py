@@ -457,16 +457,27 @@ class Trainer:
                         state.consumed_samples)
 
     def _warn_schedule_change(self, saved: dict[str, Any]) -> None:
-        """The checkpoint's LR schedule wins over the flags on resume (megatron's
-        use_checkpoint_opt_param_scheduler): say so when the flags ask for another one."""
+        """On resume the checkpoint's LR schedule wins over the flags (megatron's
+        use_checkpoint_opt_param_scheduler), unless ``--override-opt-param-scheduler`` (megatron's
+        override_opt_param_scheduler) makes the flags' win: say which one runs when they differ."""
         t = self.cfg.training
         want = {"max_lr": t.lr, "min_lr": t.min_lr, "lr_warmup_steps": t.lr_warmup_iters,
-                "lr_decay_steps": max(t.lr_decay_iters, t.lr_warmup_iters + 1), "lr_decay_style": t.lr_decay_style}
-        changed = [f"{k} {saved[k]} (flags: {v})" for k, v in want.items() if k in saved and saved[k] != v]
-        if changed and self.ctx.rank == 0:
-            logger.warning("resuming keeps the checkpoint's learning-rate schedule: %s; after the decay the "
-                           "rate stays at min-lr. To train on a new schedule, start a new run from the "
-                           "weights (docs/runtime.md, 'Resuming')", "; ".join(changed))
+                "lr_decay_steps": max(t.lr_decay_iters, t.lr_warmup_iters + 1), "lr_decay_style": t.lr_decay_style,
+                "start_wd": t.weight_decay}
+        changed = {k: (saved[k], v) for k, v in want.items() if k in saved and saved[k] != v}
+        if not changed or self.ctx.rank != 0:
+            return
+        if t.override_opt_param_scheduler:
+            logger.info("resuming at iteration %s on the flags' learning-rate schedule "
+                        "(--override-opt-param-scheduler): %s", saved.get("num_steps"),
+                        "; ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+            return
+        decay_end = saved.get("lr_decay_steps")
+        flat = (f"; from iteration {decay_end} to {t.train_iters} the rate stays at its minimum "
+                f"{saved.get('min_lr')}" if decay_end is not None and t.train_iters > decay_end else "")
+        logger.warning("resuming keeps the checkpoint's learning-rate schedule: %s%s. To train on the flags' "
+                       "schedule from the checkpoint's iteration instead, add --override-opt-param-scheduler",
+                       "; ".join(f"{k} {old} (flags: {new})" for k, (old, new) in changed.items()), flat)
 
     def _log(self, m: IterationMetrics, avg_time: float) -> None:
         if self.ctx.is_logging_rank:

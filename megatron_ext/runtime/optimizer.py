@@ -465,6 +465,7 @@ def build_scheduler(optimizer: Any, cfg: TrainingConfig):
         end_wd=cfg.weight_decay,
         wd_incr_steps=cfg.train_iters,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        # Megatron-LM's pair: the checkpoint's schedule wins on resume, unless the flags are to.
+        use_checkpoint_opt_param_scheduler=not cfg.override_opt_param_scheduler,
+        override_opt_param_scheduler=cfg.override_opt_param_scheduler,
     )

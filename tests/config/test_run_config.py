@@ -20,7 +20,7 @@ CORE_FLAGS = [
     "sequence_parallel", "overlap_grad_reduce", "use_distributed_optimizer", "distributed_backend", "device", "engine",
     "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
     "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
-    "seed", "bf16",
+    "seed", "bf16", "override_opt_param_scheduler",
     "data_path", "split", "tokenizer_file", "data_cache_dir", "doc_length_dist",
     "log_interval", "eval_interval", "eval_iters", "tensorboard_dir", "metrics_file", "progress",
     "save", "load", "save_interval", "keep_last",
@@ -191,3 +191,10 @@ def test_data_parallel_microbatches_checks():
     with pytest.raises(ConfigError, match="needs --engine megatron and plain 1F1B"):
         parse_run_config(["--data-parallel-microbatches", "3", "1", "--engine", "deepspeed"])
 
+
+@pytest.mark.parametrize("spelling", ["--override-opt-param-scheduler", "--override-opt_param-scheduler"])
+def test_override_opt_param_scheduler_takes_megatrons_spellings(spelling, tmp_path):
+    assert parse_run_config([spelling]).training.override_opt_param_scheduler is True
+    assert parse_run_config([]).training.override_opt_param_scheduler is False
+    path = write(tmp_path, "override-opt_param-scheduler: true\n")
+    assert parse_run_config(["--config", path]).training.override_opt_param_scheduler is True
