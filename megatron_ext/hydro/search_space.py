@@ -52,6 +52,16 @@ class Param:
     step: float | int | None = None
     choices: tuple[Any, ...] = ()
 
+    def distribution(self) -> Any:
+        """The Optuna distribution ``suggest`` draws from."""
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+        if self.kind == "categorical":
+            return CategoricalDistribution(list(self.choices))
+        if self.kind == "int":
+            return IntDistribution(int(self.low), int(self.high), log=self.log, step=int(self.step or 1))
+        return FloatDistribution(float(self.low), float(self.high), log=self.log, step=self.step)
+
     def suggest(self, trial: Any) -> Any:
         if self.kind == "categorical":
             return trial.suggest_categorical(self.name, list(self.choices))

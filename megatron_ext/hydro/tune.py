@@ -9,7 +9,6 @@ where the study stands. Exit status: 0 with a best trial, 1 when the study has n
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import signal
@@ -44,7 +43,8 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def no_result_reason(res: TuneResult, study_name: str) -> str | None:
     """Why the study has no usable result, or None when it has one."""
-    counts = f"{res.n_complete} complete, {res.n_pruned} pruned, {res.n_failed} failed"
+    given = f"{res.n_given_back} given back unfinished, " if res.n_given_back else ""
+    counts = f"{res.n_complete} complete, {res.n_pruned} pruned, {given}{res.n_failed} failed"
     if res.best_trial is None:
         return (f"study '{study_name}' has no complete trial ({counts}): there is no best config and no target "
                 "was trained. Every finished trial was pruned or diverged; run more trials (--n-trials, the study "

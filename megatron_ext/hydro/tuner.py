@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from optuna.trial import TrialState
 from .bundle import TrialBundle, TrialSpec
 from .config import HydroTuneConfig, default_hparams, hparams_dict, hparams_from
 from .data import TokenBatches, load_tokens
+from .distinct import DistinctSampler
 from .fx_common import reinitialize
 from .memory import MemoryModel, available_bytes, fusion_count, probe_memory_model
 from .models import GPT, GPTShape
@@ -41,6 +43,11 @@ from .search_space import Param, space_signature
 from .shrink import shrink_model
 
 logger = logging.getLogger(__name__)
+
+# User attribute of a trial that a worker sharing the study (a Bubble Squeezer guest) gave back
+# unfinished: {"why", "reason", "steps", "trial_steps"}. The trial is FAIL in Optuna's terms; the
+# tables and summaries name it apart from failures.
+GIVEN_BACK_ATTR = "squeeze_given_back"
 
 
 class SimulatedCrash(RuntimeError):
@@ -56,7 +63,7 @@ class TuneResult:
     target_loss: float | None
     n_complete: int
     n_pruned: int
-    n_failed: int
+    n_failed: int                             # failed, not counting the given-back trials
     fusion: int
     wall_s: float
     tuning_s: float
@@ -64,16 +71,29 @@ class TuneResult:
     rows: list[dict[str, Any]]
     history: list[tuple[float, float]]        # (seconds since start, best proxy loss so far)
     target_reused: bool = False               # target_loss comes from an earlier run of this study
+    n_given_back: int = 0                     # handed back unfinished by a guest (GIVEN_BACK_ATTR)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _make_sampler(cfg: HydroTuneConfig) -> optuna.samplers.BaseSampler:
+def sampler_seed(seed: int, key: tuple[int, ...] = ()) -> int:
+    """The sampler's seed: the study's own, or for one of several workers sharing the study (``key``:
+    its identity, e.g. a guest's rank) a seed derived from both, the same every time."""
+    if not key:
+        return seed
+    digest = hashlib.sha256(",".join(str(int(k)) for k in (seed, *key)).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def _make_sampler(cfg: HydroTuneConfig, space: dict[str, Param], key: tuple[int, ...] = ()) -> DistinctSampler:
+    seed = sampler_seed(cfg.seed, key)
     if cfg.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=cfg.seed)
-    # constant_liar: trials asked in one batch (one bundle) should not all land on one point.
-    return optuna.samplers.TPESampler(seed=cfg.seed, constant_liar=True, n_startup_trials=min(8, cfg.n_trials))
+        base: optuna.samplers.BaseSampler = optuna.samplers.RandomSampler(seed=seed)
+    else:
+        # constant_liar: trials asked in one batch (one bundle) should not all land on one point.
+        base = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=min(8, cfg.n_trials))
+    return DistinctSampler(base, space, seed=seed)
 
 
 def _make_pruner(cfg: HydroTuneConfig) -> optuna.pruners.BasePruner:
@@ -103,6 +123,7 @@ class HydroTuner:
         self.log = log or (lambda s: logger.info("%s", s))
         self.crash_after = crash_after
         self.study: optuna.Study | None = None
+        self.sampler_key: tuple[int, ...] = ()   # a worker's identity, when several share the study
         self._phase = "setup"     # setup, tuning, transfer, done: for status_line()
         self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                                    else ("cpu" if cfg.device == "auto" else cfg.device))
@@ -198,7 +219,7 @@ class HydroTuner:
             storage = None
         elif storage.startswith("sqlite:///"):
             os.makedirs(os.path.dirname(os.path.abspath(storage[len("sqlite:///"):])), exist_ok=True)
-        study = optuna.create_study(study_name=c.study_name, storage=storage, sampler=_make_sampler(c),
+        study = optuna.create_study(study_name=c.study_name, storage=storage, sampler=_make_sampler(c, self.space, self.sampler_key),
                                     pruner=_make_pruner(c), direction="minimize", load_if_exists=True)
         self.study = study
         sig = {"search_space": space_signature(self.space), "trial_steps": c.trial_steps,
@@ -219,8 +240,10 @@ class HydroTuner:
         (``n_open``: trials in training or waiting to resume)."""
         return max(0, min(free, self.cfg.n_trials - n_finished - n_open))
 
-    def _on_ask(self, trial: optuna.Trial) -> None:
-        """A new trial was asked (before it trains)."""
+    def _new_trial(self, study: optuna.Study) -> tuple[optuna.Trial, TrialSpec] | None:
+        """Ask one new trial and draw its parameters; None when the study wants no more."""
+        trial = study.ask()
+        return trial, self._spec(trial)
 
     def _fusion_now(self, fusion: int) -> int:
         """The fusion count for the next refill (a caller may lower it while the study runs)."""
@@ -317,10 +340,12 @@ class HydroTuner:
                 new_specs.append(self._spec(trial))
                 free -= 1
             for _ in range(self._askable(free, n_finished, len(active) + len(pending))):
-                trial = study.ask()
-                self._on_ask(trial)
+                asked = self._new_trial(study)
+                if asked is None:
+                    break
+                trial, spec = asked
                 active[trial.number] = trial
-                new_specs.append(self._spec(trial))
+                new_specs.append(spec)
             if bundle is not None and (leaving or new_specs):
                 keep = [t for t in bundle.trial_ids if t not in leaving]
                 if keep or new_specs:
@@ -406,7 +431,8 @@ class HydroTuner:
         trials = study.get_trials(deepcopy=False)
         complete = [t for t in trials if t.state == TrialState.COMPLETE]
         rows = [{"trial": t.number, "state": t.state.name, "steps": t.last_step, "val_loss": t.value if t.value is not None
-                 else (t.intermediate_values.get(t.last_step) if t.last_step is not None else None), "params": t.params}
+                 else (t.intermediate_values.get(t.last_step) if t.last_step is not None else None), "params": t.params,
+                 "given_back": given_back_reason(t)}
                 for t in trials]
         best_t = min(complete, key=lambda t: t.value) if complete else None
         target_loss, reused = None, False
@@ -433,7 +459,7 @@ class HydroTuner:
         res = TuneResult(best_trial=best_t.number if best_t else None, best_params=dict(best_t.params) if best_t else {},
                          best_proxy_loss=best_t.value if best_t else None, target_loss=target_loss,
                          n_complete=len(complete), n_pruned=sum(t.state == TrialState.PRUNED for t in trials),
-                         n_failed=sum(t.state == TrialState.FAIL for t in trials), fusion=fusion,
+                         n_failed=n_failed(trials), n_given_back=n_given_back(trials), fusion=fusion,
                          wall_s=time.perf_counter() - t0, tuning_s=tuning_s, transfer_s=transfer_s, rows=rows,
                          history=history, target_reused=reused)
         self._phase = "done"
@@ -481,6 +507,21 @@ class HydroTuner:
         v = _plain_eval(model, val, self.device)
         self.log(f"[transfer {time.perf_counter() - t0:6.1f}s] target width {c.hidden_size} step {steps}/{steps} val {v:.4f}")
         return v
+
+
+def given_back_reason(t: optuna.trial.FrozenTrial) -> str | None:
+    """Why a worker gave trial ``t`` back unfinished, or None when it did not."""
+    given = t.user_attrs.get(GIVEN_BACK_ATTR) if t.state == TrialState.FAIL else None
+    return given.get("reason", "given back") if isinstance(given, dict) else None
+
+
+def n_given_back(trials: list[optuna.trial.FrozenTrial]) -> int:
+    return sum(given_back_reason(t) is not None for t in trials)
+
+
+def n_failed(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """Failed trials, not counting those given back unfinished."""
+    return sum(t.state == TrialState.FAIL and given_back_reason(t) is None for t in trials)
 
 
 def _non_default(cfg: HydroTuneConfig, names: tuple[str, ...]) -> dict[str, Any]:
@@ -548,13 +589,14 @@ def results_table(res: TuneResult, space: dict[str, Param]) -> str:
     names = list(space)
     head = ["trial", "state", "steps", "val_loss"] + names
     order = sorted(res.rows, key=lambda r: (r["state"] != "COMPLETE", r["val_loss"] if r["val_loss"] is not None else math.inf))
-    body = [[str(r["trial"]), r["state"].lower(), str(r["steps"] if r["steps"] is not None else "-"),
+    body = [[str(r["trial"]), "given back" if r.get("given_back") else r["state"].lower(), str(r["steps"] if r["steps"] is not None else "-"),
              f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-"] +
             [_fmt(r["params"].get(n, "-")) for n in names] for r in order]
     widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
-    lines.append(f"{res.n_complete} complete, {res.n_pruned} pruned, {res.n_failed} failed; fusion {res.fusion}; "
+    given = f"{res.n_given_back} given back unfinished, " if res.n_given_back else ""
+    lines.append(f"{res.n_complete} complete, {res.n_pruned} pruned, {given}{res.n_failed} failed; fusion {res.fusion}; "
                  f"tuning {res.tuning_s:.1f}s, transfer {res.transfer_s:.1f}s")
     if res.best_trial is not None:
         lines.append(f"best: trial {res.best_trial} proxy val loss {res.best_proxy_loss:.4f}" +

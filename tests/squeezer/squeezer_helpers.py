@@ -27,16 +27,19 @@ eval_iters: 2
 target_steps: 50
 max_fusion: 2
 threads: 1
+sampler: {sampler}
 search_space:
-  lr: {{type: float, low: 1.0e-3, high: 3.0e-2, log: true}}
+{space}
 """
+LR_SPACE = "  lr: {type: float, low: 1.0e-3, high: 3.0e-2, log: true}"
 
 
-def tiny_study(tmp_path, name: str = "sq", n_trials: int = 4, trial_steps: int = 20, pruner: str = "none") -> str:
+def tiny_study(tmp_path, name: str = "sq", n_trials: int = 4, trial_steps: int = 20, pruner: str = "none",
+               space: str = LR_SPACE, sampler: str = "tpe") -> str:
     path = os.path.join(str(tmp_path), f"{name}.yaml")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(TINY_STUDY.format(name=name, out=os.path.join(str(tmp_path), "hydro"), n_trials=n_trials,
-                                   pruner=pruner, trial_steps=trial_steps))
+                                   pruner=pruner, trial_steps=trial_steps, space=space, sampler=sampler))
     return path
 
 

@@ -2,7 +2,9 @@
 computes what it computes alone, survives nothing but gives its trials back when killed or stopped."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 
@@ -11,8 +13,11 @@ import pytest
 from optuna.trial import TrialState
 
 from megatron_ext.hydro.squeezer.control import PARKED, RUNNING, STOPPED, SUSPENDED
+from megatron_ext.hydro.distinct import COUNTED, distinct_sets
 from megatron_ext.hydro.squeezer.controller import GuestProcess, Squeezer
+from megatron_ext.hydro.squeezer.guest import study_summary
 from megatron_ext.hydro.squeezer.replay import read_oplog, replay
+from megatron_ext.hydro.tuner import GIVEN_BACK_ATTR
 from squeezer_helpers import WindowDriver, tiny_study, wait_for
 
 
@@ -102,7 +107,8 @@ def test_a_killed_guest_is_restarted_and_its_trials_are_marked_failed(run):
     assert "died (signal 9)" in run["restart_line"] and "restarted (1 of 3)" in run["restart_line"]
     failed = [t for t in run["trials"] if t.state == TrialState.FAIL
               and t.user_attrs["squeeze_guest"]["pid"] == run["first_pid"]]
-    assert failed and all(t.user_attrs["squeeze_failed"] == "its guest process died" for t in failed)
+    assert failed and all(t.user_attrs[GIVEN_BACK_ATTR] == {"why": "died", "reason": "its guest process died",
+                                                            "steps": None, "trial_steps": 20} for t in failed)
     # the second guest trained new trials of its own
     assert any(t.user_attrs.get("squeeze_guest", {}).get("pid") == run["second_pid"] for t in run["trials"])
 
@@ -112,7 +118,47 @@ def test_stop_gives_the_unfinished_trials_back(run):
     mine = [t for t in run["trials"] if t.user_attrs.get("squeeze_guest", {}).get("pid") == run["second_pid"]]
     assert all(t.state != TrialState.RUNNING for t in mine)
     stopped = [t for t in mine if t.state == TrialState.FAIL]
-    assert stopped and all(t.user_attrs["squeeze_failed"].startswith("stopped") for t in stopped)
+    assert stopped
+    # each says why and how far it got: the steps its guest's operation log shows it trained
+    with open(os.path.join(run["log_dir"], f"oplog_rank0_pid{run['second_pid']}.jsonl"), encoding="utf-8") as fh:
+        ops = [json.loads(line) for line in fh]
+    for t in stopped:
+        trained = sum(t.number in op["ids"] for op in ops if op["op"] == "step")
+        given = t.user_attrs[GIVEN_BACK_ATTR]
+        assert given == {"why": "end", "steps": trained, "trial_steps": 20,
+                         "reason": f"the main job ended before the trial finished ({trained} of 20 steps)"}
+
+
+def test_the_summary_counts_given_back_trials_apart_from_failures_with_why(run):
+    trials = run["trials"]
+    line = study_summary(trials)
+    died = sum(t.user_attrs.get(GIVEN_BACK_ATTR, {}).get("why") == "died" for t in trials)
+    ended = sum(t.user_attrs.get(GIVEN_BACK_ATTR, {}).get("why") == "end" for t in trials)
+    assert re.search(rf"{ended + died} given back unfinished \({ended} when the main job ended, at \d+(-\d+)? of "
+                     rf"20 steps; {died} when their guest process died\), 0 failed, 0 running", line), line
+
+
+def test_the_trials_of_a_guest_and_its_restarted_successor_hold_distinct_parameter_sets(run):
+    counted = [t for t in run["trials"] if t.state in COUNTED]
+    assert len(counted) >= 2 and len(distinct_sets(counted, ["lr"])) == len(counted)
+
+
+def test_a_study_given_back_whole_says_the_run_was_too_short_for_one_trial():
+    """13 of 13 trials handed back at a 150-iteration run's end: before, 13 failed and nothing more."""
+    import optuna
+
+    study = optuna.create_study()
+    for k in range(13):
+        study.add_trial(optuna.trial.create_trial(
+            state=TrialState.FAIL, params={"lr": 1e-3 * (k + 1)},
+            distributions={"lr": optuna.distributions.FloatDistribution(1e-4, 1.0, log=True)},
+            user_attrs={GIVEN_BACK_ATTR: {"why": "end", "steps": 20 + 5 * (k % 5), "trial_steps": 120,
+                                          "reason": "the main job ended before the trial finished"}}))
+    assert study_summary(study.get_trials()) == (
+        "0 complete, 0 pruned, 13 given back unfinished (13 when the main job ended, at 20-40 of 120 steps), "
+        "0 failed, 0 running; no trial has finished yet: a trial trains 120 steps (trial_steps) and the furthest "
+        "given back reached 40, so the run was too short for one; a longer run (--train-iters) or shorter trials "
+        "finish some")
 
 
 def test_time_in_windows_and_pause_latencies_are_accounted(run):

@@ -9,6 +9,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from megatron_ext.hydro.distinct import COUNTED, distinct_sets
 from squeezer_helpers import tiny_study
 from tests.conftest import run_torchrun
 
@@ -61,6 +62,12 @@ def _check_trials_finished_in_bubbles(trials, figures, log):
     assert sum(f["guest_trial_steps"] for f in figures) >= 20
     assert all(0 <= f["bubble_used"] <= 1 for f in figures) and any(f["bubble_used"] > 0 for f in figures)
     assert "squeeze: study " in log and "complete" in log
+    # two guests, one study: no parameter set twice, at most one trial beyond n_trials (4) per other guest
+    counted = [t for t in trials if t.state in COUNTED]
+    assert len(counted) <= 5 and len(distinct_sets(counted, ["lr"])) == len(counted)
+    # one run, one record; no figure printed as NaN
+    assert all(len(f["runs"]) == 1 and f["runs"][0]["first_iteration"] == 1 for f in figures)
+    assert "nan" not in " ".join(line for line in log.splitlines() if "squeeze: rank" in line).lower()
 
 
 def test_megatron_trials_finish_in_the_bubbles(megatron):

@@ -24,6 +24,8 @@ WINDOWS = 128       # recent windows (open, close) kept: what a guest's run over
 # guest states
 STARTING, PARKED, RUNNING, FINISHED, NO_ROOM, FAILED, STOPPED, SUSPENDED = range(8)
 STATE_NAMES = ("starting", "parked", "running", "finished", "no room", "failed", "stopped", "suspended")
+# Why the rank asks its guest to stop (the ``stop`` field): the guest says so on the trials it gives back.
+STOP_END, STOP_MONITOR = 1, 2
 # A window closed while the guest ran: the rank signals it (CPU), the guest suspends itself at once.
 CLOSE_SIGNAL = "SIGUSR1"
 
@@ -35,7 +37,7 @@ CONTROL_DTYPE = np.dtype([
     ("deadline", "f8"),         # park before this (the forecast end minus the margin)
     ("t_close", "f8"),
     ("max_trials", "i8"),       # fusion limit (the squeezer lowers it when backing off)
-    ("stop", "i8"),             # 1: finish the current unit, give back the trials, exit
+    ("stop", "i8"),             # >0 (STOP_END, STOP_MONITOR): finish the unit, give back the trials, exit
     ("win", "f8", (WINDOWS, 2)),  # (open, close) of window number seq at [seq % WINDOWS]; close inf while open
     ("stops_n", "i8"),
     ("stops", "f8", (WINDOWS, 2)),  # (SIGSTOP, SIGCONT) the rank sent a guest still running at a close

@@ -3,7 +3,7 @@
 ``GuestProcess`` starts, watches and stops one guest (``guest.py``) beside the rank: a separate
 process, so a guest crash, OOM kill or hang can never take the rank down; pinned to the rank's
 cores at nice 19; killed by the kernel if the rank dies (``PR_SET_PDEATHSIG``). A guest that dies
-is restarted (its unfinished trials are given back as failed by the next guest before it starts)
+is restarted (its unfinished trials are given back by the next guest before it starts)
 up to ``max_restarts`` times.
 
 ``Squeezer`` listens to the rank's bubble windows (``pipeline/windows.BubbleWindows``) and runs on
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from megatron_ext.hydro.squeezer.control import (CLOSE_SIGNAL, FAILED, FINISHED, NO_ROOM, PARKED, RUNNING,
-                                                STARTING, STATE_NAMES, STOPPED, SUSPENDED, Control)
+                                                STARTING, STATE_NAMES, STOP_END, STOPPED, SUSPENDED, Control)
 from megatron_ext.pipeline.windows import Window
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,11 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 class GuestProcess:
     def __init__(self, *, tune_config: str, rank: int, device: str, log_dir: str, budget_bytes: int,
-                 cpus: set[int] | None = None, max_restarts: int = 3) -> None:
+                 cpus: set[int] | None = None, max_restarts: int = 3, sampler_key: tuple[int, ...] = ()) -> None:
+        """``sampler_key``: with the rank and the restart count, what the guest's sampler seed is
+        derived from (the run's first iteration: a resumed run draws afresh)."""
         self.tune_config, self.rank, self.device = tune_config, rank, device
+        self.sampler_key = sampler_key
         self.log_dir, self.budget_bytes = log_dir, budget_bytes
         self.cpus = cpus if cpus is not None else _affinity()
         self.max_restarts = max_restarts
@@ -58,7 +61,8 @@ class GuestProcess:
         env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         cmd = [sys.executable, "-m", "megatron_ext.hydro.squeezer.guest", "--control", self.ctl.path,
                "--wake-fd", str(self.ctl.wake_r), "--config", self.tune_config, "--rank", str(self.rank),
-               "--budget-bytes", str(int(self.budget_bytes)), "--device", self.device, "--log-dir", self.log_dir]
+               "--budget-bytes", str(int(self.budget_bytes)), "--device", self.device, "--log-dir", self.log_dir,
+               "--sampler-key", *map(str, (*self.sampler_key, self.restarts))]
         if reap:
             cmd += ["--reap", *map(str, reap)]
         if reap_only:
@@ -114,16 +118,18 @@ class GuestProcess:
             self.gone = True
             self.start(reap=(pid,), reap_only=True)   # gives its trials back, then exits
             self.reaper, self.proc = self.proc, None
-            return (f"guest of rank {self.rank} died ({what}){why}; its trials are marked failed; no more "
+            return (f"guest of rank {self.rank} died ({what}){why}; its trials are given back; no more "
                     f"restarts ({self.restarts} of {self.max_restarts} used): the rank goes on without a guest")
         self.restarts += 1
         self.start(reap=(pid,))
-        return (f"guest of rank {self.rank} died ({what}){why}; its trials are marked failed; restarted "
+        return (f"guest of rank {self.rank} died ({what}){why}; its trials are given back; restarted "
                 f"({self.restarts} of {self.max_restarts})")
 
-    def stop(self, timeout_s: float = 20.0, wait: bool = True) -> None:
-        """Ask the guest to give its trials back and exit; with ``wait``, kill it after ``timeout_s``."""
-        self.ctl["stop"] = 1
+    def stop(self, timeout_s: float = 20.0, wait: bool = True, why: int = STOP_END) -> None:
+        """Ask the guest to give its trials back and exit; with ``wait``, kill it after ``timeout_s``.
+        ``why`` (``STOP_END``, ``STOP_MONITOR``) is what its given-back trials say: the first
+        request's (the job's end does not rename a stop the monitor asked for)."""
+        self.ctl["stop"] = int(self.ctl["stop"]) or why
         self.ctl.wake()
         self.signal(signal.SIGCONT)      # a suspended guest must run to see the request
         if not wait:

@@ -6,13 +6,13 @@ pipeline events of either engine). Every ``--squeeze-control-every``-th iteratio
 guests parked; ``safety.SlowdownMonitor`` compares the two kinds of iterations block by block, and
 all ranks back off together (a larger margin, fewer trials) and at last stop their guests when the
 job is significantly slower than ``--squeeze-max-slowdown``. Guests never join the job's process
-group; a guest that dies is restarted and its trials marked failed; the job never waits for one.
-See docs/squeezer.md.
+group; a guest that dies is restarted and its trials given back; the job never waits for one. At the
+end each rank appends its run's figures to ``figures_rank<R>.json`` (``figures.py``) and rank 0
+sums up the study, with the trials given back unfinished apart from failures. See docs/squeezer.md.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import resource
@@ -48,8 +48,9 @@ class SqueezeConfig:
     squeeze_margin_ms: float = doc("Guests park this long before a window's forecast end.", 0.5)
     squeeze_forecast_quantile: float = doc("A window's forecast: this quantile of its recent lengths (low errs "
                                            "short).", 0.2)
-    squeeze_start_iter: int = doc("Start the guests after this iteration (forecasts and the rank's memory peak "
-                                  "need a few iterations).", 3)
+    squeeze_start_iter: int = doc("Start the guests after this many iterations of the run (forecasts and the "
+                                  "rank's memory peak need a few iterations; a resumed run counts from where it "
+                                  "resumed).", 3)
     squeeze_max_restarts: int = doc("Restarts of a guest that died, per rank.", 3)
     squeeze_dir: str | None = doc("Guest logs, operation logs and figures; default <output_dir of the tune "
                                   "YAML>/squeeze.", None)
@@ -105,6 +106,7 @@ class SqueezerExtension(Extension):
         self.squeezer = None
         self.enabled = False
         self.blocks: list[dict[str, Any]] = []
+        self.run_start: int | None = None      # this run's first iteration (> 1 when it resumed)
 
     # --- set-up ---------------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
@@ -122,10 +124,10 @@ class SqueezerExtension(Extension):
         self.windows = BubbleWindows(WindowForecaster(c.squeeze_forecast_quantile))
         lay = trainer.ctx.layout
         self.enabled = lay.pp > 1 or lay.dp > 1
-        self.measure_from = c.squeeze_start_iter + 1
+        self.measure_from = c.squeeze_start_iter + 1     # set from the run's first iteration
         if trainer.ctx.rank == 0:
             if self.enabled:
-                logger.info("squeeze: study '%s' (%s) in the bubbles of %s; guests start after iteration %d; "
+                logger.info("squeeze: study '%s' (%s) in the bubbles of %s; guests start after the run's first %d iterations; "
                             "every %d-th iteration is a guest-off control; logs in %s", self.study_name,
                             self.storage, trainer.layout_name(), c.squeeze_start_iter, c.squeeze_control_every,
                             self.dir)
@@ -151,7 +153,8 @@ class SqueezerExtension(Extension):
         budget = guest_budget_bytes(self.cfg, ctx.device, local)
         device = str(ctx.device) if ctx.device.type == "cuda" else "cpu"
         self.guest = GuestProcess(tune_config=self.tune_path, rank=ctx.rank, device=device, log_dir=self.dir,
-                                  budget_bytes=budget, max_restarts=self.cfg.squeeze_max_restarts)
+                                  budget_bytes=budget, max_restarts=self.cfg.squeeze_max_restarts,
+                                  sampler_key=(self.run_start,))
         self.guest.start()
         self.squeezer = Squeezer(self.guest, margin_s=self.cfg.squeeze_margin_ms / 1e3, suspend=device == "cpu")
         self.windows.listeners.append(self.squeezer)
@@ -162,7 +165,10 @@ class SqueezerExtension(Extension):
     def before_iteration(self, trainer: "Trainer", iteration: int) -> None:
         if not self.enabled:
             return
-        if self.guest is None and iteration > self.cfg.squeeze_start_iter:
+        if self.run_start is None:
+            self.run_start = iteration
+            self.measure_from = iteration + self.cfg.squeeze_start_iter
+        if self.guest is None and iteration >= self.run_start + self.cfg.squeeze_start_iter:
             self._start(trainer)
         if self.guest is None:
             return
@@ -224,8 +230,10 @@ class SqueezerExtension(Extension):
             else:
                 logger.info("%s -> keep", msg)
         if action == "stop":
+            from megatron_ext.hydro.squeezer.control import STOP_MONITOR
+
             self.squeezer.active = False
-            self.guest.stop(wait=False)     # it gives its trials back and exits; check() sees it go
+            self.guest.stop(wait=False, why=STOP_MONITOR)   # it gives its trials back and exits; check() sees it go
 
     def _progress(self, trainer: "Trainer", metrics: IterationMetrics) -> None:
         """Collective: the guests' share of bubble time and their trial-steps, for the log line."""
@@ -249,31 +257,26 @@ class SqueezerExtension(Extension):
         # No collective here: teardown also runs when the job failed.
         if self.guest is None:
             return
+        from megatron_ext.hydro.squeezer.figures import append_run, end_line
+
         self.guest.stop()
         s = self.squeezer.stats()
-        fig = self.figures(trainer, s)
-        os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"figures_rank{trainer.ctx.rank}.json")
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump(fig, fh, indent=1)
-        os.replace(path + ".tmp", path)
-        lat = sorted(s["latencies"])
-        p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan")
-        logger.info("squeeze: rank %d: guest used %.0f%% of %.1f s of bubbles (%d of %d windows), %d trial-steps, "
-                    "pause latency p99 %.2f ms, %d restarts; figures in %s", trainer.ctx.rank, 100 * s["used"],
-                    s["window_s"], s["windows_used"], s["windows_offered"], s["trial_steps"], p99 * 1e3,
-                    s["restarts"], path)
+        # appended: a resumed run keeps the figures of the runs before it
+        fig = append_run(path, self.figures(trainer, s))
+        logger.info("%s", end_line(trainer.ctx.rank, s, path, len(fig["runs"])))
         if trainer.ctx.rank == 0:
             self._study_line()
         self.guest.close()
         self.guest = None
 
     def figures(self, trainer: "Trainer", s: dict[str, Any]) -> dict[str, Any]:
-        """This rank's measured figures (read by the cluster simulator, ``--bubble-speed-from``)."""
+        """This run's figures of this rank: one record of ``figures_rank<R>.json`` (``figures.py``)."""
         err = self.windows.forecaster.error_summary()
         busy = s["busy_s"]
         return {"rank": trainer.ctx.rank, "layout": trainer.layout_name(), "engine": trainer.cfg.parallel.engine,
-                "iterations": trainer.iteration, "window_s": s["window_s"], "guest_busy_s": busy,
+                "first_iteration": self.run_start, "iterations": trainer.iteration,
+                "window_s": s["window_s"], "guest_busy_s": busy,
                 "guest_overrun_s": s["overrun_s"],
                 "bubble_used": s["used"], "guest_steps": s["steps"], "guest_trial_steps": s["trial_steps"],
                 "guest_steps_per_busy_s": s["steps"] / busy if busy > 0 else 0.0,
@@ -287,17 +290,15 @@ class SqueezerExtension(Extension):
             import optuna
             from optuna.trial import TrialState
 
+            from megatron_ext.hydro.squeezer.guest import study_summary
+
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             study = optuna.load_study(study_name=self.study_name, storage=self.storage)
             trials = study.get_trials(deepcopy=False)
-            n = {st: sum(t.state == st for t in trials) for st in (TrialState.COMPLETE, TrialState.PRUNED,
-                                                                     TrialState.FAIL, TrialState.RUNNING)}
             best = min((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value, default=None)
-            logger.info("squeeze: study '%s': %d complete, %d pruned, %d failed, %d running%s; finish or transfer it "
-                        "with python -m megatron_ext.hydro.tune --config %s", self.study_name, n[TrialState.COMPLETE],
-                        n[TrialState.PRUNED], n[TrialState.FAIL], n[TrialState.RUNNING],
-                        f"; best #{best.number} val {best.value:.4f} {best.params}" if best else "",
-                        self.cfg.squeeze)
+            logger.info("squeeze: study '%s': %s%s; finish or transfer it with python -m megatron_ext.hydro.tune "
+                        "--config %s", self.study_name, study_summary(trials),
+                        f"; best #{best.number} val {best.value:.4f} {best.params}" if best else "", self.cfg.squeeze)
         except Exception as exc:  # noqa: BLE001 - a summary line must not fail the job's end
             logger.warning("squeeze: could not read study '%s' (%s)", self.study_name, exc)
 

@@ -11,9 +11,11 @@ the unit that starts there (its own measured duration), and parks otherwise -- b
 cooperative because on a GPU a stopped process's queued kernels would still run; on CPU the OS
 priority (nice 19, pinned to the rank's cores) is the second guard.
 
-The study is shared by the guests of every rank: a guest asks a trial only while the study has
-fewer than ``n_trials`` trials finished or running, tags its trials with its rank and pid, and on
-a stop gives its unfinished trials back as failed. A guest's results do not depend on when it ran:
+The study is shared by the guests of every rank: a guest draws with its own seed (derived from the
+study's and its rank), asks one trial at a time and only while the study has fewer than
+``n_trials`` trials finished or running, keeps its parameter sets apart from every other trial's
+(``hydro.distinct``), tags its trials with its rank and pid, and on a stop gives its unfinished
+trials back, saying why and after how many steps. A guest's results do not depend on when it ran:
 ``oplog`` records every bundle operation, and ``replay`` re-runs them alone for the parity check.
 """
 from __future__ import annotations
@@ -39,12 +41,13 @@ from optuna.trial import TrialState
 
 from megatron_ext.hydro.bundle import TrialBundle, TrialSpec
 from megatron_ext.hydro.config import load_config
+from megatron_ext.hydro.distinct import COUNTED, duplicate_of, space_points
 from megatron_ext.hydro.memory import fusion_count, probe_memory_model
 from megatron_ext.hydro.optim import TrialHParams
 from megatron_ext.hydro.schedule import LRSchedule
 from megatron_ext.hydro.squeezer.control import (CLOSE_SIGNAL, FAILED, FINISHED, NO_ROOM, PARKED, RUNNING,
-                                                STARTING, STOPPED, SUSPENDED, Control)
-from megatron_ext.hydro.tuner import HydroTuner, TuneResult
+                                                STARTING, STOP_MONITOR, STOPPED, SUSPENDED, Control)
+from megatron_ext.hydro.tuner import GIVEN_BACK_ATTR, HydroTuner, TuneResult, n_failed, n_given_back
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,16 @@ OWNER_ATTR = "squeeze_guest"     # user attr of a trial a guest trains: {"rank",
 
 
 class GuestStopped(BaseException):
-    """The rank asked the guest to stop (or SIGTERM): unwinds the tuner from any pause point."""
+    """The rank asked the guest to stop (or SIGTERM): unwinds the tuner from any pause point.
+    ``why`` is a key of ``GIVEN_BACK``: what the trials it gives back will say."""
+
+    def __init__(self, message: str, why: str = "end") -> None:
+        super().__init__(message)
+        self.why = why
+
+
+def _stop_why(ctl: Control) -> str:
+    return "monitor" if int(ctl["stop"]) == STOP_MONITOR else "end"
 
 
 class NoRoom(RuntimeError):
@@ -188,7 +200,7 @@ class WindowGate:
                 self._publish_min_unit()
             ctl["units"] += 1
         if ctl["stop"]:
-            raise GuestStopped("the rank asked the guest to stop")
+            raise GuestStopped("the rank asked the guest to stop", _stop_why(ctl))
         if ctl["window_open"]:
             self._saw_window()
         if not (ctl["window_open"] and ctl["deadline"] - now >= self._need_s(where)):
@@ -211,7 +223,7 @@ class WindowGate:
             if ctl["stop"]:
                 self._parked = False
                 ctl["state"] = RUNNING
-                raise GuestStopped("the rank asked the guest to stop")
+                raise GuestStopped("the rank asked the guest to stop", _stop_why(ctl))
             t = self.clock()
             if ctl["window_open"]:
                 self._saw_window()
@@ -224,7 +236,7 @@ class WindowGate:
                     ctl["windows_skipped"] += 1
             ctl["heartbeat"] = t
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                raise GuestStopped("the rank is gone")
+                raise GuestStopped("the rank is gone", "rank gone")
             ctl.wait_wake(self.idle_poll_s)
         ctl["state"] = RUNNING
         self._parked = False
@@ -348,11 +360,15 @@ class GuestTuner(HydroTuner):
     """A ``HydroTuner`` sharing its study with other guests, gated by ``gate``."""
 
     def __init__(self, *args: Any, gate: WindowGate, budget_bytes: int, owner: dict[str, Any],
-                 oplog: OpLog | None = None, **kw: Any) -> None:
+                 oplog: OpLog | None = None, sampler_key: tuple[int, ...] = (), **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.gate, self.budget_bytes, self.owner, self.oplog = gate, budget_bytes, owner, oplog
+        # Its own draws: a guest's sampler seed comes from the study's seed and the guest's identity.
+        self.sampler_key = (int(owner["rank"]), *sampler_key)
         self.fusion_used = 0
         self.bundles = 0
+        self.live: TrialBundle | None = None     # the bundle in training (steps of its trials)
+        self.withdrawn: list[int] = []           # its trials withdrawn as duplicates of another guest's
         self._finished_at_start: int | None = None
         self._next_query = 0.0          # storage polls are rate-limited while nothing is left to ask
 
@@ -375,6 +391,7 @@ class GuestTuner(HydroTuner):
         # Storage calls (and the sampler behind ask) are units too: a pause point before each, so
         # the guest never starts one in a window without room for it.
         study = super()._open_study()
+        self._ask_raw, self._tell_raw = study.ask, study.tell
         study.ask = self._gated(study.ask, "study ask")
         study.tell = self._gated(study.tell, "study tell")
         return study
@@ -400,18 +417,48 @@ class GuestTuner(HydroTuner):
         if free <= 0 or now < self._next_query:
             return 0
         with self.gate.critical():
-            taken = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                                  TrialState.RUNNING, TrialState.WAITING))
-        n = max(0, min(free, self.cfg.n_trials - len(taken)))
+            taken = self._counted()
+        n = max(0, min(free, self.cfg.n_trials - taken))
         # Nothing to ask now: look again in a while (another guest's trial may fail and free one).
         self._next_query = now + (5.0 if n == 0 and n_open > 0 else 0.0)
         return n
 
-    def _on_ask(self, trial: optuna.Trial) -> None:
+    def _counted(self) -> int:
+        return self.study._storage.get_n_trials(self.study._study_id, state=COUNTED)
+
+    def _new_trial(self, study: optuna.Study) -> tuple[optuna.Trial, TrialSpec] | None:
+        """One trial, asked only when the study still has fewer than ``n_trials`` trials finished or
+        running, counted just before the ask. Trials are asked one at a time, so guests that count
+        at the same moment overshoot by one each at most, never by a bundle's worth. Its values are
+        drawn apart from every other trial's (``DistinctSampler``); should another guest have drawn
+        the same set at the same moment, the later check sees it, and this guest withdraws its trial
+        and asks again. One unit from its pause point: a storage transaction is never halted."""
+        self.gate.checkpoint("study ask")
+        names, room = list(self.space), space_points(self.space)
         with self.gate.critical():
-            trial.set_user_attr(OWNER_ATTR, self.owner)
+            for attempt in range(4):
+                if self._counted() >= self.cfg.n_trials:
+                    return None
+                trial = self._ask_raw()
+                trial.set_user_attr(OWNER_ATTR, self.owner)
+                spec = self._spec(trial)
+                # A repeat is withdrawn while the space has a free point (a full one must repeat).
+                twin = duplicate_of(study, trial, names) if names and attempt < 3 else None
+                if twin is None or room <= self._counted() - 1:
+                    break
+                mark_given_back(study, trial.number, "duplicate", steps=0, trial_steps=self.cfg.trial_steps,
+                                reason=f"withdrawn: trial #{twin} has the same parameters (another guest drew them "
+                                       "at the same moment)", tell=self._tell_raw)
+                self.withdrawn.append(trial.number)
         trial.report = self._gated(trial.report, "trial report")
         trial.should_prune = self._gated(trial.should_prune, "trial prune")
+        return trial, spec
+
+    def trial_steps_now(self) -> dict[int, int]:
+        """Steps each trial of the live bundle has trained."""
+        if self.live is None:
+            return {}
+        return {int(t): self.live.steps_of(t) for t in self.live.trial_ids}
 
     def _fusion_now(self, fusion: int) -> int:
         return max(1, min(fusion, int(self.gate.ctl["max_trials"])))
@@ -436,6 +483,7 @@ class GuestTuner(HydroTuner):
                      f"for {b}, {budget / 2**20:.0f} MiB free beside the rank")
         self.gate.ctl["fusion"] = b
         self.fusion_used = b
+        self.live = None          # the probe's bundles hold no trial of the study
         return b
 
     def _bundle(self, factory, specs, multipliers, check: bool = True) -> TrialBundle:
@@ -443,6 +491,7 @@ class GuestTuner(HydroTuner):
         bundle = super()._bundle(factory, specs, multipliers, check=check)
         bundle.gate.on_checkpoint = self.gate.checkpoint
         bid, self.bundles = self.bundles, self.bundles + 1
+        self.live = bundle
         self.gate.ctl["bundle_trials"] = bundle.num_trials
         if self.oplog is not None:
             self.oplog.write(op="build", bundle=bid, check=check, specs=[spec_to_json(s) for s in specs])
@@ -454,7 +503,7 @@ class GuestTuner(HydroTuner):
         return TuneResult(best_trial=None, best_params={}, best_proxy_loss=None, target_loss=None,
                           n_complete=sum(t.state == TrialState.COMPLETE for t in trials),
                           n_pruned=sum(t.state == TrialState.PRUNED for t in trials),
-                          n_failed=sum(t.state == TrialState.FAIL for t in trials), fusion=fusion,
+                          n_failed=n_failed(trials), n_given_back=n_given_back(trials), fusion=fusion,
                           wall_s=time.perf_counter() - t0, tuning_s=tuning_s, transfer_s=0.0, rows=[],
                           history=history)
 
@@ -475,8 +524,38 @@ def open_shared_study(tuner: HydroTuner, attempts: int = 20) -> optuna.Study:
     raise AssertionError("unreachable")
 
 
-def give_back(study: optuna.Study, pids: set[int], reason: str) -> list[int]:
-    """Mark the running trials of guests ``pids`` (on this host) failed, saying why."""
+# Why a guest gives a trial back unfinished: the reason a trial states (``GIVEN_BACK_ATTR``), and how
+# the summary at the end of a run counts them.
+GIVEN_BACK = {
+    "end": ("the main job ended before the trial finished", "when the main job ended"),
+    "monitor": ("the safety monitor stopped the guests before the trial finished",
+                "when the safety monitor stopped the guests"),
+    "rank gone": ("the rank's process ended before the trial finished", "when their rank's process ended"),
+    "signal": ("the guest was terminated before the trial finished", "when their guest was terminated"),
+    "died": ("its guest process died", "when their guest process died"),
+    "duplicate": ("withdrawn: another guest drew the same parameters at the same moment",
+                  "as duplicates of a trial another guest drew at the same moment"),
+}
+
+
+def mark_given_back(study: optuna.Study, number: int, why: str, *, steps: int | None, trial_steps: int,
+                    reason: str | None = None, tell: Callable | None = None) -> None:
+    """Give trial ``number`` back unfinished (FAIL in Optuna's terms) with why and after how many
+    of its ``trial_steps`` steps (None: unknown)."""
+    text = reason or GIVEN_BACK[why][0]
+    if steps is not None and reason is None:
+        text += f" ({steps} of {trial_steps} steps)"
+    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+    optuna.trial.Trial(study, trial_id).set_user_attr(
+        GIVEN_BACK_ATTR, {"why": why, "reason": text, "steps": steps, "trial_steps": trial_steps})
+    (tell or study.tell)(number, state=TrialState.FAIL)
+
+
+def give_back(study: optuna.Study, pids: set[int], why: str, *, trial_steps: int,
+              steps: dict[int, int] | None = None) -> list[int]:
+    """Give back the running trials of guests ``pids`` (on this host), saying ``why`` (a key of
+    ``GIVEN_BACK``) and, with ``steps`` (trial number -> steps trained; a trial not in it had not
+    started), how far each got."""
     import socket
 
     host = socket.gethostname()
@@ -484,10 +563,46 @@ def give_back(study: optuna.Study, pids: set[int], reason: str) -> list[int]:
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = t.user_attrs.get(OWNER_ATTR)
         if owner and owner.get("host") == host and int(owner.get("pid", -1)) in pids:
-            optuna.trial.Trial(study, t._trial_id).set_user_attr("squeeze_failed", reason)
-            study.tell(t.number, state=TrialState.FAIL)
+            mark_given_back(study, t.number, why, steps=None if steps is None else steps.get(t.number, 0),
+                            trial_steps=trial_steps)
             out.append(t.number)
     return out
+
+
+def study_summary(trials: list[optuna.trial.FrozenTrial]) -> str:
+    """The study's trials by state, given-back trials apart by why and how far they got, e.g.
+    ``0 complete, 0 pruned, 13 given back unfinished (13 when the main job ended, at 20-100 of 120
+    steps), 0 failed, 0 running; no trial has finished yet: ...``."""
+    count = {st: sum(t.state == st for t in trials) for st in (TrialState.COMPLETE, TrialState.PRUNED,
+                                                                TrialState.RUNNING)}
+    given: dict[str, list[dict[str, Any]]] = {}
+    for t in trials:
+        g = t.user_attrs.get(GIVEN_BACK_ATTR) if t.state == TrialState.FAIL else None
+        if isinstance(g, dict):
+            given.setdefault(g.get("why") if g.get("why") in GIVEN_BACK else "end", []).append(g)
+    parts = [f"{count[TrialState.COMPLETE]} complete", f"{count[TrialState.PRUNED]} pruned"]
+    furthest = trial_steps = None
+    if given:
+        clauses = []
+        for why in GIVEN_BACK:
+            if why not in given:
+                continue
+            clause = f"{len(given[why])} {GIVEN_BACK[why][1]}"
+            steps = [g["steps"] for g in given[why] if isinstance(g.get("steps"), int)]
+            if steps and why != "duplicate":
+                trial_steps = given[why][0].get("trial_steps")
+                lo, hi = min(steps), max(steps)
+                clause += f", at {lo}{'' if lo == hi else f'-{hi}'} of {trial_steps} steps"
+                furthest = hi if furthest is None else max(furthest, hi)
+            clauses.append(clause)
+        parts.append(f"{sum(map(len, given.values()))} given back unfinished ({'; '.join(clauses)})")
+    parts += [f"{n_failed(trials)} failed", f"{count[TrialState.RUNNING]} running"]
+    line = ", ".join(parts)
+    if not count[TrialState.COMPLETE] and not count[TrialState.PRUNED] and furthest is not None:
+        line += (f"; no trial has finished yet: a trial trains {trial_steps} steps (trial_steps) and the furthest "
+                 f"given back reached {furthest}, so the run was too short for one; a longer run (--train-iters) "
+                 "or shorter trials finish some")
+    return line
 
 
 def orphaned_pids(study: optuna.Study) -> set[int]:
@@ -521,7 +636,7 @@ def _die_with_parent() -> None:
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
-    raise GuestStopped(f"signal {signum}")
+    raise GuestStopped(f"signal {signum}", "signal")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -536,6 +651,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", required=True, help="where the guest's log and operation log go")
     p.add_argument("--reap", type=int, nargs="*", default=[], help="give back trials of these dead guests first")
     p.add_argument("--reap-only", action="store_true", help="only give back trials of dead guests, then exit")
+    p.add_argument("--sampler-key", type=int, nargs="*", default=[],
+                   help="with the study's seed and the rank, what this guest's sampler seed is derived from "
+                        "(the run's first iteration, the restart count)")
     return p
 
 
@@ -579,12 +697,12 @@ def main(argv: list[str] | None = None) -> int:
         if sync is None:       # on a GPU a stopped process's queued kernels would run on: park only
             gate.install_suspend()
         tuner = GuestTuner(cfg, space, defaults, dropout, gate=gate, budget_bytes=args.budget_bytes, owner=owner,
-                           oplog=oplog, log=log)
+                           oplog=oplog, log=log, sampler_key=tuple(args.sampler_key))
         study = open_shared_study(tuner)          # ungated: for giving trials back
         tuner.study = None
         dead = set(args.reap) | orphaned_pids(study)
         if dead:
-            lost = give_back(study, dead, "its guest process died")
+            lost = give_back(study, dead, "died", trial_steps=cfg.trial_steps)
             if lost:
                 log(f"gave back trials {lost} of dead guests {sorted(dead)}")
         if args.reap_only:
@@ -599,8 +717,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except GuestStopped as exc:
         if study is not None:
-            lost = give_back(study, {os.getpid()}, f"stopped: {exc}")
-            log(f"stopped ({exc}); gave back trials {lost}; units: {gate.unit_table()}")
+            lost = give_back(study, {os.getpid()}, exc.why, trial_steps=cfg.trial_steps,
+                             steps=tuner.trial_steps_now())
+            log(f"stopped ({exc}); gave back trials {lost} ({GIVEN_BACK[exc.why][0]}); units: {gate.unit_table()}")
         ctl["state"] = STOPPED
         return 0
     except NoRoom as exc:
