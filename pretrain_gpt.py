@@ -8,10 +8,12 @@ Every flag is also a YAML key; flags override YAML. ``--help`` lists them all. B
 reported before any model is built: one line ``pretrain_gpt.py: error: ...``, exit code 2.
 ``--nproc-per-node N`` checks the configuration for N ranks first and then starts them (through
 torch's elastic launcher, as torchrun would), so a bad layout is reported before any rank starts.
-With ``--resihp-on-stop continue`` it starts them itself instead (``ft/launch.py``): this
-process hosts the rendezvous store and outlives every rank, and a rank that dies does not stop the
-others, so the survivors can go on without it (and with ``--resihp-respawn N`` it starts a lost
-rank again, which rejoins). What happens when a rank dies: docs/fault_tolerance.md.
+With ``--resihp`` (fail-stop ``abort`` or ``continue``) it starts them itself instead
+(``ft/launch.py``): this process hosts the rendezvous store, outlives every rank and reports a
+dead rank's exit into it, and a rank that dies does not stop the others: under ``abort`` the
+survivors end the job with exit 75 and one line naming the lost rank (resume with ``--load``),
+under ``continue`` they go on without it (and with ``--resihp-respawn N`` it starts a lost rank
+again, which rejoins). What happens when a rank dies: docs/fault_tolerance.md.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ import sys
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 PROG = "pretrain_gpt.py"
+STOP_AFTER_FAILURE_S = 30.0
+"""Under --resihp-on-stop abort, how long the launcher leaves ranks running after one failed (torch's
+agent waits as long between its SIGTERM and SIGKILL)."""
 
 
 def _split_launcher_args(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -47,6 +52,14 @@ def _split_launcher_args(argv: list[str]) -> tuple[int | None, list[str]]:
 def _continues(cfg) -> bool:
     resihp = cfg.ext("resihp")
     return resihp is not None and resihp.resihp_on_stop == "continue"
+
+
+def _own_launcher(cfg) -> bool:
+    """Whether ``--nproc-per-node`` starts the ranks itself (``ft/launch.py``) rather than through
+    torch's agent: wherever the survivors of a lost rank act on it (``abort``: exit 75 with the
+    line that names it; ``continue``), since the agent would stop them first."""
+    resihp = cfg.ext("resihp")
+    return _continues(cfg) or (resihp is not None and resihp.resihp and resihp.resihp_on_stop == "abort")
 
 
 def _check(cfg, world: int, *, launcher: bool = False) -> None:
@@ -100,14 +113,17 @@ def _launch(nproc: int, argv: list[str]) -> int:
     return 0
 
 
-def _launch_own(nproc: int, argv: list[str], respawn: int = 0) -> int:
-    """``--resihp-on-stop continue``: start the ranks without torch's agent (which stops every rank
-    when one dies), with the store in this process."""
+def _launch_own(nproc: int, argv: list[str], respawn: int = 0, abort: bool = False) -> int:
+    """``--resihp``: start the ranks without torch's agent (which stops every rank when one dies),
+    with the store in this process. ``abort``: the survivors of a lost rank end the job themselves
+    (exit 75); ranks still running 30 s after one failed (it died before the fault-tolerance core
+    watched: the others wait in a collective) are stopped, as torch's agent would."""
     from megatron_ext.ft.launch import run_job
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        code, results = run_job([os.path.abspath(__file__), *argv], nproc, respawn=respawn)
+        code, results = run_job([os.path.abspath(__file__), *argv], nproc, respawn=respawn,
+                                stop_after_failure_s=STOP_AFTER_FAILURE_S if abort else None)
     except KeyboardInterrupt:
         return 130
     lost = [r.rank for r in results if r.lost or len(r.incarnations) > 1]
@@ -121,7 +137,10 @@ def _launch_own(nproc: int, argv: list[str], respawn: int = 0) -> int:
               + (f"; rank(s) {names(spares)} ended as spares (no place in the layout)" if spares else ""),
               file=sys.stderr, flush=True)
     elif code != 0 and results and results[0].job_end is None:
-        print(f"{PROG}: error: exit codes per rank {codes}; their output is above", file=sys.stderr, flush=True)
+        stopped = [r.rank for r in results if r.stopped]
+        print(f"{PROG}: error: exit codes per rank {codes}"
+              + (f" (rank(s) {', '.join(map(str, stopped))} stopped {STOP_AFTER_FAILURE_S:g} s after the first "
+                 "failure)" if stopped else "") + "; their output is above", file=sys.stderr, flush=True)
     return code
 
 
@@ -152,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         nproc, argv = _split_launcher_args(argv)
         cfg = parse_run_config(argv)
         if nproc is not None and "LOCAL_RANK" not in os.environ:
-            _check(cfg, nproc, launcher=_continues(cfg))
-            if _continues(cfg):
-                return _launch_own(nproc, argv, respawn=cfg.ext("resihp").resihp_respawn)
+            _check(cfg, nproc, launcher=_own_launcher(cfg))
+            if _own_launcher(cfg):
+                return _launch_own(nproc, argv, respawn=cfg.ext("resihp").resihp_respawn,
+                                   abort=not _continues(cfg))
             return _launch(nproc, argv)
         _check(cfg, world)
     except UserError as exc:

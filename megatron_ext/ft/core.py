@@ -32,7 +32,11 @@ down:
    frees the others from collectives with it.
 
 Under ``abort`` a loss ends the job with exit 75 (restart from the last checkpoint) on every
-survivor, and an exception of a rank's own ends it with exit 1; ``report`` only reports.
+survivor, and an exception of a rank's own ends it with exit 1; ``report`` only reports. Where no
+launcher reports exits (torchrun, srun), a survivor finds a lost peer on its own host at once
+(``membership.ProcessProbe``), also when torchrun's agent stops it (SIGTERM) for that loss; a peer
+on another host is named by the heartbeat. The rank that declares the job's end writes it to
+``--resihp-exit-file`` (torchrun exits 1 whatever its workers' codes).
 
 **Recovery** (``recover``): settle the interrupted iteration through the ledger (committed: keep
 it; else roll it back), take what this rank holds (``HeldState``, every replica), then rounds:
@@ -50,19 +54,21 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
-from megatron_ext.errors import UserError, one_line
+from megatron_ext.errors import EXIT_USER_ERROR, UserError, one_line
 from megatron_ext.ft import membership as ms
 from megatron_ext.ft import store as store_lib
 from megatron_ext.ft.errors import (FAILED_EXIT_CODE, RESTART_EXIT_CODE, JobFailed, NotMember, RankEnded, RankLost,
                                     RestartNeeded)
 from megatron_ext.ft.ledger import CommitLedger
 from megatron_ext.ft.liveness import Heartbeat, Silence
+from megatron_ext.ft.preflight import LAUNCHER_ENV
 from megatron_ext.ft.target import LayoutTarget, check
 from megatron_ext.ft.transaction import Change, HeldState, apply
 from megatron_ext.ft.unblock import is_communication_error, unblock
@@ -93,6 +99,7 @@ class FTConfig:
     timeout_s: float = 120.0               # every collective and every step of a round
     keep_newer: bool = False               # a lost shard without replica: only it from the checkpoint
     checkpoint: str | None = None          # where a shard with no copy left comes from
+    exit_file: str | None = None           # the job's end as JSON, by the rank that declares it
 
     @property
     def wait_for_loss_s(self) -> float:
@@ -106,7 +113,8 @@ class FTConfig:
         return cls(on_stop=r.resihp_on_stop, heartbeat_interval_s=r.resihp_heartbeat_interval_s,
                    heartbeat_timeout_s=r.resihp_heartbeat_timeout_s, timeout_s=r.resihp_continue_timeout_s,
                    keep_newer=r.resihp_keep_newer_stages,
-                   checkpoint=cfg.checkpoint.save or cfg.checkpoint.load or None)
+                   checkpoint=cfg.checkpoint.save or cfg.checkpoint.load or None,
+                   exit_file=r.resihp_exit_file or None)
 
 
 @dataclasses.dataclass
@@ -127,7 +135,7 @@ class Loss:
     member: int
     incarnation: int
     iteration: int
-    how: str        # "launcher" (its exit), "self" (its own exception), "heartbeat"
+    how: str        # "launcher" (its exit), "self" (its own exception), "heartbeat", "probe" (gone from its host)
     why: str        # "killed by signal 9", "ValueError: boom", "silent for 4.2 s"
 
 
@@ -164,11 +172,20 @@ class FaultTolerance:
         self.step: StepRecord | None = None
         self._grow = False
         self._notified: set[tuple[int, int]] = set()
-        self._lock = threading.Lock()
+        # Reentrant: the SIGTERM handler runs on the main thread, which may hold it at that moment.
+        self._lock = threading.RLock()
         self._iteration = 0
         self._retired: list[Heartbeat | None] = []
         self._aborting = False
         self.backend = "gloo"
+        ms.register_process(self.base, member, incarnation)
+        # Without a launcher that reports exits, a survivor under abort looks for lost peers on its
+        # own host: torchrun's agent stops it 0.1 s after a worker's death, long before a heartbeat
+        # timeout could name the lost rank.
+        self.probe = (ms.ProcessProbe(self.watch_base, member)
+                      if cfg.on_stop == "abort" and os.environ.get(LAUNCHER_ENV) != "1" else None)
+        if self.probe is not None:
+            self._install_sigterm()
 
     @property
     def is_spare(self) -> bool:
@@ -246,7 +263,8 @@ class FaultTolerance:
             inc = self.members.get(m, 0)
             if (m, inc) in known:
                 continue
-            how = "self" if why_is_own_error(why) else "heartbeat" if why.startswith("heartbeat") else "launcher"
+            how = ("self" if why_is_own_error(why) else "heartbeat" if why.startswith("heartbeat")
+                   else "probe" if why.startswith(ms.PROBE_REASON) else "launcher")
             loss = Loss(member=m, incarnation=inc, iteration=iteration, how=how, why=why)
             self.losses.append(loss)
             for listener in self.listeners:
@@ -275,6 +293,8 @@ class FaultTolerance:
             if self.phase in ("training", "changing"):
                 unblock(self._backend, self.store_addr)
             return
+        if self.probe is not None and end is None and self.phase != "spare":
+            self.probe.gone(self.members)  # reported as exits: read back just below
         exited = self._watch_exits.exited(self.members)
         new = {m: _exit_why(r) for m, r in exited.items() if (m, self.members.get(m, 0)) not in self._notified}
         if new:
@@ -316,8 +336,7 @@ class FaultTolerance:
         info = {str(m): {"why": w, "silence": dataclasses.asdict(self.silent[m]) if m in self.silent else None}
                 for m, w in lost.items()}
         self._record_losses(lost, self._iteration)
-        end = ms.declare_end(store, code=RESTART_EXIT_CODE, message=f"rank(s) {what} gone", by=self.member,
-                             lost=info)
+        end = self._declare_end(store, code=RESTART_EXIT_CODE, message=f"rank(s) {what} gone", lost=info)
         if end["by"] == self.member:  # said once per job: by the survivor that declared the end
             where = self.cfg.checkpoint
             print(f"resihp: aborting the job: rank(s) {what} gone; resume from the last checkpoint"
@@ -325,6 +344,39 @@ class FaultTolerance:
         # Linger a few polls: the other survivors should read it from the store before this goes.
         time.sleep(0.5)
         os._exit(end["code"])
+
+    def _declare_end(self, store: Any, *, code: int, message: str, by: int | None = None,
+                     lost: dict | None = None) -> dict[str, Any]:
+        """``membership.declare_end``; the process that declared the end also writes it to
+        ``--resihp-exit-file``, for launchers whose own exit code does not carry it."""
+        end = ms.declare_end(store, code=code, message=message, by=self.member if by is None else by, lost=lost)
+        if end["by"] == self.member and self.cfg.exit_file:
+            write_exit_file(self.cfg.exit_file, end)
+        return end
+
+    def _install_sigterm(self) -> None:
+        """torchrun's agent stops every worker (SIGTERM) as soon as one dies. A survivor then ends
+        the way the job does: on an end already declared with its code; on a lost process of the
+        job on this host with the abort (exit 75, the one line); otherwise as SIGTERM ends a process
+        (a job cancelled by its user is not one to restart)."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set a handler (an in-process test's thread, say)
+        probe = ms.ProcessProbe(self.base, self.member)  # the main thread's own client
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            try:
+                ms.note_stopped(self.base, self.member, self.incarnation)
+                end = ms.job_end(self.base)
+                if end is not None:
+                    os._exit(int(end["code"]))
+                if self.members and probe.gone(self.members):
+                    self._abort(self.lost(), store=self.base)  # exits
+            except Exception as exc:  # the store is gone: nothing to learn from it
+                logger.debug("on SIGTERM: %s", exc)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     @property
     def _backend(self) -> str:
@@ -362,7 +414,12 @@ class FaultTolerance:
         """The exception policy (module docstring). Returns True to go on training (recovered, or
         back from waiting as a spare), False when the job finished while this rank waited as a spare.
         Raises what ends this rank: ``RankEnded``, ``JobFailed``, ``RestartNeeded``, or ``exc``."""
-        if isinstance(exc, (RestartNeeded, JobFailed, RankEnded, UserError)) or not isinstance(exc, Exception):
+        if isinstance(exc, UserError):
+            # Bad input ends every rank with exit 2 (rank 0 says why): not a lost rank to restart for
+            # when this rank's exit is seen before the others meet the same error.
+            self._declare_end(self.base, code=EXIT_USER_ERROR, message=one_line(exc))
+            raise exc
+        if isinstance(exc, (RestartNeeded, JobFailed, RankEnded)) or not isinstance(exc, Exception):
             raise exc
         end = ms.job_end(self.base)
         if end is not None:
@@ -387,7 +444,7 @@ class FaultTolerance:
         if not lost:
             message = (f"rank {self.member}: {type(exc).__name__}: {one_line(exc)[:300]} (no rank was lost, so "
                        "the job cannot continue past it)")
-            end = ms.declare_end(self.base, code=FAILED_EXIT_CODE, message=message, by=self.member)
+            end = self._declare_end(self.base, code=FAILED_EXIT_CODE, message=message)
             if end["by"] == self.member:
                 raise JobFailed(end["message"], report=True, original=exc, code=end["code"]) from exc
             raise self._ended(end) from exc
@@ -407,7 +464,7 @@ class FaultTolerance:
             other = (f"; rank {first['member']} ended on the same error: a bug, not a lost device"
                      if count >= 2 and first["member"] != self.member else "")
             message = f"rank {self.member}: {described} (iteration {it}{other})"
-            end = ms.declare_end(self.base, code=FAILED_EXIT_CODE, message=message, by=self.member)
+            end = self._declare_end(self.base, code=FAILED_EXIT_CODE, message=message)
             raise JobFailed(end["message"], report=end["by"] == self.member, original=exc, code=end["code"]) from exc
         raise RankEnded(f"rank {self.member} lost: {described} (iteration {it}); the other ranks go on "
                         "without it", exc) from exc
@@ -604,8 +661,9 @@ class FaultTolerance:
         if "restart" in decision:
             gone = ", ".join(map(str, decision.get("lost") or sorted(self.lost()))) or "none"
             # Spares waiting for a place and the launcher learn it from the store.
-            end = ms.declare_end(self.base, code=RESTART_EXIT_CODE, message=f"lost rank(s) {gone}: {decision['restart']}",
-                                 by=decision.get("leader", self.member))
+            end = self._declare_end(self.base, code=RESTART_EXIT_CODE,
+                                    message=f"lost rank(s) {gone}: {decision['restart']}",
+                                    by=decision.get("leader", self.member))
             if end["code"] != RESTART_EXIT_CODE:  # the job already ended for another reason
                 raise self._ended(end)
             raise RestartNeeded(f"lost rank(s) {gone}: {decision['restart']}",
@@ -646,7 +704,7 @@ class FaultTolerance:
                 # Decided alike on every member from the gathered geometry: a shard with no copy
                 # anywhere and no checkpoint. The one case a restart remains for.
                 message = f"lost rank(s) {', '.join(map(str, decision['lost'])) or 'none'}: {exc}"
-                end = ms.declare_end(self.base, code=RESTART_EXIT_CODE, message=message, by=self.member)
+                end = self._declare_end(self.base, code=RESTART_EXIT_CODE, message=message)
                 raise RestartNeeded(message, report=end["by"] == self.member) from exc
             if gone() or self._wait_for_loss_in(incarnations):
                 raise SecondFault(f"rank(s) {', '.join(map(str, sorted(gone())))} lost during the change") from exc
@@ -727,7 +785,18 @@ def planned_change(trainer: "TrainerLike", target: LayoutTarget, *, reason: str,
 
 def why_is_own_error(why: str) -> bool:
     """Whether a loss's reason (``FaultTolerance.lost``) is a rank's own exception."""
-    return not why.startswith(("killed by signal", "exited with code", "heartbeat"))
+    return not why.startswith(("killed by signal", "exited with code", "heartbeat", ms.PROBE_REASON))
+
+
+def write_exit_file(path: str, end: dict[str, Any]) -> None:
+    """The job's end as one JSON object (code, message, lost ranks), replaced atomically."""
+    record = {"code": int(end["code"]), "message": end["message"], "lost": sorted(int(m) for m in end.get("lost") or {})}
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
 
 
 def _exit_why(report: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
 """Start N ranks of a script directly, as srun does (no torchrun agent in between).
 
-Used where the launcher must not react to a dying worker by itself -- ``--resihp-on-stop
-continue``, fail-stop tests and the live detector benchmark. This process hosts the rendezvous
+Used where the launcher must not react to a dying worker by itself -- ``--resihp`` (the survivors
+of a lost rank end the job themselves under ``abort``: exit 75, one line naming the rank; or go on
+under ``continue``), fail-stop tests and the live detector benchmark. This process hosts the rendezvous
 store (``ft/store.py``) and outlives every rank, so survivors of a lost rank, rank 0 included, can
 still meet there and form a new process group. A rank that dies does not stop the others: each
 rank's exit code is its own, and the moment one ends without finishing, its exit is reported in
@@ -45,6 +46,8 @@ class RankResult:
     """How the job ended when it ended early (``membership.declare_end``: code, one line)."""
     spare: bool = False
     """Its last process ended as a spare (it had no place in the layout at the end)."""
+    stopped: bool = False
+    """The launcher stopped its last process (``stop_after_failure_s`` after another rank failed)."""
 
 
 def _rank_env(rank: int, nproc: int, addr: str, env: dict[str, str] | None, incarnation: int) -> dict[str, str]:
@@ -57,13 +60,16 @@ def _rank_env(rank: int, nproc: int, addr: str, env: dict[str, str] | None, inca
 
 def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, env: dict[str, str] | None = None,
                  timeout_s: float | None = 900.0, capture: bool = True, respawn: int = 0,
-                 respawn_delay_s: float = 0.0, report_exits: bool = True) -> list[RankResult]:
+                 respawn_delay_s: float = 0.0, report_exits: bool = True,
+                 stop_after_failure_s: float | None = None) -> list[RankResult]:
     """Run ``python script_args...`` as ranks 0..nproc-1 and wait for all of them (and their
     replacements). With ``capture`` each rank's output (stdout and stderr, of every incarnation)
     comes back in its result; without, it goes to this process's streams as it is written.
     ``respawn``: start a lost rank again, up to this many times per rank, after ``respawn_delay_s``.
     ``report_exits`` False: say nothing of a dead rank, as srun does (only the heartbeat then names
-    it: what the detector's tests and benchmark measure)."""
+    it: what the detector's tests and benchmark measure). ``stop_after_failure_s``: once a rank has
+    failed, the ranks still running this long after are stopped (a rank that died before the
+    fault-tolerance core watched for losses leaves the others waiting in a collective)."""
     store, addr = host()
     out = subprocess.PIPE if capture else None
     texts: list[list[str]] = [[] for _ in range(nproc)]
@@ -102,20 +108,28 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
 
     for r in range(nproc):
         start(r, 0)
+    stopped: set[int] = set()
     try:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        failed_at = None
         while True:
             with lock:
                 pending = [w for w in watchers if w.is_alive()]
+                failed = any(c != 0 for cs in codes for c in cs)
             if not pending:
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break
+            if stop_after_failure_s is not None and failed:
+                failed_at = time.monotonic() if failed_at is None else failed_at
+                if time.monotonic() - failed_at > stop_after_failure_s:
+                    break
             pending[0].join(0.2)
     finally:
         with lock:
-            live = [p for p in procs if p is not None and p.poll() is None]
-        for p in live:
+            live = [(r, p) for r, p in enumerate(procs) if p is not None and p.poll() is None]
+        for r, p in live:
+            stopped.add(r)
             p.kill()
             p.wait()
         for w in list(watchers):
@@ -127,8 +141,8 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
         code = codes[r][-1] if codes[r] else -9
         report = ms.exit_report(store, r, len(codes[r]) - 1) if code != 0 else None
         results.append(RankResult(r, code, "".join(texts[r]), list(codes[r]), job_end=end,
-                                  lost=code < 0 or (report is not None and report["by"] == "self"),
-                                  spare=code == 0 and ms.spare_state(store, r) == "waiting"))
+                                  lost=(code < 0 and r not in stopped) or (report is not None and report["by"] == "self"),
+                                  spare=code == 0 and ms.spare_state(store, r) == "waiting", stopped=r in stopped))
     return results
 
 
@@ -146,7 +160,8 @@ def job_exit_code(results: list[RankResult]) -> int:
     return own[0] if own else FAILED_EXIT_CODE
 
 
-def run_job(script_args: list[str], nproc: int, *, respawn: int = 0) -> tuple[int, list[RankResult]]:
+def run_job(script_args: list[str], nproc: int, *, respawn: int = 0,
+            stop_after_failure_s: float | None = None) -> tuple[int, list[RankResult]]:
     """``launch_ranks`` for a job on a terminal: output streamed, Ctrl-C stops every rank.
     Returns (the job's exit code, each rank's result)."""
     def stop(*_):
@@ -154,7 +169,8 @@ def run_job(script_args: list[str], nproc: int, *, respawn: int = 0) -> tuple[in
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        results = launch_ranks(script_args, nproc, timeout_s=None, capture=False, respawn=respawn)
+        results = launch_ranks(script_args, nproc, timeout_s=None, capture=False, respawn=respawn,
+                               stop_after_failure_s=stop_after_failure_s)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return job_exit_code(results), results

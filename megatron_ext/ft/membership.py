@@ -8,6 +8,10 @@ rank that was lost, replaced and lost again is reported twice, each report about
 * **Exit reports** (``report_exit``, ``ExitWatch``): the launcher writes one the moment a rank's
   process ends; a rank that ends on its own exception writes its own first, naming the exception.
   The first report of a process wins (compare-and-set).
+* **Process records** (``register_process``, ``ProcessProbe``): where no launcher reports exits
+  (torchrun, whose agent stops the survivors within 0.1 s of a worker's death; srun), a rank finds a
+  peer on its own host whose process is gone and reports that exit itself -- at once, not after the
+  heartbeat timeout. A peer on another host is still named by the heartbeat.
 * **Error reports** (``report_error``): an exception that ends a rank is counted by its signature
   (type and message). The same signature ending a second process is a deterministic bug, not a
   lost device: the job ends (``declare_end``).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -45,7 +50,7 @@ def proc(member: int, incarnation: int) -> str:
 
 def report_exit(base: Any, member: int, incarnation: int, *, code: int | None, reason: str, by: str) -> bool:
     """Process (``member``, ``incarnation``) ended: ``code`` (negative: a signal; None: not known
-    yet), ``reason`` in words, ``by`` "launcher" or "self". The first report wins; returns whether
+    yet), ``reason`` in words, ``by`` "launcher", "self" or "probe". The first report wins; returns whether
     this one did."""
     keys = store_lib.job_keys(base, "exited")
     value = json.dumps({"code": code, "reason": reason, "by": by})
@@ -79,6 +84,84 @@ class ExitWatch:
                 if key not in self._known and self.keys.check([key]):
                     self._known[key] = json.loads(self.keys.get(key))
         return {m: self._known[proc(m, inc)] for m, inc in members.items() if proc(m, inc) in self._known}
+
+
+# --- process records: a peer on this host whose process is gone -------------------------------
+
+PROBE_REASON = "process ended"
+"""How a probed exit's reason starts (its exit code is its parent's to know, not ours)."""
+
+
+def host_key() -> str:
+    """The kernel and pid namespace of this process: two processes' pids compare only within one
+    (empty where /proc does not tell)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (so a reused pid is not taken for the same process); None
+    when it no longer runs (absent, or a zombie waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]  # state (field 3), starttime (field 22)
+
+
+def register_process(base: Any, member: int, incarnation: int, pid: int | None = None) -> None:
+    """Say where this process (or ``pid``, on this host) runs, so that a peer on the same host can
+    tell when it is gone."""
+    pid = os.getpid() if pid is None else pid
+    store_lib.job_keys(base, "procs").set(
+        proc(member, incarnation), json.dumps({"host": host_key(), "pid": pid, "start": _start_time(pid)}))
+
+
+def note_stopped(base: Any, member: int, incarnation: int) -> None:
+    """This process was told to stop (SIGTERM: the job is cancelled, or its launcher stops every
+    worker): when it is gone, it was stopped, not lost. Written before it acts on the signal."""
+    store_lib.job_keys(base, "procs").set(proc(member, incarnation) + "/stopped", "1")
+
+
+class ProcessProbe:
+    """Rank side, where no launcher reports exits: processes of ``members`` on this host that no
+    longer run and were not told to stop (``note_stopped``: a cancelled job's ranks end one after
+    the other, and none of them is lost). Each is reported as an exit (``by`` "probe"; the first
+    report of a process wins), so the other ranks, those on other hosts included, learn it from
+    the store."""
+
+    def __init__(self, base: Any, member: int) -> None:
+        self.keys = store_lib.job_keys(base, "procs")
+        self.base = base
+        self.member = member
+        self.here = host_key()
+        self._records: dict[str, dict[str, Any]] = {}
+
+    def gone(self, members: Mapping[int, int]) -> dict[int, str]:
+        """Members whose process on this host ended (reported now, or before by this probe)."""
+        if not self.here or is_done(self.base):  # a rank that finished training and exited is not lost
+            return {}
+        out = {}
+        for m, inc in members.items():
+            key = proc(m, inc)
+            if key not in self._records:
+                if not self.keys.check([key]):
+                    continue
+                self._records[key] = json.loads(self.keys.get(key))
+            rec = self._records[key]
+            if rec["host"] != self.here or rec["pid"] == os.getpid() or _start_time(rec["pid"]) == rec["start"]:
+                continue
+            if self.keys.check([key + "/stopped"]):
+                continue
+            reason = f"{PROBE_REASON}, seen by rank {self.member} on the same host"
+            report_exit(self.base, m, inc, code=None, reason=reason, by="probe")
+            out[m] = reason
+        return out
 
 
 # --- error reports and the job's end ----------------------------------------------------------

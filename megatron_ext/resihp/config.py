@@ -47,6 +47,10 @@ class ResiHPConfig:
                               "restart (needs the project's launcher, pretrain_gpt.py --nproc-per-node N, or a "
                               "store from python -m megatron_ext.ft.store).", "abort",
                               choices=("abort", "report", "continue"))
+    resihp_exit_file: str = doc("When a lost rank or an error ends the job, the rank that ends it writes "
+                                "{\"code\": 75|1|2, \"message\": ..., \"lost\": [...]} here (75: resume with "
+                                "--load). For launchers whose own exit code does not carry it: torchrun exits 1 "
+                                "whatever its workers' codes. Remove it before each launch.", "")
     resihp_respawn: int = doc("With --resihp-on-stop continue under the project's launcher: start a lost rank's "
                               "process again, up to N times per rank; the new process joins at the next iteration "
                               "boundary and the planner re-expands the layout to use it.", 0)

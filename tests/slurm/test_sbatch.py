@@ -43,7 +43,10 @@ def test_sbatch_trains_and_exits_zero(tmp_path):
         ["sbatch", "--parsable", "--output", str(out), "scripts/slurm/pretrain_gpt.sbatch",
          "--config", "configs/demo.yaml", "--train-iters", "3", "--eval-iters", "1", "--log-interval", "1", "--save", str(ckpt),
          "--tensorboard-dir", str(tmp_path / "tb"), "--metrics-file", str(tmp_path / "metrics.jsonl"),
-         "--squeeze", str(study), "--squeeze-dir", str(tmp_path / "squeeze")],
+         "--squeeze", str(study), "--squeeze-dir", str(tmp_path / "squeeze"),
+         # The demo's ResiHP off: this job takes the script's torchrun-per-node path (with --resihp
+         # the ranks start under srun directly, as the fail-stop tests below do).
+         "--no-resihp"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     deadline = time.time() + 600
     state, code = "PENDING", ""
@@ -119,3 +122,34 @@ def test_continue_across_two_nodes_survives_a_lost_node(tmp_path):
     assert all(v.startswith("heartbeat silent") for v in change["lost_why"].values()), change["lost_why"]
     assert max(r["iteration"] for r in rows if r["kind"] == "train") == 40
     assert "job finished training" in log
+
+
+def test_a_lost_rank_ends_the_job_with_exit_75_under_srun(tmp_path):
+    # The default fail-stop action under the batch script: --resihp (abort) starts the ranks with
+    # srun directly and the job's store on the first node; rank 1 is SIGKILLed in its optimizer
+    # step of iteration 3, the survivor names it (same host: at once) in one line and the job
+    # exits 75, the code a restart wrapper resumes with --load on.
+    out, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
+    env = {**os.environ, "NPROC_PER_NODE": "2", "PYTHON": os.path.join(ROOT, ".venv", "bin", "python")
+           if os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")) else "python3"}
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", "--output", str(out), "scripts/slurm/pretrain_gpt.sbatch",
+         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+         "--global-batch-size", "4", "--micro-batch-size", "1", "--train-iters", "8", "--eval-iters", "0",
+         "--log-interval", "1", "--save", str(ckpt), "--save-interval", "2", "--resihp", "--inject-stop", "1:3:step"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    deadline = time.time() + 600
+    state, code = "PENDING", ""
+    while time.time() < deadline:
+        state, code = job_state(job_id)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        time.sleep(2)
+    log = out.read_text() if out.exists() else "(no output file)"
+    assert (state, code) == ("FAILED", "75:0"), f"job {job_id} ended {state} {code}:\n{log[-3000:]}"
+    assert "1 node(s) x 2 ranks, a lost rank ends the job with exit 75 (resume with --load)" in log
+    lines = [line for line in log.splitlines() if line.startswith("resihp: aborting the job")]
+    assert lines == [f"resihp: aborting the job: rank(s) 1 (process ended, seen by rank 0 on the same host) gone; "
+                     f"resume from the last checkpoint (--load {ckpt})"], log[-3000:]
+    assert "job ended (exit 75): rank(s) 1 (process ended, seen by rank 0 on the same host) gone" in log
+    assert (ckpt / "latest").read_text().strip() == "iter_0000002"
