@@ -66,7 +66,7 @@ def _check(cfg, world: int, *, launcher: bool = False) -> None:
     from megatron_ext.ft import preflight
     from megatron_ext.runtime.rundir import check_outputs
 
-    cfg.validate(world)
+    cfg.validate_launch(world)
     preflight.check(cfg, world, launcher=launcher)
     if int(os.environ.get("MEGATRON_EXT_INCARNATION", "0")) > 0:
         _engine_check(cfg)

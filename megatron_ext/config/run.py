@@ -431,9 +431,14 @@ class RunConfig:
                                   "tools/preprocess_data.py or leave --data-path unset for the default corpus")
         if self.checkpoint.load is not None and not os.path.isdir(self.checkpoint.load):
             raise ConfigError(f"--load {self.checkpoint.load}: no such directory")
+
+    def validate_launch(self, world_size: int) -> None:
+        """``validate``, and each extension section's own checks against the world the job is
+        launched with (``check_world``: e.g. a fault injected into a rank it lacks), before any rank
+        starts. A layout change later (fewer ranks after a loss) is checked by ``validate`` alone:
+        those name ranks at launch."""
+        self.validate(world_size)
         for ext in self.extensions.values():
-            # An extension section's own checks that need the world size (e.g. a fault injected into
-            # a rank the world does not have), before any rank starts like the rest.
             check_world = getattr(ext, "check_world", None)
             if callable(check_world):
                 check_world(world_size)

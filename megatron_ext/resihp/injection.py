@@ -144,7 +144,8 @@ class FaultInjectionConfig:
             raise ConfigError(f"--inject-slow names rank(s) more than once: {self.inject_slow}")
 
     def check_world(self, world_size: int) -> None:
-        """Every fault names a rank of the world (``RunConfig.validate``: before any rank starts)."""
+        """Every fault names a rank of the world at launch (``RunConfig.validate_launch``: before any
+        rank starts)."""
         for flag, specs, faults in (("--inject-slow", self.inject_slow, self.slow),
                                     ("--inject-stop", self.inject_stop, self.stop),
                                     ("--inject-error", self.inject_error, self.error)):
