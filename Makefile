@@ -35,14 +35,25 @@ demo: setup
 	PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 $(PY) pretrain_gpt.py --nproc-per-node $(NPROC) \
 		--config configs/demo.yaml $(ARGS)
 
-test: setup
-	# One intra-op thread per process: tests launch several ranks on few cores.
-	PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+# One intra-op thread per process: tests launch several ranks on few cores.
+TEST_ENV := PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
+FAST     := -m "not multirank and not slurm"
+XDIST    ?= 2
 
-# Single-process tests only: the multi-rank ones (torchrun / mp.spawn launches, marked `multirank`)
-# are where the suite's time goes; `make test` runs them.
+# Two passes, both always run: the single-process tests on $(XDIST) pytest-xdist workers, then the
+# multi-rank and Slurm tests one at a time (each launches several ranks, which already fill the
+# cores, and their heartbeat and fail-slow checks want the machine to themselves). Exit 5 (nothing
+# selected in a pass, e.g. PYTEST_ARGS=tests/ft) counts as passed.
+test: setup
+	@rc=0; \
+	$(TEST_ENV) $(PY) -m pytest -q -n $(XDIST) $(FAST) $(PYTEST_ARGS) || [ $$? = 5 ] || rc=1; \
+	$(TEST_ENV) $(PY) -m pytest -q -m "multirank or slurm" $(PYTEST_ARGS) || [ $$? = 5 ] || rc=1; \
+	exit $$rc
+
+# The inner loop: the first pass of `make test` alone (the multi-rank launches, marked `multirank`,
+# are where the suite's time goes).
 test-fast: setup
-	PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not multirank and not slurm" $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q -n $(XDIST) $(FAST) $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) tools/bench_parallel.py

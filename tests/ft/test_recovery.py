@@ -94,12 +94,14 @@ def launches(tmp_path_factory):
                         "incarnations": [r.incarnations for r in ranks], "job": job_exit_code(ranks),
                         "wall_s": time.monotonic() - t0, "metrics": d / "metrics.jsonl"}
     # Straight single-rank runs of the same model and data, with each launch's LR schedule.
-    for name, iters, decay in (("straight8", 8, 8), ("straight10", 10, 10), ("straight5", 5, 8),
-                               ("straight150", 150, 150)):
+    for name, iters, decay in (("straight8", 8, 8), ("straight10", 10, 10), ("straight150", 150, 150)):
         ref = out / f"{name}.jsonl"
         run_python("pretrain_gpt.py", *MODEL, "--train-iters", str(iters), "--lr-decay-iters", str(decay),
                    "--metrics-file", str(ref))
         result[name] = curve(ref)
+    # --train-iters 5 --lr-decay-iters 8 is the first five iterations of straight8 (same schedule,
+    # same data order): one launch fewer.
+    result["straight5"] = {i: loss for i, loss in result["straight8"].items() if i <= 5}
     return result
 
 
