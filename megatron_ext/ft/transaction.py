@@ -204,7 +204,13 @@ def describe(info: dict[str, Any]) -> str:
         "grow": "rank(s) " + ", ".join(map(str, info["joined_ranks"])) + " joined"}[info["cause"]]
     if info["cause"] == "fail_stop" and info["joined_ranks"]:
         why += "; spare rank(s) " + ", ".join(map(str, info["joined_ranks"])) + " taken in"
-    text = f"layout change ({why}): {info['from'] or 'a new process'} -> {info['to']}"
+    if info["from"] == info["to"]:  # same shape: what changed is the ranks' order or the split
+        text = f"layout change ({why}): {info['to']} kept"
+        order = info.get("rank_order")
+        if order and list(order) != sorted(order):
+            text += f", ranks regrouped (the new ranks {','.join(map(str, range(len(order))))} were {','.join(map(str, order))})"
+    else:
+        text = f"layout change ({why}): {info['from'] or 'a new process'} -> {info['to']}"
     if info["stage_layers"]:
         text += f" (layers per stage {' '.join(map(str, info['stage_layers']))})"
     if info["replica_microbatches"]:

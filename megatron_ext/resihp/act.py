@@ -113,7 +113,7 @@ class Actor:
         target = target_from_plan(plan.new)
         why = not_applicable(trainer, target)
         if self.decides:
-            print(f" resihp: {plan.describe()}", flush=True)
+            print(f" {plan.describe()}", flush=True)
             if self.cfg.resihp_act == "relayout" and why:
                 print(f" resihp: plan not applied: {why}", flush=True)
         if self.cfg.resihp_act == "relayout" and why is None:

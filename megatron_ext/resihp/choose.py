@@ -154,7 +154,8 @@ def choose_layout(trainer: "TrainerLike", devices: list[int], lost: list[int], c
         # The model's device speed is scaled to the iteration times measured in the layout in force
         # (before the fault): how compute weighs against the links on this machine decides between
         # more replicas and more stages, and 1 TFLOP/s per CPU rank would misjudge it by 100x.
-        planner = make_planner(trainer, executable_only=False, min_gain=0.0, healthy_times=_healthy_times(trainer))
+        times = _healthy_times(trainer)
+        planner = make_planner(trainer, executable_only=False, min_gain=0.0, healthy_times=times)
         if cause == "grow":
             return _grow(trainer, planner, layout, speeds, devices)
         plan = planner.plan(layout, speeds)
@@ -162,7 +163,10 @@ def choose_layout(trainer: "TrainerLike", devices: list[int], lost: list[int], c
         return str(exc)
     if plan is None:
         return "the planner found no layout for the survivors"
-    return _checked(trainer, plan.new, plan.describe())
+    line = plan.describe()
+    if not times:  # e.g. a loss right after another change: no iteration of this layout measured
+        line += " [seconds of the planner's model at 1 TFLOP/s per rank: no iteration of the layout in force measured]"
+    return _checked(trainer, plan.new, line)
 
 
 def _checked(trainer: "TrainerLike", new: PlanLayout, describe: str) -> tuple[LayoutTarget, str] | str:

@@ -38,7 +38,7 @@ from megatron_ext.resihp.flops import stage_costs
 from megatron_ext.pipeline.pipesim import compile_plan, simulate
 from megatron_ext.resihp.stats import Persistence, huber_fit, loo_median, nanmedian, robust_scale
 from megatron_ext.resihp.trace import TraceRecord
-from megatron_ext.resihp.verdicts import Verdict
+from megatron_ext.resihp.verdicts import Verdict, detector_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class _Base:
         self.known = np.where(ok, old_known[take], 1.0)
         self.sigma = np.where(ok, old_sigma[take], self.sigma)
         slow = ", ".join(f"launch rank {d} x{f:.2f}" for d, f in self.known_slow().items())
-        logger.info("resihp[%s]: re-layout at iteration %d (%s)%s", self.name, rec.iteration, what,
+        logger.info("%s: re-layout at iteration %d (%s)%s", detector_prefix(self.name), rec.iteration, what,
                     f"; known slow: {slow}" if slow else "")
 
     def _permuted(self, src: np.ndarray, moved: np.ndarray) -> None:

@@ -80,6 +80,12 @@ class DetectionMetrics:
         return float(np.median(self.delays)) if self.delays else float("nan")
 
     @property
+    def wrong(self) -> int:
+        """Verdicts that name no fault: false alarms in healthy iterations, and verdicts during a
+        fault that name the wrong rank or kind (e.g. the slow rank's waiting peer)."""
+        return self.verdicts - self.correct
+
+    @property
     def false_alarms_per_10k(self) -> float:
         return 1e4 * self.false_alarms / self.healthy_iterations if self.healthy_iterations else float("nan")
 
@@ -88,6 +94,7 @@ class DetectionMetrics:
             return None if math.isnan(x) else round(x, 4)
 
         return {"f1": clean(self.f1), "precision": clean(self.precision), "recall": clean(self.recall),
+                "wrong_verdicts": self.wrong,
                 "delay_iters": clean(self.delay_iters), "false_alarms_per_10k": clean(self.false_alarms_per_10k)}
 
 

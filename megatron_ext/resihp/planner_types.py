@@ -293,7 +293,10 @@ class Plan:
     def describe(self) -> str:
         """One log line, e.g. ``resihp plan [pp_repartition, dp_migration] tp1pp4dp2: layers
         3/3/3/3 -> 4/4/3/1; micro-batches 4/4 -> 5/3; iteration 1.62 s -> 1.21 s predicted
-        (-25.3 %, optimum 1.18 s); move 0.4 GB (max 0.1 GB/device, 0.05 s)``."""
+        (-25.3 %, the old shape at the capacity left 1.18 s); move 0.4 GB (max 0.1 GB/device, 0.05 s)``.
+        "The old shape at the capacity left" is the capacity-proportional optimum of the layout's
+        shape (its healthy time x devices / the sum of their speeds); another shape (fewer stages,
+        fewer bubbles) can be predicted below it."""
         o, n = self.old, self.new
         parts = []
         parts.append(f"{o.shape}" + (f" -> {n.shape}" if o.shape != n.shape else ""))
@@ -315,8 +318,8 @@ class Plan:
         gain = "" if math.isinf(self.iteration_s_before) else \
             f"-{100 * (1 - self.iteration_s_after / self.iteration_s_before):.1f} %, "
         return (f"resihp plan [{', '.join(self.actions)}] for {slow or 'all healthy'}: " + "; ".join(parts)
-                + f"; iteration {before} -> {self.iteration_s_after:.3g} s predicted ({gain}optimum "
-                f"{self.optimum_s:.3g} s); move {_gb(self.bytes_to_move)} (max {_gb(self.max_bytes_per_device)}"
+                + f"; iteration {before} -> {self.iteration_s_after:.3g} s predicted ({gain}the old shape at the "
+                f"capacity left {self.optimum_s:.3g} s); move {_gb(self.bytes_to_move)} (max {_gb(self.max_bytes_per_device)}"
                 f"/device, {self.move_s:.3g} s)")
 
     def to_dict(self) -> dict[str, Any]:

@@ -74,13 +74,15 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 
 def metrics_table(results: Iterable[ReplayResult]) -> str:
-    rows = ["detector   verdicts  precision  recall     f1  delay_iters  false_alarms/10k"]
+    # "wrong" counts every verdict that names no fault; the false-alarm rate counts only those in
+    # healthy iterations (a wrong rank named during a fault lowers precision, not that rate).
+    rows = ["detector   verdicts  wrong  precision  recall     f1  delay_iters  false_alarms/10k_healthy"]
     for res in results:
         m = res.metrics
         if m is None:
             continue
-        rows.append(f"{res.detector:<9} {m.verdicts:>9} {_fmt(m.precision):>10} {_fmt(m.recall):>7} "
-                    f"{_fmt(m.f1):>6} {_fmt(m.delay_iters, '.1f'):>12} {_fmt(m.false_alarms_per_10k, '.2f'):>17}")
+        rows.append(f"{res.detector:<9} {m.verdicts:>9} {m.wrong:>6} {_fmt(m.precision):>10} {_fmt(m.recall):>7} "
+                    f"{_fmt(m.f1):>6} {_fmt(m.delay_iters, '.1f'):>12} {_fmt(m.false_alarms_per_10k, '.2f'):>25}")
     return "\n".join(rows)
 
 

@@ -92,8 +92,13 @@ class Verdict:
             what = "fail-stop (heartbeat lost)"
         else:
             what = "recovered"
-        return (f"resihp[{self.detector}] iteration {self.iteration}: {where} {what}, "
+        return (f"{detector_prefix(self.detector)} iteration {self.iteration}: {where} {what}, "
                 f"confidence {self.confidence:.2f}")
+
+
+def detector_prefix(detector: str) -> str:
+    """How a detector's lines begin: ``resihp`` for ResiHP's own, ``resihp[raw]`` for another."""
+    return "resihp" if detector == "resihp" else f"resihp[{detector}]"
 
 
 class VerdictLog(JsonLinesWriter):

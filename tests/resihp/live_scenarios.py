@@ -43,13 +43,15 @@ def main() -> None:
         trainer.run()
         ctx = trainer.ctx  # a re-layout rebuilt it
         rows = [None] * dist.get_world_size()  # the logging rank's rows, wherever it is now
-        dist.all_gather_object(rows, sum(h["kind"] == "train" for h in trainer.history)
+        dist.all_gather_object(rows, (sum(h["kind"] == "train" for h in trainer.history),
+                                      [h for h in trainer.history if h["kind"] == "layout_recovery"])
                                if ctx.is_logging_rank else None)
         if trainer.ctx.rank == 0:
             with open(os.path.join(out, f"{name}.relayouts.json"), "w", encoding="utf-8") as fh:
                 json.dump({"relayouts": trainer.relayouts, "iterations": trainer.iteration,
                            "stage_layers": trainer.cfg.parallel.pipeline_stage_layers,
-                           "train_rows": next(r for r in rows if r is not None)}, fh)
+                           "train_rows": next(r for r in rows if r is not None)[0],
+                           "recovery": next(r for r in rows if r is not None)[1]}, fh)
     distributed.teardown()
 
 

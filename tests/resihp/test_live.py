@@ -77,6 +77,14 @@ def test_acting_on_the_verdict_relays_out_the_live_job(live):
     assert done["train_rows"] == 60
     log = (live / "log.txt").read_text()
     assert log.count("injected: rank 2 x3 slow from iteration 25; named at iteration") == 2, log[-3000:]
+    # The lines a reader meets: no doubled prefix, a same-shape regroup named as such, and once the
+    # new layout settled, one row saying whether throughput recovered (measured iteration times).
+    assert "resihp[resihp]" not in log and "resihp: resihp plan" not in log and " resihp plan [" in log
+    assert "tp1pp2dp2 -> tp1pp2dp2" not in log and "layout change (re-layout): tp1pp2dp2 kept, ranks regrouped" in log
+    (rec,) = done["recovery"]
+    assert rec["change_iteration"] == first["iteration"] and rec["cause"] == "relayout"
+    assert rec["during_ms"] > 1.5 * rec["before_ms"], rec       # the slow rank made iterations slower
+    assert rec["after_ms"] < rec["during_ms"], rec              # the re-layout helped
 
 
 @pytest.mark.multirank

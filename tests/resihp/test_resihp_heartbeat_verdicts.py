@@ -22,7 +22,7 @@ def test_verdict_json_roundtrip_and_log(tmp_path):
     v = Verdict(kind="fail_slow", rank=3, stage=1, iteration=42, factor=1.7, confidence=0.97, detector="resihp",
                 time_s=12.5, detail={"dp": 0, "tp": 1})
     assert Verdict.from_dict(json.loads(v.to_json())) == v
-    assert v.describe() == "resihp[resihp] iteration 42: rank 3 (stage 1) fail-slow x1.70, confidence 0.97"
+    assert v.describe() == "resihp iteration 42: rank 3 (stage 1) fail-slow x1.70, confidence 0.97"
     path = tmp_path / "v.jsonl"
     with VerdictLog(path) as log:
         log.write(v)

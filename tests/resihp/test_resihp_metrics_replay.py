@@ -31,6 +31,7 @@ def test_score_counts_by_definition():
     ]
     m = score(labels, verdicts)
     assert (m.verdicts, m.correct, m.faults, m.detected, m.false_alarms) == (6, 3, 2, 2, 2)
+    assert m.wrong == 3   # the two false alarms and the wrong rank named during the fault
     assert m.healthy_iterations == 40 - 11 - 1
     assert m.precision == 0.5 and m.recall == 1.0 and m.f1 == pytest.approx(2 / 3)
     assert m.delays == [3, 3] and m.delay_iters == 3.0
@@ -44,8 +45,24 @@ def test_metrics_add_up_and_empty_cases():
     assert (c.precision, c.recall, c.delay_iters, c.false_alarms_per_10k) == (2 / 3, 0.5, 4.0, 10.0)
     empty = DetectionMetrics()
     assert empty.precision == 1.0
-    assert empty.summary() == {"f1": None, "precision": 1.0, "recall": None, "delay_iters": None,
+    assert empty.summary() == {"f1": None, "precision": 1.0, "recall": None, "wrong_verdicts": 0, "delay_iters": None,
                                "false_alarms_per_10k": None}
+
+
+def test_the_table_counts_a_wrong_rank_named_during_a_fault():
+    # The raw detector naming the slow rank's waiting peer while the fault is on: no false alarm in
+    # a healthy iteration, but two wrong verdicts, and the table says so.
+    from megatron_ext.resihp.replay import ReplayResult, metrics_table
+
+    f = FaultLabel(kind="slow", rank=2, since=10, factor=2.0)
+    labels = [(i, (f,) if i >= 10 else ()) for i in range(1, 31)]
+    verdicts = [slow(2, 14), slow(3, 15), slow(3, 20)]
+    m = score(labels, verdicts)
+    assert (m.false_alarms, m.wrong, m.precision) == (0, 2, 1 / 3)
+    table = metrics_table([ReplayResult("raw", verdicts, [], m)]).splitlines()
+    assert table[0].split() == ["detector", "verdicts", "wrong", "precision", "recall", "f1", "delay_iters",
+                                "false_alarms/10k_healthy"]
+    assert table[1].split() == ["raw", "3", "2", "0.333", "1.000", "0.500", "4.0", "0.00"]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +87,7 @@ def test_replay_cli_prints_verdicts_and_scores(trace, capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0
     assert "70 iterations (1..70)" in out
-    assert "resihp[resihp] iteration 4" in out and "rank 2 (stage 2) fail-slow" in out
+    assert "resihp iteration 4" in out and "resihp[resihp]" not in out and "rank 2 (stage 2) fail-slow" in out
     assert "rank 1 (stage 1) fail-stop (heartbeat lost)" in out
     result = json.loads(out.strip().splitlines()[-1])
     kinds = [(v["kind"], v["rank"]) for v in result["resihp"]["verdicts"]]
