@@ -351,13 +351,25 @@ class Qwen3MoE(Qwen3):
         if m.moe_router_load_balancing_type == "sinkhorn" and m.moe_router_topk == 1:
             raise ConversionError(f"{where}: Sinkhorn routing with --moe-router-topk 1 weighs the expert by a "
                                   "sigmoid, which Qwen3-MoE's router does not")
+        if getattr(m, "moe_router_score_function", "softmax") != "softmax":
+            raise ConversionError(f"{where}: --moe-router-score-function {m.moe_router_score_function} has no "
+                                  "Hugging Face equivalent: Qwen3-MoE's router scores the experts by a softmax")
+        if getattr(m, "moe_router_topk_scaling_factor", None) not in (None, 1.0):
+            raise ConversionError(f"{where}: --moe-router-topk-scaling-factor {m.moe_router_topk_scaling_factor} has "
+                                  "no Hugging Face equivalent: Qwen3-MoE's router does not scale the top-k weights")
+        if getattr(m, "moe_shared_expert_intermediate_size", None):
+            raise ConversionError(f"{where}: --moe-shared-expert-intermediate-size has no Hugging Face equivalent: "
+                                  "Qwen3-MoE has no shared expert")
 
     def config_kwargs(self, m: Any, common: dict[str, Any]) -> dict[str, Any]:
         kw = super().config_kwargs(m, common)
         del kw["head_dim"]
         return dict(kw, num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
                     moe_intermediate_size=m.moe_ffn_hidden_size, decoder_sparse_step=1, mlp_only_layers=[],
-                    norm_topk_prob=m.moe_router_load_balancing_type != "sinkhorn",
+                    # softmax over the top-k logits renormalises; Sinkhorn and --moe-router-pre-softmax
+                    # (softmax over every expert, then top-k) do not
+                    norm_topk_prob=not (m.moe_router_load_balancing_type == "sinkhorn"
+                                        or getattr(m, "moe_router_pre_softmax", False)),
                     router_aux_loss_coef=m.moe_aux_loss_coeff)
 
     def _mlp_rules(self, m: Any, h: str, ix: tuple[int, ...]) -> list[Rule]:
@@ -373,11 +385,10 @@ class Qwen3MoE(Qwen3):
         if c.decoder_sparse_step != 1 or list(c.mlp_only_layers or []):
             refuse("decoder_sparse_step / mlp_only_layers", (c.decoder_sparse_step, c.mlp_only_layers),
                    "every MLP of megatron-ext's MoE model is an MoE layer")
-        if not c.norm_topk_prob:
-            refuse("norm_topk_prob", False, "megatron's router (softmax over the top-k logits) renormalises the "
-                   "top-k weights")
+        # norm_topk_prob false (softmax over every expert, then the top k, not renormalised) is
+        # megatron's --moe-router-pre-softmax
         return dict(values, num_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
-                    moe_ffn_hidden_size=c.moe_intermediate_size)
+                    moe_ffn_hidden_size=c.moe_intermediate_size, moe_router_pre_softmax=not c.norm_topk_prob)
 
     def training_defaults(self, c: Any) -> dict[str, Any]:
         return dict(super().training_defaults(c), moe_aux_loss_coeff=c.router_aux_loss_coef)

@@ -35,6 +35,8 @@ MODELS = {
 }
 # Sinkhorn routing evaluates as softmax then top-k without renormalising (norm_topk_prob false).
 MODELS["moe_sinkhorn"] = {**MODELS["moe"], "moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0.0}
+# --moe-router-pre-softmax: softmax over every expert, then the top k (norm_topk_prob false, both ways).
+MODELS["moe_presoftmax"] = {**MODELS["moe"], "moe_router_pre_softmax": True}
 LAYOUTS = {"qwen3_tp2": ("qwen3", {"tensor_model_parallel_size": 2}),
            "moe_ep2": ("moe", {"expert_model_parallel_size": 2})}
 

@@ -27,7 +27,8 @@ from tests.runtime.hf_export_scenarios import BASE, MODELS
 # norm_topk_prob false 3.8, rotary base 10000 5.8, swapped SwiGLU halves 6-8, interleaved rotary 7-9.
 ATOL = 1e-4
 HF_CLASS = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "llama_bias": "LlamaForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM", "moe_sinkhorn": "Qwen3MoeForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM", "moe_sinkhorn": "Qwen3MoeForCausalLM",
+            "moe_presoftmax": "Qwen3MoeForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_tokenizer_travels(checkpoints, root):
     assert theirs.decode(ours.tokenize(text)) == text
 
 
-@pytest.mark.parametrize("name", ["gpt", "qwen3", "moe"])
+@pytest.mark.parametrize("name", ["gpt", "qwen3", "moe", "moe_presoftmax"])
 def test_import_gives_back_the_checkpoint_and_trains_on(ctx, checkpoints, root, name):
     out = str(root / "hf_rt" / name)
     hf_export.export(checkpoints[name], out)
@@ -203,6 +204,14 @@ def test_a_bad_checkpoint_path_is_one_line(tmp_path, capsys):
     ({**MODELS["moe"], "moe_router_topk": 1, "moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0},
      "ckpt: Sinkhorn routing with --moe-router-topk 1 weighs the expert by a sigmoid, which Qwen3-MoE's router "
      "does not"),
+    ({**MODELS["moe"], "moe_router_score_function": "sigmoid"},
+     "ckpt: --moe-router-score-function sigmoid has no Hugging Face equivalent: Qwen3-MoE's router scores the "
+     "experts by a softmax"),
+    ({**MODELS["moe"], "moe_router_topk_scaling_factor": 2.5},
+     "ckpt: --moe-router-topk-scaling-factor 2.5 has no Hugging Face equivalent: Qwen3-MoE's router does not scale "
+     "the top-k weights"),
+    ({**MODELS["moe"], "moe_shared_expert_intermediate_size": 32},
+     "ckpt: --moe-shared-expert-intermediate-size has no Hugging Face equivalent: Qwen3-MoE has no shared expert"),
 ])
 def test_a_model_without_a_counterpart_is_refused(values, message):
     m = config_from_values({**BASE, **values}).model
@@ -221,8 +230,6 @@ def test_a_model_without_a_counterpart_is_refused(values, message):
                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 8192}},
      "config.json: rope_parameters.rope_type 'llama3' cannot be mapped: megatron-ext's rotary embedding is unscaled"),
-    ("qwen3_moe", {"rms_norm_eps": 1e-5, "norm_topk_prob": False}, "config.json: norm_topk_prob False cannot be "
-     "mapped: megatron's router (softmax over the top-k logits) renormalises the top-k weights"),
 ])
 def test_an_hf_config_that_cannot_be_mapped_is_refused(model_type, kwargs, message):
     tf = hf_export.transformers_module()
