@@ -59,7 +59,7 @@ def recovery_report(change: dict[str, Any], rows: list[dict[str, Any]], since: i
         during = None
         before = _median([times.get(i) for i in range(c - BEFORE_ITERS + 1, c + 1)])
     ms = lambda x: None if x is None else round(1e3 * x, 2)  # noqa: E731
-    return {"change_iteration": c, "cause": change["cause"], "from": change.get("from"), "to": change.get("to"),
+    return {"iteration": last, "change_iteration": c, "cause": change["cause"], "from": change.get("from"), "to": change.get("to"),
             "before_ms": ms(before), "during_ms": ms(during), "pause_s": change.get("pause_s"),
             "after_ms": ms(after), "after_iterations": [first, last],
             "after_vs_before": round(before / after, 4) if before and after else None}

@@ -42,6 +42,7 @@ def test_a_relayout_reports_before_during_and_after_once_settled(tmp_path, capsy
     rep = rows[0]
     assert (rep["before_ms"], rep["during_ms"], rep["after_ms"]) == (100.0, 300.0, 120.0)
     assert rep["after_iterations"] == [33, 42] and rep["after_vs_before"] == round(100 / 120, 4)
+    assert rep["iteration"] == 42   # every metrics row has one: when it was written
     out = capsys.readouterr().out.splitlines()
     assert out == [" layout change at iteration 30 (the re-layout, tp1pp2dp2 kept): iteration time 100.0 ms "
                    "before the fault, 300.0 ms during it, 120.0 ms after (median of iterations 33-42): throughput "
