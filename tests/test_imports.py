@@ -119,8 +119,9 @@ LAYERS = (
     ("config",),                                    # flags + YAML -> RunConfig
     ("runtime", "ft", "pipeline"),                  # the training job: parts, fault tolerance, events
     ("helix", "resihp", "hydro", "cluster", "convert", "deepspeed_patches"),  # extensions, engines, tools
+    ("bench",),                                     # the benchmark harness: may import anything, nothing imports it
 )
-EXTENSIONS = LAYERS[-1]
+EXTENSIONS = LAYERS[-2]
 
 
 def package_of(module: str) -> str:
