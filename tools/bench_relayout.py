@@ -36,7 +36,7 @@
     one rank slowed 2x (throttle); tokens/s healthy, slowed with no action, slowed after the
     planner's plan was applied by ``Trainer.relayout``, and the capacity-proportional optimum
     (healthy x mean device speed); the pause; the loss curve against a straight run. ``pp2``: PP2 on
-    2 ranks, one core each (layer repartition). ``pp2dp2``: PP2 x DP2 on 4 ranks, one core per
+    2 ranks, one core each (layer repartition). ``pp2dp2`` (skipped on fewer than 4 cores: no two ranks of a case share a core): PP2 x DP2 on 4 ranks, one core per
     replica, the slow rank in replica 0 (layers and micro-batches between replicas: DP work
     migration). ``fail_stop``: ``pretrain_gpt.py --nproc-per-node 4 --resihp-on-stop continue``
     (PP2 x DP2) with rank 3 SIGKILLed in its optimizer step: whether the survivors trained to the
@@ -432,7 +432,11 @@ def _live_relayout(root: str, tmp: str, iters: int, scenario: str, nproc: int) -
     r = json.load(open(out, encoding="utf-8"))
     healthy, slow = TOKENS / r["healthy_s"], TOKENS / r["slow_s"]
     after = TOKENS / r["relayout_s"] if "relayout_s" in r else None
-    optimum = healthy * float(np.mean(r["speeds"]))
+    # The capacity optimum from each rank's measured speed in the slowed phase (its forward
+    # seconds healthy / slowed, the throttle's hold included), not the nominal factor.
+    optimum = healthy * float(np.mean(r["measured_speeds"]))
+    print(f"  {scenario}: rank speeds measured {' '.join(f'{v:.2f}' for v in r['measured_speeds'])} "
+          f"(nominal {' '.join(f'{v:.2f}' for v in r['speeds'])})")
     print(f"  {scenario}: plan: {r['plan']}")
     knobs = (f"layers {r['stage_layers']}"
              + (f", micro-batches {r['replica_microbatches']}" if r.get("replica_microbatches") else "")
@@ -446,6 +450,7 @@ def _live_relayout(root: str, tmp: str, iters: int, scenario: str, nproc: int) -
     return {"healthy_tok_s": round(healthy, 1), "slow_no_action_tok_s": round(slow, 1),
             "slow_relayout_tok_s": round(after, 1) if after else None,
             "optimum_fraction": round(after / optimum, 4) if after else None,
+            "measured_speeds": [round(v, 4) for v in r["measured_speeds"]],
             "pause_s": round(r.get("pause_s", float("nan")), 3),
             "loss_max_rel_diff": r["loss_max_rel_diff"], "plan": r["plan"],
             "stage_layers": r.get("stage_layers"), "replica_microbatches": r.get("replica_microbatches")}
@@ -486,10 +491,16 @@ def _straight(root: str, d: str, iters: int) -> dict[int, float]:
     import subprocess
 
     ref = os.path.join(d, "straight.jsonl")
-    subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--train-iters", str(iters),
-                    "--metrics-file", ref], cwd=root, capture_output=True, text=True,
-                   env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
-    return {r["iteration"]: r["loss"] for r in _rows(ref, "train")}
+    proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--train-iters",
+                           str(iters), "--metrics-file", ref], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:  # a failed reference would make every curve comparison vacuous
+        raise RuntimeError(f"the straight reference run exited {proc.returncode}:\n"
+                           + "\n".join((proc.stdout + proc.stderr).splitlines()[-20:]))
+    curve = {r["iteration"]: r["loss"] for r in _rows(ref, "train")}
+    if sorted(curve) != list(range(1, iters + 1)):
+        raise RuntimeError(f"the straight reference run wrote iterations {sorted(curve)[:3]}..., not 1..{iters}")
+    return curve
 
 
 def _max_rel(train: dict[int, dict], straight: dict[int, float]) -> float | None:
@@ -643,9 +654,18 @@ def run_live(iters: int, parts: tuple[str, ...] = LIVE_PARTS) -> dict:
           f"{iters} iterations per phase; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start")
     with tempfile.TemporaryDirectory() as tmp:
         live: dict = {}
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         for scenario, nproc in (("pp2", 2), ("pp2dp2", 4)):
-            if scenario in parts:
-                live[scenario] = _live_relayout(root, tmp, iters, scenario, nproc)
+            if scenario not in parts:
+                continue
+            if cores < nproc:
+                # Ranks sharing a core: a slowed rank's idle hold gives its core-mate time, which
+                # neither the planner nor the capacity optimum models -- no figure rather than a
+                # flattering one.
+                print(f"  {scenario}: skipped: needs {nproc} cores (one per rank), this machine has {cores}")
+                live[scenario] = {"skipped": f"needs {nproc} cores (one per rank); {cores} available"}
+                continue
+            live[scenario] = _live_relayout(root, tmp, iters, scenario, nproc)
         if "fail_stop" in parts:
             live["fail_stop"] = _live_fail_stop(root, tmp, "fail_stop", nproc=4, iters=30, save_interval=None,
                                                 layout=["--pipeline-model-parallel-size", "2"], stop=["3:15:step"])
