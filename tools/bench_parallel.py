@@ -1,15 +1,20 @@
 #!/usr/bin/env python
 """Tokens/s of the tiny GPT per layout on 4 CPU ranks, and the runtime's overhead over a bare loop.
 
-    python tools/bench_parallel.py [--iters 12] [--rounds 5]
+    python tools/bench_parallel.py [--iters 12] [--rounds 12]
 
 Layouts: TP1 (x DP4), TP2xPP2, PP2xDP2, PP4, each trained from the same initialisation; its loss curve
 is compared with a single-rank run of the same model and data (parity_max_rel_diff). Overhead: in
-TP2xPP2, blocks of ``Trainer.train_step`` and of a bare loop are interleaved; overhead = median
-ratio - 1. The bare loop shares no code with the runtime's step: it fetches its own micro-batches
-from the same megatron GPTDataset, has its own forward step and loss, and calls megatron-core's
-schedule, the optimizer and the LR scheduler directly (the same model and optimizer objects).
-Prints a table, then one JSON line.
+TP2xPP2, blocks of ``Trainer.train_step`` ("runtime"), of a bare loop ("bare") and of the runtime
+again ("runtime (A/A)") run interleaved, their order rotated every round (megatron_ext.bench.harness,
+docs/benchmarks.md); overhead = median of the per-round runtime/bare ratios - 1, with a bootstrap
+90 % interval, printed beside the A/A ratio (runtime against itself): the noise floor of this run.
+Use a multiple of 3 rounds so that each arm goes first equally often. The bare loop shares no code
+with the runtime's step: it fetches its own micro-batches from the same megatron GPTDataset, has its
+own forward step and loss, and calls megatron-core's schedule, the optimizer and the LR scheduler
+directly (the same model and optimizer objects).
+Prints a table, then one JSON line (with the commit, a dirty-tree flag, the command line and the
+load average before and after).
 """
 from __future__ import annotations
 
@@ -97,43 +102,40 @@ def worker(out_path: str, iters: int, rounds: int) -> None:
         return output, loss_func
 
     block = 6
-    ratios = []
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_ext.bench.harness import interleave
+
     forward_backward = get_forward_backward_func()
-    for _ in range(2):  # warm-up of both paths
-        tr.train_step()
-    for r in range(rounds):
-        def runtime_block() -> float:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(block):
-                tr.train_step()
-            dist.barrier()
-            return time.perf_counter() - t0
 
-        def bare_block() -> float:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(block):
-                batches = bare_batches()
-                tr.model.zero_grad_buffer()
-                forward_backward(forward_step_func=bare_forward_step, data_iterator=iter(batches),
-                                 model=tr.model.chunks[0], num_microbatches=len(batches),
-                                 seq_length=BASE["seq_length"], micro_batch_size=mbs, forward_only=False)
-                tr.optimizer.step()
-                tr.scheduler.step(1)
-            dist.barrier()
-            return time.perf_counter() - t0
+    def runtime_block() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(block):
+            tr.train_step()
+        dist.barrier()
+        return time.perf_counter() - t0
 
-        # Alternate which path goes first so drift in machine load cancels.
-        if r % 2:
-            b, a = bare_block(), runtime_block()
-        else:
-            a, b = runtime_block(), bare_block()
-        ratios.append(a / b)
-    result["overhead_vs_bare"] = statistics.median(ratios) - 1.0
-    result["overhead_ratios"] = ratios
+    def bare_block() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(block):
+            batches = bare_batches()
+            tr.model.zero_grad_buffer()
+            forward_backward(forward_step_func=bare_forward_step, data_iterator=iter(batches),
+                             model=tr.model.chunks[0], num_microbatches=len(batches),
+                             seq_length=BASE["seq_length"], micro_batch_size=mbs, forward_only=False)
+            tr.optimizer.step()
+            tr.scheduler.step(1)
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    # Every rank runs the same rotated order (it depends on the round index alone), so the
+    # barriers and collectives inside the blocks pair up. Rank 0's block times are the samples:
+    # each block ends with a barrier, so every rank's time is the slowest rank's.
+    measured = interleave({"runtime": runtime_block, "bare": bare_block}, rounds, aa="runtime", warmup=1)
+    result["overhead_samples"] = measured.samples
+    result["overhead_orders"] = measured.orders
     # What the runtime does besides the schedule and the optimizer, timed alone: fetching the
     # iteration's micro-batches (the only per-iteration work of size > a few microseconds).
     t0 = time.perf_counter()
@@ -162,12 +164,16 @@ def single_rank_curve(iters: int, tmp: str) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--rounds", type=int, default=12,
+                        help="interleaved overhead rounds (a multiple of 3: runtime, bare, runtime A/A)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.iters, args.rounds)
         return 0
+    from megatron_ext.bench.harness import Report, compare, format_comparison, ratio_interval
+
+    report = Report("bench_parallel")  # the load average before anything starts
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
@@ -177,19 +183,32 @@ def main() -> int:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         result = json.load(open(out, encoding="utf-8"))
         reference = single_rank_curve(args.iters, tmp)
-    print(f"{'layout':<8} {'tokens/s':>10} {'iter ms':>9} {'parity max rel diff':>20}")
-    figures = {"layouts": {}, "overhead_vs_bare": result["overhead_vs_bare"]}
+    lines = [f"{'layout':<8} {'tokens/s':>10} {'iter ms':>9} {'parity max rel diff':>20}"]
+    figures: dict = {"layouts": {}}
     for name, row in result["layouts"].items():
         diff = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
         figures["layouts"][name] = {"tokens_per_s": round(row["tokens_per_s"], 1), "parity_max_rel_diff": diff}
-        print(f"{name:<8} {row['tokens_per_s']:>10.0f} {row['iter_ms']:>9.1f} {diff:>20.2e}")
-    print(f"runtime overhead vs bare megatron schedule loop (TP2xPP2, median of {len(result['overhead_ratios'])} "
-          f"interleaved rounds): {result['overhead_vs_bare'] * 100:+.2f} % (round ratios "
-          f"{min(result['overhead_ratios']):.3f}..{max(result['overhead_ratios']):.3f})")
-    print(f"runtime's own per-iteration work (data fetch) timed alone: {result['data_fetch_ms']:.2f} ms = "
-          f"{result['data_fetch_share'] * 100:.2f} % of a TP2xPP2 step")
-    figures["data_fetch_share"] = result["data_fetch_share"]
-    print(json.dumps(figures))
+        lines.append(f"{name:<8} {row['tokens_per_s']:>10.0f} {row['iter_ms']:>9.1f} {diff:>20.2e}")
+    samples = result["overhead_samples"]
+    overhead = ratio_interval(samples["runtime"], samples["bare"])
+    cmp = compare(samples, "runtime", higher_is_better=False)
+    floor = cmp["noise_floor"]
+    lo, hi = overhead["interval"]
+    lines += ["", "TP2xPP2 blocks of 6 steps, seconds (bare: megatron's schedule loop, no runtime):",
+              format_comparison(cmp, "s"), "",
+              f"runtime overhead vs bare: {(overhead['median'] - 1) * 100:+.2f} % "
+              f"(90 % interval {(lo - 1) * 100:+.2f} .. {(hi - 1) * 100:+.2f} %; A/A noise floor "
+              f"{(floor['ratio'] - 1) * 100:+.2f} % [{(floor['interval'][0] - 1) * 100:+.2f} .. "
+              f"{(floor['interval'][1] - 1) * 100:+.2f} %]; {cmp['rounds']} rounds)",
+              f"runtime's own per-iteration work (data fetch) timed alone: {result['data_fetch_ms']:.2f} ms = "
+              f"{result['data_fetch_share'] * 100:.2f} % of a TP2xPP2 step"]
+    figures.update(overhead_vs_bare=overhead["median"] - 1.0,
+                   overhead_interval=[lo - 1.0, hi - 1.0],
+                   overhead_ratios=overhead["ratios"],
+                   noise_floor={"ratio": floor["ratio"], "interval": floor["interval"]},
+                   rounds=cmp["rounds"], orders=result["overhead_orders"],
+                   data_fetch_share=result["data_fetch_share"])
+    report.emit(figures, "\n".join(lines))
     return 0
 
 
