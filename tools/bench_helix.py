@@ -17,14 +17,18 @@ MoE cases compile Helix's static-shape dispatch (every token to every expert ran
 expert FLOPs of megatron's drop-free dispatcher, see docs/helix.md); the summary line also gives
 megatron's own eager step for comparison ("megatron eager").
 
-Variants, measured side by side (round-robin per step, same process, same weights):
+Variants, measured side by side (rounds of one step per variant in an order rotated by the round,
+so each is first equally often; an A/A arm -- the baseline stepped a second time in each round --
+as the noise floor; same process, same weights; 30 rounds by default):
   baseline  the graph as captured (aot_eager-style execution, no pass)
   inductor  Inductor's own overlap scheduler (fx_passes/overlap_scheduling) on the same graphs
   helix     tiling (K=2) + segmented round-robin + bucketing; the simulator may keep the baseline
 Helix gets a memory budget of the baseline's measured peak + 5 % (its predicted peak when none
 was measured).
 
-Figures: median step time, median exposed communication (time the compute thread spent in
+Figures: speedups as the median of the paired per-round ratios (baseline / variant) with a 90 %
+bootstrap interval, beside the A/A ratio and its interval (``megatron_ext/bench/harness.py``);
+median step time, median exposed communication (time the compute thread spent in
 waits: for the slower peer to reach the collective, then for the emulated link; "link ms" is the
 link's share), peak memory (a profiled step whose allocator accounting closes,
 ``measure.step_peak_bytes``; "n/a" / null when none closed in 100 tries). Simulator: "sim ms"/"sim exp"
@@ -78,12 +82,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
 from megatron_ext.helix.blocks import MoELayer, TPEPLayer, TPTransformerLayer, capacity_for  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
+from megatron_ext.bench.harness import aa_name, ratio_interval, rotated_order  # noqa: E402
 from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
 from megatron_ext.helix.measure import (UnclosedAccounting, all_ranks_agree, step_peak_bytes, timed_step,  # noqa: E402
                                         train_step)
 
 LINKS = {"intra": "intra_node", "xnode": "cross_node"}
 VARIANTS = ("baseline", "inductor", "helix")
+AA = aa_name("baseline")   # the baseline stepped twice per round: the noise floor
 
 
 def build(case: str, args: argparse.Namespace, g: GroupRef) -> torch.nn.Module:
@@ -251,10 +257,14 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
     fns["helix"] = torch.compile(models["helix"], backend=backends["helix"])
     for _ in range(args.warmup):
         step("helix")()
-    samples = {name: [] for name in VARIANTS}
-    for _ in range(args.steps):
-        for name in VARIANTS:
-            samples[name].append(timed_step(step(name), dist.barrier))
+    # Rounds of one step per arm, the arms' order rotated by the round (every arm first equally
+    # often; the same order on every rank, as the collectives need), and an A/A arm: the baseline
+    # stepped a second time in each round, whose ratio to the baseline is the noise floor.
+    arms = [*VARIANTS, AA]
+    samples = {name: [] for name in arms}
+    for r in range(args.steps):
+        for name in rotated_order(arms, r):
+            samples[name].append(timed_step(step("baseline" if name == AA else name), dist.barrier))
     # Peak memory of a profiled step whose allocator accounting closes (see step_peak_bytes).
     peaks = {name: peak_of(name) for name in VARIANTS}
     out = {"budget": budget, "link": {"latency_s": wire.latency_s, "bandwidth_Bps": wire.bandwidth_Bps,
@@ -283,6 +293,7 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
                      "tiled": summ[last].tiled, "decision": summ[last].line()}
         if name == "helix" and case == "tp" and link == "xnode":
             out["timeline"] = {"baseline": summ[0].baseline, "helix": summ[0].helix}
+    out[AA] = {"step_s": [s.step_s for s in samples[AA]]}
     return out, ctx
 
 
@@ -317,6 +328,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, cases: li
                         res[name][key] = [max(r[name][key][i] for r in gathered) for i in range(args.steps)]
                     peaks = [r[name]["peak"] for r in gathered]
                     res[name]["peak"] = None if None in peaks else max(peaks)
+                res[AA]["step_s"] = [max(r[AA]["step_s"][i] for r in gathered) for i in range(args.steps)]
                 results[block][f"{case}_{link}"] = res
                 if rank == 0:
                     print(f"  done {case}_{link} ({block})", file=sys.stderr, flush=True)
@@ -415,11 +427,20 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
                   f"{'yes' if r['tiled'] else 'no':>7}")
         b, h = res["baseline"], res["helix"]
         exp_b, exp_h = med(b["exposed_s"]), med(h["exposed_s"])
-        t_b, t_h = med(b["step_s"]), med(h["step_s"])
+        t_h = med(h["step_s"])
         predicted = round(abs(h["sim_compile_s"] - t_h) / t_h, 4)
+        # Speedups as medians of the paired per-round ratios (baseline / arm) with 90 % bootstrap
+        # intervals, beside the A/A arm's (baseline / baseline again): the noise floor.
+        spd = {name: ratio_interval(b["step_s"], res[name]["step_s"]) for name in ("inductor", "helix", AA)}
+        rnd = lambda iv: [round(x, 4) for x in iv]  # noqa: E731
         out[key] = {
             "exposed_comm_reduction": round(1 - exp_h / exp_b, 4) if exp_b > 0 else 0.0,
-            "speedup": round(t_b / t_h, 4),
+            "speedup": round(spd["helix"]["median"], 4),
+            "speedup_interval": rnd(spd["helix"]["interval"]),
+            "speedup_inductor": round(spd["inductor"]["median"], 4),
+            "speedup_inductor_interval": rnd(spd["inductor"]["interval"]),
+            "aa_ratio": round(spd[AA]["median"], 4), "aa_interval": rnd(spd[AA]["interval"]),
+            "rounds": len(b["step_s"]),
             "sim_makespan_err": round(abs(h["sim_makespan_s"] - t_h) / t_h, 4),
             # The compile-time prediction (what decided the schedule), before any rescaling to
             # the measured steps; "_compile" is its old name.
@@ -429,10 +450,12 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
             "sim_peak_mem_err": None if h["peak"] is None else round(abs(h["sim_peak"] - h["peak"]) / h["peak"], 4),
             "peak_mem_bytes": {"baseline": b["peak"], "helix": h["peak"]},
         }
-        i = res["inductor"]
         eager = (f"; megatron eager {res['megatron_eager_s'] * 1e3:.2f} ms" if "megatron_eager_s" in res else "")
+        iv = lambda name: "[{:.3f}, {:.3f}]".format(*out[key][name])  # noqa: E731
         print(f"{'':<15}-> exposed comm {-out[key]['exposed_comm_reduction']:+.1%}, speedup {out[key]['speedup']:.3f}x "
-              f"(inductor {t_b / med(i['step_s']):.3f}x), sim err makespan {out[key]['sim_makespan_err']:.1%} "
+              f"90 % {iv('speedup_interval')} (inductor {out[key]['speedup_inductor']:.3f}x "
+              f"{iv('speedup_inductor_interval')}; A/A {out[key]['aa_ratio']:.3f}x {iv('aa_interval')}; "
+              f"{out[key]['rounds']} rotated rounds), sim err makespan {out[key]['sim_makespan_err']:.1%} "
               f"(predicted at compile time {predicted:.1%}) "
               f"peak {_pct(out[key]['sim_peak_mem_err'])}, budget {res['budget'] / 2**20:.2f} MiB; link "
               f"{res['link']['bandwidth_Bps'] / 1e6:.0f} MB/s + {res['link']['latency_s'] * 1e6:.0f} us "
@@ -449,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--tiles", type=int, default=2)
-    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--steps", type=int, default=30, help="measured rounds (one step per arm each, order rotated)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cost-model", default="calibrated", choices=["calibrated", "analytical"])
     p.add_argument("--cost-cache", default=None, help="micro-benchmark cache file (default: user cache dir)")
