@@ -140,14 +140,21 @@ def test_iteration_flops_follow_the_model_flags():
 
 @pytest.mark.multirank  # one subprocess that imports megatron (~20 s) and runs every section tiny
 def test_cpu_smoke_runs_every_section(tmp_path):
-    proc = run_python("tools/gpu_check.py", "--cpu-smoke", timeout=600,
+    # No time budget: on a slow machine a section past the default one would be skipped, and this
+    # test is about every section's code, not the machine's speed.
+    proc = run_python("tools/gpu_check.py", "--cpu-smoke", "--budget-s", "100000", timeout=600,
                       env={"OMP_NUM_THREADS": "1"})
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     errors = {k: v["error"] for k, v in report.items() if isinstance(v, dict) and "error" in v}
     assert not errors, errors
-    assert report["meta"]["cpu_smoke"] is True
+    # Every section runs on the CPU smoke path: the skips the tool has are CUDA-only (a GPU without
+    # TE, fewer than 2 GPUs), so any skipped section here is a failure, whatever its reason.
+    assert set(gpu_check.SECTIONS) <= set(report)
+    skipped = {k: v["skipped"] for k, v in report.items() if isinstance(v, dict) and "skipped" in v}
+    assert not skipped, skipped
+    assert report["meta"]["cpu_smoke"] is True and report["env"]["device"] == "cpu"
     gpt = report["gpt"]
-    assert gpt["dtype"] == "bfloat16" and gpt["optimizer"] == "ChainedOptimizer"
+    assert gpt["family"] == "gpt" and gpt["dtype"] == "bfloat16" and gpt["optimizer"] == "ChainedOptimizer"
     assert gpt["resume_max_rel_diff"] == 0.0 and gpt["resume_loss_max_rel_diff"] == 0.0
     assert report["packed"]["documents_isolated"] is True
     assert report["hydro"]["param_max_rel_diff"] < 1e-4
@@ -155,9 +162,16 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     # The NCCL section's job on gloo: the survivor of a SIGKILLed rank trains to the end.
     ft = report["ft_nccl"]
     assert (ft["backend"], ft["continued"], ft["exit_codes"], ft["job_exit_code"]) == ("gloo", True, [0, -9], 0)
-    llama = report["llama"]  # skipped until the runtime's config has the LLaMA-style flags
-    assert llama.get("skipped", "").startswith("the runtime has no LLaMA-style model family yet (no --") or (
-        llama["dtype"] == "bfloat16" and llama["resume_max_rel_diff"] == 0.0 and llama["params"] != gpt["params"])
+    # The LLaMA section trains the runtime's llama family (not the GPT again) and resumes exactly.
+    llama = report["llama"]
+    assert llama["family"] == "llama" and llama["dtype"] == "bfloat16" and llama["optimizer"] == "ChainedOptimizer"
+    assert llama["resume_max_rel_diff"] == 0.0 and llama["resume_loss_max_rel_diff"] == 0.0
+    assert llama["params"] != gpt["params"]
+    # The FLOPs-model fit ran on its measured micro-batches (half calibrate, half are predicted).
+    fm = report["flops_model"]
+    sizes = gpu_check.Sizes.cpu_smoke(30)
+    assert fm["micro_batches"] == sizes.flops_batches and fm["points"] == sizes.flops_batches
+    assert isinstance(fm["median_abs_err"], float) and fm["median_abs_err"] <= fm["p95_abs_err"]
 
 
 def test_sections_past_the_budget_are_skipped(monkeypatch, capsys):

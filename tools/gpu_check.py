@@ -7,7 +7,7 @@ Sections (each reports its own error and the others go on):
                iterations: first and last loss, tokens/s, MFU; then resumes from the checkpoint of
                iteration 15 and must reproduce iterations 16..30 (losses and fp32 master weights)
   llama        the same with a LLaMA-3-style model (RMSNorm, SwiGLU, rotary positions, GQA, no
-               biases) once the runtime's config has those flags; else reported as skipped
+               biases, untied output layer): the runtime's llama family
   packed       packed variable-length documents through TE's THD (varlen) attention: each
                document's token losses equal those of the document run alone
   flops_model  ResiHP's FLOPs model: per-micro-batch forward/backward times of packed THD batches
@@ -277,7 +277,7 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-# LLaMA-3-style flags (Megatron-LM's names), used once the runtime's config has them.
+# LLaMA-3-style flags (Megatron-LM's names; the runtime's llama family).
 LLAMA_FLAGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
                "rotary_base": 500000, "group_query_attention": True, "disable_bias_linear": True,
                "untie_embeddings_and_output_weights": True}
@@ -288,12 +288,6 @@ def section_gpt(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def section_llama(ctx: dict[str, Any]) -> dict[str, Any]:
-    from megatron_ext.config.run import all_keys
-
-    missing = [k for k in LLAMA_FLAGS if k not in all_keys()]
-    if missing:
-        return {"skipped": "the runtime has no LLaMA-style model family yet (no "
-                           + ", ".join("--" + k.replace("_", "-") for k in missing) + ")"}
     heads = ctx["sizes"].heads
     return train_and_resume(ctx, {**LLAMA_FLAGS, "num_query_groups": max(heads // 4, 1)})
 
@@ -303,6 +297,7 @@ def train_and_resume(ctx: dict[str, Any], extra: dict[str, Any]) -> dict[str, An
     saving at half; then resume from that checkpoint and compare the second half."""
     import torch
 
+    from megatron_ext.models.families import family_of
     from megatron_ext.runtime.model import unwrap
 
     sz: Sizes = ctx["sizes"]
@@ -329,7 +324,7 @@ def train_and_resume(ctx: dict[str, Any], extra: dict[str, Any]) -> dict[str, An
     master_diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
                       for a, b in zip(r_masters, masters))
     return {
-        "layer_impl": spec_name, "params": sum(p.numel() for p in straight.model.parameters()),
+        "family": family_of(straight.cfg.model).name, "layer_impl": spec_name, "params": sum(p.numel() for p in straight.model.parameters()),
         "optimizer": type(getattr(straight.optimizer, "megatron_optimizer", straight.optimizer)).__name__,
         "dtype": str(next(straight.model.parameters()).dtype).replace("torch.", ""),
         "iters": sz.iters, "tokens_per_iter": sz.global_batch * sz.seq, "iter_s": iter_s,
@@ -732,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     # Megatron models need megatron's parallel state (one rank: TP = PP = DP = 1).
-    needs_dist = {"gpt", "packed", "flops_model", "helix"} & set(args.sections)
+    needs_dist = {"gpt", "llama", "packed", "flops_model", "helix"} & set(args.sections)
     if needs_dist:
         ctx["dist"] = _dist_context(seed=1234)
     for name in args.sections:
