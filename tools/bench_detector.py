@@ -17,7 +17,8 @@ Three detectors see the same traces with the same settings (defaults of ResiHPCo
 (a') The same detectors on the older generator (``synthetic.py``), whose op times follow the
     detector's own FLOPs form: "synthetic_flops_form" (kept for comparison; it flatters resihp).
 (c) Live traces: every trace under tests/resihp/data/ (recorded on 4 CPU ranks, misses included)
-    replayed with resihp: recall per factor, within 10 iterations and at all ("live_traces").
+    replayed with resihp, tuning and evaluation traces apart: recall per factor, within 10
+    iterations and at all ("live_traces").
 (d) Mixture of experts, device model with routing imbalance: the device model's MoE jobs (experts
     split over expert-parallel groups of DP ranks; a drifting expert popularity per stage, strong
     (Dirichlet 0.3) or moderate (1.0); tile-quantised expert GEMMs and a fixed cost per expert, so a
@@ -31,11 +32,23 @@ Three detectors see the same traces with the same settings (defaults of ResiHPCo
     heartbeat names the dead rank. stop_delay_s is the time from the last heartbeat the survivors saw
     to the verdict (an upper bound of the time from the death). ``--no-live`` skips it.
 
+Tuning and evaluation. The detector's rules and thresholds were chosen on the synthetic jobs of
+seed 0 (the bench's only seed before this split: the persistence rule, the release level, the MoE
+changes) and on the live MoE traces (the expert rate's t-statistic gate was chosen on the skewed
+ones). Those are the TUNING set: run and printed, labelled "tuning (used to choose the rule; not an
+evaluation)", and kept under "tuning" in the JSON. The headline figures (the JSON line's top-level
+"synthetic", "synthetic_flops_form", "moe" and "live_traces") come only from the EVALUATION set:
+synthetic jobs of ``--eval-seed`` (a seed never used for a choice; a tuning seed is refused) and the
+dense live traces, recorded after the dense settings were fixed. A trace of tests/resihp/data/ that
+is in neither list is refused: whoever adds one says which set it is in.
+
 Prints tables, then one JSON line:
   {"synthetic": {"resihp": {...}, "baseline": {...}, "baseline_common_mode": {...},
    "per_factor": {"1.3": {"f1": ..., ...}, ...}, "ramps": {...}, "healthy": {...},
    "false_recoveries": ..., ...}, "synthetic_flops_form": {...}, "moe": {...}, "live_traces": {...},
-   "live": {...}}
+   "live": {...}, "evaluation": {"label": ..., "seed": ..., "live_trace_files": [...]},
+   "tuning": {"label": "tuning (...)", "seed": 0, "live_trace_files": [...], "synthetic": {...}, ...,
+   "live_traces": {...}}}
 """
 from __future__ import annotations
 
@@ -60,6 +73,51 @@ from megatron_ext.resihp.trace import read_trace  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIVE_TRACES = os.path.join(ROOT, "tests", "resihp", "data")
+
+TUNING_LABEL = "tuning (used to choose the rule; not an evaluation)"
+EVALUATION_LABEL = "evaluation (never used for a choice)"
+# Every detector figure before the split was measured on seed 0, and the choices made since the
+# synthetic parts exist (persistence, the release level, the MoE rate gate) were made on it.
+TUNING_SEEDS = (0,)
+# A seed no measurement had used before the split (issue #21): the headline's synthetic jobs.
+EVALUATION_SEED = 2101
+# Live traces by the choices made on them. The MoE traces were replayed while the MoE detector was
+# built: the expert rate's t-statistic gate, its refit trigger and the dropped clustered errors were
+# chosen on them (the skewed ones above all). The dense traces (rounds --seed 3000 and 4000) were
+# recorded after the dense settings were fixed; they have been regression tests since, not a
+# selection criterion.
+TUNING_TRACES = tuple(f"moe-pp2dp2ep2-{s}-r0.trace.jsonl.gz" for s in (
+    "healthy", "noaux-healthy", "skewed-healthy", "slow2x1.6@35", "slow2x2@25", "slow2x3@40"))
+EVALUATION_TRACES = tuple(f"{engine}-{layout}-{case}-r0.trace.jsonl.gz"
+                          for engine in ("deepspeed", "megatron")
+                          for layout, rank in (("pp2dp2", 2), ("pp4", 1))
+                          for case in ("healthy", f"slow{rank}x1.3@30", f"slow{rank}x1.6@35", f"slow{rank}x2@25",
+                                       f"slow{rank}x3@40"))
+# Per-job seed offsets of each synthetic part (disjoint ranges for fewer than 20,000 jobs a part).
+_JOB_OFFSET = {"a": 50_000, "a'": 0, "d": 70_000}
+
+
+def job_seed(seed: int, part: str, k: int) -> int:
+    """The generator seed of job ``k`` of synthetic ``part`` in the set of ``seed``."""
+    return seed * 100_003 + _JOB_OFFSET[part] + k
+
+
+def trace_files(directory: str) -> list[str]:
+    return sorted(p for p in os.listdir(directory) if p.endswith(".trace.jsonl.gz") or p.endswith(".trace.jsonl"))
+
+
+def split_traces(names: list[str], directory: str = LIVE_TRACES) -> tuple[list[str], list[str]]:
+    """(tuning, evaluation) trace names. In the regression set every trace must be listed in
+    exactly one of TUNING_TRACES / EVALUATION_TRACES; traces of another directory were not used for a
+    choice here and are all evaluation."""
+    if os.path.abspath(directory) != os.path.abspath(LIVE_TRACES):
+        return [], list(names)
+    unlisted = [n for n in names if n not in TUNING_TRACES and n not in EVALUATION_TRACES]
+    if unlisted:
+        raise ValueError(f"live traces in {os.path.relpath(directory, ROOT)} in neither TUNING_TRACES nor "
+                         f"EVALUATION_TRACES of tools/bench_detector.py: {', '.join(unlisted)}; add each to the "
+                         "set it belongs to (tuning if a rule or threshold was chosen while looking at it)")
+    return [n for n in names if n in TUNING_TRACES], [n for n in names if n in EVALUATION_TRACES]
 
 
 class CommonModeRawDetector(RawTimeDetector):
@@ -102,10 +160,10 @@ def bucket(spec) -> str:
     return "slow>=1.3x" if spec.faults[0].factor >= 1.3 else "slow<1.3x"
 
 
-def run_flops_form(args: argparse.Namespace) -> dict:
+def run_flops_form(args: argparse.Namespace, seed: int, label: str) -> dict:
     """(a') the older generator, whose op times follow the detector's own FLOPs form."""
     cfg = ResiHPConfig()
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(seed)
     per: dict[tuple[str, str], DetectionMetrics] = {}
     by_size: dict[tuple[str, int], DetectionMetrics] = {}
     by_data: dict[tuple[str, str], DetectionMetrics] = {}
@@ -114,7 +172,7 @@ def run_flops_form(args: argparse.Namespace) -> dict:
     t0 = time.time()
     for k in range(args.flops_jobs):
         spec = random_spec(rng, iterations=args.iterations, fault_prob=args.fault_prob, warmup=cfg.resihp_warmup,
-                           seed=args.seed * 100_003 + k)
+                           seed=job_seed(seed, "a'", k))
         records = generate(spec)
         # Warm-up iterations cannot raise a verdict; leave them out of the healthy-iteration count.
         labels = [lab for lab in labels_of(records) if lab[0] > cfg.resihp_warmup]
@@ -137,8 +195,8 @@ def run_flops_form(args: argparse.Namespace) -> dict:
                   f"faults {[(f.rank, f.since, f.factor) for f in spec.faults]}", file=sys.stderr)
     wall = time.time() - t0
 
-    print(f"\nResiHP detector benchmark (a'): generator with the detector's FLOPs form (synthetic.py), "
-          f"{args.flops_jobs} jobs x {args.iterations} iterations, seed {args.seed}, {wall:.0f} s")
+    print(f"\n[{label}] ResiHP detector benchmark (a'): generator with the detector's FLOPs form (synthetic.py), "
+          f"{args.flops_jobs} jobs x {args.iterations} iterations, seed {seed}, {wall:.0f} s")
     print(f"settings: threshold {cfg.resihp_threshold}, zscore {cfg.resihp_zscore}, window {cfg.resihp_window}, "
           f"warm-up {cfg.resihp_warmup}")
     header = f"{'detector':<20} {'jobs':<12} {'n':>4} {'faults':>6} {'prec':>6} {'recall':>6} {'f1':>6} " \
@@ -193,10 +251,10 @@ def fmt(x: float, spec: str = ".3f") -> str:
     return "-" if x != x else format(x, spec)
 
 
-def run_device(args: argparse.Namespace) -> dict:
+def run_device(args: argparse.Namespace, seed: int, label: str) -> dict:
     """(a) the device-model generator: healthy jobs, step faults per factor, throttling ramps."""
     cfg = ResiHPConfig()
-    rng = np.random.default_rng(args.seed + 7919)
+    rng = np.random.default_rng(seed + 7919)
     plan = [("healthy", None)] * args.healthy_jobs
     plan += [("step", f) for f in FACTORS for _ in range(args.jobs_per_factor)]
     plan += [("ramp", float(rng.choice([1.5, 2.0, 3.0]))) for _ in range(args.ramp_jobs)]
@@ -208,7 +266,7 @@ def run_device(args: argparse.Namespace) -> dict:
     t0 = time.time()
     for k, (kind, factor) in enumerate(plan):
         job = random_job(rng, iterations=args.iterations, kind=kind, factor=factor, warmup=cfg.resihp_warmup,
-                         seed=args.seed * 100_003 + 50_000 + k)
+                         seed=job_seed(seed, "a", k))
         trace = generate_device(job)
         stalls_total += len(trace.stalls)
         labels = [lab for lab in labels_of(trace.records) if lab[0] > cfg.resihp_warmup]
@@ -229,9 +287,9 @@ def run_device(args: argparse.Namespace) -> dict:
                   f"tp{job.tp} dp{job.dp}, faults {job.faults}", file=sys.stderr)
     wall = time.time() - t0
     buckets = ["healthy"] + [f"{f:g}" for f in FACTORS] + ["ramps"]
-    print(f"ResiHP detector benchmark (a): device-model generator (synthetic_device.py), {len(plan)} jobs x "
-          f"{args.iterations} iterations ({args.healthy_jobs} healthy, {args.jobs_per_factor} per step factor, "
-          f"{args.ramp_jobs} ramps), seed {args.seed}, {wall:.0f} s; {stalls_total} healthy stalls")
+    print(f"\n[{label}] ResiHP detector benchmark (a): device-model generator (synthetic_device.py), {len(plan)} "
+          f"jobs x {args.iterations} iterations ({args.healthy_jobs} healthy, {args.jobs_per_factor} per step factor, "
+          f"{args.ramp_jobs} ramps), seed {seed}, {wall:.0f} s; {stalls_total} healthy stalls")
     print(f"settings: threshold {cfg.resihp_threshold}, zscore {cfg.resihp_zscore}, window {cfg.resihp_window}, "
           f"warm-up {cfg.resihp_warmup}")
     print_table([name for name, _ in DETECTORS], buckets, per)
@@ -294,10 +352,10 @@ def random_moe_job(rng: np.random.Generator, *, iterations: int, factor: float |
                      hidden_size=2048, seq_length=4096, faults=faults, seed=seed)
 
 
-def run_moe(args: argparse.Namespace) -> dict:
+def run_moe(args: argparse.Namespace, seed: int, label: str) -> dict:
     """(d) MoE jobs of the device model: routing imbalance, with and without the routed counts."""
     cfg = ResiHPConfig()
-    rng = np.random.default_rng(args.seed + 104729)
+    rng = np.random.default_rng(seed + 104729)
     plan = [None] * args.moe_healthy_jobs + [f for f in FACTORS for _ in range(args.moe_jobs_per_factor)]
     per: dict[tuple[str, str], DetectionMetrics] = {}
     # The busiest EP rank's pairs over its group's mean, per op (1 when balanced), by imbalance.
@@ -305,7 +363,7 @@ def run_moe(args: argparse.Namespace) -> dict:
     t0 = time.time()
     for k, factor in enumerate(plan):
         job = random_moe_job(rng, iterations=args.iterations, factor=factor, warmup=cfg.resihp_warmup,
-                             seed=args.seed * 100_003 + 70_000 + k)
+                             seed=job_seed(seed, "d", k))
         trace = generate_device(job)
         load[f"{job.routing_alpha:g}"].append(float(np.median(trace.max_share)) * job.ep)
         labels = [lab for lab in labels_of(trace.records) if lab[0] > cfg.resihp_warmup]
@@ -322,9 +380,9 @@ def run_moe(args: argparse.Namespace) -> dict:
     wall = time.time() - t0
     buckets = ["healthy"] + [f"{f:g}" for f in FACTORS]
     imbalance = {a: round(float(np.median(v)), 3) for a, v in load.items() if v}
-    print(f"\nResiHP detector benchmark (d): mixture of experts, device model with routing imbalance, {len(plan)} "
-          f"jobs x {args.iterations} iterations ({args.moe_healthy_jobs} healthy, {args.moe_jobs_per_factor} per step "
-          f"factor), seed {args.seed}, {wall:.0f} s")
+    print(f"\n[{label}] ResiHP detector benchmark (d): mixture of experts, device model with routing imbalance, "
+          f"{len(plan)} jobs x {args.iterations} iterations ({args.moe_healthy_jobs} healthy, {args.moe_jobs_per_factor} "
+          f"per step factor), seed {seed}, {wall:.0f} s")
     print("routing: the busiest EP rank of a group computed this many times the group's mean pairs per op "
           "(median over jobs of the per-job median; 1 = balanced): " +
           ", ".join(f"Dirichlet {a}: {v:.2f}x" for a, v in imbalance.items()))
@@ -341,10 +399,10 @@ def run_moe(args: argparse.Namespace) -> dict:
     return out
 
 
-def run_live_traces(directory: str = LIVE_TRACES, max_delay: int = 10) -> dict:
-    """(c) replay every recorded live trace with resihp: recall per factor over all of them."""
+def run_live_traces(paths: list[str], label: str, directory: str = LIVE_TRACES, max_delay: int = 10) -> dict:
+    """(c) replay the recorded live traces ``paths`` (names under ``directory``) with resihp:
+    recall per factor over all of them."""
     cfg = ResiHPConfig()
-    paths = sorted(p for p in os.listdir(directory) if p.endswith(".trace.jsonl.gz") or p.endswith(".trace.jsonl"))
     per: dict[str, dict[str, int]] = {}
     healthy = {"traces": 0, "verdicts": 0, "iterations": 0}
     wrong_rank = 0
@@ -376,7 +434,8 @@ def run_live_traces(directory: str = LIVE_TRACES, max_delay: int = 10) -> dict:
         cell[f"recall_within_{max_delay}"] = round(cell["named_within"] / cell["traces"], 4)
     out = {"traces": len(paths), "per_factor": dict(sorted(per.items(), key=lambda kv: float(kv[0]))),
            "healthy": healthy, "wrong_rank_verdicts": wrong_rank, "false_recoveries": recov}
-    print(f"\n(c) live traces ({len(paths)} under {os.path.relpath(directory, ROOT)}, resihp, default settings):")
+    print(f"\n[{label}] (c) live traces ({len(paths)} under {os.path.relpath(directory, ROOT)}, resihp, default "
+          "settings):")
     for f, cell in out["per_factor"].items():
         print(f"  {f}x: {cell['traces']} traces, named {cell['named']} (recall {cell['recall']:.2f}), within "
               f"{max_delay} iterations {cell['named_within']}")
@@ -423,7 +482,36 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
     return live
 
 
-def main() -> int:
+def run_set(args: argparse.Namespace, parts: set[str], seed: int, traces: list[str], label: str) -> dict:
+    """The detector figures of one set: synthetic parts (a), (a'), (d) on ``seed``'s jobs and the
+    live traces ``traces`` (c). The caller decides which set the result is (headline or tuning)."""
+    out: dict = {}
+    if "a" in parts:
+        out["synthetic"] = run_device(args, seed, label)
+    if args.flops_jobs and "a'" in parts:
+        out["synthetic_flops_form"] = run_flops_form(args, seed, label)
+    if "d" in parts and args.moe_healthy_jobs + args.moe_jobs_per_factor:
+        out["moe"] = run_moe(args, seed, label)
+    if "c" in parts:
+        out["live_traces"] = run_live_traces(traces, label, args.live_traces)
+    return out
+
+
+def collect(args: argparse.Namespace, parts: set[str]) -> dict:
+    """The JSON line's figures: the headline from the evaluation set only, the tuning set's figures
+    under "tuning" (the live runs (b) are new runs of a fixed scenario and stay at the top)."""
+    tuning_traces, eval_traces = split_traces(trace_files(args.live_traces), args.live_traces)
+    result = run_set(args, parts, args.eval_seed, eval_traces, EVALUATION_LABEL)
+    result["evaluation"] = {"label": EVALUATION_LABEL, "seed": args.eval_seed, "live_trace_files": eval_traces}
+    tuning: dict = {"label": TUNING_LABEL, "seed": TUNING_SEEDS[0], "live_trace_files": tuning_traces}
+    tuning.update(run_set(args, parts, TUNING_SEEDS[0], tuning_traces, TUNING_LABEL))
+    if "b" in parts:
+        result["live"] = None if args.no_live else run_live()
+    result["tuning"] = tuning
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--healthy-jobs", type=int, default=24, help="(a) healthy device-model jobs (default 24)")
     parser.add_argument("--jobs-per-factor", type=int, default=12,
@@ -439,34 +527,32 @@ def main() -> int:
     parser.add_argument("--parts", default="a,a',d,c,b",
                         help="parts to run, comma-separated, of a (device model), a' (FLOPs form), d (MoE), "
                              "c (live traces), b (live runs); default all")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-seed", type=int, default=EVALUATION_SEED,
+                        help=f"seed of the evaluation set's synthetic jobs (default {EVALUATION_SEED}; the tuning "
+                             f"seeds {', '.join(map(str, TUNING_SEEDS))} are refused: their jobs chose the rules)")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--live-traces", default=LIVE_TRACES, help="(c) directory of recorded traces")
     parser.add_argument("--no-live", action="store_true", help="skip part (b), the live 4-rank runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for key in ("healthy_jobs", "jobs_per_factor", "ramp_jobs", "flops_jobs", "iterations", "moe_healthy_jobs",
                 "moe_jobs_per_factor"):
         if getattr(args, key) < 0:
             parser.error(f"--{key.replace('_', '-')} must be >= 0, got {getattr(args, key)}")
     if not os.path.isdir(args.live_traces):
         parser.error(f"--live-traces: no directory {args.live_traces}")
+    if args.eval_seed in TUNING_SEEDS:
+        parser.error(f"--eval-seed {args.eval_seed} is a tuning seed (its jobs were used to choose the detector's "
+                     f"rules; tuning seeds: {', '.join(map(str, TUNING_SEEDS))}): pick a seed never used for a choice")
+    try:
+        split_traces(trace_files(args.live_traces), args.live_traces)
+    except ValueError as exc:
+        parser.error(f"--live-traces: {exc}")
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = sorted(parts - {"a", "a'", "d", "c", "b"})
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)}; expected some of a, a', d, c, b")
     logging.basicConfig(level=logging.ERROR)
-    result = {}
-    if "a" in parts:
-        result["synthetic"] = run_device(args)
-    if args.flops_jobs and "a'" in parts:
-        result["synthetic_flops_form"] = run_flops_form(args)
-    if "d" in parts and args.moe_healthy_jobs + args.moe_jobs_per_factor:
-        result["moe"] = run_moe(args)
-    if "c" in parts:
-        result["live_traces"] = run_live_traces(args.live_traces)
-    if "b" in parts:
-        result["live"] = None if args.no_live else run_live()
-    print(json.dumps(result))
+    print(json.dumps(collect(args, parts)))
     return 0
 
 
