@@ -552,7 +552,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)}; expected some of a, a', d, c, b")
     logging.basicConfig(level=logging.ERROR)
-    print(json.dumps(collect(args, parts)))
+    from megatron_ext.bench.harness import Report
+
+    report = Report("bench_detector")  # the load average before anything starts
+    report.emit(collect(args, parts))
     return 0
 
 

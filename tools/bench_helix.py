@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -82,7 +81,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
 from megatron_ext.helix.blocks import MoELayer, TPEPLayer, TPTransformerLayer, capacity_for  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
-from megatron_ext.bench.harness import aa_name, ratio_interval, rotated_order  # noqa: E402
+from megatron_ext.bench.harness import Report, aa_name, ratio_interval, rotated_order  # noqa: E402
 from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
 from megatron_ext.helix.measure import (UnclosedAccounting, all_ranks_agree, step_peak_bytes, timed_step,  # noqa: E402
                                         train_step)
@@ -488,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= args.interference < 1.0:
         p.error(f"--interference is a share of compute throughput in [0, 1), got {args.interference}")
 
+    report = Report("bench_helix")  # the load average before anything starts
     results: dict[str, dict] = {"plain": {}, "interference": {}}
     for world in sorted({CASE_WORLD[c] for c in args.cases}):
         part = _spawn(world, args, [c for c in args.cases if CASE_WORLD[c] == world])
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         tl = results["plain"]["tp_xnode"]["timeline"]
         plot_timeline(tl, args.timeline)
         print(f"timeline written to {args.timeline}")
-    print(json.dumps(out))
+    report.emit(out)
     return 0
 
 

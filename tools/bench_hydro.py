@@ -17,7 +17,6 @@ Prints a table, then one JSON line. ``--quick`` shrinks every part (for a smoke 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -244,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     seeds = list(args.seeds)
+    from megatron_ext.bench.harness import Report
+
+    report = Report("bench_hydro")  # the load average before anything starts (also in the JSON line)
     load_start = [round(x, 2) for x in os.getloadavg()]
     q = args.quick
     out: dict = {}
@@ -392,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(f"load average (1, 5, 15 min) at start {load_start}, at end {out['load_avg']}; "
                 f"{os.cpu_count()} cores")
     print("\n".join(rows))
-    print(json.dumps(out))
+    report.emit(out)
     return 0
 
 

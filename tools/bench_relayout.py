@@ -62,6 +62,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ext.bench.harness import Report  # noqa: E402
 from megatron_ext.resihp import planner as planner_mod  # noqa: E402
 from megatron_ext.resihp.flops import ModelSpec  # noqa: E402
 from megatron_ext.resihp.planner import (Cluster, PlanLayout, Planner, PlannerConfig, PlanningError,  # noqa: E402
@@ -726,9 +727,10 @@ def main() -> int:
     unknown = sorted(set(parts) - set(LIVE_PARTS))
     if unknown:
         ap.error(f"--live-parts: unknown case(s) {', '.join(unknown)}; choose from {', '.join(LIVE_PARTS)}")
+    report = Report("bench_relayout")  # the load average before anything starts
     live = None if args.no_live else run_live(args.live_iters, parts)
     if args.no_sim:
-        print(json.dumps({"live": live}))
+        report.emit({"live": live})
         return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     cl = Cluster(device_flops=args.device_tflops * 1e12, memory_bytes=args.memory_gb * 1e9,
@@ -771,10 +773,10 @@ def main() -> int:
     print(f"decision at 4,096 devices ({dec['layout']}, 5 slow + 1 dead), CPU s of one core, median of "
           f"{args.decision_runs}: cold {dec['cold_s']:.3f} s (schedules compiled), warm {dec['warm_s']:.3f} s")
     print(f"  {dec['plan']}")
-    print(json.dumps({"live": live, "sim": {"policies": {p: round(mean[p], 4) for p in POLICIES},
+    report.emit({"live": live, "sim": {"policies": {p: round(mean[p], 4) for p in POLICIES},
                               "speedup_vs_best_baseline": round(speedup, 4), "best_baseline": best_base,
                               "decision_s_4096": round(dec["cold_s"], 4), "decision_warm_s_4096": round(dec["warm_s"], 4),
-                              "by_devices": {n: {p: round(v, 4) for p, v in d.items()} for n, d in by_n.items()}}}))
+                              "by_devices": {n: {p: round(v, 4) for p, v in d.items()} for n, d in by_n.items()}}})
     return 0
 
 

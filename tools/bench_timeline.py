@@ -247,6 +247,9 @@ def main() -> int:
     if args.worker:
         worker(args.worker, args.iters, args.rounds, args.block)
         return 0
+    from megatron_ext.bench.harness import Report
+
+    report = Report("bench_timeline")  # the load average before anything starts
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={PP}",
@@ -299,7 +302,7 @@ def main() -> int:
                               "idle_median": all_summary["idle"]["median"], "idle_p95": all_summary["idle"]["p95"],
                               "cases": {name: _pipesim_summary(c) for name, c in cases.items()}}
     figures["theory"] = {k: round(v, 4) for k, v in theory.items()}
-    print(json.dumps(figures))
+    report.emit(figures)
     return 0
 
 

@@ -20,19 +20,20 @@ from typing import Mapping, Sequence
 BENCH_FILES: dict[str, list[str]] = {
     "bench_cluster": ["tools/bench_cluster.py", "megatron_ext/cluster", "megatron_ext/bench/harness.py"],
     "bench_detector": ["tools/bench_detector.py", "megatron_ext/resihp", "megatron_ext/ft", "megatron_ext/runtime",
-                       "megatron_ext/config", "pretrain_gpt.py"],
+                       "megatron_ext/config", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
     "bench_helix": ["tools/bench_helix.py", "megatron_ext/helix", "megatron_ext/runtime", "megatron_ext/config",
-                    "megatron_ext/models"],
-    "bench_hydro": ["tools/bench_hydro.py", "megatron_ext/hydro", ":(exclude)megatron_ext/hydro/squeezer"],
+                    "megatron_ext/models", "megatron_ext/bench/harness.py"],
+    "bench_hydro": ["tools/bench_hydro.py", "megatron_ext/hydro", ":(exclude)megatron_ext/hydro/squeezer",
+                    "megatron_ext/bench/harness.py"],
     "bench_parallel": ["tools/bench_parallel.py", "megatron_ext/runtime", "megatron_ext/config", "megatron_ext/data",
                        "megatron_ext/models", "megatron_ext/compat", "pretrain_gpt.py",
                        "megatron_ext/bench/harness.py"],
     "bench_relayout": ["tools/bench_relayout.py", "tools/relayout_live_worker.py", "megatron_ext/ft",
-                       "megatron_ext/resihp", "megatron_ext/runtime", "pretrain_gpt.py"],
+                       "megatron_ext/resihp", "megatron_ext/runtime", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
     "bench_squeezer": ["tools/bench_squeezer.py", "megatron_ext/hydro", "megatron_ext/pipeline",
                        "megatron_ext/runtime", "deepspeed_patches", "pretrain_gpt.py"],
     "bench_timeline": ["tools/bench_timeline.py", "megatron_ext/pipeline", "megatron_ext/runtime",
-                       "deepspeed_patches", "megatron_ext/resihp/injection.py"],
+                       "deepspeed_patches", "megatron_ext/resihp/injection.py", "megatron_ext/bench/harness.py"],
 }
 
 UNVERSIONED = "UNVERSIONED.md"

@@ -111,4 +111,6 @@ def test_smallest_run_prints_labelled_tables_then_one_json_line(capsys):
     assert result["live_traces"]["traces"] == 20 and result["tuning"]["live_traces"]["traces"] == 6
     assert sorted(result["evaluation"]["live_trace_files"]) == sorted(bd.EVALUATION_TRACES)
     assert sorted(result["tuning"]["live_trace_files"]) == sorted(bd.TUNING_TRACES)
-    assert set(result) == {"synthetic", "live_traces", "evaluation", "tuning"}
+    assert set(result) == {"synthetic", "live_traces", "evaluation", "tuning", "bench", "commit", "dirty", "command",
+                           "load_before", "load_after", "cpus"}   # the harness's provenance (megatron_ext/bench)
+    assert result["bench"] == "bench_detector"
