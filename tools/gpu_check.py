@@ -707,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     import torch
 
+    from megatron_ext.bench.harness import Report
+
+    report = Report("gpu_check")  # provenance on the JSON line: a recorded figure names its commit
     cuda = torch.cuda.is_available()
     env = section_env({})
     if not cuda and not args.cpu_smoke:
@@ -745,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     results["meta"] = {"wall_s": round(time.perf_counter() - started, 1), "cpu_smoke": not cuda,
                        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     text = table(results)
-    line = json.dumps(results, default=str)
+    line = json.dumps(report.line(results), default=str)
     print(text)
     print(line)
     if args.record:
