@@ -199,6 +199,10 @@ def test_time_in_windows_and_pause_latencies_are_accounted(run):
     assert s["busy_s"] > 0 and s["windows_used"] > 0
     assert 0 < s["used"] <= 1.0 + 1e-9      # inside windows only: never more than the windows' time
     assert len(s["latencies"]) > 0 and min(s["latencies"]) >= 0
+    # every halt at a close is counted, and each (but one the kill or the stop ended) has its latency:
+    # the guest's CPU time from the close until it stopped, which is not always 0
+    assert s["halts"] >= 1 and s["units_outlived"] >= s["halts"] and s["latencies_lost"] == 0
+    assert len(s["latencies"]) >= s["halts"] - 2 and max(s["latencies"]) > 0, (s["halts"], s["latencies"])
 
 
 @pytest.mark.parametrize("which", ["first_pid", "second_pid"])

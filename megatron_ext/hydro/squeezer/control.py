@@ -8,18 +8,23 @@ the guest is parked, one byte into a non-blocking pipe that wakes it. No lock is
 that dies or stops anywhere can never block the rank.
 
 Times are ``time.perf_counter`` seconds (CLOCK_MONOTONIC: one clock for every process of a host).
+The guest's CPU clock (``cpu_clock_s``: what the guest itself reads as ``time.process_time``) is
+what the guest's work and pause latency are measured in: the rank reads it at each window's open and
+close, where the wall clock would also count time the guest waited for a lock or for the core.
 """
 from __future__ import annotations
 
+import math
 import os
 import select
 import tempfile
+import time
 
 import numpy as np
 
-RING = 256          # recent pause latencies kept
+RING = 4096         # pause latencies the guest measured, not yet read by the rank (it reads them every iteration)
 RUNS = 512          # recent guest run intervals kept (for timelines)
-WINDOWS = 128       # recent windows (open, close) kept: what a guest's run overlapped
+WINDOWS = 1024      # recent windows (open, close) kept: what a guest's run overlapped
 
 # guest states
 STARTING, PARKED, RUNNING, FINISHED, NO_ROOM, FAILED, STOPPED, SUSPENDED = range(8)
@@ -39,6 +44,7 @@ CONTROL_DTYPE = np.dtype([
     ("max_trials", "i8"),       # fusion limit (the squeezer lowers it when backing off)
     ("stop", "i8"),             # >0 (STOP_END, STOP_MONITOR): finish the unit, give back the trials, exit
     ("win", "f8", (WINDOWS, 2)),  # (open, close) of window number seq at [seq % WINDOWS]; close inf while open
+    ("win_cpu", "f8", (WINDOWS, 2)),  # the guest's CPU clock at that open and close (NaN: not read)
     ("stops_n", "i8"),
     ("stops", "f8", (WINDOWS, 2)),  # (SIGSTOP, SIGCONT) the rank sent a guest still running at a close
     # guest -> rank
@@ -47,8 +53,6 @@ CONTROL_DTYPE = np.dtype([
     ("critical", "i8"),         # >0 while the guest is inside a storage call
     ("t_parked", "f8"),
     ("min_unit_s", "f8"),       # the guest's shortest measured unit between pause points
-    ("busy_s", "f8"),           # time the guest ran inside windows
-    ("overrun_s", "f8"),        # time it ran after a window closed (until it parked)
     ("units", "i8"),
     ("long_units", "i8"),       # units started although longer than most windows (they overrun)
     ("windows_used", "i8"),
@@ -60,11 +64,21 @@ CONTROL_DTYPE = np.dtype([
     ("bundle_trials", "i8"),    # trials in its bundle now
     ("heartbeat", "f8"),
     ("lat_n", "i8"),
-    ("lat", "f8", (RING,)),     # window end -> parked, for windows that ended while it ran
+    ("lat", "f8", (RING,)),     # its CPU time from a window's close until it stopped (see WindowGate._account)
     ("runs_n", "i8"),
     ("runs", "f8", (RUNS, 2)),  # (start, end) of its recent run intervals
     ("message", "S240"),
 ])
+
+
+def cpu_clock_s(pid: int) -> float | None:
+    """Seconds process ``pid`` has run on a CPU (all its threads): its CPU-time clock, the one it
+    reads itself as ``time.process_time``. One system call, no file read: Linux encodes a process's
+    CPU clock as a clock id (what ``clock_getcpuclockid(3)`` returns). None once it is gone."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)     # CPUCLOCK_SCHED of the whole process
+    except OSError:
+        return None
 
 
 def _shm_dir() -> str | None:
@@ -121,24 +135,32 @@ class Control:
         except BlockingIOError:
             pass
 
-    def open_window(self, t_open: float, deadline: float) -> None:
+    def open_window(self, t_open: float, deadline: float, cpu: float | None = None) -> None:
+        """``cpu``: the guest's CPU clock now (``cpu_clock_s``), None when not read."""
         seq = int(self["window_seq"]) + 1
         self._cols["win"][0][seq % WINDOWS] = (t_open, float("inf"))
+        self._cols["win_cpu"][0][seq % WINDOWS] = (math.nan if cpu is None else cpu, math.nan)
         self["deadline"] = deadline
         self["t_open"] = t_open
         self["window_seq"] = seq
         self["window_open"] = 1        # last: the guest reads the flag, then the deadline
 
-    def close_window(self, t_close: float) -> None:
-        self._cols["win"][0][int(self["window_seq"]) % WINDOWS][1] = t_close
+    def close_window(self, t_close: float, cpu: float | None = None) -> None:
+        k = int(self["window_seq"]) % WINDOWS
+        self._cols["win_cpu"][0][k][1] = math.nan if cpu is None else cpu
+        self._cols["win"][0][k][1] = t_close
         self["t_close"] = t_close
         self["window_open"] = 0
 
     def windows_since(self, seq0: int) -> list[tuple[float, float]]:
         """(open, close) of windows seq0 .. now (close inf while open; the oldest may be lost)."""
+        return [(w0, w1) for w0, w1, _ in self.closes_since(seq0)]
+
+    def closes_since(self, seq0: int) -> list[tuple[float, float, float]]:
+        """(open, close, the guest's CPU clock at the close) of windows seq0 .. now."""
         seq = int(self["window_seq"])
-        win = self._cols["win"][0]
-        return [(float(win[k % WINDOWS][0]), float(win[k % WINDOWS][1]))
+        win, cpu = self._cols["win"][0], self._cols["win_cpu"][0]
+        return [(float(win[k % WINDOWS][0]), float(win[k % WINDOWS][1]), float(cpu[k % WINDOWS][1]))
                 for k in range(max(seq0, seq - WINDOWS + 1, 1), seq + 1)]
 
     def stopped(self, t: float) -> None:
@@ -158,10 +180,13 @@ class Control:
         out = [(float(st[k % WINDOWS][0]), float(st[k % WINDOWS][1])) for k in range(max(0, n - WINDOWS), n)]
         return [iv for iv in out if iv[1] > t0]
 
-    def latencies(self) -> list[float]:
+    def latencies_from(self, k: int) -> tuple[list[float], int, int]:
+        """The guest's latencies number ``k`` onwards: (values, the next number to read, how many
+        were overwritten before they were read)."""
         n = int(self["lat_n"])
+        lost = max(0, n - k - RING)
         lat = self._cols["lat"][0]
-        return [float(v) for v in (lat[:n] if n <= RING else lat)]
+        return [float(lat[i % RING]) for i in range(k + lost, n)], n, lost
 
     def run_intervals(self) -> list[tuple[float, float]]:
         n = int(self["runs_n"])

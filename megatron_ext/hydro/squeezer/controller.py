@@ -7,12 +7,20 @@ is restarted (its unfinished trials are given back by the next guest before it s
 up to ``max_restarts`` times.
 
 ``Squeezer`` listens to the rank's bubble windows (``pipeline/windows.BubbleWindows``) and runs on
-the training thread inside the p2p calls, so it only stores and signals: on a window's open, the
-deadline (the forecast end, less the back-off share and the margin) and a wake-up byte when the
-guest is parked (SIGCONT when it is suspended); on its close, the close time, and ``CLOSE_SIGNAL``
-when the guest is still running (CPU: it suspends itself, see ``guest.WindowGate``). A window is not offered when there is no forecast yet, when the
-guests are off (a control iteration, or stopped), or when it is shorter than the guest's smallest
-unit.
+the training thread inside the p2p calls, so it only stores, signals and reads the guest's CPU
+clock: on a window's open, the deadline (the forecast end, less the back-off share and the margin)
+and a wake-up byte when the guest is parked (SIGCONT when it is suspended); on its close, the close
+time, and, when the guest is still running, SIGSTOP on CPU (``Squeezer._halt``). A window is not offered
+when there is no forecast yet, when the guests are off (a control iteration, or stopped), or when it
+is shorter than the guest's smallest unit.
+
+What the guest did is measured on its CPU clock (``control.cpu_clock_s``, one system call), read at
+each offered window's open and close: its work inside windows is the clock's growth from open to
+close (time it waited for a lock, or for the core, does not count), its overrun the growth from a
+close that found it running to the next open, and the pause latency of a window at whose close it
+was halted is the clock at the SIGCONT (still stopped: the moment it stopped running) less the clock
+at the close. The guest measures the latency of every other window it ran in (``WindowGate``); the
+rank reads those every iteration, so every window of the run is kept.
 """
 from __future__ import annotations
 
@@ -25,7 +33,8 @@ import time
 from typing import Any
 
 from megatron_ext.hydro.squeezer.control import (CLOSE_SIGNAL, FAILED, FINISHED, NO_ROOM, PARKED, RUNNING,
-                                                STARTING, STATE_NAMES, STOP_END, STOPPED, SUSPENDED, Control)
+                                                STARTING, STATE_NAMES, STOP_END, STOPPED, SUSPENDED, Control,
+                                                cpu_clock_s)
 from megatron_ext.pipeline.windows import Window
 
 logger = logging.getLogger(__name__)
@@ -183,6 +192,23 @@ class Squeezer:
         self.too_short = 0
         self.no_forecast = 0
         self._opened = False
+        self.busy_s = 0.0             # the guest's CPU time inside windows
+        self.overrun_s = 0.0          # its CPU time after a window closed under it, until the next open
+        self.halts = 0                # SIGSTOPs sent at a close
+        self.outlived = 0             # windows whose close found the guest running (a unit outlived it)
+        self.latencies: list[float] = []   # every pause latency of the run, seconds of the guest's CPU
+        self.latencies_lost = 0       # guest-measured ones overwritten before they were read (none expected)
+        self._lat_next = 0
+        self._open_cpu: tuple[int, float] | None = None    # (pid, the guest's CPU clock) at the open
+        self._close_cpu: tuple[int, float] | None = None   # at a close that found it running
+        self._halt_cpu: tuple[int, float] | None = None    # at the close that halted it
+
+    def _guest_cpu(self) -> tuple[int, float] | None:
+        proc = self.guest.proc
+        if proc is None:
+            return None
+        c = cpu_clock_s(proc.pid)
+        return None if c is None else (proc.pid, c)
 
     def window_open(self, w: Window) -> None:
         if not self.active:
@@ -198,27 +224,52 @@ class Squeezer:
         if deadline - w.t_open < ctl["min_unit_s"] or deadline <= w.t_open:
             self.too_short += 1
             return
-        ctl.open_window(w.t_open, deadline)
+        cpu = self._guest_cpu()
+        ctl.open_window(w.t_open, deadline, None if cpu is None else cpu[1])
         self._opened = True
         self.offered += 1
+        if cpu is not None and self._close_cpu is not None and self._close_cpu[0] == cpu[0]:
+            self.overrun_s += cpu[1] - self._close_cpu[1]
+        self._close_cpu = None
+        self._open_cpu = cpu
         if state == PARKED:
             ctl.wake()
         elif self._stopped or state == SUSPENDED:
             if self._stopped:
+                self._halted_latency(cpu)
                 ctl.continued(w.t_open)
-                self._stopped = False
             self.guest.signal(signal.SIGCONT)
+
+    def _halted_latency(self, cpu: tuple[int, float] | None) -> None:
+        """The guest is still stopped: its CPU clock now is the clock when it stopped running."""
+        if cpu is not None and self._halt_cpu is not None and self._halt_cpu[0] == cpu[0]:
+            self.latencies.append(max(0.0, cpu[1] - self._halt_cpu[1]))
+        self._stopped = False
+        self._halt_cpu = None
+
+    def before_stop(self) -> None:
+        """Record the latency of a halt still in force (call before ``GuestProcess.stop``, whose
+        SIGCONT ends it)."""
+        if self._stopped:
+            self._halted_latency(self._guest_cpu())
 
     def window_close(self, w: Window, t_close: float) -> None:
         if self.active:
             self.window_s += t_close - w.t_open
         if self._opened:
-            self.ctl.close_window(t_close)
+            cpu = self._guest_cpu()
+            self.ctl.close_window(t_close, None if cpu is None else cpu[1])
             self._opened = False
-            if self.suspend and self.ctl["state"] == RUNNING:
-                self._halt(t_close)
+            if cpu is not None and self._open_cpu is not None and self._open_cpu[0] == cpu[0]:
+                self.busy_s += cpu[1] - self._open_cpu[1]
+            self._open_cpu = None
+            if self.ctl["state"] == RUNNING:
+                self.outlived += 1
+                self._close_cpu = cpu
+                if self.suspend:
+                    self._halt(t_close, cpu)
 
-    def _halt(self, t: float) -> None:
+    def _halt(self, t: float, cpu: tuple[int, float] | None) -> None:
         """The window closed under a running guest (CPU). At nice 19 beside its busy rank it would
         crawl to its next pause point; SIGSTOP halts it at once instead (SIGCONT at the next window
         it is offered). Not inside a storage call (``critical``): there it is asked to suspend
@@ -230,15 +281,25 @@ class Squeezer:
             if not ctl["critical"]:
                 ctl.stopped(t)
                 self._stopped = True
+                self._halt_cpu = cpu
+                self.halts += 1
                 return
             self.guest.signal(signal.SIGCONT)
         self.guest.signal(self._close_signal)
 
+    def read_latencies(self) -> None:
+        """Move the latencies the guest measured into ``latencies`` (every iteration: its ring
+        holds ``control.RING``)."""
+        new, self._lat_next, lost = self.ctl.latencies_from(self._lat_next)
+        self.latencies += new
+        self.latencies_lost += lost
+
     def stats(self) -> dict[str, Any]:
         ctl = self.ctl
-        lat = self.ctl.latencies()
-        busy, over = float(ctl["busy_s"]), float(ctl["overrun_s"])
+        self.read_latencies()
+        busy, over = self.busy_s, self.overrun_s
         return {"window_s": self.window_s, "busy_s": busy, "overrun_s": over,
+                "halts": self.halts, "units_outlived": self.outlived, "latencies_lost": self.latencies_lost,
                 "used": busy / self.window_s if self.window_s > 0 else 0.0,
                 "windows_offered": self.offered, "windows_used": int(ctl["windows_used"]),
                 "windows_skipped": int(ctl["windows_skipped"]) + self.too_short, "no_forecast": self.no_forecast,
@@ -246,5 +307,5 @@ class Squeezer:
                 "trials_done": int(ctl["trials_done"]), "fusion": int(ctl["fusion"]),
                 "bundle_trials": int(ctl["bundle_trials"]),
                 "min_unit_s": float(ctl["min_unit_s"]), "units": int(ctl["units"]),
-                "long_units": int(ctl["long_units"]), "latencies": lat, "state": STATE_NAMES[int(ctl["state"])],
+                "long_units": int(ctl["long_units"]), "latencies": list(self.latencies), "state": STATE_NAMES[int(ctl["state"])],
                 "restarts": self.guest.restarts, "deaths": list(self.guest.deaths)}

@@ -172,6 +172,7 @@ class SqueezerExtension(Extension):
             self._start(trainer)
         if self.guest is None:
             return
+        self.squeezer.read_latencies()
         line = self.guest.check()
         if line:
             logger.warning("squeeze: %s", line)
@@ -233,6 +234,7 @@ class SqueezerExtension(Extension):
             from megatron_ext.hydro.squeezer.control import STOP_MONITOR
 
             self.squeezer.active = False
+            self.squeezer.before_stop()
             self.guest.stop(wait=False, why=STOP_MONITOR)   # it gives its trials back and exits; check() sees it go
 
     def _progress(self, trainer: "Trainer", metrics: IterationMetrics) -> None:
@@ -259,6 +261,7 @@ class SqueezerExtension(Extension):
             return
         from megatron_ext.hydro.squeezer.figures import append_run, end_line
 
+        self.squeezer.before_stop()
         self.guest.stop()
         s = self.squeezer.stats()
         path = os.path.join(self.dir, f"figures_rank{trainer.ctx.rank}.json")
@@ -282,7 +285,8 @@ class SqueezerExtension(Extension):
                 "guest_steps_per_busy_s": s["steps"] / busy if busy > 0 else 0.0,
                 "fusion": s["fusion"], "windows_offered": s["windows_offered"], "windows_used": s["windows_used"],
                 "windows_skipped": s["windows_skipped"], "units": s["units"], "long_units": s["long_units"],
-                "pause_latencies_s": s["latencies"],
+                "halts": s["halts"], "units_outlived": s["units_outlived"], "pause_latencies_s": s["latencies"],
+                "pause_latencies_lost": s["latencies_lost"],
                 "forecast": err, "blocks": self.blocks, "restarts": s["restarts"], "deaths": s["deaths"]}
 
     def _study_line(self) -> None:

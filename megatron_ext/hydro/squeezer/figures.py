@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 # Figures that add up over runs, lists that concatenate, and those that describe the latest run.
 SUMS = ("window_s", "guest_busy_s", "guest_overrun_s", "guest_steps", "guest_trial_steps", "windows_offered",
-        "windows_used", "windows_skipped", "units", "long_units", "restarts")
+        "windows_used", "windows_skipped", "units", "long_units", "restarts", "halts", "units_outlived",
+        "pause_latencies_lost")
 LISTS = ("pause_latencies_s", "blocks", "deaths")
 LATEST = ("rank", "layout", "engine", "iterations")
 

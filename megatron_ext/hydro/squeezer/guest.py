@@ -79,14 +79,17 @@ class WindowGate:
     A *unit* is the work from one pause point to the next; its cost is measured per starting point
     (the median of its recent units started in a window, in the guest's CPU time: ``unit_clock``;
     on a GPU the caller passes a wall clock). At each pause point the guest goes on only if
-    ``deadline - now`` covers the next unit."""
+    ``deadline - now`` covers the next unit. ``cpu_clock``: the guest's CPU clock, the one the rank
+    reads at a window's close (``control.cpu_clock_s``); None on a GPU, where pause latency is wall
+    time (the guest's kernels are not its CPU time)."""
 
     def __init__(self, ctl: Control, *, clock: Callable[[], float] = time.perf_counter,
                  unit_clock: Callable[[], float] = time.process_time,
+                 cpu_clock: Callable[[], float] | None = time.process_time,
                  sync: Callable[[], None] | None = None, parent_pid: int | None = None,
                  idle_poll_s: float = 1.0, history: int = 8) -> None:
         self.ctl, self.clock, self.sync = ctl, clock, sync
-        self.unit_clock = unit_clock
+        self.unit_clock, self.cpu_clock = unit_clock, cpu_clock
         self.parent_pid = parent_pid
         self.idle_poll_s = idle_poll_s
         self._units: dict[str, collections.deque] = {}
@@ -126,7 +129,7 @@ class WindowGate:
         ctl = self.ctl
         now = self.clock()
         if self._run_t0 is not None:
-            self._account(self._run_t0, now)
+            self._account(self._run_t0, now, self._cpu_now())
             self._run_t0 = None
         ctl["t_parked"] = now
         ctl["state"] = SUSPENDED
@@ -214,7 +217,7 @@ class WindowGate:
             self.sync()          # nothing of ours may still be queued on the device
             now = self.clock()
         if self._run_t0 is not None:
-            self._account(self._run_t0, now)
+            self._account(self._run_t0, now, self._cpu_now())
         ctl["t_parked"] = now
         self._parked = True
         ctl["state"] = PARKED
@@ -251,34 +254,39 @@ class WindowGate:
             self._seq_used = seq
             ctl["windows_used"] += 1
 
-    def _account(self, t0: float, t1: float) -> None:
-        """Split the run [t0, t1) -- less the spans the rank held it stopped -- into time inside
-        windows (busy) and after them (overrun), and record each window's pause latency: from its
-        end until the guest stopped running (a stop by the rank, or parking at ``t1``); 0 when the
-        window was still open."""
+    def _cpu_now(self) -> float | None:
+        return None if self.cpu_clock is None else self.cpu_clock()
+
+    def _account(self, t0: float, t1: float, cpu1: float | None = None) -> None:
+        """Record the run [t0, t1) -- less the spans the rank held it stopped -- for the timeline,
+        and the pause latency of each window the run saw close: measured by the guest, on its own
+        CPU clock, from the window's close (the rank read the clock there) until it stopped running
+        at ``t1`` (``cpu1``: it parked, or suspended itself after a storage call); 0 for a window it
+        parked in before the close. A window at whose close the rank halted it (SIGSTOP) is the
+        rank's to record: it reads the stopped guest's clock when it continues it. On a GPU
+        (``cpu1`` None) the latency is wall time from the close to ``t1``. What the guest did inside
+        windows is the rank's count (``Squeezer``: the guest's CPU clock at each open and close)."""
         ctl = self.ctl
         stops = ctl.stops_since(t0)
-        segments, start = [], t0
+        start = t0
         for s0, s1 in stops:
             if s0 >= t1:
                 break
             if s0 > start:
-                segments.append((start, s0))
+                ctl.add_run(start, s0)
             start = max(start, min(s1, t1))
         if t1 > start:
-            segments.append((start, t1))
-        windows = ctl.windows_since(self._run_seq)
-        inside = total = 0.0
-        for a, b in segments:
-            ctl.add_run(a, b)
-            total += b - a
-            inside += sum(max(0.0, min(w1, b) - max(w0, a)) for w0, w1 in windows)
-        for _, w1 in windows:
-            if w1 >= t0:
-                halt = min([s0 for s0, _ in stops if s0 >= w1] + [t1])
-                ctl.add_latency(max(0.0, halt - w1) if w1 < t1 else 0.0)
-        ctl["busy_s"] += inside
-        ctl["overrun_s"] += max(0.0, total - inside)
+            ctl.add_run(start, t1)
+        halted_at = {s0 for s0, _ in stops}
+        for _, w1, c1 in ctl.closes_since(self._run_seq):
+            if w1 < t0 or w1 in halted_at:
+                continue
+            if w1 >= t1:
+                ctl.add_latency(0.0)                      # parked (or suspended) before the close
+            elif cpu1 is not None and c1 == c1:           # c1 NaN: the rank could not read the clock
+                ctl.add_latency(max(0.0, cpu1 - c1))
+            else:
+                ctl.add_latency(t1 - w1)
 
     def unit_table(self) -> str:
         return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(self._median.items()))
@@ -693,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
         # On a GPU a unit's cost is its wall time (its kernels are not the process's CPU time).
         gate = WindowGate(ctl, sync=sync, parent_pid=parent,
-                          unit_clock=time.perf_counter if sync is not None else time.process_time)
+                          unit_clock=time.perf_counter if sync is not None else time.process_time,
+                          cpu_clock=None if sync is not None else time.process_time)
         if sync is None:       # on a GPU a stopped process's queued kernels would run on: park only
             gate.install_suspend()
         tuner = GuestTuner(cfg, space, defaults, dropout, gate=gate, budget_bytes=args.budget_bytes, owner=owner,
