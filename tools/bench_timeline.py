@@ -9,8 +9,9 @@ megatron-core engine (1F1B) and the DeepSpeed engine (TrainSchedule):
 * bubble: per stage, the median over ``--iters`` recorded iterations (after 2 warm-up ones) of the
   idle share of [first event, end of the last forward/backward], from the joined IterationRecord,
   against (p - 1) / (m + p - 1);
-* overhead (m = 8): blocks of ``--block`` iterations with events on and off, interleaved (the order
-  alternates every round so drift in machine load cancels); overhead = median(on / off) - 1 of the
+* overhead (m = 8): blocks of ``--block`` iterations with events off, on, and off again (the A/A
+  arm: its ratio to the first "off" is the noise floor), the order rotated every round
+  (``megatron_ext/bench/harness.py``), 90 % bootstrap intervals on both; overhead = median(on / off) - 1 of the
   CPU time of the block summed over the ranks (on a shared 2-core box the wall-clock ratio, also
   printed, swings by tens of percent from round to round: other processes' load, not ours). The
   table also gives a floor from first principles: events per iteration x the measured cost of one
@@ -83,13 +84,13 @@ def _deepspeed_trainer(values: dict, state: dict):
 
 def _switch(engine: str, trainer, ext, on: bool) -> None:
     """Events on (as ``--timeline`` runs) or off (upstream code paths)."""
-    if engine == "megatron":
-        installed = type(ext.hooks)._active is ext.hooks
-        if on and not installed:
-            ext.hooks.install()
-        elif not on and installed:
+    if engine == "megatron":  # the trainer's own recorder installation (Trainer.install_recorder)
+        if on and ext.hooks is None:
+            ext.hooks = trainer.install_recorder(ext.recorder)
+        elif not on and ext.hooks is not None:
             ext.hooks.uninstall()
-        ext.recorder.enabled = on  # the optimizer / grad-reduce wrappers then record nothing
+            ext.hooks = None
+        ext.recorder.enabled = on
         return
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -171,6 +172,8 @@ def _pipesim_summary(checks: list[dict]) -> dict:
 
 
 def worker(out_path: str, iters: int, rounds: int, block: int) -> None:
+    from megatron_ext.bench.harness import aa_name, ratio_interval, rotated_order
+
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
@@ -214,17 +217,23 @@ def worker(out_path: str, iters: int, rounds: int, block: int) -> None:
                     dist.all_reduce(cpu)
                     return wall, float(cpu)
 
-                wall_ratios, cpu_ratios = [], []
+                # Rounds of events-off, events-on and off again (the A/A arm, the noise floor), in an
+                # order rotated by the round (the same on every rank: the blocks are collective).
+                arms = {"off": False, "on": True, aa_name("off"): False}
+                blocks: dict[str, list] = {name: [] for name in arms}
                 for r in range(rounds):
-                    if r % 2:
-                        off, on = timed_block(False), timed_block(True)
-                    else:
-                        on, off = timed_block(True), timed_block(False)
-                    wall_ratios.append(on[0] / off[0])
-                    cpu_ratios.append(on[1] / off[1])
-                row["overhead"] = statistics.median(cpu_ratios) - 1.0
-                row["overhead_wall"] = statistics.median(wall_ratios) - 1.0
-                row["cpu_ratios"], row["wall_ratios"] = cpu_ratios, wall_ratios
+                    for name in rotated_order(list(arms), r):
+                        blocks[name].append(timed_block(arms[name]))
+                cpu = {name: [b[1] for b in v] for name, v in blocks.items()}
+                wall = {name: [b[0] for b in v] for name, v in blocks.items()}
+                on_cpu, aa_cpu = ratio_interval(cpu["on"], cpu["off"]), ratio_interval(cpu[aa_name("off")], cpu["off"])
+                on_wall = ratio_interval(wall["on"], wall["off"])
+                row["overhead"] = on_cpu["median"] - 1.0
+                row["overhead_interval"] = [x - 1.0 for x in on_cpu["interval"]]
+                row["aa_overhead"] = aa_cpu["median"] - 1.0
+                row["aa_interval"] = [x - 1.0 for x in aa_cpu["interval"]]
+                row["overhead_wall"] = on_wall["median"] - 1.0
+                row["cpu_ratios"], row["wall_ratios"] = on_cpu["ratios"], on_wall["ratios"]
                 row["event_cost_us"] = _event_cost_us(engine, ext)
                 _switch(engine, trainer, ext, True)
             ext.teardown(trainer)
@@ -240,7 +249,7 @@ def worker(out_path: str, iters: int, rounds: int, block: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=8, help="recorded iterations per (engine, m)")
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved on/off rounds for the overhead")
+    parser.add_argument("--rounds", type=int, default=15, help="rotated off/on/off rounds for the overhead")
     parser.add_argument("--block", type=int, default=1, help="iterations per timed block")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -266,6 +275,9 @@ def main() -> int:
     figures: dict = {}
     for engine, row in result.items():
         figures[engine] = {"overhead": round(row["overhead"], 4),
+                           "overhead_interval": [round(x, 4) for x in row["overhead_interval"]],
+                           "aa_overhead": round(row["aa_overhead"], 4),
+                           "aa_interval": [round(x, 4) for x in row["aa_interval"]],
                            "bubble": {k: [round(f, 3) for f in v] for k, v in row["bubble"].items()},
                            "expected_bubble": {k: [round(f, 3) for f in v] for k, v in row["expected_bubble"].items()}}
         for m in MICROBATCHES:
@@ -279,6 +291,10 @@ def main() -> int:
             print(f"{engine:<10} {m:>2} {theory[key]:>7.3f} " + " ".join(f"{f:>8.3f}" for f in row["bubble"][key])
                   + f" {row['iter_ms'][key]:>8.1f}{extra}")
     for engine, row in result.items():
+        print(f"{engine} overhead (CPU) {row['overhead'] * 100:+.2f} %, 90 % interval "
+              f"[{row['overhead_interval'][0] * 100:+.2f}, {row['overhead_interval'][1] * 100:+.2f}] %; A/A (off vs off) "
+              f"{row['aa_overhead'] * 100:+.2f} % [{row['aa_interval'][0] * 100:+.2f}, {row['aa_interval'][1] * 100:+.2f}] %"
+              f" over {len(row['cpu_ratios'])} rotated rounds")
         print(f"{engine} on/off ratios, CPU: " + " ".join(f"{r:.3f}" for r in row["cpu_ratios"])
               + " | wall: " + " ".join(f"{r:.3f}" for r in row["wall_ratios"]))
     print("\nmeasured bubble - bubble the schedule predicts from the same iteration's own op durations "

@@ -273,12 +273,14 @@ class Trainer:
         hooks = MegatronPipelineHooks(recorder, self.model.chunks).install()
         self.optimizer.step = wrap_phase(recorder, self.optimizer.step, Phase.OPTIMIZER)
         tconf = self.model.config
-        tconf.finalize_model_grads_func = wrap_phase(recorder, tconf.finalize_model_grads_func, Phase.GRAD_REDUCE)
+        finalize = tconf.finalize_model_grads_func
+        tconf.finalize_model_grads_func = wrap_phase(recorder, finalize, Phase.GRAD_REDUCE)
 
         def uninstall() -> None:
             hooks.uninstall()
             if self.optimizer is not None:
                 self.optimizer.__dict__.pop("step", None)
+            tconf.finalize_model_grads_func = finalize  # installed again, it would wrap its own wrapper
 
         return RecorderHooks(new_iteration=hooks.new_iteration, uninstall=uninstall)
 
