@@ -2,7 +2,9 @@
 
 (a) samples/s of B fused trials against the same B trials trained one after another (plain
     modules, torch.optim.Adam), for a small GPT and a small CNN, with a parity check of the
-    trained parameters; medians of interleaved rounds.
+    trained parameters; medians of rounds whose arms run in a rotated order, the speedup also as
+    the median of paired per-round ratios with a 90 % bootstrap interval beside an A/A arm (a
+    second, identical bundle) as the noise floor (``megatron_ext/bench/harness.py``).
 (b) muTransfer: an LR sweep (one fused bundle per width and seed) at width w and 4w under muP and
     under standard parametrization, on an order-1 and an order-2 Markov stream; how many grid
     steps the best LR moves between the widths, per seed and for the mean over seeds.
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ext.bench.harness import aa_name, ratio_interval, rotated_order  # noqa: E402
 from megatron_ext.hydro.bundle import TrialBundle, TrialSpec  # noqa: E402
 from megatron_ext.hydro.config import HydroTuneConfig, hparams_from  # noqa: E402
 from megatron_ext.hydro.data import TokenBatches, load_tokens  # noqa: E402
@@ -47,10 +50,12 @@ def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def fusion_case(kind: str, sizes: list[int], rounds: int, batch: int
-                ) -> tuple[dict[int, tuple[float, float, float]], float, float]:
+                ) -> tuple[dict[int, tuple[float, float, float]], float, float, dict[int, dict]]:
     """{B: (fused samples/s, sequential samples/s, one-model samples/s)}, the largest relative
-    difference of a trial's parameter vector (L2, fused vs trained alone), and the largest
-    per-tensor max-abs relative one.
+    difference of a trial's parameter vector (L2, fused vs trained alone), the largest
+    per-tensor max-abs relative one, and per B the fused/sequential speedup and an A/A ratio (a
+    second, identical bundle stepped in its own slot) as medians of paired per-round ratios with
+    90 % bootstrap intervals. Each round runs the arms in an order rotated by the round.
 
     "one model" trains a single plain model on the B batches stacked into one (B x the samples):
     the same FLOPs as B fused trials without any per-trial work, so on a CPU it bounds what fusion
@@ -70,7 +75,7 @@ def fusion_case(kind: str, sizes: list[int], rounds: int, batch: int
 
         def make_batch():
             return torch.randn(batch, 3, 16, 16, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
-    results, worst, worst_t = {}, 0.0, 0.0
+    results, worst, worst_t, ratios = {}, 0.0, 0.0, {}
     for B in sizes:
         specs = [TrialSpec(i, seed=i, hparams=TrialHParams(lr=1e-3 * (1 + i % 4))) for i in range(B)]
         batches = [make_batch() for _ in range(rounds + 2)]
@@ -80,28 +85,39 @@ def fusion_case(kind: str, sizes: list[int], rounds: int, batch: int
         opts = [torch.optim.Adam(m.parameters(), lr=s.hparams.lr) for m, s in zip(plains, specs)]
         big = factory(0)
         big_opt = torch.optim.Adam(big.parameters(), lr=1e-3)
-        t_fused, t_seq, t_big = [], [], []
-        for r, (x, y) in enumerate(batches):
-            t0 = time.perf_counter()
-            bundle.train_step(x, y)
-            t1 = time.perf_counter()
+        # The A/A arm: a second bundle of the same trials, stepped in its own slot (stepping the
+        # first one twice would change what the parity check compares).
+        twin = TrialBundle(factory, specs, optimizer="adam", loss_fn=fused_cross_entropy,
+                           example_inputs=(batches[0][0][:2],))
+
+        def sequential(x, y):
             for m, o in zip(plains, opts):
                 o.zero_grad()
                 _ce(m(x), y).backward()
                 o.step()
-            t2 = time.perf_counter()
+
+        def one_model(x, y):
             xb, yb = torch.cat([x] * B), torch.cat([y] * B)
-            t3 = time.perf_counter()
             big_opt.zero_grad()
             _ce(big(xb), yb).backward()
             big_opt.step()
-            t4 = time.perf_counter()
-            if r >= 2:                       # two warm-up rounds
-                t_fused.append(t1 - t0)
-                t_seq.append(t2 - t1)
-                t_big.append(t4 - t3)
+
+        arms = {"fused": bundle.train_step, "sequential": sequential, "one_model": one_model,
+                aa_name("fused"): twin.train_step}
+        times: dict[str, list[float]] = {name: [] for name in arms}
+        for r, (x, y) in enumerate(batches):
+            for name in rotated_order(list(arms), r):
+                t0 = time.perf_counter()
+                arms[name](x, y)
+                if r >= 2:                       # two warm-up rounds
+                    times[name].append(time.perf_counter() - t0)
+        t_fused, t_seq, t_big = times["fused"], times["sequential"], times["one_model"]
         n = B * batch
         results[B] = (n / statistics.median(t_fused), n / statistics.median(t_seq), n / statistics.median(t_big))
+        # speedup = sequential time / fused time per round; A/A = the twin's time / fused time
+        spd, aa = ratio_interval(t_seq, t_fused), ratio_interval(times[aa_name("fused")], t_fused)
+        ratios[B] = {"speedup": round(spd["median"], 3), "speedup_interval": [round(v, 3) for v in spd["interval"]],
+                     "aa": round(aa["median"], 3), "aa_interval": [round(v, 3) for v in aa["interval"]]}
         for i, m in enumerate(plains):
             st = bundle.trial_state(i)
             ref = {k: v for k, v in m.state_dict().items() if v.is_floating_point()}
@@ -110,7 +126,7 @@ def fusion_case(kind: str, sizes: list[int], rounds: int, batch: int
             worst = max(worst, math.sqrt(num / den))
             for k, v in ref.items():
                 worst_t = max(worst_t, float((st[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)))
-    return results, worst, worst_t
+    return results, worst, worst_t, ratios
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,21 +271,26 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [1, 2, 4, 8] if q else [1, 2, 4, 8, 16]
         out["fusion"] = {}
         worst = worst_t = 0.0
-        rows.append(f"(a) fusion: samples/s, medians of {'3' if q else '7'} interleaved rounds, {args.threads} thread(s)")
+        rows.append(f"(a) fusion: samples/s, medians of {'3' if q else '7'} rounds (arms in rotated order), {args.threads} thread(s); paired: median per-round speedup, 90 % interval; A/A: a twin bundle")
         rows.append(f"{'model':6} {'B':>3} {'fused':>10} {'sequential':>11} {'speedup':>8} {'one model':>10} {'bound':>7}")
         for kind, batch in (("gpt", 8), ("cnn", 16)):
-            res, w, wt = fusion_case(kind, sizes, 3 if q else 7, batch)
+            res, w, wt, rat = fusion_case(kind, sizes, 3 if q else 7, batch)
             worst, worst_t = max(worst, w), max(worst_t, wt)
             entry = {str(b): round(f, 1) for b, (f, s, _) in res.items()}
             entry.update({f"seq_{b}": round(s, 1) for b, (f, s, _) in res.items()})
             entry.update({f"one_model_{b}": round(o, 1) for b, (f, s, o) in res.items()})
             if 8 in res:
-                entry["speedup_b8"] = round(res[8][0] / res[8][1], 2)
+                entry["speedup_b8"] = round(rat[8]["speedup"], 2)   # median of paired per-round ratios
+                entry["speedup_b8_interval"] = rat[8]["speedup_interval"]
+                entry["aa_b8"], entry["aa_b8_interval"] = rat[8]["aa"], rat[8]["aa_interval"]
             out["fusion"][kind] = entry
             if 8 in res:
                 entry["bound_b8"] = round(res[8][2] / res[8][1], 2)
             for b, (f, s, o) in res.items():
-                rows.append(f"{kind:6} {b:>3} {f:>10.1f} {s:>11.1f} {f / s:>7.2f}x {o:>10.1f} {o / s:>6.2f}x")
+                rows.append(f"{kind:6} {b:>3} {f:>10.1f} {s:>11.1f} {f / s:>7.2f}x {o:>10.1f} {o / s:>6.2f}x   "
+                            f"paired {rat[b]['speedup']:.2f}x [{rat[b]['speedup_interval'][0]:.2f}, "
+                            f"{rat[b]['speedup_interval'][1]:.2f}]; A/A {rat[b]['aa']:.2f}x "
+                            f"[{rat[b]['aa_interval'][0]:.2f}, {rat[b]['aa_interval'][1]:.2f}]")
         out["fusion"]["max_rel_diff"] = float(f"{worst:.3g}")
         out["fusion"]["max_rel_diff_per_tensor"] = float(f"{worst_t:.3g}")
         rows.append(f"parity after {'5' if q else '9'} steps, float32: max over trials of |theta_fused - theta_alone| / "
