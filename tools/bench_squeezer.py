@@ -9,20 +9,33 @@ guest-off control (``--squeeze-control-every 2``) and the safety monitor disarme
 The guests' study (``--study``, default configs/squeeze_tiny.yaml with a trial budget no run
 reaches) never ends during a case.
 
+Before each case the same job runs without ``--squeeze`` (same model, pinning and iterations:
+``plain``), and the guest alone on core 0 (``exclusive``: a real guest process, its study a copy of
+the case's, offered one window that stays open; what it does is what a guest does in windows --
+per-step evaluation, storage calls, bundle resizes -- measured over ``--exclusive-s`` seconds
+from its first trained step).
+
 Figures per case:
 
 * ``slowdown``: median iteration time of guest-on iterations over that of the interleaved
   guest-off ones, minus 1, from the iterations after both guests trained their first step; with
-  the bootstrap 90 % interval of that ratio (``slowdown_ci90``);
-* ``guest_fraction_of_exclusive``: trial-steps the guests did, over what the same bundle (same
-  fusion count) does alone on one core in the guest-on iterations' time, per rank, averaged; the
-  exclusive speed is measured right before the case, with nothing else running;
+  the bootstrap 90 % interval of that ratio (``slowdown_ci90``). Guest-off iterations run beside a
+  parked guest, whose memory and cache footprint they still carry, so also
+  ``slowdown_vs_plain`` (``_ci90``): guest-on iterations against the same iterations of the plain
+  run, and ``off_vs_plain``: the guest-off iterations against those;
+* ``guest_fraction_of_exclusive``: trial-steps the guests did, over what the guest alone
+  (``exclusive_trial_steps_per_s``) does in the guest-on iterations' time, per rank, averaged;
 * ``bubble_fraction``: the stages' idle share in guest-on iterations (the timeline's, per iteration);
-* ``bubble_used``: the share of window time (the ranks' waits while guests were on) guests ran;
-* ``pause_latency_p50_s`` / ``p99``: from a window's end to its guest parked (0 when it parked
-  ahead of the end);
+* ``bubble_used``: the guests' CPU time inside windows (their own CPU clock, read at each window's
+  open and close) over the window time (the ranks' waits while guests were on);
+* ``pause_latency_p50_s`` / ``p99``: over every window a guest ran in, its CPU time from the
+  window's close until it stopped (halted by the rank, parked, or suspended after a storage call);
+  0 when it parked ahead of the close;
+* ``halts``, ``units_outlived``: per rank, the SIGSTOPs sent at a close, and the windows whose
+  close found the guest running; ``restarts`` and ``deaths`` (pid, exit code) per rank;
 * ``forecast_err_p50``: median |actual - forecast| / actual of the windows' lengths;
-* ``trial_parity_max_abs_diff``: every guest's operation log replayed alone (``squeezer.replay``).
+* ``trial_parity_max_abs_diff``: every guest's operation log replayed alone (``squeezer.replay``);
+  NaN when a replay gave NaN.
 
 Prints a table, then one JSON line
 ``{"cases": {"megatron_pp2_m4": {...}, ...}, "settings": {...}}``; ``--figures-out`` writes, per
@@ -33,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -71,42 +85,68 @@ def study_for_bench(src: str, out_dir: str) -> str:
     return path
 
 
-def exclusive_rate(study: str, fusion: int, seconds: float, cpu: int) -> float:
-    """Trial-steps per second of the guest's bundle alone on core ``cpu`` (the guest's code path)."""
-    code = f"""
-import os, time, torch
-os.sched_setaffinity(0, {{{cpu}}})
-torch.set_num_threads(1)
-from megatron_ext.hydro.bundle import TrialSpec
-from megatron_ext.hydro.config import load_config
-from megatron_ext.hydro.tuner import HydroTuner
-cfg, space, hp, dr = load_config({study!r}, {{"target_steps": 0, "threads": 1}})
-t = HydroTuner(cfg, space, hp, dr, log=lambda s: None)
-t._setup_data(); t._setup_models()
-b = t._bundle(t.proxy_factory, [TrialSpec(i, seed=i, hparams=hp) for i in range({fusion})], t.proxy_multipliers)
-for _ in range(5):
-    b.train_step(*t.data.train_batch())
-n, t0 = 0, time.perf_counter()
-while time.perf_counter() - t0 < {seconds}:
-    b.train_step(*t.data.train_batch()); n += 1
-print(n * {fusion} / (time.perf_counter() - t0))
-"""
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    return float(out.stdout.strip().splitlines()[-1])
+def exclusive_rate(study: str, seconds: float, cpu: int, log_dir: str, timeout_s: float = 600.0) -> dict:
+    """Trial-steps per second of a guest alone on core ``cpu``: a real guest process (the code a
+    guest runs in windows: steps, evaluations, storage calls, resizes), offered one window that
+    stays open, counted over ``seconds`` from its first step after the memory probe. The rate is per
+    second of the guest's CPU time (``trial_steps_per_s``: a whole core's worth), which a loaded
+    host does not lower as it lowers the wall-time rate of a guest at nice 19
+    (``trial_steps_per_wall_s``, kept to show the load)."""
+    import torch
+
+    from megatron_ext.hydro.memory import available_bytes
+    from megatron_ext.hydro.squeezer.control import cpu_clock_s
+    from megatron_ext.hydro.squeezer.controller import GuestProcess, Squeezer
+    from megatron_ext.pipeline.windows import Window
+
+    # the budget a case's rank gives its guest on CPU: half of MemAvailable shared by 2 ranks
+    guest = GuestProcess(tune_config=study, rank=0, device="cpu", log_dir=log_dir, cpus={cpu},
+                         budget_bytes=available_bytes(torch.device("cpu")) // 2)
+    sq = Squeezer(guest, suspend=False)
+    sq.active = True
+    ctl = guest.ctl
+    guest.start()
+    try:
+        end = time.monotonic() + timeout_s
+
+        def wait(pred, what):
+            while not pred():
+                if time.monotonic() > end or guest.proc.poll() is not None:
+                    raise RuntimeError(f"exclusive guest: {what} ({ctl.message or 'timed out'}; logs in {log_dir})")
+                time.sleep(0.01)
+
+        wait(lambda: guest.ready, "never reached a pause point")
+        w = Window((0, 3, 1), time.perf_counter(), 10.0 * timeout_s)
+        sq.window_open(w)
+        # the memory probe's bundles step too: count from the first step of the study's own bundle
+        wait(lambda: ctl["fusion"] > 0, "never finished its memory probe")
+        probed = int(ctl["trial_steps"])
+        wait(lambda: ctl["trial_steps"] > probed, "never trained a step")
+        pid = guest.proc.pid
+        n0, c0, t0 = int(ctl["trial_steps"]), cpu_clock_s(pid), time.perf_counter()
+        time.sleep(seconds)
+        n1, c1, t1 = int(ctl["trial_steps"]), cpu_clock_s(pid), time.perf_counter()
+        sq.window_close(w, time.perf_counter())
+        return {"trial_steps_per_s": (n1 - n0) / (c1 - c0), "trial_steps_per_wall_s": (n1 - n0) / (t1 - t0),
+                "fusion": int(ctl["fusion"]), "seconds": t1 - t0, "trial_steps": n1 - n0}
+    finally:
+        guest.stop()
+        guest.close()
 
 
-def run_case(engine: str, m: int, study: str, work: str, iters: int, timeout_s: float,
+def run_case(engine: str, m: int, study: str | None, work: str, iters: int, timeout_s: float,
              margin_ms: float | None = None) -> dict:
+    """One PP2 run, ranks pinned one per core; ``study`` None: the plain run, without --squeeze."""
+    os.makedirs(work, exist_ok=True)
     sq_dir = os.path.join(work, "squeeze")
     metrics = os.path.join(work, "metrics.jsonl")
     args = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, "--engine", engine,
             "--pipeline-model-parallel-size", "2", "--global-batch-size", str(4 * m), "--train-iters", str(iters),
-            "--squeeze", study, "--squeeze-dir", sq_dir, "--squeeze-control-every", "2",
-            "--squeeze-check-every", "40", "--squeeze-max-slowdown", "0.99", "--squeeze-start-iter", "2",
-            "--metrics-file", metrics] + ([] if margin_ms is None else ["--squeeze-margin-ms", str(margin_ms)])
+            "--metrics-file", metrics]
+    if study is not None:
+        args += ["--squeeze", study, "--squeeze-dir", sq_dir, "--squeeze-control-every", "2",
+                 "--squeeze-check-every", "40", "--squeeze-max-slowdown", "0.99", "--squeeze-start-iter", "2"]
+        args += [] if margin_ms is None else ["--squeeze-margin-ms", str(margin_ms)]
     port = str(_free_port())
     procs = []
     for rank in range(2):
@@ -130,6 +170,8 @@ def run_case(engine: str, m: int, study: str, work: str, iters: int, timeout_s: 
                 raise RuntimeError(f"{engine} m={m}: rank {rank} exited {p.returncode}:\n{fh.read()[-3000:]}")
     with open(metrics, encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
+    if study is None:
+        return {"rows": [r for r in rows if r["kind"] == "train"]}
     figs = [json.load(open(os.path.join(sq_dir, f"figures_rank{r}.json"))) for r in range(2)]
     return {"rows": [r for r in rows if r["kind"] == "train"], "figures": figs, "dir": sq_dir}
 
@@ -141,7 +183,7 @@ def bootstrap_ratio_ci(on: list[float], off: list[float], reps: int = 2000, seed
     return ratios[int(0.05 * reps)] - 1, ratios[int(0.95 * reps) - 1] - 1
 
 
-def summarize(res: dict, rates: dict[int, float], study: str) -> dict:
+def summarize(res: dict, exclusive: dict, study: str, plain: dict | None = None) -> dict:
     from megatron_ext.hydro.squeezer.replay import read_oplog, replay
 
     rows = res["rows"]
@@ -155,11 +197,20 @@ def summarize(res: dict, rates: dict[int, float], study: str) -> dict:
     off = [r["iter_time_s"] for r in body if not r["iteration"] % 2]
     ratio = statistics.median(on) / statistics.median(off)
     lo, hi = bootstrap_ratio_ci(on, off)
+    vs_plain: dict = {}
+    if plain is not None:
+        # the same iterations of the run without --squeeze (same data, same schedule)
+        alone = [r["iter_time_s"] for r in plain["rows"] if r["iteration"] >= start]
+        p_lo, p_hi = bootstrap_ratio_ci(on, alone)
+        vs_plain = {"slowdown_vs_plain": statistics.median(on) / statistics.median(alone) - 1,
+                    "slowdown_vs_plain_ci90": [p_lo, p_hi],
+                    "off_vs_plain": statistics.median(off) / statistics.median(alone) - 1,
+                    "iter_s_plain_median": statistics.median(alone), "iterations_plain": len(alone)}
     bubbles = [statistics.mean([r[k] for k in r if k.startswith("bubble_s")]) for r in body if r["iteration"] % 2]
     on_time = sum(on)
     fracs, works, lat, errs, used_num, used_den = [], [], [], [], 0.0, 0.0
+    rate = exclusive["trial_steps_per_s"]
     for f in res["figures"]:
-        rate = rates[f["fusion"]] if f["fusion"] in rates else None
         if rate:
             fracs.append(f["guest_trial_steps"] / (rate * on_time))
             if f["window_s"] > 0:
@@ -174,7 +225,9 @@ def summarize(res: dict, rates: dict[int, float], study: str) -> dict:
     logs = sorted(p for p in os.listdir(res["dir"]) if p.startswith("oplog_"))
     for name in logs:
         r = replay(study, read_oplog(os.path.join(res["dir"], name)))
-        parity = max(parity, r["max_abs_loss_diff"], r["max_abs_val_diff"])
+        # max() drops a NaN that is not its first argument: a NaN difference is the figure
+        diffs = [parity, r["max_abs_loss_diff"], r["max_abs_val_diff"]]
+        parity = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")  # noqa: E731
     return {"slowdown": ratio - 1, "slowdown_ci90": [lo, hi], "iterations_on": len(on), "iterations_off": len(off),
             "iter_s_off_median": statistics.median(off),
@@ -185,6 +238,11 @@ def summarize(res: dict, rates: dict[int, float], study: str) -> dict:
             "forecast_err_p50": statistics.median(errs) if errs else float("nan"),
             "trial_parity_max_abs_diff": parity, "oplogs_replayed": len(logs),
             "fusion": [f["fusion"] for f in res["figures"]],
+            "halts": [f.get("halts", 0) for f in res["figures"]],
+            "units_outlived": [f.get("units_outlived", 0) for f in res["figures"]],
+            "restarts": [f.get("restarts", 0) for f in res["figures"]],
+            "deaths": [f.get("deaths", []) for f in res["figures"]],
+            "pause_latencies": len(lat), **vs_plain,
             "long_units_share": (sum(f["long_units"] for f in res["figures"]) /
                                  max(1, sum(f["units"] for f in res["figures"])))}
 
@@ -195,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=240, help="iterations per case")
     p.add_argument("--engines", nargs="+", default=["megatron", "deepspeed"], choices=["megatron", "deepspeed"])
     p.add_argument("--microbatches", nargs="+", type=int, default=[4, 8])
-    p.add_argument("--exclusive-s", type=float, default=8.0, help="seconds of the exclusive guest measurement")
+    p.add_argument("--exclusive-s", type=float, default=8.0, help="seconds of the exclusive guest measurement "
+                   "(from its first step; long enough to include its evaluations and storage calls)")
+    p.add_argument("--no-plain", action="store_true", help="skip the run without --squeeze before each case "
+                   "(then no slowdown_vs_plain)")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--figures-out", default=None, help="a directory: <case>.json with work_per_bubble_s, for the "
                    "cluster simulator's --bubble-speed-from")
@@ -213,20 +274,26 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"{engine}_pp2_m{m}"
                 work = os.path.join(base, name)
                 shutil.rmtree(work, ignore_errors=True)
+                # before the case, with nothing else running: the guest alone (its own copy of the
+                # study, so the case's study starts as fresh), then the job without guests
+                excl_study = study_for_bench(args.study, os.path.join(work, "exclusive"))
+                excl = exclusive_rate(excl_study, args.exclusive_s, cpu=0, log_dir=os.path.join(work, "exclusive"))
+                plain = None if args.no_plain else run_case(engine, m, None, os.path.join(work, "plain"), args.iters,
+                                                            args.timeout_s)
                 study = study_for_bench(args.study, work)
                 res = run_case(engine, m, study, work, args.iters, args.timeout_s, args.margin_ms)
-                # the exclusive speed of the bundle each guest ran, measured now, side by side
-                rates = {f: exclusive_rate(study, f, args.exclusive_s, cpu=0) for f in {x["fusion"] for x in res["figures"]}}
-                cases[name] = summarize(res, rates, study)
-                cases[name]["exclusive_trial_steps_per_s"] = rates
+                cases[name] = summarize(res, excl, study, plain)
+                cases[name]["exclusive_trial_steps_per_s"] = excl["trial_steps_per_s"]
+                cases[name]["exclusive"] = excl
                 print(f"{name}: done", flush=True)
     finally:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
-    head = ["case", "slowdown", "ci90", "guest/excl", "bubble", "used", "pause p50/p99 ms", "fcst err", "parity"]
+    head = ["case", "slowdown", "ci90", "vs plain", "guest/excl", "bubble", "used", "pause p50/p99 ms", "fcst err", "parity"]
     print("  ".join(head))
     for name, c in cases.items():
-        print(f"{name}  {c['slowdown']:+.2%}  [{c['slowdown_ci90'][0]:+.1%}, {c['slowdown_ci90'][1]:+.1%}]  "
+        vp = f"{c['slowdown_vs_plain']:+.2%}" if "slowdown_vs_plain" in c else "-"
+        print(f"{name}  {c['slowdown']:+.2%}  [{c['slowdown_ci90'][0]:+.1%}, {c['slowdown_ci90'][1]:+.1%}]  {vp}  "
               f"{c['guest_fraction_of_exclusive']:.3f}  {c['bubble_fraction']:.3f}  {c['bubble_used']:.3f}  "
               f"{c['pause_latency_p50_s'] * 1e3:.2f}/{c['pause_latency_p99_s'] * 1e3:.1f}  {c['forecast_err_p50']:.3f}  "
               f"{c['trial_parity_max_abs_diff']:.1e}")
