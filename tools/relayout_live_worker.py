@@ -46,6 +46,7 @@ class ComputeClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.per_iteration = 0.0    # set by ``phase``: this rank's median forward seconds per iteration
         self._handles: list = []
 
     def install(self, chunks) -> None:

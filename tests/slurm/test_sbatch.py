@@ -28,6 +28,21 @@ def job_state(job_id: str) -> tuple[str, str]:
     return state, code
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def wait_for_job(job_id: str, out, timeout_s: float = 600) -> tuple[str, str, str]:
+    """The job's final state and exit code (or its state at the timeout) and its output file."""
+    deadline = time.time() + timeout_s
+    state, code = "PENDING", ""
+    while time.time() < deadline:
+        state, code = job_state(job_id)
+        if state in ENDED:
+            break
+        time.sleep(2)
+    return state, code, out.read_text() if out.exists() else "(no output file)"
+
+
 def test_sbatch_trains_and_exits_zero(tmp_path):
     assert shutil.which("sbatch"), "sbatch not on PATH"
     out = tmp_path / "job.out"
@@ -48,14 +63,7 @@ def test_sbatch_trains_and_exits_zero(tmp_path):
          # the ranks start under srun directly, as the fail-stop tests below do).
          "--no-resihp"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
-    deadline = time.time() + 600
-    state, code = "PENDING", ""
-    while time.time() < deadline:
-        state, code = job_state(job_id)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            break
-        time.sleep(2)
-    log = out.read_text() if out.exists() else "(no output file)"
+    state, code, log = wait_for_job(job_id, out)
     assert (state, code) == ("COMPLETED", "0:0"), f"job {job_id} ended {state} {code}:\n{log[-3000:]}"
     assert "1 node(s) x 4 processes" in log
     assert re.search(r"iteration\s+3/\s+3 \| loss \d", log), log[-2000:]
@@ -100,7 +108,7 @@ def test_continue_across_two_nodes_survives_a_lost_node(tmp_path):
     state, code = "PENDING", ""
     while time.time() < deadline:
         state, code = job_state(job_id)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        if state in ENDED:
             break
         done = [json.loads(line)["iteration"] for line in open(metrics)] if metrics.exists() else []
         if not killed and done and max(done) >= 8:
@@ -138,14 +146,7 @@ def test_a_lost_rank_ends_the_job_with_exit_75_under_srun(tmp_path):
          "--global-batch-size", "4", "--micro-batch-size", "1", "--train-iters", "8", "--eval-iters", "0",
          "--log-interval", "1", "--save", str(ckpt), "--save-interval", "2", "--resihp", "--inject-stop", "1:3:step"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
-    deadline = time.time() + 600
-    state, code = "PENDING", ""
-    while time.time() < deadline:
-        state, code = job_state(job_id)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            break
-        time.sleep(2)
-    log = out.read_text() if out.exists() else "(no output file)"
+    state, code, log = wait_for_job(job_id, out)
     assert (state, code) == ("FAILED", "75:0"), f"job {job_id} ended {state} {code}:\n{log[-3000:]}"
     assert "1 node(s) x 2 ranks, a lost rank ends the job with exit 75 (resume with --load)" in log
     lines = [line for line in log.splitlines() if line.startswith("resihp: aborting the job")]
