@@ -119,7 +119,7 @@ LAYERS = (
     ("config",),                                    # flags + YAML -> RunConfig
     ("runtime", "ft", "pipeline"),                  # the training job: parts, fault tolerance, events
     ("helix", "resihp", "hydro", "cluster", "convert", "deepspeed_patches"),  # extensions, engines, tools
-    ("bench",),                                     # the benchmark harness: may import anything, nothing imports it
+    ("bench", "resilience"),                        # the benchmark harness and the resilience simulator: may import anything, nothing imports them
 )
 EXTENSIONS = LAYERS[-2]
 

@@ -1,0 +1,96 @@
+"""What the policies are told, and when: a model of the detectors.
+
+* compute fail-slow (every policy): a device of the job that runs at least ``threshold`` times
+  slower is named after ``delay`` iterations with its factor (ResiHP's detector: 6-7 iterations at
+  its defaults, docs/resihp.md); ``recovered`` after ``window`` iterations below the threshold.
+  Devices outside the job (spares, dropped ones) are not observed.
+* fail-stop (every policy): named when the loop notices the job hangs (after the heartbeat
+  timeout, which ``run`` charges).
+* slow links (only for a policy that has a link detector: ADAPTRA's, or ResiHP with item 4 of
+  issue #22): a NIC or a node-to-node path used by the job at ``1 / factor`` of its bandwidth,
+  after ``delay`` iterations. ResiHP's detector today scores compute time only; a slow link shows
+  up there as waiting, which it does not score.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from megatron_ext.resihp.verdicts import Verdict
+from megatron_ext.resilience.faults import ClusterState
+from megatron_ext.resilience.job import Job
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkVerdict:
+    kind: str                       # "slow_nic" (target: device) or "slow_path" (target: (node, node))
+    target: int | tuple[int, int]
+    factor: float                   # bandwidth is 1 / factor of healthy; 1.0: recovered
+    iteration: int
+
+
+class DetectorModel:
+    def __init__(self, num_devices: int, gpus_per_node: int, *, threshold: float = 1.25, delay: int = 7,
+                 window: int = 8) -> None:
+        if threshold <= 1 or delay < 1 or window < 1:
+            raise ValueError(f"DetectorModel: threshold must be > 1 and delay, window >= 1; got {threshold}, {delay}, {window}")
+        self.threshold, self.delay, self.window, self.g = threshold, delay, window, gpus_per_node
+        self.slow_for = np.zeros(num_devices, dtype=np.int64)
+        self.ok_for = np.zeros(num_devices, dtype=np.int64)
+        self.convicted = np.zeros(num_devices, dtype=bool)
+        self.dead = np.zeros(num_devices, dtype=bool)
+        self.link_for: dict[tuple, int] = {}
+        self.link_named: dict[tuple, float] = {}
+
+    def observe(self, it: int, job: Job, state: ClusterState) -> tuple[list[Verdict], list[LinkVerdict]]:
+        devs = np.asarray(job.devices)
+        watched = np.zeros(self.slow_for.shape[0], dtype=bool)
+        watched[devs] = True
+        sp = state.speed
+        slow = watched & (sp > 0) & (sp <= 1.0 / self.threshold)
+        self.slow_for = np.where(slow, self.slow_for + 1, 0)
+        self.ok_for = np.where(watched & ~slow, self.ok_for + 1, np.where(slow, 0, self.ok_for))
+        out = []
+        for r in np.flatnonzero(~self.convicted & (self.slow_for >= self.delay)):
+            self.convicted[r] = True
+            out.append(Verdict(kind="fail_slow", rank=int(r), stage=None, iteration=it, factor=float(1 / sp[r]),
+                               confidence=1.0, detector="model"))
+        for r in np.flatnonzero(self.convicted & watched & (self.ok_for >= self.window) & (sp > 0)):
+            self.convicted[r] = False
+            out.append(Verdict(kind="recovered", rank=int(r), stage=None, iteration=it, factor=None,
+                               confidence=1.0, detector="model"))
+        return out, self._links(it, job, state)
+
+    def _links(self, it: int, job: Job, state: ClusterState) -> list[LinkVerdict]:
+        seen: dict[tuple, float] = {}
+        for d in job.devices:
+            if state.nic[d] < 1.0 / self.threshold:
+                seen[("slow_nic", d)] = 1.0 / state.nic[d]
+        nodes = {d // self.g for d in job.devices}
+        for (a, b), f in state.path.items():
+            if a in nodes and b in nodes and f < 1.0 / self.threshold:
+                seen[("slow_path", (a, b))] = 1.0 / f
+        out = []
+        for key in set(self.link_for) | set(seen):
+            if key in seen:
+                self.link_for[key] = self.link_for.get(key, 0) + 1
+                if self.link_for[key] >= self.delay and key not in self.link_named:
+                    self.link_named[key] = seen[key]
+                    out.append(LinkVerdict(key[0], key[1], seen[key], it))
+            else:
+                self.link_for.pop(key, None)
+                if self.link_named.pop(key, None) is not None:
+                    out.append(LinkVerdict(key[0], key[1], 1.0, it))
+        return out
+
+    def stops(self, it: int, job: Job, state: ClusterState) -> list[Verdict]:
+        devs = np.asarray(job.devices)
+        new = devs[(state.speed[devs] <= 0) & ~self.dead[devs]]
+        self.dead[new] = True
+        self.convicted[new] = False
+        return [Verdict(kind="fail_stop", rank=int(r), stage=None, iteration=it, factor=None, confidence=1.0,
+                        detector="model") for r in new]

@@ -1,0 +1,564 @@
+"""The resilient-training systems as policies: what each does when its detector names a fault.
+
+Every policy starts from the same job (``Context.start``) and sees the same detector model; each
+pays what its mechanism costs (``hardware.Costs``): a restart reads a checkpoint and loses the work
+since it; a live re-layout rebuilds communicators and copies state from replicas; rerouting and
+schedule changes are nearly free but leave the devices where they were. docs/resilience.md says
+what each system does, from its paper, and what this model of it leaves out.
+
+Decisions use each system's own (analytical) view, from the detector's verdicts only; the score
+always comes from the simulator (``sim``), which no policy calls to decide.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Sequence
+
+import numpy as np
+
+from megatron_ext.resihp.planner import Cluster, Planner, PlannerConfig, Workload
+from megatron_ext.resihp.planner_policy import PlanPolicy
+from megatron_ext.resihp.planner_types import PlanLayout, PlanningError
+from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.resihp.verdicts import Verdict
+from megatron_ext.resilience.detector import LinkVerdict
+from megatron_ext.resilience.job import (Job, Pipeline, balanced_layers, from_plan_layout, memory_bytes, move_bytes,
+                                         stage_memory_bytes, to_plan_layout)
+from megatron_ext.resilience.run import Action, Context
+from megatron_ext.resilience.shapes import BWD_ATTENTION, BWD_LINEAR, ModelShape
+
+logger = logging.getLogger(__name__)
+
+
+# ---- shared helpers: each system's own analytical view ----------------------------------------
+
+def stage_mb_s(ctx: Context, pipe: Pipeline, k: int, speed: float) -> float:
+    """A micro-batch's forward + backward seconds on stage ``k`` (FLOPs at the mean attention work)."""
+    sh, tokens = ctx.shape, ctx.data.tokens
+    lin = pipe.layers[k] * sh.layer_linear_flops() * tokens + (sh.head_flops() * tokens if k == pipe.pp - 1 else 0.0)
+    att = pipe.layers[k] * sh.layer_attention_flops_per_sq() * float(ctx.data.sum_sq.mean())
+    return ((1 + BWD_LINEAR) * lin + (1 + BWD_ATTENTION) * att) / (ctx.hw.flops * pipe.tp * max(speed, 1e-12))
+
+
+def split_by_finish(total: int, depth: Sequence[int], per_mb: Sequence[float]) -> list[int]:
+    """Micro-batches per pipeline so that all finish together: a 1F1B pipeline of depth ``p`` whose
+    slowest stage takes ``c`` per micro-batch finishes ``m`` of them in about ``(m + p - 1) c``.
+    Each pipeline gets at least one."""
+    n = len(depth)
+    if total < n:
+        raise ValueError(f"{total} micro-batches cannot feed {n} pipelines")
+    m = np.ones(n, dtype=np.int64)
+    d, c = np.asarray(depth, dtype=float), np.asarray(per_mb, dtype=float)
+    for _ in range(total - n):
+        m[int(np.argmin((m + 1 + d - 1) * c))] += 1
+    return m.tolist()
+
+
+def stage_speeds(pipe: Pipeline, speed: np.ndarray) -> list[float]:
+    return [float(speed[list(g)].min()) for g in pipe.stages]
+
+
+def layer_caps(ctx: Context, pipe: Pipeline, dp: int) -> list[int]:
+    """Most layers each stage can hold in memory."""
+    out = []
+    for k in range(pipe.pp):
+        n = 1
+        while n < ctx.shape.num_layers:
+            trial = dataclasses.replace(pipe, layers=tuple(n + 1 if i == k else x for i, x in enumerate(pipe.layers)))
+            if stage_memory_bytes(ctx.shape, trial, k, dp, ctx.data.tokens) > ctx.hw.memory_bytes:
+                break
+            n += 1
+        out.append(n)
+    return out
+
+
+def move_pause_s(ctx: Context, old: Job, new: Job, fixed_s: float) -> float:
+    """``fixed_s`` plus the largest state a device receives, from a replica over its NIC."""
+    moved = move_bytes(ctx.shape, old, new)
+    return fixed_s + (max(moved.values()) if moved else 0.0) / ctx.hw.nic_bytes_per_s
+
+
+def restart_pause_s(ctx: Context, job: Job) -> float:
+    """In-job restart plus reading the checkpoint shard of the most loaded device."""
+    shard = max(ctx.shape.layer_params() * max(p.layers) + 2 * ctx.shape.embedding_params()
+                for p in job.pipelines) / job.tp * 16.0
+    return ctx.costs.restart_s + shard / ctx.costs.checkpoint_read_bytes_per_s
+
+
+def remap_nodes(job: Job, mapping: dict[int, int], g: int) -> Job:
+    """The same job with node ``a``'s devices moved to node ``mapping[a]`` (same local index)."""
+    def m(d: int) -> int:
+        return mapping[d // g] * g + d % g if d // g in mapping else d
+    return Job(tuple(dataclasses.replace(p, stages=tuple(tuple(m(d) for d in grp) for grp in p.stages))
+                     for p in job.pipelines))
+
+
+def nodes_of(devices, g: int) -> set[int]:
+    return {d // g for d in devices}
+
+
+class Policy:
+    name = "policy"
+
+    def start(self, ctx: Context) -> Job:
+        self.job = ctx.start
+        self.speed = np.ones(ctx.num_devices)
+        return self.job
+
+    def believe(self, verdicts: Sequence[Verdict]) -> list[Verdict]:
+        """Update the believed speeds; returns the verdicts that changed them."""
+        changed = []
+        for v in verdicts:
+            new = {"fail_slow": 1.0 / v.factor if v.factor else 1.0, "fail_stop": 0.0, "recovered": 1.0}.get(v.kind)
+            if new is not None and self.speed[v.rank] != new and not (self.speed[v.rank] == 0 and new > 0):
+                self.speed[v.rank] = new
+                changed.append(v)
+        return changed
+
+    def react(self, ctx: Context, t: float, it: int, verdicts: list[Verdict], links: list[LinkVerdict]) -> Action | None:
+        raise NotImplementedError
+
+
+# ---- checkpoint-restart with a spare (Megatron-LM + NVRx) ----------------------------------------
+
+class CheckpointRestart(Policy):
+    """Megatron's default under NVRx: a lost device stops the job; the launcher restarts it inside
+    the allocation with the lost node swapped for a spare node, from the last checkpoint. NVRx's
+    straggler detection names slow GPUs; the job is restarted without a slow node when the time it
+    would save over ``horizon_s`` pays for the restart and the lost work."""
+
+    name = "ckpt_restart"
+
+    def __init__(self, horizon_s: float = 3600.0) -> None:
+        self.horizon_s = horizon_s
+
+    def start(self, ctx: Context) -> Job:
+        job = super().start(ctx)
+        g = ctx.hw.gpus_per_node
+        self.free_nodes = sorted(nodes_of(ctx.spares, g))
+        return job
+
+    def restart_without(self, ctx: Context, bad_nodes: set[int], why: str) -> Action:
+        g = ctx.hw.gpus_per_node
+        mapping = {}
+        for n in sorted(bad_nodes & nodes_of(self.job.devices, g)):
+            while self.free_nodes and (self.speed[self.free_nodes[0] * g:(self.free_nodes[0] + 1) * g] < 1).any():
+                self.free_nodes.pop(0)
+            if not self.free_nodes:
+                break
+            mapping[n] = self.free_nodes.pop(0)
+        job = remap_nodes(self.job, mapping, g)
+        left = bad_nodes & nodes_of(job.devices, g)
+        if left:
+            # No spare left: restart on the whole pipelines that avoid the bad nodes, the global
+            # batch spread over them.
+            keep = [p for p in job.pipelines if not nodes_of(p.devices, g) & left]
+            if not keep:
+                raise RuntimeError(f"{self.name}: no pipeline left without node(s) {sorted(left)}")
+            total = job.microbatches
+            base, extra = divmod(total, len(keep))
+            job = Job(tuple(dataclasses.replace(p, microbatches=base + (1 if i < extra else 0)) for i, p in enumerate(keep)))
+        self.job = job
+        return Action(job, restart_pause_s(ctx, job), rollback=True, note=f"restart {why}")
+
+    def react(self, ctx, t, it, verdicts, links):
+        self.believe(verdicts)
+        g = ctx.hw.gpus_per_node
+        dead = {v.rank // g for v in verdicts if v.kind == "fail_stop"}
+        if dead:
+            return self.restart_without(ctx, dead, f"without node(s) {sorted(dead)}")
+        slow = [v for v in verdicts if v.kind == "fail_slow"]
+        if slow and self.free_nodes:
+            factor = max(v.factor for v in slow)
+            cost = restart_pause_s(ctx, self.job) + ctx.costs.checkpoint_interval_s / 2
+            if (1 - 1 / factor) * self.horizon_s > cost:
+                return self.restart_without(ctx, {v.rank // g for v in slow}, f"without slow node(s) x{factor:.2f}")
+        return None
+
+
+# ---- Oobleck -------------------------------------------------------------------------------------
+
+class Oobleck(CheckpointRestart):
+    """Pipeline templates over whole nodes. After a loss the job is re-instantiated over the nodes
+    left (and idle ones) from templates of different depths, the batch split so the pipelines finish
+    together; state comes from the other pipelines' replicas, no restart. No fail-slow handling."""
+
+    name = "oobleck"
+
+    def start(self, ctx: Context) -> Job:
+        job = super().start(ctx)
+        g = ctx.hw.gpus_per_node
+        p0 = job.pipelines[0]
+        if (p0.tp * p0.pp) % g or g % p0.tp:
+            raise ValueError(f"oobleck: pipelines of tp {p0.tp} x pp {p0.pp} are not whole nodes of {g}")
+        self.nodes_per_pipe = p0.tp * p0.pp // g
+        self.stages_per_node = g // p0.tp
+        self.tp = p0.tp
+        return job
+
+    def instantiate(self, ctx: Context, nodes: list[int]) -> Job:
+        g, spn, sh = ctx.hw.gpus_per_node, self.stages_per_node, ctx.shape
+        total = ctx.start.microbatches
+        n_min = 1
+        while n_min * spn < sh.num_layers and not self._fits(ctx, n_min, len(nodes) // max(n_min, 1)):
+            n_min += 1
+        x = max(1, math.ceil(len(nodes) / self.nodes_per_pipe))
+        while x > 1 and len(nodes) // x < n_min:
+            x -= 1
+        sizes = [len(nodes) // x + (1 if i < len(nodes) % x else 0) for i in range(x)]
+        if min(sizes) < n_min:
+            raise RuntimeError(f"oobleck: {len(nodes)} node(s) cannot hold one pipeline")
+        pipes, at = [], 0
+        for size in sizes:
+            mine = nodes[at:at + size]
+            at += size
+            pp = size * spn
+            stages = tuple(tuple(n * g + s * self.tp + t for t in range(self.tp)) for n in mine for s in range(spn))
+            pipes.append(Pipeline(stages=stages, layers=balanced_layers(sh, pp), microbatches=1))
+        per_mb = [max(stage_mb_s(ctx, p, k, 1.0) for k in range(p.pp)) for p in pipes]
+        mbs = split_by_finish(total, [p.pp for p in pipes], per_mb)
+        return Job(tuple(dataclasses.replace(p, microbatches=m) for p, m in zip(pipes, mbs)))
+
+    def _fits(self, ctx: Context, n_nodes: int, dp: int) -> bool:
+        pp = n_nodes * self.stages_per_node
+        if pp > ctx.shape.num_layers:
+            return False
+        p = Pipeline(stages=tuple(tuple(range(k * self.tp, (k + 1) * self.tp)) for k in range(pp)),
+                     layers=balanced_layers(ctx.shape, pp), microbatches=ctx.start.microbatches)
+        return all(stage_memory_bytes(ctx.shape, p, k, max(dp, 1), ctx.data.tokens) <= ctx.hw.memory_bytes
+                   for k in range(pp))
+
+    def react(self, ctx, t, it, verdicts, links):
+        self.believe(verdicts)
+        g = ctx.hw.gpus_per_node
+        dead = {v.rank // g for v in verdicts if v.kind == "fail_stop"}
+        if not dead:
+            return None
+        used = sorted(nodes_of(self.job.devices, g) - dead)
+        alive = [n for n in self.free_nodes if (self.speed[n * g:(n + 1) * g] > 0).all()]
+        self.free_nodes = [n for n in self.free_nodes if n not in alive]
+        new = self.instantiate(ctx, used + alive)
+        pause = move_pause_s(ctx, self.job, new, ctx.costs.reconfigure_s)
+        self.job = new
+        return Action(new, pause, note=f"re-instantiated without node(s) {sorted(dead)}: "
+                      f"{len(new.pipelines)} pipelines of depths {sorted({p.pp for p in new.pipelines})}")
+
+
+# ---- ReCycle -------------------------------------------------------------------------------------
+
+class ReCycle(Policy):
+    """A lost (or slow) stage's micro-batches go to the same stage of the other pipelines, into
+    their bubbles; no spare, no restart. A pipeline that lost every stage is dropped and its
+    micro-batches spread over the others."""
+
+    name = "recycle"
+
+    def start(self, ctx: Context) -> Job:
+        job = super().start(ctx)
+        self.kept = list(job.pipelines)
+        return job
+
+    def react(self, ctx, t, it, verdicts, links):
+        if not self.believe(verdicts):
+            return None
+        pipes = []
+        orphaned = 0
+        for p in self.kept:
+            v = stage_speeds(p, self.speed)
+            if all(x <= 0 for x in v):
+                orphaned += p.microbatches
+                continue
+            pipes.append((p, v))
+        if not pipes:
+            raise RuntimeError("recycle: every pipeline is lost")
+        self.kept = [p for p, _ in pipes]
+        if orphaned:
+            base, extra = divmod(orphaned, len(pipes))
+            pipes = [(dataclasses.replace(p, microbatches=p.microbatches + base + (1 if i < extra else 0)), v)
+                     for i, (p, v) in enumerate(pipes)]
+            self.kept = [p for p, _ in pipes]
+        out = []
+        for p, v in pipes:
+            # A slow stage hands all of its micro-batches to its peers: in the simulator the rerouted
+            # ones still take their place in the stage's order (at the peer's speed), so keeping
+            # any on the slow device only lengthens the chain; all of them is ReCycle's best split.
+            rer = tuple(p.microbatches if x < 1.0 else 0 for x in v)
+            out.append(dataclasses.replace(p, rerouted=rer if any(rer) else ()))
+        job = Job(tuple(out))
+        self.job = job
+        return Action(job, ctx.costs.reroute_s, note="reroute " + ", ".join(
+            f"p{q}:{list(p.rerouted)}" for q, p in enumerate(job.pipelines) if p.rerouted)[:200])
+
+
+# ---- Malleus-like straggler-aware re-planner ------------------------------------------------------
+
+class Malleus(CheckpointRestart):
+    """Re-plans around slow devices without changing group membership: each pipeline's layers in
+    proportion to its stages' speeds, the micro-batches in proportion to the pipelines' speeds;
+    migrates state live. A loss falls back to checkpoint-restart with a spare."""
+
+    name = "malleus"
+
+    def __init__(self, min_gain: float = 0.05) -> None:
+        super().__init__()
+        self.min_gain = min_gain
+
+    def replan(self, ctx: Context) -> Job:
+        dp = len(self.job.pipelines)
+        pipes = []
+        for p in self.job.pipelines:
+            v = stage_speeds(p, self.speed)
+            caps = layer_caps(ctx, p, dp)
+            pipes.append(dataclasses.replace(p, layers=balanced_layers(ctx.shape, p.pp, v, caps)))
+        per_mb = [max(stage_mb_s(ctx, p, k, s) for k, s in enumerate(stage_speeds(p, self.speed))) for p in pipes]
+        mbs = split_by_finish(self.job.microbatches, [p.pp for p in pipes], per_mb)
+        return Job(tuple(dataclasses.replace(p, microbatches=m) for p, m in zip(pipes, mbs)))
+
+    def estimate_s(self, ctx: Context, job: Job) -> float:
+        return max((p.microbatches + p.pp - 1) * max(stage_mb_s(ctx, p, k, s) for k, s in
+                                                     enumerate(stage_speeds(p, self.speed))) for p in job.pipelines)
+
+    def react(self, ctx, t, it, verdicts, links):
+        if any(v.kind == "fail_stop" for v in verdicts):
+            return super().react(ctx, t, it, verdicts, links)
+        if not self.believe(verdicts):
+            return None
+        new = self.replan(ctx)
+        if self.estimate_s(ctx, new) >= self.estimate_s(ctx, self.job) * (1 - self.min_gain):
+            return None
+        pause = move_pause_s(ctx, self.job, new, ctx.costs.reconfigure_s)
+        self.job = new
+        return Action(new, pause, note="re-plan layers " + "; ".join(sorted({"/".join(map(str, p.layers)) for p in new.pipelines}))[:120])
+
+
+# ---- ADAPTRA ---------------------------------------------------------------------------------------
+
+class Adaptra(CheckpointRestart):
+    """On a slow link between pipeline stages: sends leave the GPU's stream (host-side transfers, so
+    they no longer hold the sender) and the stages before the link run more micro-batches ahead, so
+    the delay is absorbed instead of stalling the schedule. Compute stragglers: nothing; a loss:
+    checkpoint-restart with a spare."""
+
+    name = "adaptra"
+
+    def start(self, ctx: Context) -> Job:
+        job = super().start(ctx)
+        self.nic = np.ones(ctx.num_devices)
+        self.path: dict[tuple[int, int], float] = {}
+        return job
+
+    def adapt(self, ctx: Context) -> Job:
+        g, hw = ctx.hw.gpus_per_node, ctx.hw
+        nbytes = 2.0 * ctx.data.tokens * ctx.shape.hidden_size / self.job.tp
+        dp = len(self.job.pipelines)
+        out = []
+        for p in self.job.pipelines:
+            delays = []
+            for k in range(p.pp - 1):
+                worst = 0.0
+                for a, b in zip(p.stages[k], p.stages[k + 1]):
+                    if a // g == b // g:
+                        continue
+                    f = min(self.nic[a], self.nic[b], self.path.get((min(a // g, b // g), max(a // g, b // g)), 1.0))
+                    worst = max(worst, nbytes / (hw.nic_bytes_per_s * f))
+                delays.append(worst)
+            if not delays or max(delays) <= nbytes / hw.nic_bytes_per_s * 1.0001:
+                out.append(dataclasses.replace(p, extra_warmup=(), async_sends=False))
+                continue
+            extra = [0] * p.pp
+            for k, dl in enumerate(delays):
+                mb = min(stage_mb_s(ctx, p, j, 1.0) for j in range(p.pp))
+                need = math.ceil(2 * dl / mb)
+                for j in range(k + 1):
+                    extra[j] = max(extra[j], need)
+            extra = [min(e, p.microbatches) for e in extra]
+            q = dataclasses.replace(p, extra_warmup=tuple(extra), async_sends=True)
+            while any(stage_memory_bytes(ctx.shape, q, k, dp, ctx.data.tokens) > hw.memory_bytes for k in range(q.pp)) \
+                    and max(q.extra_warmup) > 0:
+                q = dataclasses.replace(q, extra_warmup=tuple(max(0, e - 1) for e in q.extra_warmup))
+            out.append(q)
+        return Job(tuple(out))
+
+    def react(self, ctx, t, it, verdicts, links):
+        if any(v.kind == "fail_stop" for v in verdicts):
+            return super().react(ctx, t, it, verdicts, links)
+        self.believe(verdicts)
+        if not links:
+            return None
+        for lv in links:
+            if lv.kind == "slow_nic":
+                self.nic[lv.target] = 1.0 / lv.factor
+            else:
+                self.path[tuple(sorted(lv.target))] = 1.0 / lv.factor
+        new = self.adapt(ctx)
+        if new == self.job:
+            return None
+        self.job = new
+        return Action(new, ctx.costs.schedule_adapt_s, note="adapt schedule: extra warm-up " + "; ".join(
+            sorted({"/".join(map(str, p.extra_warmup)) for p in new.pipelines if p.extra_warmup}))[:120])
+
+
+# ---- torchft: data-parallel shrink ------------------------------------------------------------------
+
+class TorchFT(Policy):
+    """Replica groups (here: pipelines) leave the quorum when they fail; the others step on without
+    them (a smaller global batch) after a quorum change. A slow replica group is left out when the
+    job is faster without it, and rejoins (state from a peer) when it recovers."""
+
+    name = "torchft"
+
+    def start(self, ctx: Context) -> Job:
+        job = super().start(ctx)
+        self.out: set[int] = set()
+        return job
+
+    def react(self, ctx, t, it, verdicts, links):
+        if not self.believe(verdicts):
+            return None
+        pipes = ctx.start.pipelines
+        keep = []
+        d = len(pipes)
+        for q, p in enumerate(pipes):
+            v = min(stage_speeds(p, self.speed))
+            if v <= 0 or (v < 1 and 1 / v > d / max(d - 1, 1)):
+                continue
+            keep.append(q)
+        if not keep:
+            raise RuntimeError("torchft: no replica group left")
+        new = Job(tuple(pipes[q] for q in keep))
+        if new == self.job:
+            return None
+        rejoin = set(keep) - set(q for q, p in enumerate(pipes) if p in self.job.pipelines)
+        pause = ctx.costs.quorum_s
+        if rejoin:
+            pause += 16.0 * max(ctx.shape.layer_params() * max(p.layers) + 2 * ctx.shape.embedding_params()
+                                for p in pipes) / new.tp / ctx.hw.nic_bytes_per_s
+        self.job = new
+        return Action(new, pause, note=f"quorum of {len(keep)}/{d} replica groups")
+
+
+# ---- ResiHP ------------------------------------------------------------------------------------------
+
+def model_spec(shape: ModelShape) -> ModelSpec:
+    """The shape as ResiHP's FLOPs model sees it (no shared expert: ModelSpec has none)."""
+    return ModelSpec(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+                     num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
+                     ffn_hidden_size=shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
+                     num_query_groups=shape.num_query_groups, gated_linear_unit=True,
+                     num_experts=shape.num_experts, moe_router_topk=shape.moe_topk if shape.is_moe else 2,
+                     flash_attention=True)
+
+
+def node_local(layout: PlanLayout, g: int, speed: np.ndarray) -> PlanLayout:
+    """``layout`` with its TP groups inside nodes where the devices allow: the groups that straddle
+    nodes are rebuilt from their own devices and the idle usable ones (spares, devices left out),
+    whole node-local groups first (fastest first), and handed to those groups' slots in order.
+    Groups already inside a node keep their devices, so the planner's placement of slow devices
+    survives."""
+    tp = layout.tp
+    devs = np.asarray(layout.devices).reshape(-1, tp)
+    straddle = [i for i, grp in enumerate(devs) if len({int(d) // g for d in grp}) > 1]
+    if not straddle:
+        return layout
+    own = [int(d) for i in straddle for d in devs[i]]
+    idle = sorted(set(np.flatnonzero(speed > 0).tolist()) - set(int(d) for d in layout.devices))
+    by_node: dict[int, list[int]] = {}
+    for d in sorted(set(own) | set(idle), key=lambda d: (-speed[d], d not in own, d)):
+        by_node.setdefault(d // g, []).append(d)
+    whole = []
+    for ds in by_node.values():
+        whole += [ds[i:i + tp] for i in range(0, len(ds) - len(ds) % tp, tp)]
+    # Fastest groups first; among equals, those made of the straddling groups' own devices (no move).
+    whole.sort(key=lambda grp: (-min(speed[d] for d in grp), -sum(d in own for d in grp), grp[0]))
+    groups = whole[:len(straddle)]
+    if len(groups) < len(straddle):
+        taken = {d for grp in groups for d in grp}
+        rest = [d for d in own if d not in taken]
+        groups += [rest[i:i + tp] for i in range(0, tp * (len(straddle) - len(groups)), tp)]
+    for i, grp in zip(straddle, groups):
+        devs[i] = sorted(grp)
+    return dataclasses.replace(layout, devices=tuple(int(d) for d in devs.reshape(-1)))
+
+
+class ResiHP(Policy):
+    """ResiHP's planner and hysteresis (``megatron_ext.resihp``) decide; the simulator scores. The
+    planner gets this cluster's figures (effective FLOP/s, NIC and NVLink bandwidth, the re-layout
+    pause) and, since the planner's memory model is injectable, this module's (distributed
+    optimizer, selective recomputation). A layout no planner move can reach after a loss falls back
+    to checkpoint-restart."""
+
+    name = "resihp"
+
+    def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, node_aware: bool = False) -> None:
+        self.config = config or PlannerConfig()
+        self.recover_after = recover_after
+        self.node_aware = node_aware
+        if node_aware:
+            self.name = "resihp+"
+
+    def planner(self, ctx: Context) -> Planner:
+        shape, tokens = ctx.shape, ctx.data.tokens
+
+        def memory(spec, workload, tp, pp, layers):
+            # dp = 1: the whole optimizer state on each device, the conservative case.
+            return np.array([memory_bytes(shape, int(n), first=k == 0, last=k == pp - 1, tp=tp, dp=1, inflight=pp - k,
+                                          seq_tokens=tokens) for k, n in enumerate(layers)])
+
+        cl = Cluster(device_flops=ctx.hw.flops, memory_bytes=ctx.hw.memory_bytes, link_bytes_per_s=ctx.hw.nic_bytes_per_s,
+                     tp_bytes_per_s=ctx.hw.nvlink_bytes_per_s, relayout_pause_s=ctx.costs.reconfigure_s,
+                     p2p_latency_s=ctx.hw.nic_latency_s)
+        wl = Workload(seq_length=ctx.data.seq_length, micro_batch_size=ctx.data.micro_batch_size,
+                      attention_sq_per_sequence=float(ctx.data.sum_sq.mean()) / ctx.data.micro_batch_size)
+        return Planner(model_spec(shape), cl, wl, self.config, memory_model=memory)
+
+    def start(self, ctx: Context) -> Job:
+        job = super().start(ctx)
+        self.fallback = CheckpointRestart()
+        self.fallback.start(ctx)
+        self.policy = PlanPolicy(self.planner(ctx), to_plan_layout(job), ctx.num_devices,
+                                 recover_after=self.recover_after)
+        return job
+
+    def decide(self, ctx: Context, it: int, verdicts: list[Verdict]) -> Action | None:
+        try:
+            plan = self.policy.observe(it, verdicts)
+        except PlanningError as exc:
+            self.fallback.job, self.fallback.speed = self.job, self.policy.speeds.copy()
+            act = self.fallback.restart_without(ctx, {v.rank // ctx.hw.gpus_per_node for v in verdicts
+                                                      if v.kind == "fail_stop"}, f"(planner: {exc})"[:80])
+            self.job = act.job
+            self.policy.layout = to_plan_layout(act.job)
+            return act
+        if plan is None:
+            return None
+        if self.node_aware:
+            # Glue, not planner: the planner's cost model has one TP bandwidth and no nodes, so a
+            # reshape that leaves a device out shifts every later TP group across a node boundary.
+            fixed = node_local(plan.new, ctx.hw.gpus_per_node, self.policy.speeds)
+            plan = dataclasses.replace(plan, new=fixed)
+            self.policy.layout = fixed
+        new = from_plan_layout(plan.new)
+        same_places = plan.new.dp == plan.old.dp and \
+            dataclasses.replace(plan.new, microbatches=plan.old.microbatches) == plan.old
+        pause = move_pause_s(ctx, self.job, new, 1.0 if same_places else ctx.costs.reconfigure_s)
+        self.job = new
+        return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape} layers "
+                      f"{'/'.join(map(str, plan.new.stage_layers))}")
+
+    def react(self, ctx, t, it, verdicts, links):
+        return self.decide(ctx, it, verdicts)
+
+
+BASELINES = ("ckpt_restart", "oobleck", "recycle", "malleus", "adaptra", "torchft")
+
+
+def make(name: str):
+    table = {"ckpt_restart": CheckpointRestart, "oobleck": Oobleck, "recycle": ReCycle, "malleus": Malleus,
+             "adaptra": Adaptra, "torchft": TorchFT, "resihp": ResiHP}
+    if name == "resihp+":
+        return ResiHP(node_aware=True)
+    if name not in table:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(table)}")
+    return table[name]()

@@ -1,0 +1,158 @@
+"""One policy through one fault trace, in wall-clock time.
+
+The loop runs iterations back to back. An iteration takes the simulator's time for the job in force
+on the cluster state at its start. A device of the job that dies inside an iteration loses that
+iteration; the job hangs until the heartbeat timeout names it (``Costs.heartbeat_timeout_s``), then
+the policy must move the job off it. After every finished iteration the detector model may name
+devices or links; the policy's answer (an ``Action``) may change the job, pause it, and roll it
+back to the last checkpoint. Checkpoints are taken every ``Costs.checkpoint_interval_s`` of wall
+time (asynchronously: free); a rollback loses the tokens trained since the last one.
+
+Throughput is measured from ``measure_from_s`` (the fault's onset in the single-fault scenarios)
+to ``end_s``: tokens trained in that span, rollbacks subtracted, against what the healthy job
+trains in the same span.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from megatron_ext.resilience.detector import DetectorModel
+from megatron_ext.resilience.faults import FaultTrace
+from megatron_ext.resilience.hardware import Costs, Hardware
+from megatron_ext.resilience.job import Job
+from megatron_ext.resilience.shapes import ModelShape
+from megatron_ext.resilience.sim import Data, DeviceGone, Simulator, computing_devices
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """A policy's answer: the job to run from now (None: the same), seconds paused, and whether
+    the job restarts from the last checkpoint."""
+
+    job: Job | None = None
+    pause_s: float = 0.0
+    rollback: bool = False
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Context:
+    """What every policy knows about the job and the cluster (not the faults)."""
+
+    shape: ModelShape
+    hw: Hardware
+    costs: Costs
+    data: Data
+    sim: Simulator
+    start: Job
+    num_devices: int
+    """All devices of the cluster, spares included (devices outside ``start`` are spares)."""
+    detector_delay: int = 7
+
+    @property
+    def spares(self) -> list[int]:
+        used = set(self.start.devices)
+        return [d for d in range(self.num_devices) if d not in used]
+
+
+@dataclasses.dataclass
+class RunResult:
+    policy: str
+    throughput_vs_healthy: float
+    tokens: float
+    relayouts: int
+    restarts: int
+    pause_s: float
+    events: list[str]
+
+
+def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure_from_s: float = 0.0,
+               healthy_tokens_per_s: float | None = None) -> RunResult:
+    if not 0 <= measure_from_s < end_s:
+        raise ValueError(f"run_policy: need 0 <= measure_from_s ({measure_from_s}) < end_s ({end_s})")
+    if trace.n != ctx.num_devices:
+        raise ValueError(f"run_policy: the trace covers {trace.n} devices, the context {ctx.num_devices}")
+    sim, costs = ctx.sim, ctx.costs
+    job = policy.start(ctx)
+    if healthy_tokens_per_s is None:
+        h = sim.healthy(ctx.start)
+        healthy_tokens_per_s = h.tokens / h.time_s
+    det = DetectorModel(ctx.num_devices, ctx.hw.gpus_per_node, delay=ctx.detector_delay)
+    t, tokens, it = 0.0, 0.0, 0
+    ckpt_tokens, next_ckpt = 0.0, costs.checkpoint_interval_s
+    at_measure: float | None = 0.0 if measure_from_s == 0 else None
+    relayouts = restarts = 0
+    paused = 0.0
+    events: list[str] = []
+
+    def apply(action, when: float) -> None:
+        nonlocal job, tokens, t, relayouts, restarts, paused
+        if action is None:
+            return
+        if action.rollback:
+            tokens = min(tokens, ckpt_tokens)
+            restarts += 1
+        elif action.job is not None and action.job != job:
+            relayouts += 1
+        if action.job is not None:
+            job = action.job
+        t += action.pause_s
+        paused += action.pause_s
+        events.append(f"{when:.0f}s it{it}: {policy.name}: {action.note} (pause {action.pause_s:.0f} s"
+                      f"{', rollback' if action.rollback else ''})")
+
+    while t < end_s:
+        while t >= next_ckpt:
+            ckpt_tokens = tokens
+            next_ckpt += costs.checkpoint_interval_s
+        state = trace.state(t)
+        try:
+            r = sim.iteration(job, state)
+        except DeviceGone:
+            # The job hangs until the heartbeat timeout names the lost devices.
+            if at_measure is None and t + costs.heartbeat_timeout_s >= measure_from_s:
+                at_measure = tokens
+            t += costs.heartbeat_timeout_s
+            paused += costs.heartbeat_timeout_s
+            verdicts = det.stops(it, job, trace.state(t))
+            action = policy.react(ctx, t, it, verdicts, [])
+            if action is None or action.job is None:
+                raise RuntimeError(f"policy {policy.name} left the job on a lost device at {t:.0f} s")
+            apply(action, t)
+            continue
+        dt = r.time_s
+        used = set(computing_devices(job))
+        deaths = [f for f in trace.deaths_between(t, t + dt) if _hits(f, used, ctx.hw.gpus_per_node)]
+        if deaths:
+            lost_until = min(f.start_s for f in deaths)
+            if at_measure is None and lost_until >= measure_from_s:
+                at_measure = tokens
+            t = lost_until   # the iteration in flight is lost
+            continue
+        if at_measure is None and t + dt >= measure_from_s:
+            at_measure = tokens + r.tokens * max(0.0, measure_from_s - t) / dt
+        if t + dt > end_s:
+            tokens += r.tokens * (end_s - t) / dt
+            t = end_s
+            break
+        t += dt
+        tokens += r.tokens
+        it += 1
+        verdicts, links = det.observe(it, job, state)
+        if verdicts or links:
+            apply(policy.react(ctx, t, it, verdicts, links), t)
+    span = end_s - measure_from_s
+    done = tokens - (at_measure if at_measure is not None else tokens)
+    return RunResult(policy.name, done / (healthy_tokens_per_s * span), tokens, relayouts, restarts, paused, events)
+
+
+def _hits(fault, used: set[int], g: int) -> bool:
+    if fault.kind == "stop_device":
+        return fault.target in used
+    return any(d in used for d in range(fault.target * g, (fault.target + 1) * g))
+
+
+__all__ = ["Action", "Context", "RunResult", "run_policy"]
