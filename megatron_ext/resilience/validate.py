@@ -1,0 +1,186 @@
+"""How far the simulator is from recorded runs, predicting before any fitting.
+
+Two sets of recorded CPU runs (the project's own, recorded for other purposes):
+
+* the live ResiHP traces ``tests/resihp/data/{megatron,moe}-*.trace.jsonl.gz`` (4 CPU ranks, PP4 or
+  PP2 x DP2, packed documents; healthy, or one rank throttled 1.3x-3x from a known iteration).
+  Calibrate on the healthy iterations before the onset (every rank's median forward and backward
+  seconds per micro-batch, and the median of the recorded iteration time minus the simulated
+  pipeline: the optimizer, the gradient reduce, the loop's overhead); then predict the iteration
+  time after the onset from the *nominal* factor alone (the slow rank's ops times the factor), and
+  compare with the median recorded one from two iterations after the onset to the end. A healthy
+  trace predicts its second half from its first.
+* the three timelines of the live re-layout in ``docs/figures/resihp_relayout/`` (PP2 on 2 CPU
+  ranks, 12 layers, 8 micro-batches; iteration 25 healthy, 35 with launch rank 1 throttled 2x on
+  stage 1, 75 after the planner moved that device to stage 0 with 5 layers and 7 on stage 1).
+  Calibrate per-layer and output-layer seconds and each stage's tail (gradient reduce and
+  optimizer events) on iteration 25; predict 35 and 75 from the layer counts and the nominal 2x.
+
+Nothing is fitted to the iterations being predicted. The host (2 cores shared with other jobs)
+changes its load between the two windows; a second figure scales the prediction by the healthy
+ranks' own op-time ratio between the windows (the detector's common-mode factor: what the whole
+host did, not what the slow rank did), reported beside the plain one, never instead of it. The DeepSpeed traces are left out: the
+simulator runs megatron's 1F1B only (DeepSpeed defers its sends).
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import logging
+import os
+import re
+
+import numpy as np
+
+from megatron_ext.resilience.sim import compiled, run_pipelines
+
+logger = logging.getLogger(__name__)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRACE_GLOB = os.path.join(ROOT, "tests", "resihp", "data", "*.trace.jsonl.gz")
+TIMELINES = os.path.join(ROOT, "docs", "figures", "resihp_relayout", "timeline_iter{:07d}.json")
+_NAME = re.compile(r"^(?P<engine>megatron|moe)-.*?(?:slow(?P<rank>\d+)x(?P<factor>[\d.]+)@(?P<onset>\d+)|healthy)")
+
+
+def _pipeline_s(fwd: np.ndarray, bwd: np.ndarray) -> float:
+    """Makespan of 1F1B pipelines with these (replicas, stages, micro-batches) op seconds, no sends."""
+    dp, pp, m = fwd.shape
+    c = compiled(pp, m)
+    ms, _ = run_pipelines(c, fwd, bwd, np.zeros((dp, pp - 1)), np.zeros((dp, pp - 1)), blocking=True)
+    return float(ms.max())
+
+
+def _records(path: str) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _ops(rec: dict) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """(ranks, m) forward and backward seconds, chunk 0; MoE dispatcher time added back."""
+    fwd = np.asarray(rec["fwd_s"], dtype=float)[:, 0, :]
+    bwd = np.asarray(rec["bwd_s"], dtype=float)[:, 0, :]
+    for key, arr in (("moe_comm_fwd_s", fwd), ("moe_comm_bwd_s", bwd)):
+        if key in rec and rec[key] is not None:
+            extra = np.asarray(rec[key], dtype=float)
+            if extra.ndim == 3:
+                extra = extra[:, 0, :]
+            if extra.shape == arr.shape:
+                arr += extra
+    where = [(int(s), int(d)) for s, d, _ in rec["layout"]["ranks"]]
+    return fwd, bwd, where
+
+
+def _grid(fwd: np.ndarray, where: list[tuple[int, int]], pp: int, dp: int) -> np.ndarray:
+    out = np.zeros((dp, pp, fwd.shape[1]))
+    for r, (s, d) in enumerate(where):
+        out[d, s] = np.maximum(out[d, s], fwd[r])
+    return out
+
+
+def trace_case(path: str) -> dict | None:
+    m = _NAME.match(os.path.basename(path))
+    if m is None:
+        return None
+    recs = _records(path)
+    lay = recs[0]["layout"]
+    if lay["schedule"] != "1f1b" or lay["tp"] != 1 or lay["vp"] != 1:
+        return None
+    pp, dp = lay["pp"], lay["dp"]
+    warm = 5
+    if m.group("rank") is not None:
+        onset, factor, rank = int(m.group("onset")), float(m.group("factor")), int(m.group("rank"))
+        calib = [r for r in recs if warm <= r["iteration"] < onset]
+        target = [r for r in recs if r["iteration"] >= onset + 2]
+    else:
+        onset, factor, rank = None, 1.0, None
+        half = recs[len(recs) // 2]["iteration"]
+        calib = [r for r in recs if warm <= r["iteration"] < half]
+        target = [r for r in recs if r["iteration"] >= half]
+    if len(calib) < 3 or len(target) < 3:
+        return None
+    ops = [_ops(r) for r in calib]
+    f_med = np.median([o[0] for o in ops], axis=0)
+    b_med = np.median([o[1] for o in ops], axis=0)
+    where = ops[0][2]
+    # The part of an iteration outside the pipeline (optimizer, gradient reduce, the loop): the
+    # recorded time minus the simulation of that iteration's own recorded op times.
+    tails = [r["iteration_s"] - _pipeline_s(_grid(f, where, pp, dp), _grid(b, where, pp, dp))
+             for r, (f, b, _) in zip(calib, ops)]
+    tail = float(np.median(tails))
+    f_pred, b_pred = f_med.copy(), b_med.copy()
+    if rank is not None:
+        f_pred[rank] *= factor
+        b_pred[rank] *= factor
+    predicted = _pipeline_s(_grid(f_pred, where, pp, dp), _grid(b_pred, where, pp, dp)) + tail
+    observed = float(np.median([r["iteration_s"] for r in target]))
+    # The host's load in the predicted window against the calibration window, from the healthy
+    # ranks' own op times (the detector's common-mode factor): it scales every op and the tail.
+    later = [_ops(r) for r in target]
+    healthy = [i for i in range(f_med.shape[0]) if i != rank]
+    common = float(np.median(np.median([o[0][healthy] + o[1][healthy] for o in later], axis=0)
+                             / (f_med[healthy] + b_med[healthy])))
+    return {"case": os.path.basename(path).split(".trace")[0], "predicted_s": predicted, "observed_s": observed,
+            "rel_error": (predicted - observed) / observed, "host_load_factor": common,
+            "rel_error_load_normalised": (predicted * common - observed) / observed}
+
+
+def _timeline(it: int) -> dict:
+    with open(TIMELINES.format(it), encoding="utf-8") as f:
+        data = json.load(f)
+    out: dict = {"span_s": data["metadata"]["megatron_ext"]["span_s"], "fwd": {}, "bwd": {}, "tail": {}}
+    for e in data["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        s = e["pid"]
+        if e["cat"] == "forward":
+            out["fwd"].setdefault(s, {})[e["args"]["microbatch"]] = e["dur"] * 1e-6
+        elif e["cat"] == "backward":
+            out["bwd"].setdefault(s, {})[e["args"]["microbatch"]] = e["dur"] * 1e-6
+        elif e["cat"] in ("optimizer", "grad-reduce"):
+            out["tail"][s] = out["tail"].get(s, 0.0) + e["dur"] * 1e-6
+    return out
+
+
+def relayout_cases() -> list[dict]:
+    """Iterations 35 (stage 1 on the 2x device, 6/6 layers) and 75 (stage 0 on it, 5/7 layers)
+    predicted from iteration 25 (healthy, 6/6)."""
+    if not os.path.exists(TIMELINES.format(25)):
+        return []
+    h = _timeline(25)
+    m = len(h["fwd"][0])
+    med = {ph: [float(np.median(list(h[ph][s].values()))) for s in (0, 1)] for ph in ("fwd", "bwd")}
+    per_layer = {ph: med[ph][0] / 6 for ph in med}          # stage 0: 6 layers (+ the embedding lookup)
+    head = {ph: med[ph][1] - 6 * per_layer[ph] for ph in med}  # stage 1: 6 layers + the output layer
+    out = []
+    for it, layers, slow_stage in ((35, (6, 6), 1), (75, (5, 7), 0)):
+        obs = _timeline(it)
+        f = np.zeros((1, 2, m))
+        b = np.zeros((1, 2, m))
+        tail = []
+        for s in (0, 1):
+            speed = 0.5 if s == slow_stage else 1.0
+            f[0, s] = (layers[s] * per_layer["fwd"] + (head["fwd"] if s == 1 else 0.0)) / speed
+            b[0, s] = (layers[s] * per_layer["bwd"] + (head["bwd"] if s == 1 else 0.0)) / speed
+            tail.append(h["tail"].get(s, 0.0) / speed)
+        c = compiled(2, m)
+        ms, _ = run_pipelines(c, f, b, np.zeros((1, 1)), np.zeros((1, 1)), blocking=True)
+        # Each stage's tail after its own last op; the iteration ends with the later one.
+        predicted = float(ms[0] + max(tail))
+        out.append({"case": f"relayout-pp2-iter{it}", "predicted_s": predicted, "observed_s": obs["span_s"],
+                    "rel_error": (predicted - obs["span_s"]) / obs["span_s"]})
+    return out
+
+
+def sim_error(paths: list[str] | None = None) -> dict:
+    """Every case's prediction and the median and 95th percentile of |relative error|."""
+    cases = [c for c in (trace_case(p) for p in sorted(paths if paths is not None else glob.glob(TRACE_GLOB)))
+             if c is not None]
+    cases += relayout_cases()
+    if not cases:
+        raise FileNotFoundError(f"no recorded runs found ({TRACE_GLOB}, {TIMELINES.format(25)})")
+    err = np.abs([c["rel_error"] for c in cases])
+    norm = np.abs([c.get("rel_error_load_normalised", c["rel_error"]) for c in cases])
+    return {"median": round(float(np.median(err)), 4), "p95": round(float(np.percentile(err, 95)), 4),
+            "load_normalised": {"median": round(float(np.median(norm)), 4), "p95": round(float(np.percentile(norm, 95)), 4)},
+            "cases": len(cases), "detail": cases}

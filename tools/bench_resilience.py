@@ -1,0 +1,140 @@
+"""ResiHP against the resilient-training systems it claims to beat, in the seed's setting, scored by an
+independent simulator (``megatron_ext.resilience``; docs/resilience.md).
+
+256 GPUs (32 nodes of 8, A100-like, NVLink in a node, a 200 Gb/s NIC per GPU) plus one spare node;
+LLaMA-2-7B/13B/70B, Qwen2.5-14B and Qwen2-57B-A14B (MoE) shapes on usual TP x PP x DP layouts, a
+global batch of 1,024 packed sequences of 4,096 tokens. Scenarios: one GPU slow 1.5x/2x/4x, a node
+slow 2x, a NIC and a PP stage link at 1/2 and 1/4 bandwidth, one GPU lost, one node lost (each from
+450 s, measured over the following hour), and a mixed day (24 hours, measured over all of it).
+
+Policies: ``ckpt_restart`` (Megatron + NVRx in-job restart with a spare node), ``oobleck``,
+``recycle``, ``malleus`` (Malleus-like re-planner), ``adaptra``, ``torchft`` (DP shrink),
+``resihp`` (ResiHP's planner and hysteresis as they are, ``megatron_ext.resihp``) and ``resihp+``
+(the same decisions with this package's glue: TP groups kept inside nodes after a reshape).
+Every policy gets the same detector model (a compute fail-slow named after 7 iterations, a loss
+after a 30 s heartbeat timeout; link slowdowns only to ADAPTRA, which has a link detector).
+
+Prints the table (throughput relative to the healthy job, per model, scenario and policy; the best
+baseline; ResiHP's speedup over it), the simulator's error against recorded CPU runs, then one JSON
+line: {"scenarios": {model/scenario: {policy: x}}, "speedup_vs_best": {...}, "geomean_speedup_vs_best":
+x, "glue": {...}, "sim_err": {"median": .., "p95": ..}, ...}.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.bench.harness import Report  # noqa: E402
+from megatron_ext.resilience import policies, setting  # noqa: E402
+from megatron_ext.resilience.job import from_plan_layout, to_plan_layout  # noqa: E402
+from megatron_ext.resilience.run import run_policy  # noqa: E402
+from megatron_ext.resilience.validate import sim_error  # noqa: E402
+
+logger = logging.getLogger("bench_resilience")
+
+RESIHP = ("resihp", "resihp+")
+SHORT = {"ckpt_restart": "ckpt", "oobleck": "oobleck", "recycle": "recycle", "malleus": "malleus",
+         "adaptra": "adaptra", "torchft": "torchft", "resihp": "resihp", "resihp+": "resihp+"}
+
+
+def planner_healthy_gain(ctx) -> float:
+    """How much faster (simulator's score) the layout ResiHP's planner picks for a *healthy* cluster
+    is than the start: the part of any ResiHP re-layout's gain that no fault was needed for."""
+    pol = policies.ResiHP(node_aware=True)
+    pol.start(ctx)
+    best, _ = pol.policy.planner.best_layout(to_plan_layout(ctx.start), np.ones(ctx.num_devices))
+    best = policies.node_local(best, ctx.hw.gpus_per_node, np.ones(ctx.num_devices))
+    return ctx.sim.healthy(ctx.start).time_s / ctx.sim.healthy(from_plan_layout(best)).time_s - 1
+
+
+def geomean(xs) -> float:
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return float(np.exp(np.mean(np.log(xs)))) if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(setting.LAYOUTS), choices=list(setting.LAYOUTS))
+    ap.add_argument("--scenarios", nargs="+", default=None, help="scenario names (default: all)")
+    ap.add_argument("--detector-delay", type=int, default=7, help="iterations to a fail-slow verdict")
+    ap.add_argument("--no-validate", action="store_true", help="skip the simulator's error against recorded runs")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every policy's actions")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    report = Report("bench_resilience")
+    t0 = time.time()
+    names = policies.BASELINES + RESIHP
+    rows, figures, speedup, glue, meta = [], {}, {}, {}, {}
+    for model in args.models:
+        ctx = setting.context(model, detector_delay=args.detector_delay)
+        healthy = ctx.sim.healthy(ctx.start)
+        p0 = ctx.start.pipelines[0]
+        meta[model] = {"layout": f"tp{p0.tp}pp{p0.pp}dp{len(ctx.start.pipelines)}",
+                       "layers": list(p0.layers), "healthy_iteration_s": round(healthy.time_s, 3),
+                       "planner_healthy_gain": round(planner_healthy_gain(ctx), 4)}
+        scen = setting.scenarios(ctx)
+        unknown = sorted(set(args.scenarios or []) - set(scen))
+        if unknown:
+            ap.error(f"--scenarios: unknown {', '.join(unknown)}; choose from {', '.join(scen)}")
+        for sname, sc in scen.items():
+            if args.scenarios and sname not in args.scenarios:
+                continue
+            tr = setting.trace(ctx, sc)
+            key = f"{model}/{sname}"
+            res = {}
+            for name in names:
+                r = run_policy(policies.make(name), ctx, tr, end_s=sc.end_s, measure_from_s=sc.measure_from_s)
+                res[name] = r
+                if args.verbose:
+                    for e in r.events[:8]:
+                        print(f"    {key} {e}")
+            thr = {n: round(r.throughput_vs_healthy, 4) for n, r in res.items()}
+            best = max(policies.BASELINES, key=lambda n: thr[n])
+            figures[key] = thr
+            speedup[key] = round(thr["resihp"] / thr[best], 4)
+            glue[key] = round(thr["resihp+"] / thr[best], 4)
+            rows.append((model, sname, thr, best))
+    head = f"{'model':<15} {'scenario':<14} " + " ".join(f"{SHORT[n]:>8}" for n in names) + \
+        f"  {'best base':>9} {'resihp/':>8} {'resihp+/':>8}"
+    lines = [f"bench_resilience: {len(rows)} model x scenario runs, {len(names)} policies each, "
+             f"{time.time() - t0:.0f} s; throughput relative to the healthy job (simulated)", head, "-" * len(head)]
+    for model, sname, thr, best in rows:
+        key = f"{model}/{sname}"
+        lines.append(f"{model:<15} {sname:<14} " + " ".join(f"{thr[n]:>8.3f}" for n in names)
+                     + f"  {SHORT[best]:>9} {speedup[key]:>8.3f} {glue[key]:>8.3f}")
+    gm, gm_glue = geomean(speedup.values()), geomean(glue.values())
+    lines.append(f"geometric mean of resihp / best baseline {gm:.3f}x (min {min(speedup.values()):.3f}, "
+                 f"max {max(speedup.values()):.3f}); resihp+ (glue) {gm_glue:.3f}x (min {min(glue.values()):.3f})")
+    lines.append("layouts: " + "; ".join(f"{m} {v['layout']} layers {'/'.join(map(str, v['layers']))} "
+                                         f"{v['healthy_iteration_s']} s/it, planner's healthy gain "
+                                         f"{100 * v['planner_healthy_gain']:+.1f} %" for m, v in meta.items()))
+    out = {"scenarios": figures, "speedup_vs_best": speedup, "geomean_speedup_vs_best": round(gm, 4),
+           "glue": {"policy": "resihp+", "speedup_vs_best": glue, "geomean_speedup_vs_best": round(gm_glue, 4)},
+           "models": meta}
+    if not args.no_validate:
+        err = sim_error()
+        lines.append(f"simulator vs recorded CPU runs ({err['cases']} cases, predicted before any fitting): "
+                     f"|error| median {err['median']:.3f}, p95 {err['p95']:.3f}; with the host's load change "
+                     f"between windows factored out: median {err['load_normalised']['median']:.3f}, "
+                     f"p95 {err['load_normalised']['p95']:.3f}")
+        for c in err["detail"]:
+            lines.append(f"  {c['case']:<36} predicted {1e3 * c['predicted_s']:7.1f} ms  recorded "
+                         f"{1e3 * c['observed_s']:7.1f} ms  {100 * c['rel_error']:+6.1f} %")
+        out["sim_err"] = {"median": err["median"], "p95": err["p95"], "cases": err["cases"],
+                          "load_normalised": err["load_normalised"]}
+    else:
+        out["sim_err"] = None
+    report.emit(out, "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
