@@ -214,6 +214,18 @@ class Simulator:
 
         return self.iteration(job, healthy_state(max(job.devices) + 1))
 
+    def op_seconds(self, job: Job, state: ClusterState, q: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pipeline ``q``'s forward and backward seconds per (stage, micro-batch), rerouting not
+        applied, and its send seconds per stage boundary: what the dataflow runs on."""
+        p = job.pipelines[q]
+        off = sum(x.microbatches for x in job.pipelines[:q])
+        sq = self.data.sum_sq[(off + np.arange(p.microbatches)) % self.data.sum_sq.shape[0]]
+        fwd = np.zeros((p.pp, p.microbatches))
+        bwd = np.zeros((p.pp, p.microbatches))
+        for k, g in enumerate(p.stages):
+            fwd[k], bwd[k] = self._stage_op_s(p, k, float(state.speed[list(g)].min()), sq, state)
+        return fwd, bwd, np.array([self._send_s(p, k, state) for k in range(p.pp - 1)])
+
     # ---- per pipeline ----
 
     def _stage_op_s(self, pipe: Pipeline, k: int, speed: float, sum_sq: np.ndarray, state: ClusterState

@@ -1,0 +1,120 @@
+"""The policies in the seed's setting: what each does after a loss, the detector model, the run loop."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from megatron_ext.resihp.planner_types import PlanLayout
+from megatron_ext.resilience import policies, setting
+from megatron_ext.resilience.detector import DetectorModel
+from megatron_ext.resilience.faults import FaultTrace, healthy_state
+from megatron_ext.resilience.run import run_policy
+from megatron_ext.resilience.validate import sim_error
+
+ALL = policies.BASELINES + ("resihp", "resihp+")
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return setting.context("llama2-13b")
+
+
+def test_without_faults_every_policy_runs_at_the_healthy_rate(ctx):
+    tr = FaultTrace(ctx.num_devices, 8, [])
+    for name in ALL:
+        r = run_policy(policies.make(name), ctx, tr, end_s=600.0)
+        assert r.throughput_vs_healthy == pytest.approx(1.0, abs=1e-9), name
+        assert r.relayouts == r.restarts == 0
+
+
+def test_after_a_loss_every_policy_runs_without_the_lost_device(ctx):
+    sc = setting.scenarios(ctx)["gpu_lost"]
+    dead = sc.faults[0].target
+    tr = setting.trace(ctx, sc)
+    out = {}
+    for name in ALL:
+        pol = policies.make(name)
+        r = run_policy(pol, ctx, tr, end_s=sc.end_s, measure_from_s=sc.measure_from_s)
+        out[name] = r
+        from megatron_ext.resilience.sim import computing_devices
+        assert dead not in computing_devices(pol.job), name
+        assert 0 < r.throughput_vs_healthy < 1.1, name
+        if name != "torchft":   # torchft steps on with fewer replicas: a smaller global batch
+            assert pol.job.microbatches == ctx.start.microbatches, name
+    assert out["torchft"].tokens < out["oobleck"].tokens
+    # A restart rolls back to the checkpoint; a live change does not.
+    assert out["ckpt_restart"].restarts == 1 and out["oobleck"].restarts == 0
+    assert out["ckpt_restart"].throughput_vs_healthy < out["oobleck"].throughput_vs_healthy
+
+
+def test_resihp_decides_with_resihps_own_planner(ctx):
+    sc = setting.scenarios(ctx)["gpu_slow_2x"]
+    pol = policies.make("resihp")
+    run_policy(pol, ctx, setting.trace(ctx, sc), end_s=sc.end_s, measure_from_s=sc.measure_from_s)
+    assert len(pol.policy.plans) == 1
+    it, plan = pol.policy.plans[0]
+    assert plan.speeds == {sc.faults[0].target: 0.5}
+    assert it == pytest.approx((sc.faults[0].start_s - 0.0) / ctx.sim.healthy(ctx.start).time_s + 7, abs=1.5)
+
+
+def test_node_local_keeps_tp_groups_inside_nodes_when_idle_devices_allow():
+    speed = np.ones(24)
+    speed[3] = 0.0
+    # Device 3 was left out and the reshape shifted every later TP pair across a node boundary.
+    devices = (0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
+    lay = PlanLayout(tp=2, pp=2, dp=4, layers=((4,), (4,)), microbatches=(2, 2, 2, 2), devices=devices)
+    fixed = policies.node_local(lay, 8, speed)
+    groups = np.asarray(fixed.devices).reshape(-1, 2)
+    kept = [0, 1, 2, 4, 5, 6]
+    assert all(len({d // 8 for d in g}) == 1 for g in groups)
+    assert 3 not in fixed.devices
+    # Groups that were inside a node keep their devices; only (7, 8) and (15, 16) straddled.
+    assert [groups[i].tolist() for i in kept] == [[0, 1], [2, 4], [5, 6], [9, 10], [11, 12], [13, 14]]
+    assert sorted(groups[3].tolist() + groups[7].tolist()) != [7, 8, 15, 16]
+
+
+def test_the_detector_names_after_its_delay_and_only_devices_it_watches(ctx):
+    det = DetectorModel(ctx.num_devices, 8, delay=3, window=2)
+    st = healthy_state(ctx.num_devices)
+    st.speed[5] = 0.5
+    st.speed[260] = 0.5      # a spare: not in the job, not watched
+    got = [det.observe(i, ctx.start, st)[0] for i in range(1, 5)]
+    assert [len(v) for v in got] == [0, 0, 1, 0]
+    assert got[2][0].kind == "fail_slow" and got[2][0].rank == 5 and got[2][0].factor == 2.0
+    st.speed[5] = 1.0
+    later = [det.observe(i, ctx.start, st)[0] for i in range(5, 7)]
+    assert [v.kind for vs in later for v in vs] == ["recovered"]
+    st.nic[5] = 0.25
+    links = [det.observe(i, ctx.start, st)[1] for i in range(7, 10)]
+    assert [(lv.kind, lv.target, lv.factor) for ls in links for lv in ls] == [("slow_nic", 5, 4.0)]
+
+
+def test_the_run_loop_refuses_a_trace_of_another_cluster(ctx):
+    with pytest.raises(ValueError, match="the trace covers 16 devices, the context 264"):
+        run_policy(policies.make("resihp"), ctx, FaultTrace(16, 8, []), end_s=10.0)
+    with pytest.raises(ValueError, match="unknown policy 'bamboo'"):
+        policies.make("bamboo")
+
+
+def test_every_scenario_hits_the_job(ctx):
+    sc = setting.scenarios(ctx)
+    assert {"gpu_slow_1.5x", "gpu_slow_2x", "gpu_slow_4x", "node_slow_2x", "nic_1/2", "nic_1/4", "pp_link_1/2",
+            "pp_link_1/4", "gpu_lost", "node_lost", "mixed_day"} == set(sc)
+    used = set(ctx.start.devices)
+    for name, s in sc.items():
+        st = setting.trace(ctx, s).state(s.faults[0].start_s)
+        hit = ({d for d in used if st.speed[d] < 1 or st.nic[d] < 1}
+               or {p for p in st.path if {p[0], p[1]} <= {d // 8 for d in used}})
+        assert hit, name
+    assert setting.stage_link(ctx.start, ctx.hw, setting.victim(ctx.start, ctx.hw)) == (4, 5)
+
+
+def test_the_simulator_is_validated_against_recorded_runs():
+    err = sim_error()
+    assert err["cases"] >= 10
+    assert all(math.isfinite(c["rel_error"]) for c in err["detail"])
+    names = {c["case"] for c in err["detail"]}
+    assert {"relayout-pp2-iter35", "relayout-pp2-iter75"} <= names
+    assert not any(n.startswith("deepspeed") for n in names)
