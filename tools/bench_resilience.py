@@ -40,9 +40,9 @@ from megatron_ext.resilience.validate import sim_error  # noqa: E402
 
 logger = logging.getLogger("bench_resilience")
 
-RESIHP = ("resihp", "resihp+")
+RESIHP = ("resihp", "resihp+", "resihp+link")
 SHORT = {"ckpt_restart": "ckpt", "oobleck": "oobleck", "recycle": "recycle", "malleus": "malleus",
-         "adaptra": "adaptra", "torchft": "torchft", "resihp": "resihp", "resihp+": "resihp+"}
+         "adaptra": "adaptra", "torchft": "torchft", "resihp": "resihp", "resihp+": "resihp+", "resihp+link": "+link"}
 
 
 def planner_healthy_gain(ctx) -> float:
@@ -65,6 +65,8 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=list(setting.LAYOUTS), choices=list(setting.LAYOUTS))
     ap.add_argument("--scenarios", nargs="+", default=None, help="scenario names (default: all)")
     ap.add_argument("--detector-delay", type=int, default=7, help="iterations to a fail-slow verdict")
+    ap.add_argument("--start", choices=setting.START, default="usual",
+                    help="the healthy job: the usual layouts, or the simulator's fastest (tuned)")
     ap.add_argument("--no-validate", action="store_true", help="skip the simulator's error against recorded runs")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every policy's actions")
     args = ap.parse_args()
@@ -72,9 +74,9 @@ def main() -> int:
     report = Report("bench_resilience")
     t0 = time.time()
     names = policies.BASELINES + RESIHP
-    rows, figures, speedup, glue, meta = [], {}, {}, {}, {}
+    rows, figures, speedup, glue, link, meta = [], {}, {}, {}, {}, {}
     for model in args.models:
-        ctx = setting.context(model, detector_delay=args.detector_delay)
+        ctx = setting.context(model, start=args.start, detector_delay=args.detector_delay)
         healthy = ctx.sim.healthy(ctx.start)
         p0 = ctx.start.pipelines[0]
         meta[model] = {"layout": f"tp{p0.tp}pp{p0.pp}dp{len(ctx.start.pipelines)}",
@@ -101,24 +103,29 @@ def main() -> int:
             figures[key] = thr
             speedup[key] = round(thr["resihp"] / thr[best], 4)
             glue[key] = round(thr["resihp+"] / thr[best], 4)
+            link[key] = round(thr["resihp+link"] / thr[best], 4)
             rows.append((model, sname, thr, best))
     head = f"{'model':<15} {'scenario':<14} " + " ".join(f"{SHORT[n]:>8}" for n in names) + \
-        f"  {'best base':>9} {'resihp/':>8} {'resihp+/':>8}"
+        f"  {'best base':>9} {'resihp/':>8} {'resihp+/':>8} {'+link/':>8}"
     lines = [f"bench_resilience: {len(rows)} model x scenario runs, {len(names)} policies each, "
              f"{time.time() - t0:.0f} s; throughput relative to the healthy job (simulated)", head, "-" * len(head)]
     for model, sname, thr, best in rows:
         key = f"{model}/{sname}"
         lines.append(f"{model:<15} {sname:<14} " + " ".join(f"{thr[n]:>8.3f}" for n in names)
-                     + f"  {SHORT[best]:>9} {speedup[key]:>8.3f} {glue[key]:>8.3f}")
-    gm, gm_glue = geomean(speedup.values()), geomean(glue.values())
-    lines.append(f"geometric mean of resihp / best baseline {gm:.3f}x (min {min(speedup.values()):.3f}, "
-                 f"max {max(speedup.values()):.3f}); resihp+ (glue) {gm_glue:.3f}x (min {min(glue.values()):.3f})")
+                     + f"  {SHORT[best]:>9} {speedup[key]:>8.3f} {glue[key]:>8.3f} {link[key]:>8.3f}")
+    gm, gm_glue, gm_link = geomean(speedup.values()), geomean(glue.values()), geomean(link.values())
+    lines.append(f"geometric mean over best baseline: resihp {gm:.3f}x (min {min(speedup.values()):.3f}, "
+                 f"max {max(speedup.values()):.3f}); resihp+ (glue: node-local TP groups) {gm_glue:.3f}x "
+                 f"(min {min(glue.values()):.3f}); resihp+link (what-if: link verdicts) {gm_link:.3f}x "
+                 f"(min {min(link.values()):.3f})")
     lines.append("layouts: " + "; ".join(f"{m} {v['layout']} layers {'/'.join(map(str, v['layers']))} "
                                          f"{v['healthy_iteration_s']} s/it, planner's healthy gain "
                                          f"{100 * v['planner_healthy_gain']:+.1f} %" for m, v in meta.items()))
     out = {"scenarios": figures, "speedup_vs_best": speedup, "geomean_speedup_vs_best": round(gm, 4),
            "glue": {"policy": "resihp+", "speedup_vs_best": glue, "geomean_speedup_vs_best": round(gm_glue, 4)},
-           "models": meta}
+           "what_if_link_verdicts": {"policy": "resihp+link", "speedup_vs_best": link,
+                                     "geomean_speedup_vs_best": round(gm_link, 4)},
+           "start": args.start, "models": meta}
     if not args.no_validate:
         err = sim_error()
         lines.append(f"simulator vs recorded CPU runs ({err['cases']} cases, predicted before any fitting): "

@@ -418,15 +418,15 @@ class TorchFT(Policy):
         if not self.believe(verdicts):
             return None
         pipes = ctx.start.pipelines
-        keep = []
         d = len(pipes)
-        for q, p in enumerate(pipes):
-            v = min(stage_speeds(p, self.speed))
-            if v <= 0 or (v < 1 and 1 / v > d / max(d - 1, 1)):
-                continue
-            keep.append(q)
-        if not keep:
+        # A step waits for the slowest replica group in the quorum and trains one share of the
+        # batch per group: keep the k fastest groups for the k that maximises k x (slowest speed).
+        v = [min(stage_speeds(p, self.speed)) for p in pipes]
+        order = sorted((q for q in range(d) if v[q] > 0), key=lambda q: (-v[q], q))
+        if not order:
             raise RuntimeError("torchft: no replica group left")
+        k = max(range(1, len(order) + 1), key=lambda k: (k * v[order[k - 1]], k))
+        keep = sorted(order[:k])
         new = Job(tuple(pipes[q] for q in keep))
         if new == self.job:
             return None
@@ -491,12 +491,14 @@ class ResiHP(Policy):
 
     name = "resihp"
 
-    def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, node_aware: bool = False) -> None:
+    def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, node_aware: bool = False,
+                 link_aware: bool = False) -> None:
         self.config = config or PlannerConfig()
         self.recover_after = recover_after
         self.node_aware = node_aware
+        self.link_aware = link_aware
         if node_aware:
-            self.name = "resihp+"
+            self.name = "resihp+" + ("link" if link_aware else "")
 
     def planner(self, ctx: Context) -> Planner:
         shape, tokens = ctx.shape, ctx.data.tokens
@@ -548,7 +550,26 @@ class ResiHP(Policy):
                       f"{'/'.join(map(str, plan.new.stage_layers))}")
 
     def react(self, ctx, t, it, verdicts, links):
+        if self.link_aware:
+            verdicts = list(verdicts) + self._link_verdicts(it, links)
         return self.decide(ctx, it, verdicts)
+
+    def _link_verdicts(self, it: int, links: list[LinkVerdict]) -> list[Verdict]:
+        """What-if glue for item 4 of issue #22 (a detector that names slow links): the planner has
+        no link in its model, so a device behind a NIC at 1/2 or less is handed to it as a device
+        that slow (it then packs it away or replaces it by a spare), and handed back when the link
+        recovers. Paths between nodes carry no device: left alone."""
+        out = []
+        for lv in links:
+            if lv.kind != "slow_nic":
+                continue
+            if lv.factor >= 2.0:
+                out.append(Verdict(kind="fail_slow", rank=int(lv.target), stage=None, iteration=it, factor=lv.factor,
+                                   confidence=1.0, detector="link-model"))
+            elif lv.factor == 1.0:
+                out.append(Verdict(kind="recovered", rank=int(lv.target), stage=None, iteration=it, factor=None,
+                                   confidence=1.0, detector="link-model"))
+        return out
 
 
 BASELINES = ("ckpt_restart", "oobleck", "recycle", "malleus", "adaptra", "torchft")
@@ -559,6 +580,8 @@ def make(name: str):
              "adaptra": Adaptra, "torchft": TorchFT, "resihp": ResiHP}
     if name == "resihp+":
         return ResiHP(node_aware=True)
+    if name == "resihp+link":
+        return ResiHP(node_aware=True, link_aware=True)
     if name not in table:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(table)}")
     return table[name]()

@@ -148,8 +148,8 @@ def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure
         tokens += r.tokens
         it += 1
         verdicts, links = det.observe(it, job, state)
-        if verdicts or links:
-            apply(policy.react(ctx, t, it, verdicts, links), t)
+        # Every iteration, verdicts or not: a policy may keep a clock (ResiHP's recovery hysteresis).
+        apply(policy.react(ctx, t, it, verdicts, links), t)
     span = end_s - measure_from_s
     done = tokens - (at_measure if at_measure is not None else tokens)
     return RunResult(policy.name, done / (healthy_tokens_per_s * span), tokens, relayouts, restarts, paused, events)

@@ -42,23 +42,58 @@ MEASURE_S = 3600.0
 VICTIM_NODE = 5
 
 
-def context(model: str, *, hw: Hardware | None = None, costs: Costs | None = None, detector_delay: int = 7,
-            data_seed: int = 0) -> Context:
+START = ("usual", "tuned")
+
+
+def context(model: str, *, start: str = "usual", hw: Hardware | None = None, costs: Costs | None = None,
+            detector_delay: int = 7, data_seed: int = 0) -> Context:
+    """``start``: ``usual`` (``LAYOUTS``) or ``tuned`` (the simulator's fastest healthy layout with
+    at least two stages: what ResiHP's planner could also reach without any fault)."""
     if model not in LAYOUTS:
         raise ValueError(f"no layout for model {model!r}; known: {', '.join(LAYOUTS)}")
+    if start not in START:
+        raise ValueError(f"start must be one of {', '.join(START)}, got {start!r}")
     hw = hw or Hardware()
     costs = costs or Costs()
     sh = shape(model)
-    tp, pp, dp = LAYOUTS[model]
-    if tp * pp * dp != NODES * hw.gpus_per_node:
-        raise ValueError(f"{model}: tp {tp} x pp {pp} x dp {dp} is not the {NODES * hw.gpus_per_node} GPUs")
     data = packed_documents(GLOBAL_MICROBATCHES, seq_length=SEQ_LENGTH, seed=data_seed)
-    job = node_aligned_job(sh, tp=tp, pp=pp, dp=dp, global_microbatches=GLOBAL_MICROBATCHES,
-                           layers=balanced_layers(sh, pp))
-    if not fits(sh, job, hw, data.tokens):
-        raise ValueError(f"{model}: the layout tp{tp} pp{pp} dp{dp} does not fit in {hw.memory_bytes / 1e9:.0f} GB")
-    return Context(shape=sh, hw=hw, costs=costs, data=data, sim=Simulator(sh, hw, data), start=job,
+    sim = Simulator(sh, hw, data)
+    n = NODES * hw.gpus_per_node
+    if start == "usual":
+        tp, pp, dp = LAYOUTS[model]
+        if tp * pp * dp != n:
+            raise ValueError(f"{model}: tp {tp} x pp {pp} x dp {dp} is not the {n} GPUs")
+        job = node_aligned_job(sh, tp=tp, pp=pp, dp=dp, global_microbatches=GLOBAL_MICROBATCHES,
+                               layers=balanced_layers(sh, pp))
+        if not fits(sh, job, hw, data.tokens):
+            raise ValueError(f"{model}: the layout tp{tp} pp{pp} dp{dp} does not fit in {hw.memory_bytes / 1e9:.0f} GB")
+    else:
+        job = tuned_job(sim, n)
+    return Context(shape=sh, hw=hw, costs=costs, data=data, sim=sim, start=job,
                    num_devices=(NODES + SPARE_NODES) * hw.gpus_per_node, detector_delay=detector_delay)
+
+
+def tuned_job(sim: Simulator, n: int) -> Job:
+    """The fastest healthy node-aligned job over ``n`` devices with PP >= 2 (TP inside a node,
+    dividing the heads and query groups; layers balanced; fits in memory)."""
+    sh, hw = sim.shape, sim.hw
+    best, best_s = None, math.inf
+    for tp in (1, 2, 4, 8):
+        if tp > hw.gpus_per_node or sh.num_attention_heads % tp or sh.num_query_groups % tp:
+            continue
+        for pp in (2, 4, 8, 16):
+            if pp > sh.num_layers or n % (tp * pp) or n // (tp * pp) > GLOBAL_MICROBATCHES:
+                continue
+            job = node_aligned_job(sh, tp=tp, pp=pp, dp=n // (tp * pp), global_microbatches=GLOBAL_MICROBATCHES,
+                                   layers=balanced_layers(sh, pp))
+            if not fits(sh, job, hw, sim.data.tokens):
+                continue
+            t = sim.healthy(job).time_s
+            if t < best_s:
+                best, best_s = job, t
+    if best is None:
+        raise ValueError(f"{sh.name}: no node-aligned layout over {n} devices fits")
+    return best
 
 
 def victim(job: Job, hw: Hardware) -> int:
