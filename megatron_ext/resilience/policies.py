@@ -191,16 +191,27 @@ class Oobleck(CheckpointRestart):
         job = super().start(ctx)
         g = ctx.hw.gpus_per_node
         p0 = job.pipelines[0]
-        if (p0.tp * p0.pp) % g or g % p0.tp:
-            raise ValueError(f"oobleck: pipelines of tp {p0.tp} x pp {p0.pp} are not whole nodes of {g}")
-        self.nodes_per_pipe = p0.tp * p0.pp // g
+        self.tp, self.pp = p0.tp, p0.pp
+        self.per_node = g // (p0.tp * p0.pp) if (p0.tp * p0.pp) <= g and g % (p0.tp * p0.pp) == 0 else 0
+        if not self.per_node and ((p0.tp * p0.pp) % g or g % p0.tp):
+            raise ValueError(f"oobleck: pipelines of tp {p0.tp} x pp {p0.pp} neither fill whole nodes of {g} "
+                             "nor divide one")
+        self.nodes_per_pipe = max(1, p0.tp * p0.pp // g)
         self.stages_per_node = g // p0.tp
-        self.tp = p0.tp
         return job
 
     def instantiate(self, ctx: Context, nodes: list[int]) -> Job:
         g, spn, sh = ctx.hw.gpus_per_node, self.stages_per_node, ctx.shape
         total = ctx.start.microbatches
+        if self.per_node:
+            # Pipelines smaller than a node: the template, as many times as each node holds it.
+            span = self.tp * self.pp
+            pipes = [Pipeline(stages=tuple(tuple(range(n * g + i * span + k * self.tp, n * g + i * span + (k + 1) * self.tp))
+                                           for k in range(self.pp)),
+                              layers=ctx.start.pipelines[0].layers, microbatches=1)
+                     for n in nodes for i in range(self.per_node)]
+            mbs = split_by_finish(total, [p.pp for p in pipes], [1.0] * len(pipes))
+            return Job(tuple(dataclasses.replace(p, microbatches=m) for p, m in zip(pipes, mbs)))
         n_min = 1
         while n_min * spn < sh.num_layers and not self._fits(ctx, n_min, len(nodes) // max(n_min, 1)):
             n_min += 1

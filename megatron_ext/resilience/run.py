@@ -144,9 +144,14 @@ def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure
             tokens += r.tokens * (end_s - t) / dt
             t = end_s
             break
+        before = tokens
         t += dt
         tokens += r.tokens
         it += 1
+        while t >= next_ckpt:
+            # A checkpoint taken while this iteration ran holds the state from before it.
+            ckpt_tokens = tokens if next_ckpt >= t else before
+            next_ckpt += costs.checkpoint_interval_s
         verdicts, links = det.observe(it, job, state)
         # Every iteration, verdicts or not: a policy may keep a clock (ResiHP's recovery hysteresis).
         apply(policy.react(ctx, t, it, verdicts, links), t)

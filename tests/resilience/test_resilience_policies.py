@@ -118,3 +118,25 @@ def test_the_simulator_is_validated_against_recorded_runs():
     names = {c["case"] for c in err["detail"]}
     assert {"relayout-pp2-iter35", "relayout-pp2-iter75"} <= names
     assert not any(n.startswith("deepspeed") for n in names)
+
+
+def test_a_rollback_loses_exactly_the_work_since_the_last_checkpoint(ctx):
+    from megatron_ext.resilience.run import Action
+
+    class RollbackOnce(policies.Policy):
+        name = "rollback_once"
+
+        def react(self, ctx_, t, it, verdicts, links):
+            if t >= 1000.0 and not getattr(self, "done", False):
+                self.done = True
+                return Action(rollback=True, note="test")
+            return None
+
+    h = ctx.sim.healthy(ctx.start)
+    T, tok = h.time_s, h.tokens
+    end = 3000.0
+    r = run_policy(RollbackOnce(), ctx, FaultTrace(ctx.num_devices, 8, []), end_s=end)
+    j = math.ceil(1000.0 / T)                       # the iteration after which it rolls back
+    kept = math.floor(ctx.costs.checkpoint_interval_s / T)   # iterations the 900 s checkpoint holds
+    assert r.restarts == 1
+    assert r.tokens == pytest.approx(kept * tok + (end - j * T) / T * tok, rel=1e-9)
