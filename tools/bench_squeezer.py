@@ -9,20 +9,25 @@ guest-off control (``--squeeze-control-every 2``) and the safety monitor disarme
 The guests' study (``--study``, default configs/squeeze_tiny.yaml with a trial budget no run
 reaches) never ends during a case.
 
-Before each case the same job runs without ``--squeeze`` (same model, pinning and iterations:
-``plain``), and the guest alone on core 0 (``exclusive``: a real guest process, its study a copy of
-the case's, offered one window that stays open; what it does is what a guest does in windows --
-per-step evaluation, storage calls, bundle resizes -- measured over ``--exclusive-s`` seconds
-from its first trained step).
+Before each case, with nothing else running, the guest alone on core 0 (``exclusive``: a real
+guest process, its study a copy of the case's, offered one window that stays open; what it does is
+what a guest does in windows -- per-step evaluation, storage calls, bundle resizes -- measured over
+``--exclusive-s`` seconds from its first trained step). Then three runs of the job in an order
+rotated from case to case (each first in a third of the cases): ``plain`` (the same job without
+``--squeeze``: same model, pinning and iterations), the squeezed run, and ``plain`` again (A/A: the
+noise floor of the run-to-run comparison).
 
 Figures per case:
 
-* ``slowdown``: median iteration time of guest-on iterations over that of the interleaved
-  guest-off ones, minus 1, from the iterations after both guests trained their first step; with
-  the bootstrap 90 % interval of that ratio (``slowdown_ci90``). Guest-off iterations run beside a
-  parked guest, whose memory and cache footprint they still carry, so also
-  ``slowdown_vs_plain`` (``_ci90``): guest-on iterations against the same iterations of the plain
-  run, and ``off_vs_plain``: the guest-off iterations against those;
+* ``slowdown``: guest-on against guest-off iterations of the squeezed run, from the iterations
+  after both guests trained their first step, in rounds of four iterations (on, off, on, off: the
+  on-iteration before the round's first off one in even rounds, after it in odd ones), the median of
+  the rounds' ratios minus 1, its bootstrap 90 % interval (``slowdown_ci90``) and the A/A floor
+  (``slowdown_aa``: the round's second off-iteration against its first). Guest-off iterations run
+  beside a parked guest, whose memory and cache footprint they still carry, so also
+  ``slowdown_vs_plain`` (``_ci90``): each guest-on iteration against the same iteration of the plain
+  run (same data, same schedule), with ``slowdown_vs_plain_aa``: the second plain run against the
+  first for the same iterations; and ``off_vs_plain``: the guest-off iterations against those;
 * ``guest_fraction_of_exclusive``: trial-steps the guests did, over what the guest alone
   (``exclusive_trial_steps_per_s``) does in the guest-on iterations' time, per rank, averaged;
 * ``bubble_fraction``: the stages' idle share in guest-on iterations (the timeline's, per iteration);
@@ -37,8 +42,9 @@ Figures per case:
 * ``trial_parity_max_abs_diff``: every guest's operation log replayed alone (``squeezer.replay``);
   NaN when a replay gave NaN.
 
-Prints a table, then one JSON line
-``{"cases": {"megatron_pp2_m4": {...}, ...}, "settings": {...}}``; ``--figures-out`` writes, per
+Prints a table, then one JSON line through the benchmark harness (``megatron_ext.bench.harness``:
+commit, dirty flag, command, load average before and after)
+``{"bench": "bench_squeezer", "cases": {"megatron_pp2_m4": {...}, ...}, "settings": {...}, ...}``; ``--figures-out`` writes, per
 case, ``work_per_bubble_s`` (exclusive-seconds of guest work per bubble-second) for the cluster
 simulator's ``--bubble-speed-from``.
 """
@@ -48,7 +54,6 @@ import argparse
 import json
 import math
 import os
-import random
 import shutil
 import socket
 import statistics
@@ -176,14 +181,44 @@ def run_case(engine: str, m: int, study: str | None, work: str, iters: int, time
     return {"rows": [r for r in rows if r["kind"] == "train"], "figures": figs, "dir": sq_dir}
 
 
-def bootstrap_ratio_ci(on: list[float], off: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    rng = random.Random(seed)
-    ratios = sorted(statistics.median(rng.choices(on, k=len(on))) / statistics.median(rng.choices(off, k=len(off)))
-                    for _ in range(reps))
-    return ratios[int(0.05 * reps)] - 1, ratios[int(0.95 * reps) - 1] - 1
+def in_run_rounds(rows: list[dict], start: int) -> dict[str, list[float]]:
+    """Guest-on, guest-off and A/A samples of the squeezed run, one per round of four iterations
+    (on, off, on, off from an odd iteration >= ``start``): ``guest_off`` the round's first off
+    iteration, ``guest_on`` the on-iteration before it in even rounds and after it in odd ones (each
+    first in half the rounds), the A/A copy the round's second off iteration."""
+    from megatron_ext.bench.harness import aa_name
+
+    times = {r["iteration"]: r["iter_time_s"] for r in rows}
+    first = start + (0 if start % 2 else 1)
+    out: dict[str, list[float]] = {"guest_off": [], "guest_on": [], aa_name("guest_off"): []}
+    k = 0
+    while all(first + 4 * k + j in times for j in range(4)):
+        i = first + 4 * k
+        out["guest_off"].append(times[i + 1])
+        out["guest_on"].append(times[i] if k % 2 == 0 else times[i + 2])
+        out[aa_name("guest_off")].append(times[i + 3])
+        k += 1
+    if k < 2:
+        raise RuntimeError(f"only {k} round(s) of four iterations after iteration {start}: run more --iters")
+    return out
 
 
-def summarize(res: dict, exclusive: dict, study: str, plain: dict | None = None) -> dict:
+def vs_plain_samples(rows: list[dict], plain: dict, plain_aa: dict, start: int) -> dict[str, list[float]]:
+    """Each guest-on iteration (odd, >= ``start``) beside the same iteration of the plain run and of
+    its A/A repeat."""
+    from megatron_ext.bench.harness import aa_name
+
+    a = {r["iteration"]: r["iter_time_s"] for r in plain["rows"]}
+    b = {r["iteration"]: r["iter_time_s"] for r in plain_aa["rows"]}
+    its = [r["iteration"] for r in rows if r["iteration"] >= start and r["iteration"] % 2
+           and r["iteration"] in a and r["iteration"] in b]
+    on = {r["iteration"]: r["iter_time_s"] for r in rows}
+    return {"plain": [a[i] for i in its], "squeezed": [on[i] for i in its], aa_name("plain"): [b[i] for i in its]}
+
+
+def summarize(res: dict, exclusive: dict, study: str, plain: dict | None = None,
+              plain_aa: dict | None = None) -> dict:
+    from megatron_ext.bench.harness import aa_name, compare
     from megatron_ext.hydro.squeezer.replay import read_oplog, replay
 
     rows = res["rows"]
@@ -195,17 +230,22 @@ def summarize(res: dict, exclusive: dict, study: str, plain: dict | None = None)
     body = [r for r in rows if r["iteration"] >= start]
     on = [r["iter_time_s"] for r in body if r["iteration"] % 2]
     off = [r["iter_time_s"] for r in body if not r["iteration"] % 2]
-    ratio = statistics.median(on) / statistics.median(off)
-    lo, hi = bootstrap_ratio_ci(on, off)
+    in_run = compare(in_run_rounds(rows, start), "guest_off", higher_is_better=False)
+    guest = in_run["arms"]["guest_on"]
+    floor = in_run["noise_floor"]
     vs_plain: dict = {}
-    if plain is not None:
-        # the same iterations of the run without --squeeze (same data, same schedule)
+    if plain is not None and plain_aa is not None:
+        cmp = compare(vs_plain_samples(rows, plain, plain_aa, start), "plain", higher_is_better=False)
+        sq, pf = cmp["arms"]["squeezed"], cmp["noise_floor"]
         alone = [r["iter_time_s"] for r in plain["rows"] if r["iteration"] >= start]
-        p_lo, p_hi = bootstrap_ratio_ci(on, alone)
-        vs_plain = {"slowdown_vs_plain": statistics.median(on) / statistics.median(alone) - 1,
-                    "slowdown_vs_plain_ci90": [p_lo, p_hi],
+        vs_plain = {"slowdown_vs_plain": sq["ratio_vs_reference"] - 1,
+                    "slowdown_vs_plain_ci90": [x - 1 for x in sq["interval"]],
+                    "slowdown_vs_plain_verdict": sq["verdict"],
+                    "slowdown_vs_plain_aa": pf["ratio"] - 1, "slowdown_vs_plain_aa_ci90": [x - 1 for x in pf["interval"]],
                     "off_vs_plain": statistics.median(off) / statistics.median(alone) - 1,
-                    "iter_s_plain_median": statistics.median(alone), "iterations_plain": len(alone)}
+                    "iter_s_plain_median": statistics.median(alone),
+                    "iter_s_plain_aa_median": cmp["arms"][aa_name("plain")]["median"],
+                    "iterations_plain": len(alone), "comparison_vs_plain": cmp}
     bubbles = [statistics.mean([r[k] for k in r if k.startswith("bubble_s")]) for r in body if r["iteration"] % 2]
     on_time = sum(on)
     fracs, works, lat, errs, used_num, used_den = [], [], [], [], 0.0, 0.0
@@ -229,7 +269,10 @@ def summarize(res: dict, exclusive: dict, study: str, plain: dict | None = None)
         diffs = [parity, r["max_abs_loss_diff"], r["max_abs_val_diff"]]
         parity = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")  # noqa: E731
-    return {"slowdown": ratio - 1, "slowdown_ci90": [lo, hi], "iterations_on": len(on), "iterations_off": len(off),
+    return {"slowdown": guest["ratio_vs_reference"] - 1, "slowdown_ci90": [x - 1 for x in guest["interval"]],
+            "slowdown_verdict": guest["verdict"], "slowdown_aa": floor["ratio"] - 1,
+            "slowdown_aa_ci90": [x - 1 for x in floor["interval"]], "rounds": in_run["rounds"],
+            "comparison": in_run, "iterations_on": len(on), "iterations_off": len(off),
             "iter_s_off_median": statistics.median(off),
             "guest_fraction_of_exclusive": statistics.mean(fracs) if fracs else float("nan"),
             "work_per_bubble_s": statistics.mean(works) if works else float("nan"),
@@ -266,37 +309,62 @@ def main(argv: list[str] | None = None) -> int:
     if len(os.sched_getaffinity(0)) < 2:
         print("bench_squeezer.py: error: needs 2 cores (one per rank)", file=sys.stderr)
         return 2
+    from megatron_ext.bench.harness import Report, format_comparison, rotated_order
+
+    report = Report("bench_squeezer")
     base = args.keep or tempfile.mkdtemp(prefix="bench-squeeze-")
     cases: dict[str, dict] = {}
+    orders: dict[str, list[str]] = {}
     try:
+        ci = 0
         for engine in args.engines:
             for m in args.microbatches:
                 name = f"{engine}_pp2_m{m}"
                 work = os.path.join(base, name)
                 shutil.rmtree(work, ignore_errors=True)
                 # before the case, with nothing else running: the guest alone (its own copy of the
-                # study, so the case's study starts as fresh), then the job without guests
+                # study, so the case's study starts as fresh)
                 excl_study = study_for_bench(args.study, os.path.join(work, "exclusive"))
                 excl = exclusive_rate(excl_study, args.exclusive_s, cpu=0, log_dir=os.path.join(work, "exclusive"))
-                plain = None if args.no_plain else run_case(engine, m, None, os.path.join(work, "plain"), args.iters,
-                                                            args.timeout_s)
                 study = study_for_bench(args.study, work)
-                res = run_case(engine, m, study, work, args.iters, args.timeout_s, args.margin_ms)
-                cases[name] = summarize(res, excl, study, plain)
+                order = ["squeeze"] if args.no_plain else rotated_order(["plain", "squeeze", "plain_aa"], ci)
+                orders[name] = order
+                ci += 1
+                runs = {}
+                for arm in order:
+                    if arm == "squeeze":
+                        runs[arm] = run_case(engine, m, study, work, args.iters, args.timeout_s, args.margin_ms)
+                    else:
+                        runs[arm] = run_case(engine, m, None, os.path.join(work, arm), args.iters, args.timeout_s)
+                cases[name] = summarize(runs["squeeze"], excl, study, runs.get("plain"), runs.get("plain_aa"))
                 cases[name]["exclusive_trial_steps_per_s"] = excl["trial_steps_per_s"]
                 cases[name]["exclusive"] = excl
-                print(f"{name}: done", flush=True)
+                cases[name]["run_order"] = order
+                print(f"{name}: done (runs in the order {', '.join(order)})", flush=True)
     finally:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
-    head = ["case", "slowdown", "ci90", "vs plain", "guest/excl", "bubble", "used", "pause p50/p99 ms", "fcst err", "parity"]
-    print("  ".join(head))
+    head = ["case", "slowdown", "ci90", "A/A", "vs plain", "ci90", "A/A", "guest/excl", "bubble", "used",
+            "pause p50/p99 ms", "fcst err", "parity"]
+    lines = ["  ".join(head)]
+    pc = lambda x: f"{x:+.2%}"  # noqa: E731
+    ci90 = lambda v: f"[{v[0]:+.1%}, {v[1]:+.1%}]"  # noqa: E731
     for name, c in cases.items():
-        vp = f"{c['slowdown_vs_plain']:+.2%}" if "slowdown_vs_plain" in c else "-"
-        print(f"{name}  {c['slowdown']:+.2%}  [{c['slowdown_ci90'][0]:+.1%}, {c['slowdown_ci90'][1]:+.1%}]  {vp}  "
-              f"{c['guest_fraction_of_exclusive']:.3f}  {c['bubble_fraction']:.3f}  {c['bubble_used']:.3f}  "
-              f"{c['pause_latency_p50_s'] * 1e3:.2f}/{c['pause_latency_p99_s'] * 1e3:.1f}  {c['forecast_err_p50']:.3f}  "
-              f"{c['trial_parity_max_abs_diff']:.1e}")
+        vp = [pc(c["slowdown_vs_plain"]), ci90(c["slowdown_vs_plain_ci90"]), pc(c["slowdown_vs_plain_aa"])] \
+            if "slowdown_vs_plain" in c else ["-", "-", "-"]
+        lines.append(f"{name}  {pc(c['slowdown'])}  {ci90(c['slowdown_ci90'])}  {pc(c['slowdown_aa'])}  {'  '.join(vp)}  "
+                     f"{c['guest_fraction_of_exclusive']:.3f}  {c['bubble_fraction']:.3f}  {c['bubble_used']:.3f}  "
+                     f"{c['pause_latency_p50_s'] * 1e3:.2f}/{c['pause_latency_p99_s'] * 1e3:.1f}  "
+                     f"{c['forecast_err_p50']:.3f}  {c['trial_parity_max_abs_diff']:.1e}")
+    lines.append("slowdown: guest-on vs guest-off iterations of the squeezed run (A/A: off vs off); vs plain: the "
+                 "same iterations of a run without --squeeze (A/A: that run repeated); 90 % bootstrap intervals of "
+                 "the median of paired ratios")
+    for name, c in cases.items():
+        lines.append(f"\n{name}, guest-on vs guest-off (s per iteration):")
+        lines.append(format_comparison(c["comparison"], "s"))
+        if "comparison_vs_plain" in c:
+            lines.append(f"{name}, squeezed vs plain (s per iteration):")
+            lines.append(format_comparison(c["comparison_vs_plain"], "s"))
     if args.figures_out:
         os.makedirs(args.figures_out, exist_ok=True)
         for n, c in cases.items():
@@ -305,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                            "bubble_fraction": c["bubble_fraction"]}, fh, indent=1)
     settings = {"iters": args.iters, "study": os.path.relpath(args.study, ROOT), "model": " ".join(MODEL),
                 "margin_ms": args.margin_ms, "load_avg_1m": os.getloadavg()[0]}
-    print(json.dumps({"cases": cases, "settings": settings}))
+    report.emit({"cases": cases, "settings": settings}, "\n".join(lines))
     return 0
 
 

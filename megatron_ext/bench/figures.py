@@ -31,7 +31,7 @@ BENCH_FILES: dict[str, list[str]] = {
     "bench_relayout": ["tools/bench_relayout.py", "tools/relayout_live_worker.py", "megatron_ext/ft",
                        "megatron_ext/resihp", "megatron_ext/runtime", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
     "bench_squeezer": ["tools/bench_squeezer.py", "megatron_ext/hydro", "megatron_ext/pipeline",
-                       "megatron_ext/runtime", "deepspeed_patches", "pretrain_gpt.py"],
+                       "megatron_ext/runtime", "deepspeed_patches", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
     # tools/gpu_check.py --record keeps its figures in docs/figures/gpu/
     "gpu_check": ["tools/gpu_check.py", "megatron_ext/runtime", "megatron_ext/models", "megatron_ext/helix",
                   "megatron_ext/hydro", "megatron_ext/ft", "megatron_ext/resihp/flops.py", "megatron_ext/data",
