@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -75,30 +76,47 @@ def curve(path) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in rows(path, "train")}
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+# Two launches at a time: most of a scenario is waiting (a heartbeat timeout, a respawned rank's
+# imports, a survivor's continue timeout), and each launch has its own store, port and directory.
+# The longest first, so that the short ones fill in beside it.
+CONCURRENT = 2
+LONGEST_FIRST = ("regrow", "pp", "dp", "ds", "perm", "error", "keep_newer", "same_error", "collective", "no_copy")
+assert sorted(LONGEST_FIRST) == sorted(SCENARIOS)
+STRAIGHT = (("straight150", 150, 150), ("straight10", 10, 10), ("straight8", 8, 8))
+
+
+def _launch(out, name: str) -> dict:
     from megatron_ext.ft.launch import job_exit_code, launch_ranks
 
+    nproc, args, env = SCENARIOS[name]
+    d = out / name
+    script = "tests/runtime/permute_scenario.py" if name == "perm" else "pretrain_gpt.py"
+    save = [] if name == "no_copy" else ["--save", str(d / "ck")]
+    argv = [script, *MODEL, *CONTINUE, *args, *save,
+            "--metrics-file", str(d / "metrics.jsonl"), "--resihp-verdicts-out", str(d / "verdicts.jsonl")]
+    t0 = time.monotonic()
+    ranks = launch_ranks(argv, nproc, cwd=ROOT, timeout_s=600, env=env, respawn=int(args[-1]) if
+                         "--resihp-respawn" in args else 0)
+    return {"dir": d, "codes": [r.returncode for r in ranks], "logs": [r.output for r in ranks],
+            "incarnations": [r.incarnations for r in ranks], "job": job_exit_code(ranks),
+            "wall_s": time.monotonic() - t0, "metrics": d / "metrics.jsonl"}
+
+
+def _straight(out, iters: int, decay: int) -> dict[int, float]:
+    """A single-rank straight run of the same model and data, with a launch's LR schedule."""
+    ref = out / f"straight{iters}.jsonl"
+    run_python("pretrain_gpt.py", *MODEL, "--train-iters", str(iters), "--lr-decay-iters", str(decay),
+               "--metrics-file", str(ref))
+    return curve(ref)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
     out = tmp_path_factory.mktemp("recovery")
-    result = {}
-    for name, (nproc, args, env) in SCENARIOS.items():
-        d = out / name
-        script = "tests/runtime/permute_scenario.py" if name == "perm" else "pretrain_gpt.py"
-        save = [] if name == "no_copy" else ["--save", str(d / "ck")]
-        argv = [script, *MODEL, *CONTINUE, *args, *save,
-                "--metrics-file", str(d / "metrics.jsonl"), "--resihp-verdicts-out", str(d / "verdicts.jsonl")]
-        t0 = time.monotonic()
-        ranks = launch_ranks(argv, nproc, cwd=ROOT, timeout_s=600, env=env, respawn=int(args[-1]) if
-                             "--resihp-respawn" in args else 0)
-        result[name] = {"dir": d, "codes": [r.returncode for r in ranks], "logs": [r.output for r in ranks],
-                        "incarnations": [r.incarnations for r in ranks], "job": job_exit_code(ranks),
-                        "wall_s": time.monotonic() - t0, "metrics": d / "metrics.jsonl"}
-    # Straight single-rank runs of the same model and data, with each launch's LR schedule.
-    for name, iters, decay in (("straight8", 8, 8), ("straight10", 10, 10), ("straight150", 150, 150)):
-        ref = out / f"{name}.jsonl"
-        run_python("pretrain_gpt.py", *MODEL, "--train-iters", str(iters), "--lr-decay-iters", str(decay),
-                   "--metrics-file", str(ref))
-        result[name] = curve(ref)
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        jobs = {name: pool.submit(_launch, out, name) for name in LONGEST_FIRST}
+        jobs.update({name: pool.submit(_straight, out, iters, decay) for name, iters, decay in STRAIGHT})
+        result = {name: job.result() for name, job in jobs.items()}
     # --train-iters 5 --lr-decay-iters 8 is the first five iterations of straight8 (same schedule,
     # same data order): one launch fewer.
     result["straight5"] = {i: loss for i, loss in result["straight8"].items() if i <= 5}
