@@ -62,7 +62,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.bench.harness import Report  # noqa: E402
+from megatron_ext.bench.harness import Report, aa_name, compare, format_comparison  # noqa: E402
 from megatron_ext.resihp import planner as planner_mod  # noqa: E402
 from megatron_ext.resihp.flops import ModelSpec  # noqa: E402
 from megatron_ext.resihp.planner import (Cluster, PlanLayout, Planner, PlannerConfig, PlanningError,  # noqa: E402
@@ -448,7 +448,18 @@ def _live_relayout(root: str, tmp: str, iters: int, scenario: str, nproc: int) -
         print(f"  {scenario}: after / optimum {after / optimum:.3f}; pause {r['pause_s']:.2f} s = "
               f"{r['pause_s'] / r['relayout_s']:.1f} iterations; planner decision {r['decide_s'] * 1e3:.0f} ms; "
               f"loss vs straight run max rel diff {r['loss_max_rel_diff']:.2e}")
-    return {"healthy_tok_s": round(healthy, 1), "slow_no_action_tok_s": round(slow, 1),
+    # Each phase's iterations against the healthy phase's, and the A/A: a second healthy phase run
+    # right after the first (phases are sequential, paired by position in the phase).
+    series = {"healthy": r["series"]["healthy"], aa_name("healthy"): r["series"]["healthy_again"],
+              "slowed": r["series"]["slowed"]}
+    if r["series"].get("after_relayout"):
+        series["after_relayout"] = r["series"]["after_relayout"]
+    cmp = compare(series, "healthy", higher_is_better=False)
+    table = format_comparison(cmp, "s/iter").splitlines()
+    table[-1] = (f"({cmp['rounds']} iterations per phase; the phases in sequence -- healthy, healthy again (the A/A), "
+                 "slowed, after the re-layout -- and paired by position; ratio = median of the paired ratios)")
+    print("\n".join("    " + line for line in table))
+    return {"healthy_tok_s": round(healthy, 1), "slow_no_action_tok_s": round(slow, 1), "phases": cmp,
             "slow_relayout_tok_s": round(after, 1) if after else None,
             "optimum_fraction": round(after / optimum, 4) if after else None,
             "measured_speeds": [round(v, 4) for v in r["measured_speeds"]],

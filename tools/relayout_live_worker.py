@@ -64,9 +64,11 @@ class ComputeClock:
         self._handles = []
 
 
-def phase(trainer: Trainer, iters: int, losses: list, clock: ComputeClock | None = None) -> float:
+def phase(trainer: Trainer, iters: int, losses: list, clock: ComputeClock | None = None,
+          samples: list | None = None) -> float:
     """Median iteration time of ``iters`` iterations after 2 unmeasured ones (agreed over ranks);
-    ``clock``: its ``per_iteration`` is set to this rank's median forward seconds per iteration."""
+    ``clock``: its ``per_iteration`` is set to this rank's median forward seconds per iteration;
+    ``samples``: gets every measured iteration's seconds."""
     times, fwd = [], []
     for i in range(iters + 2):
         dist.barrier()
@@ -81,6 +83,8 @@ def phase(trainer: Trainer, iters: int, losses: list, clock: ComputeClock | None
         losses.append(m.loss)
     if clock is not None:
         clock.per_iteration = statistics.median(fwd)
+    if samples is not None:
+        samples.extend(times)
     return statistics.median(times)
 
 
@@ -113,13 +117,17 @@ def main() -> None:
     losses: list = []
     clock = ComputeClock()
     clock.install(trainer.model.chunks)
-    healthy_s = phase(trainer, iters, losses, clock)
+    series: dict[str, list[float]] = {"healthy": [], "healthy_again": [], "slowed": [], "after_relayout": []}
+    healthy_s = phase(trainer, iters, losses, clock, series["healthy"])
     healthy_fwd = clock.per_iteration
+    # The A/A phase: healthy again, right after -- how far two phases of the same job differ on
+    # this host (phases run one after another; a re-layout is one-way and cannot be interleaved).
+    phase(trainer, iters, losses, samples=series["healthy_again"])
     throttle = Throttle(list(trainer.model.chunks), FACTOR) if rank == slow_rank else None
     if throttle is not None:
         throttle.active = True
     clock.install(trainer.model.chunks)  # after the throttle: its hold counts
-    slow_s = phase(trainer, iters, losses, clock)
+    slow_s = phase(trainer, iters, losses, clock, series["slowed"])
     clock.remove()
     measured = measured_speeds(healthy_fwd, clock.per_iteration)
     # The planner gets what the detector would believe (the nominal factor); the optimum the
@@ -130,7 +138,8 @@ def main() -> None:
     plan = planner.plan(plan_layout(trainer), speeds)
     decide_s = time.perf_counter() - t0
     result = {"healthy_s": healthy_s, "slow_s": slow_s, "decide_s": decide_s,
-              "plan": plan.describe() if plan else None, "speeds": speeds, "measured_speeds": measured}
+              "plan": plan.describe() if plan else None, "speeds": speeds, "measured_speeds": measured,
+              "series": series}
     target = target_from_plan(plan.new) if plan is not None else None
     if target is not None and not_applicable(trainer, target) is None:
         if throttle is not None:
@@ -145,7 +154,7 @@ def main() -> None:
         result["stage_layers"] = info["stage_layers"]
         result["replica_microbatches"] = info["replica_microbatches"]
         result["members"] = info["members"] if info["rank_order"] else None
-        result["relayout_s"] = phase(trainer, iters, losses)
+        result["relayout_s"] = phase(trainer, iters, losses, samples=series["after_relayout"])
     curve = gather_losses(trainer, losses)
     if throttle is not None:
         throttle.remove()
