@@ -30,6 +30,9 @@ BENCH_FILES: dict[str, list[str]] = {
                        "megatron_ext/bench/harness.py"],
     "bench_relayout": ["tools/bench_relayout.py", "tools/relayout_live_worker.py", "megatron_ext/ft",
                        "megatron_ext/resihp", "megatron_ext/runtime", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
+    "bench_resilience": ["tools/bench_resilience.py", "megatron_ext/resilience", "megatron_ext/resihp",
+                         "megatron_ext/pipeline/pipesim.py", "megatron_ext/pipeline/schedule_orders.py",
+                         "megatron_ext/bench/harness.py"],
     "bench_squeezer": ["tools/bench_squeezer.py", "megatron_ext/hydro", "megatron_ext/pipeline",
                        "megatron_ext/runtime", "deepspeed_patches", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
     # tools/gpu_check.py --record keeps its figures in docs/figures/gpu/
