@@ -9,15 +9,21 @@ slow 2x, a NIC and a PP stage link at 1/2 and 1/4 bandwidth, one GPU lost, one n
 
 Policies: ``ckpt_restart`` (Megatron + NVRx in-job restart with a spare node), ``oobleck``,
 ``recycle``, ``malleus`` (Malleus-like re-planner), ``adaptra``, ``torchft`` (DP shrink),
-``resihp`` (ResiHP's planner and hysteresis as they are, ``megatron_ext.resihp``) and ``resihp+``
-(the same decisions with this package's glue: TP groups kept inside nodes after a reshape).
+``resihp`` (ResiHP's planner and hysteresis as they are, ``megatron_ext.resihp``), ``resihp+``
+(the same decisions with this package's glue: TP groups kept inside nodes after a reshape),
+``resihp+rr`` (the glue also reroutes a faulty stage's micro-batches to its peers at once and
+re-lays out only when the planner predicts that beats rerouting) and ``resihp+rr+link`` (a what-if:
+``resihp+rr`` given link verdicts, as issue #22 item 4 would give them).
 Every policy gets the same detector model (a compute fail-slow named after 7 iterations, a loss
-after a 30 s heartbeat timeout; link slowdowns only to ADAPTRA, which has a link detector).
+after a 30 s heartbeat timeout; link slowdowns only to ADAPTRA, which has a link detector, and to
+the what-if). ``--start tuned`` starts every policy from the simulator's fastest healthy layout
+instead of the usual one, so that no policy gains from a better shape that needed no fault.
 
 Prints the table (throughput relative to the healthy job, per model, scenario and policy; the best
 baseline; ResiHP's speedup over it), the simulator's error against recorded CPU runs, then one JSON
-line: {"scenarios": {model/scenario: {policy: x}}, "speedup_vs_best": {...}, "geomean_speedup_vs_best":
-x, "glue": {...}, "sim_err": {"median": .., "p95": ..}, ...}.
+line: {"scenarios": {model/scenario: {policy: x}}, "speedup_vs_best": {...} (resihp over the best
+baseline), "geomean_speedup_vs_best": x, "glue": {policy: {...}}, "what_if_link_verdicts": {...},
+"sim_err": {"median": .., "p95": ..}, ...}.
 """
 from __future__ import annotations
 
@@ -40,9 +46,10 @@ from megatron_ext.resilience.validate import sim_error  # noqa: E402
 
 logger = logging.getLogger("bench_resilience")
 
-RESIHP = ("resihp", "resihp+", "resihp+link")
+RESIHP = ("resihp",) + policies.GLUE + policies.WHAT_IF
 SHORT = {"ckpt_restart": "ckpt", "oobleck": "oobleck", "recycle": "recycle", "malleus": "malleus",
-         "adaptra": "adaptra", "torchft": "torchft", "resihp": "resihp", "resihp+": "resihp+", "resihp+link": "+link"}
+         "adaptra": "adaptra", "torchft": "torchft", "resihp": "resihp", "resihp+": "resihp+", "resihp+rr": "+rr",
+         "resihp+rr+link": "+rr+link"}
 
 
 def planner_healthy_gain(ctx) -> float:
@@ -74,7 +81,8 @@ def main() -> int:
     report = Report("bench_resilience")
     t0 = time.time()
     names = policies.BASELINES + RESIHP
-    rows, figures, speedup, glue, link, meta = [], {}, {}, {}, {}, {}
+    rows, figures, meta = [], {}, {}
+    speedups: dict[str, dict[str, float]] = {n: {} for n in RESIHP}
     for model in args.models:
         ctx = setting.context(model, start=args.start, detector_delay=args.detector_delay)
         healthy = ctx.sim.healthy(ctx.start)
@@ -101,30 +109,32 @@ def main() -> int:
             thr = {n: round(r.throughput_vs_healthy, 4) for n, r in res.items()}
             best = max(policies.BASELINES, key=lambda n: thr[n])
             figures[key] = thr
-            speedup[key] = round(thr["resihp"] / thr[best], 4)
-            glue[key] = round(thr["resihp+"] / thr[best], 4)
-            link[key] = round(thr["resihp+link"] / thr[best], 4)
+            for n in RESIHP:
+                speedups[n][key] = round(thr[n] / thr[best], 4)
             rows.append((model, sname, thr, best))
     head = f"{'model':<15} {'scenario':<14} " + " ".join(f"{SHORT[n]:>8}" for n in names) + \
-        f"  {'best base':>9} {'resihp/':>8} {'resihp+/':>8} {'+link/':>8}"
+        f"  {'best base':>9} " + " ".join(f"{SHORT[n] + '/':>9}" for n in RESIHP)
     lines = [f"bench_resilience: {len(rows)} model x scenario runs, {len(names)} policies each, "
              f"{time.time() - t0:.0f} s; throughput relative to the healthy job (simulated)", head, "-" * len(head)]
     for model, sname, thr, best in rows:
         key = f"{model}/{sname}"
         lines.append(f"{model:<15} {sname:<14} " + " ".join(f"{thr[n]:>8.3f}" for n in names)
-                     + f"  {SHORT[best]:>9} {speedup[key]:>8.3f} {glue[key]:>8.3f} {link[key]:>8.3f}")
-    gm, gm_glue, gm_link = geomean(speedup.values()), geomean(glue.values()), geomean(link.values())
-    lines.append(f"geometric mean over best baseline: resihp {gm:.3f}x (min {min(speedup.values()):.3f}, "
-                 f"max {max(speedup.values()):.3f}); resihp+ (glue: node-local TP groups) {gm_glue:.3f}x "
-                 f"(min {min(glue.values()):.3f}); resihp+link (what-if: link verdicts) {gm_link:.3f}x "
-                 f"(min {min(link.values()):.3f})")
+                     + f"  {SHORT[best]:>9} " + " ".join(f"{speedups[n][key]:>9.3f}" for n in RESIHP))
+    gm = {n: geomean(speedups[n].values()) for n in RESIHP}
+    what = {"resihp": "as it is", "resihp+": "glue: node-local TP groups", "resihp+rr": "glue: + reroute first",
+            "resihp+rr+link": "what-if: + link verdicts"}
+    lines.append("over the best baseline, geometric mean (min, max): " + "; ".join(
+        f"{n} ({what[n]}) {gm[n]:.3f}x ({min(speedups[n].values()):.3f}, {max(speedups[n].values()):.3f})"
+        for n in RESIHP))
     lines.append("layouts: " + "; ".join(f"{m} {v['layout']} layers {'/'.join(map(str, v['layers']))} "
                                          f"{v['healthy_iteration_s']} s/it, planner's healthy gain "
                                          f"{100 * v['planner_healthy_gain']:+.1f} %" for m, v in meta.items()))
-    out = {"scenarios": figures, "speedup_vs_best": speedup, "geomean_speedup_vs_best": round(gm, 4),
-           "glue": {"policy": "resihp+", "speedup_vs_best": glue, "geomean_speedup_vs_best": round(gm_glue, 4)},
-           "what_if_link_verdicts": {"policy": "resihp+link", "speedup_vs_best": link,
-                                     "geomean_speedup_vs_best": round(gm_link, 4)},
+    out = {"scenarios": figures, "speedup_vs_best": speedups["resihp"],
+           "geomean_speedup_vs_best": round(gm["resihp"], 4),
+           "glue": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}
+                    for n in policies.GLUE},
+           "what_if_link_verdicts": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}
+                                     for n in policies.WHAT_IF},
            "start": args.start, "models": meta}
     if not args.no_validate:
         err = sim_error()

@@ -259,6 +259,38 @@ class Oobleck(CheckpointRestart):
 
 # ---- ReCycle -------------------------------------------------------------------------------------
 
+def reroute(pipelines: Sequence[Pipeline], speed: np.ndarray) -> tuple[list[Pipeline], Job]:
+    """ReCycle's answer for ``pipelines`` at the believed ``speed``: the pipelines that still have a
+    usable stage (a pipeline that lost every stage is dropped, its
+    micro-batches spread over the rest), and the job with every slow or lost stage's micro-batches
+    on its peers."""
+    pipes, orphaned = [], 0
+    for p in pipelines:
+        v = stage_speeds(p, speed)
+        if all(x <= 0 for x in v):
+            orphaned += p.microbatches
+            continue
+        pipes.append(p)
+    if not pipes:
+        raise RuntimeError("recycle: every pipeline is lost")
+    if orphaned:
+        base, extra = divmod(orphaned, len(pipes))
+        pipes = [dataclasses.replace(p, microbatches=p.microbatches + base + (1 if i < extra else 0))
+                 for i, p in enumerate(pipes)]
+    out = []
+    for p in pipes:
+        # A slow stage hands all of its micro-batches to its peers: in the simulator the rerouted
+        # ones still take their place in the stage's order (at the peer's speed), so keeping
+        # any on the slow device only lengthens the chain; all of them is ReCycle's best split.
+        rer = tuple(p.microbatches if x < 1.0 else 0 for x in stage_speeds(p, speed))
+        out.append(dataclasses.replace(p, rerouted=rer if any(rer) else ()))
+    return pipes, Job(tuple(out))
+
+
+def _reroute_note(job: Job) -> str:
+    return ("reroute " + ", ".join(f"p{q}:{list(p.rerouted)}" for q, p in enumerate(job.pipelines) if p.rerouted))[:200]
+
+
 class ReCycle(Policy):
     """A lost (or slow) stage's micro-batches go to the same stage of the other pipelines, into
     their bubbles; no spare, no restart. A pipeline that lost every stage is dropped and its
@@ -274,33 +306,9 @@ class ReCycle(Policy):
     def react(self, ctx, t, it, verdicts, links):
         if not self.believe(verdicts):
             return None
-        pipes = []
-        orphaned = 0
-        for p in self.kept:
-            v = stage_speeds(p, self.speed)
-            if all(x <= 0 for x in v):
-                orphaned += p.microbatches
-                continue
-            pipes.append((p, v))
-        if not pipes:
-            raise RuntimeError("recycle: every pipeline is lost")
-        self.kept = [p for p, _ in pipes]
-        if orphaned:
-            base, extra = divmod(orphaned, len(pipes))
-            pipes = [(dataclasses.replace(p, microbatches=p.microbatches + base + (1 if i < extra else 0)), v)
-                     for i, (p, v) in enumerate(pipes)]
-            self.kept = [p for p, _ in pipes]
-        out = []
-        for p, v in pipes:
-            # A slow stage hands all of its micro-batches to its peers: in the simulator the rerouted
-            # ones still take their place in the stage's order (at the peer's speed), so keeping
-            # any on the slow device only lengthens the chain; all of them is ReCycle's best split.
-            rer = tuple(p.microbatches if x < 1.0 else 0 for x in v)
-            out.append(dataclasses.replace(p, rerouted=rer if any(rer) else ()))
-        job = Job(tuple(out))
+        self.kept, job = reroute(self.kept, self.speed)
         self.job = job
-        return Action(job, ctx.costs.reroute_s, note="reroute " + ", ".join(
-            f"p{q}:{list(p.rerouted)}" for q, p in enumerate(job.pipelines) if p.rerouted)[:200])
+        return Action(job, ctx.costs.reroute_s, note=_reroute_note(job))
 
 
 # ---- Malleus-like straggler-aware re-planner ------------------------------------------------------
@@ -503,13 +511,14 @@ class ResiHP(Policy):
     name = "resihp"
 
     def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, node_aware: bool = False,
-                 link_aware: bool = False) -> None:
+                 link_aware: bool = False, reroute_first: bool = False) -> None:
         self.config = config or PlannerConfig()
         self.recover_after = recover_after
         self.node_aware = node_aware
         self.link_aware = link_aware
+        self.reroute_first = reroute_first
         if node_aware:
-            self.name = "resihp+" + ("link" if link_aware else "")
+            self.name = "resihp+" + "+".join(x for x, on in (("rr", reroute_first), ("link", link_aware)) if on)
 
     def planner(self, ctx: Context) -> Planner:
         shape, tokens = ctx.shape, ctx.data.tokens
@@ -539,6 +548,8 @@ class ResiHP(Policy):
             plan = self.policy.observe(it, verdicts)
         except PlanningError as exc:
             self.fallback.job, self.fallback.speed = self.job, self.policy.speeds.copy()
+            g = ctx.hw.gpus_per_node
+            self.fallback.free_nodes = [n for n in self.fallback.free_nodes if n not in nodes_of(self.job.devices, g)]
             act = self.fallback.restart_without(ctx, {v.rank // ctx.hw.gpus_per_node for v in verdicts
                                                       if v.kind == "fail_stop"}, f"(planner: {exc})"[:80])
             self.job = act.job
@@ -563,7 +574,45 @@ class ResiHP(Policy):
     def react(self, ctx, t, it, verdicts, links):
         if self.link_aware:
             verdicts = list(verdicts) + self._link_verdicts(it, links)
+        if self.reroute_first:
+            return self._reroute_or_plan(ctx, it, verdicts)
         return self.decide(ctx, it, verdicts)
+
+    def _reroute_or_plan(self, ctx: Context, it: int, verdicts: list[Verdict]) -> Action | None:
+        """Glue (item 5, "combine rerouting with re-layout"): hand a slow or lost stage's
+        micro-batches to its data-parallel peers at once (ReCycle's mechanism: seconds, nothing
+        moves), and re-lay out only when the planner predicts its plan beats the layout in force
+        with the faulty devices' work hidden that way."""
+        before = self.policy.speeds.copy()
+        try:
+            plan = self.policy.observe(it, verdicts, adopt=False)
+        except PlanningError:
+            return self.decide(ctx, it, [])   # no plan survives: decide's fallback restarts
+        if np.array_equal(before, self.policy.speeds):
+            return None
+        base = self.policy.layout
+        hidden = np.where((self.policy.speeds < 1) & np.isin(np.arange(ctx.num_devices), base.devices), 1.0,
+                          self.policy.speeds)
+        # A replica that lost every stage cannot be rerouted: its micro-batches go to the others.
+        grid = np.asarray(base.devices).reshape(base.pp, base.dp, base.tp)
+        gone = [d for d in range(base.dp) if (self.policy.speeds[grid[:, d, :]] <= 0).any(axis=1).all()]
+        share = base.num_microbatches / max(1, base.num_microbatches - sum(base.microbatches[d] for d in gone))
+        rerouted_s = self.policy.planner.iteration_s(base, hidden) * share
+        if plan is not None and plan.iteration_s_after + plan.move_s / plan.horizon_iterations < rerouted_s:
+            fixed = node_local(plan.new, ctx.hw.gpus_per_node, self.policy.speeds)
+            self.policy.layout = fixed
+            new = from_plan_layout(fixed)
+            pause = move_pause_s(ctx, from_plan_layout(base), new, ctx.costs.reconfigure_s)
+            self.job = new
+            return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {fixed.shape} (beats rerouting)")
+        try:
+            _, job = reroute(from_plan_layout(base).pipelines, self.policy.speeds)
+        except RuntimeError:
+            return None
+        if job == self.job:
+            return None
+        self.job = job
+        return Action(job, ctx.costs.reroute_s, note=_reroute_note(job))
 
     def _link_verdicts(self, it: int, links: list[LinkVerdict]) -> list[Verdict]:
         """What-if glue for item 4 of issue #22 (a detector that names slow links): the planner has
@@ -584,15 +633,19 @@ class ResiHP(Policy):
 
 
 BASELINES = ("ckpt_restart", "oobleck", "recycle", "malleus", "adaptra", "torchft")
+GLUE = ("resihp+", "resihp+rr")
+"""ResiHP's decisions with this package's glue (docs/resilience.md, "Policy glue")."""
+WHAT_IF = ("resihp+rr+link",)
+"""The glue given link verdicts, which ResiHP's detector does not produce yet (issue #22 item 4)."""
 
 
 def make(name: str):
     table = {"ckpt_restart": CheckpointRestart, "oobleck": Oobleck, "recycle": ReCycle, "malleus": Malleus,
              "adaptra": Adaptra, "torchft": TorchFT, "resihp": ResiHP}
-    if name == "resihp+":
-        return ResiHP(node_aware=True)
-    if name == "resihp+link":
-        return ResiHP(node_aware=True, link_aware=True)
+    glue = {"resihp+": {}, "resihp+rr": {"reroute_first": True}, "resihp+link": {"link_aware": True},
+            "resihp+rr+link": {"reroute_first": True, "link_aware": True}}
+    if name in glue:
+        return ResiHP(node_aware=True, **glue[name])
     if name not in table:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(table)}")
     return table[name]()

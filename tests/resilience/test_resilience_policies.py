@@ -13,7 +13,7 @@ from megatron_ext.resilience.faults import FaultTrace, healthy_state
 from megatron_ext.resilience.run import run_policy
 from megatron_ext.resilience.validate import sim_error
 
-ALL = policies.BASELINES + ("resihp", "resihp+")
+ALL = policies.BASELINES + ("resihp",) + policies.GLUE + policies.WHAT_IF
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +140,22 @@ def test_a_rollback_loses_exactly_the_work_since_the_last_checkpoint(ctx):
     kept = math.floor(ctx.costs.checkpoint_interval_s / T)   # iterations the 900 s checkpoint holds
     assert r.restarts == 1
     assert r.tokens == pytest.approx(kept * tok + (end - j * T) / T * tok, rel=1e-9)
+
+
+def test_reroute_first_reroutes_when_the_planner_sees_no_better_layout(ctx):
+    import dataclasses
+
+    from megatron_ext.resilience.job import balanced_layers, node_aligned_job
+
+    # The tuned start (the simulator's fastest healthy layout), built directly: no search.
+    start = node_aligned_job(ctx.shape, tp=2, pp=2, dp=64, global_microbatches=ctx.start.microbatches,
+                             layers=balanced_layers(ctx.shape, 2))
+    ctx = dataclasses.replace(ctx, start=start)
+    sc = setting.scenarios(ctx)["gpu_slow_2x"]
+    slow = sc.faults[0].target
+    pol = policies.make("resihp+rr")
+    run_policy(pol, ctx, setting.trace(ctx, sc), end_s=sc.end_s, measure_from_s=sc.measure_from_s)
+    from megatron_ext.resilience.job import to_plan_layout
+    assert pol.policy.layout == to_plan_layout(ctx.start)        # no re-layout
+    hit = [p for p in pol.job.pipelines if slow in p.devices]
+    assert len(hit) == 1 and hit[0].rerouted and max(hit[0].rerouted) == hit[0].microbatches
