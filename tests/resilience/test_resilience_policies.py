@@ -159,3 +159,24 @@ def test_reroute_first_reroutes_when_the_planner_sees_no_better_layout(ctx):
     assert pol.policy.layout == to_plan_layout(ctx.start)        # no re-layout
     hit = [p for p in pol.job.pipelines if slow in p.devices]
     assert len(hit) == 1 and hit[0].rerouted and max(hit[0].rerouted) == hit[0].microbatches
+
+
+def test_oobleck_rebuilds_on_whole_nodes_and_malleus_keeps_membership(ctx):
+    sc = setting.scenarios(ctx)["node_lost"]
+    oob = policies.make("oobleck")
+    run_policy(oob, ctx, setting.trace(ctx, sc), end_s=sc.end_s, measure_from_s=sc.measure_from_s)
+    lost = sc.faults[0].target
+    for p in oob.job.pipelines:
+        nodes = {d // 8 for d in p.devices}
+        assert lost not in nodes and len(p.devices) == 8 * len(nodes)     # whole nodes only
+    assert oob.job.microbatches == ctx.start.microbatches
+    sc = setting.scenarios(ctx)["gpu_slow_2x"]
+    slow = sc.faults[0].target
+    mal = policies.make("malleus")
+    run_policy(mal, ctx, setting.trace(ctx, sc), end_s=sc.end_s, measure_from_s=sc.measure_from_s)
+    assert [p.stages for p in mal.job.pipelines] == [p.stages for p in ctx.start.pipelines]   # membership kept
+    hit = next(p for p in mal.job.pipelines if slow in p.devices)
+    k = next(i for i, g in enumerate(hit.stages) if slow in g)
+    assert hit.layers[k] < min(n for i, n in enumerate(hit.layers) if i != k)    # fewer layers on the slow stage
+    other = next(p for p in mal.job.pipelines if slow not in p.devices)
+    assert hit.microbatches < other.microbatches                                   # and fewer micro-batches
