@@ -39,14 +39,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench.harness import Report  # noqa: E402
-from megatron_ext.resilience import policies, setting  # noqa: E402
+from megatron_ext.resilience import policies, resihp_policy, setting  # noqa: E402
 from megatron_ext.resilience.job import from_plan_layout, to_plan_layout  # noqa: E402
 from megatron_ext.resilience.run import run_policy  # noqa: E402
 from megatron_ext.resilience.validate import sim_error  # noqa: E402
 
 logger = logging.getLogger("bench_resilience")
 
-RESIHP = ("resihp",) + policies.GLUE + policies.WHAT_IF
+RESIHP = ("resihp",) + resihp_policy.GLUE + resihp_policy.WHAT_IF
 SHORT = {"ckpt_restart": "ckpt", "oobleck": "oobleck", "recycle": "recycle", "malleus": "malleus",
          "adaptra": "adaptra", "torchft": "torchft", "resihp": "resihp", "resihp+": "resihp+", "resihp+rr": "+rr",
          "resihp+rr+link": "+rr+link"}
@@ -55,10 +55,10 @@ SHORT = {"ckpt_restart": "ckpt", "oobleck": "oobleck", "recycle": "recycle", "ma
 def planner_healthy_gain(ctx) -> float:
     """How much faster (simulator's score) the layout ResiHP's planner picks for a *healthy* cluster
     is than the start: the part of any ResiHP re-layout's gain that no fault was needed for."""
-    pol = policies.ResiHP(node_aware=True)
+    pol = resihp_policy.ResiHP(node_aware=True)
     pol.start(ctx)
     best, _ = pol.policy.planner.best_layout(to_plan_layout(ctx.start), np.ones(ctx.num_devices))
-    best = policies.node_local(best, ctx.hw.gpus_per_node, np.ones(ctx.num_devices))
+    best = resihp_policy.node_local(best, ctx.hw.gpus_per_node, np.ones(ctx.num_devices))
     return ctx.sim.healthy(ctx.start).time_s / ctx.sim.healthy(from_plan_layout(best)).time_s - 1
 
 
@@ -101,7 +101,7 @@ def main() -> int:
             key = f"{model}/{sname}"
             res = {}
             for name in names:
-                r = run_policy(policies.make(name), ctx, tr, end_s=sc.end_s, measure_from_s=sc.measure_from_s)
+                r = run_policy(resihp_policy.make(name), ctx, tr, end_s=sc.end_s, measure_from_s=sc.measure_from_s)
                 res[name] = r
                 if args.verbose:
                     for e in r.events[:8]:
@@ -132,9 +132,9 @@ def main() -> int:
     out = {"scenarios": figures, "speedup_vs_best": speedups["resihp"],
            "geomean_speedup_vs_best": round(gm["resihp"], 4),
            "glue": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}
-                    for n in policies.GLUE},
+                    for n in resihp_policy.GLUE},
            "what_if_link_verdicts": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}
-                                     for n in policies.WHAT_IF},
+                                     for n in resihp_policy.WHAT_IF},
            "start": args.start, "models": meta}
     if not args.no_validate:
         err = sim_error()

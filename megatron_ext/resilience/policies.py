@@ -7,7 +7,8 @@ schedule changes are nearly free but leave the devices where they were. docs/res
 what each system does, from its paper, and what this model of it leaves out.
 
 Decisions use each system's own (analytical) view, from the detector's verdicts only; the score
-always comes from the simulator (``sim``), which no policy calls to decide.
+always comes from the simulator (``sim``), which no policy calls to decide. ResiHP and this
+package's glue around it are in ``resihp_policy``; ``make`` there builds any policy by name.
 """
 from __future__ import annotations
 
@@ -18,16 +19,11 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_ext.resihp.planner import Cluster, Planner, PlannerConfig, Workload
-from megatron_ext.resihp.planner_policy import PlanPolicy
-from megatron_ext.resihp.planner_types import PlanLayout, PlanningError
-from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.resihp.verdicts import Verdict
 from megatron_ext.resilience.detector import LinkVerdict
-from megatron_ext.resilience.job import (Job, Pipeline, balanced_layers, from_plan_layout, memory_bytes, move_bytes,
-                                         stage_memory_bytes, to_plan_layout)
+from megatron_ext.resilience.job import Job, Pipeline, balanced_layers, move_bytes, stage_memory_bytes
 from megatron_ext.resilience.run import Action, Context
-from megatron_ext.resilience.shapes import BWD_ATTENTION, BWD_LINEAR, ModelShape
+from megatron_ext.resilience.shapes import BWD_ATTENTION, BWD_LINEAR
 
 logger = logging.getLogger(__name__)
 
@@ -458,194 +454,6 @@ class TorchFT(Policy):
         return Action(new, pause, note=f"quorum of {len(keep)}/{d} replica groups")
 
 
-# ---- ResiHP ------------------------------------------------------------------------------------------
-
-def model_spec(shape: ModelShape) -> ModelSpec:
-    """The shape as ResiHP's FLOPs model sees it (no shared expert: ModelSpec has none)."""
-    return ModelSpec(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-                     num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
-                     ffn_hidden_size=shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
-                     num_query_groups=shape.num_query_groups, gated_linear_unit=True,
-                     num_experts=shape.num_experts, moe_router_topk=shape.moe_topk if shape.is_moe else 2,
-                     flash_attention=True)
-
-
-def node_local(layout: PlanLayout, g: int, speed: np.ndarray) -> PlanLayout:
-    """``layout`` with its TP groups inside nodes where the devices allow: the groups that straddle
-    nodes are rebuilt from their own devices and the idle usable ones (spares, devices left out),
-    whole node-local groups first (fastest first), and handed to those groups' slots in order.
-    Groups already inside a node keep their devices, so the planner's placement of slow devices
-    survives."""
-    tp = layout.tp
-    devs = np.asarray(layout.devices).reshape(-1, tp)
-    straddle = [i for i, grp in enumerate(devs) if len({int(d) // g for d in grp}) > 1]
-    if not straddle:
-        return layout
-    own = [int(d) for i in straddle for d in devs[i]]
-    idle = sorted(set(np.flatnonzero(speed > 0).tolist()) - set(int(d) for d in layout.devices))
-    by_node: dict[int, list[int]] = {}
-    for d in sorted(set(own) | set(idle), key=lambda d: (-speed[d], d not in own, d)):
-        by_node.setdefault(d // g, []).append(d)
-    whole = []
-    for ds in by_node.values():
-        whole += [ds[i:i + tp] for i in range(0, len(ds) - len(ds) % tp, tp)]
-    # Fastest groups first; among equals, those made of the straddling groups' own devices (no move).
-    whole.sort(key=lambda grp: (-min(speed[d] for d in grp), -sum(d in own for d in grp), grp[0]))
-    groups = whole[:len(straddle)]
-    if len(groups) < len(straddle):
-        taken = {d for grp in groups for d in grp}
-        rest = [d for d in own if d not in taken]
-        groups += [rest[i:i + tp] for i in range(0, tp * (len(straddle) - len(groups)), tp)]
-    for i, grp in zip(straddle, groups):
-        devs[i] = sorted(grp)
-    return dataclasses.replace(layout, devices=tuple(int(d) for d in devs.reshape(-1)))
-
-
-class ResiHP(Policy):
-    """ResiHP's planner and hysteresis (``megatron_ext.resihp``) decide; the simulator scores. The
-    planner gets this cluster's figures (effective FLOP/s, NIC and NVLink bandwidth, the re-layout
-    pause) and, since the planner's memory model is injectable, this module's (distributed
-    optimizer, selective recomputation). A layout no planner move can reach after a loss falls back
-    to checkpoint-restart."""
-
-    name = "resihp"
-
-    def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, node_aware: bool = False,
-                 link_aware: bool = False, reroute_first: bool = False) -> None:
-        self.config = config or PlannerConfig()
-        self.recover_after = recover_after
-        self.node_aware = node_aware
-        self.link_aware = link_aware
-        self.reroute_first = reroute_first
-        if node_aware:
-            self.name = "resihp+" + "+".join(x for x, on in (("rr", reroute_first), ("link", link_aware)) if on)
-
-    def planner(self, ctx: Context) -> Planner:
-        shape, tokens = ctx.shape, ctx.data.tokens
-
-        def memory(spec, workload, tp, pp, layers):
-            # dp = 1: the whole optimizer state on each device, the conservative case.
-            return np.array([memory_bytes(shape, int(n), first=k == 0, last=k == pp - 1, tp=tp, dp=1, inflight=pp - k,
-                                          seq_tokens=tokens) for k, n in enumerate(layers)])
-
-        cl = Cluster(device_flops=ctx.hw.flops, memory_bytes=ctx.hw.memory_bytes, link_bytes_per_s=ctx.hw.nic_bytes_per_s,
-                     tp_bytes_per_s=ctx.hw.nvlink_bytes_per_s, relayout_pause_s=ctx.costs.reconfigure_s,
-                     p2p_latency_s=ctx.hw.nic_latency_s)
-        wl = Workload(seq_length=ctx.data.seq_length, micro_batch_size=ctx.data.micro_batch_size,
-                      attention_sq_per_sequence=float(ctx.data.sum_sq.mean()) / ctx.data.micro_batch_size)
-        return Planner(model_spec(shape), cl, wl, self.config, memory_model=memory)
-
-    def start(self, ctx: Context) -> Job:
-        job = super().start(ctx)
-        self.fallback = CheckpointRestart()
-        self.fallback.start(ctx)
-        self.policy = PlanPolicy(self.planner(ctx), to_plan_layout(job), ctx.num_devices,
-                                 recover_after=self.recover_after)
-        return job
-
-    def decide(self, ctx: Context, it: int, verdicts: list[Verdict]) -> Action | None:
-        try:
-            plan = self.policy.observe(it, verdicts)
-        except PlanningError as exc:
-            self.fallback.job, self.fallback.speed = self.job, self.policy.speeds.copy()
-            g = ctx.hw.gpus_per_node
-            self.fallback.free_nodes = [n for n in self.fallback.free_nodes if n not in nodes_of(self.job.devices, g)]
-            act = self.fallback.restart_without(ctx, {v.rank // ctx.hw.gpus_per_node for v in verdicts
-                                                      if v.kind == "fail_stop"}, f"(planner: {exc})"[:80])
-            self.job = act.job
-            self.policy.layout = to_plan_layout(act.job)
-            return act
-        if plan is None:
-            return None
-        if self.node_aware:
-            # Glue, not planner: the planner's cost model has one TP bandwidth and no nodes, so a
-            # reshape that leaves a device out shifts every later TP group across a node boundary.
-            fixed = node_local(plan.new, ctx.hw.gpus_per_node, self.policy.speeds)
-            plan = dataclasses.replace(plan, new=fixed)
-            self.policy.layout = fixed
-        new = from_plan_layout(plan.new)
-        same_places = plan.new.dp == plan.old.dp and \
-            dataclasses.replace(plan.new, microbatches=plan.old.microbatches) == plan.old
-        pause = move_pause_s(ctx, self.job, new, 1.0 if same_places else ctx.costs.reconfigure_s)
-        self.job = new
-        return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape} layers "
-                      f"{'/'.join(map(str, plan.new.stage_layers))}")
-
-    def react(self, ctx, t, it, verdicts, links):
-        if self.link_aware:
-            verdicts = list(verdicts) + self._link_verdicts(it, links)
-        if self.reroute_first:
-            return self._reroute_or_plan(ctx, it, verdicts)
-        return self.decide(ctx, it, verdicts)
-
-    def _reroute_or_plan(self, ctx: Context, it: int, verdicts: list[Verdict]) -> Action | None:
-        """Glue (item 5, "combine rerouting with re-layout"): hand a slow or lost stage's
-        micro-batches to its data-parallel peers at once (ReCycle's mechanism: seconds, nothing
-        moves), and re-lay out only when the planner predicts its plan beats the layout in force
-        with the faulty devices' work hidden that way."""
-        before = self.policy.speeds.copy()
-        try:
-            plan = self.policy.observe(it, verdicts, adopt=False)
-        except PlanningError:
-            return self.decide(ctx, it, [])   # no plan survives: decide's fallback restarts
-        if np.array_equal(before, self.policy.speeds):
-            return None
-        base = self.policy.layout
-        hidden = np.where((self.policy.speeds < 1) & np.isin(np.arange(ctx.num_devices), base.devices), 1.0,
-                          self.policy.speeds)
-        # A replica that lost every stage cannot be rerouted: its micro-batches go to the others.
-        grid = np.asarray(base.devices).reshape(base.pp, base.dp, base.tp)
-        gone = [d for d in range(base.dp) if (self.policy.speeds[grid[:, d, :]] <= 0).any(axis=1).all()]
-        share = base.num_microbatches / max(1, base.num_microbatches - sum(base.microbatches[d] for d in gone))
-        rerouted_s = self.policy.planner.iteration_s(base, hidden) * share
-        if plan is not None and plan.iteration_s_after + plan.move_s / plan.horizon_iterations < rerouted_s:
-            fixed = node_local(plan.new, ctx.hw.gpus_per_node, self.policy.speeds)
-            self.policy.layout = fixed
-            new = from_plan_layout(fixed)
-            pause = move_pause_s(ctx, from_plan_layout(base), new, ctx.costs.reconfigure_s)
-            self.job = new
-            return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {fixed.shape} (beats rerouting)")
-        try:
-            _, job = reroute(from_plan_layout(base).pipelines, self.policy.speeds)
-        except RuntimeError:
-            return None
-        if job == self.job:
-            return None
-        self.job = job
-        return Action(job, ctx.costs.reroute_s, note=_reroute_note(job))
-
-    def _link_verdicts(self, it: int, links: list[LinkVerdict]) -> list[Verdict]:
-        """What-if glue for item 4 of issue #22 (a detector that names slow links): the planner has
-        no link in its model, so a device behind a NIC at 1/2 or less is handed to it as a device
-        that slow (it then packs it away or replaces it by a spare), and handed back when the link
-        recovers. Paths between nodes carry no device: left alone."""
-        out = []
-        for lv in links:
-            if lv.kind != "slow_nic":
-                continue
-            if lv.factor >= 2.0:
-                out.append(Verdict(kind="fail_slow", rank=int(lv.target), stage=None, iteration=it, factor=lv.factor,
-                                   confidence=1.0, detector="link-model"))
-            elif lv.factor == 1.0:
-                out.append(Verdict(kind="recovered", rank=int(lv.target), stage=None, iteration=it, factor=None,
-                                   confidence=1.0, detector="link-model"))
-        return out
-
-
 BASELINES = ("ckpt_restart", "oobleck", "recycle", "malleus", "adaptra", "torchft")
-GLUE = ("resihp+", "resihp+rr")
-"""ResiHP's decisions with this package's glue (docs/resilience.md, "Policy glue")."""
-WHAT_IF = ("resihp+rr+link",)
-"""The glue given link verdicts, which ResiHP's detector does not produce yet (issue #22 item 4)."""
-
-
-def make(name: str):
-    table = {"ckpt_restart": CheckpointRestart, "oobleck": Oobleck, "recycle": ReCycle, "malleus": Malleus,
-             "adaptra": Adaptra, "torchft": TorchFT, "resihp": ResiHP}
-    glue = {"resihp+": {}, "resihp+rr": {"reroute_first": True}, "resihp+link": {"link_aware": True},
-            "resihp+rr+link": {"reroute_first": True, "link_aware": True}}
-    if name in glue:
-        return ResiHP(node_aware=True, **glue[name])
-    if name not in table:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(table)}")
-    return table[name]()
+TABLE = {"ckpt_restart": CheckpointRestart, "oobleck": Oobleck, "recycle": ReCycle, "malleus": Malleus,
+         "adaptra": Adaptra, "torchft": TorchFT}

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from megatron_ext.resihp.planner_types import PlanLayout
-from megatron_ext.resilience import policies, setting
+from megatron_ext.resilience import policies, resihp_policy, setting
 from megatron_ext.resilience.detector import DetectorModel
 from megatron_ext.resilience.faults import FaultTrace, healthy_state
 from megatron_ext.resilience.run import run_policy
 from megatron_ext.resilience.validate import sim_error
 
-ALL = policies.BASELINES + ("resihp",) + policies.GLUE + policies.WHAT_IF
+ALL = policies.BASELINES + ("resihp",) + resihp_policy.GLUE + resihp_policy.WHAT_IF
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def ctx():
 def test_without_faults_every_policy_runs_at_the_healthy_rate(ctx):
     tr = FaultTrace(ctx.num_devices, 8, [])
     for name in ALL:
-        r = run_policy(policies.make(name), ctx, tr, end_s=600.0)
+        r = run_policy(resihp_policy.make(name), ctx, tr, end_s=600.0)
         assert r.throughput_vs_healthy == pytest.approx(1.0, abs=1e-9), name
         assert r.relayouts == r.restarts == 0
 
@@ -35,7 +35,7 @@ def test_after_a_loss_every_policy_runs_without_the_lost_device(ctx):
     tr = setting.trace(ctx, sc)
     out = {}
     for name in ALL:
-        pol = policies.make(name)
+        pol = resihp_policy.make(name)
         r = run_policy(pol, ctx, tr, end_s=sc.end_s, measure_from_s=sc.measure_from_s)
         out[name] = r
         from megatron_ext.resilience.sim import computing_devices
@@ -51,7 +51,7 @@ def test_after_a_loss_every_policy_runs_without_the_lost_device(ctx):
 
 def test_resihp_decides_with_resihps_own_planner(ctx):
     sc = setting.scenarios(ctx)["gpu_slow_2x"]
-    pol = policies.make("resihp")
+    pol = resihp_policy.make("resihp")
     run_policy(pol, ctx, setting.trace(ctx, sc), end_s=sc.end_s, measure_from_s=sc.measure_from_s)
     assert len(pol.policy.plans) == 1
     it, plan = pol.policy.plans[0]
@@ -65,7 +65,7 @@ def test_node_local_keeps_tp_groups_inside_nodes_when_idle_devices_allow():
     # Device 3 was left out and the reshape shifted every later TP pair across a node boundary.
     devices = (0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
     lay = PlanLayout(tp=2, pp=2, dp=4, layers=((4,), (4,)), microbatches=(2, 2, 2, 2), devices=devices)
-    fixed = policies.node_local(lay, 8, speed)
+    fixed = resihp_policy.node_local(lay, 8, speed)
     groups = np.asarray(fixed.devices).reshape(-1, 2)
     kept = [0, 1, 2, 4, 5, 6]
     assert all(len({d // 8 for d in g}) == 1 for g in groups)
@@ -93,9 +93,9 @@ def test_the_detector_names_after_its_delay_and_only_devices_it_watches(ctx):
 
 def test_the_run_loop_refuses_a_trace_of_another_cluster(ctx):
     with pytest.raises(ValueError, match="the trace covers 16 devices, the context 264"):
-        run_policy(policies.make("resihp"), ctx, FaultTrace(16, 8, []), end_s=10.0)
+        run_policy(resihp_policy.make("resihp"), ctx, FaultTrace(16, 8, []), end_s=10.0)
     with pytest.raises(ValueError, match="unknown policy 'bamboo'"):
-        policies.make("bamboo")
+        resihp_policy.make("bamboo")
 
 
 def test_every_scenario_hits_the_job(ctx):
@@ -153,7 +153,7 @@ def test_reroute_first_reroutes_when_the_planner_sees_no_better_layout(ctx):
     ctx = dataclasses.replace(ctx, start=start)
     sc = setting.scenarios(ctx)["gpu_slow_2x"]
     slow = sc.faults[0].target
-    pol = policies.make("resihp+rr")
+    pol = resihp_policy.make("resihp+rr")
     run_policy(pol, ctx, setting.trace(ctx, sc), end_s=sc.end_s, measure_from_s=sc.measure_from_s)
     from megatron_ext.resilience.job import to_plan_layout
     assert pol.policy.layout == to_plan_layout(ctx.start)        # no re-layout
@@ -163,7 +163,7 @@ def test_reroute_first_reroutes_when_the_planner_sees_no_better_layout(ctx):
 
 def test_oobleck_rebuilds_on_whole_nodes_and_malleus_keeps_membership(ctx):
     sc = setting.scenarios(ctx)["node_lost"]
-    oob = policies.make("oobleck")
+    oob = resihp_policy.make("oobleck")
     run_policy(oob, ctx, setting.trace(ctx, sc), end_s=sc.end_s, measure_from_s=sc.measure_from_s)
     lost = sc.faults[0].target
     for p in oob.job.pipelines:
@@ -172,7 +172,7 @@ def test_oobleck_rebuilds_on_whole_nodes_and_malleus_keeps_membership(ctx):
     assert oob.job.microbatches == ctx.start.microbatches
     sc = setting.scenarios(ctx)["gpu_slow_2x"]
     slow = sc.faults[0].target
-    mal = policies.make("malleus")
+    mal = resihp_policy.make("malleus")
     run_policy(mal, ctx, setting.trace(ctx, sc), end_s=sc.end_s, measure_from_s=sc.measure_from_s)
     assert [p.stages for p in mal.job.pipelines] == [p.stages for p in ctx.start.pipelines]   # membership kept
     hit = next(p for p in mal.job.pipelines if slow in p.devices)

@@ -12,7 +12,7 @@ from megatron_ext.resihp.flops import layer_linear_flops_per_token
 from megatron_ext.resilience.faults import Fault, FaultTrace, healthy_state
 from megatron_ext.resilience.hardware import Hardware
 from megatron_ext.resilience.job import Job, Pipeline, balanced_layers, node_aligned_job
-from megatron_ext.resilience.policies import model_spec
+from megatron_ext.resilience.resihp_policy import model_spec
 from megatron_ext.resilience.shapes import SHAPES, ModelShape, shape
 from megatron_ext.resilience.sim import Simulator, compiled, one_f_one_b, packed_documents, ring_s, run_pipelines
 
