@@ -63,3 +63,26 @@ def run_python(*args: str, timeout: int = 600, env: dict | None = None, check: b
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         pytest.fail(f"python {' '.join(args)} exited {proc.returncode}:\n{tail}")
     return proc
+
+
+_CPU_LOG = os.environ.get("MEGATRON_EXT_TEST_CPU_LOG")
+
+
+if _CPU_LOG:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """With MEGATRON_EXT_TEST_CPU_LOG=FILE: one line per test -- its id, the CPU seconds of the
+        processes it started (ranks, launchers) and of the test process, and wall seconds, set-up
+        and tear-down included (where the suite's time goes, not just its wall time)."""
+        import resource
+        import time
+
+        def cpu(who):
+            r = resource.getrusage(who)
+            return r.ru_utime + r.ru_stime
+
+        c0, s0, t0 = cpu(resource.RUSAGE_CHILDREN), cpu(resource.RUSAGE_SELF), time.monotonic()
+        yield
+        with open(_CPU_LOG, "a", encoding="utf-8") as fh:
+            fh.write(f"{item.nodeid}\t{cpu(resource.RUSAGE_CHILDREN) - c0:.1f}\t{cpu(resource.RUSAGE_SELF) - s0:.1f}\t"
+                     f"{time.monotonic() - t0:.1f}\n")
