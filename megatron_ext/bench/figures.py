@@ -44,6 +44,10 @@ BENCH_FILES: dict[str, list[str]] = {
 }
 
 UNVERSIONED = "UNVERSIONED.md"
+SUPERSEDED = "superseded"
+"""A directory of that name (``docs/figures/<bench>/superseded/``) keeps the record of runs whose code
+has since changed: every run stays on file, the misses included, and a doc that quotes one says it
+is superseded. ``check_figures`` does not hold them to the current code."""
 _LISTED = re.compile(r"^\s*[-*]\s+`([^`]+)`\s*[:\u2014-]\s*(\S.*)$")
 
 
@@ -109,12 +113,14 @@ def check_figures(root: str, figures_dir: str = "docs/figures",
     A figure with provenance is stale when the last commit touching its benchmark's files is not an
     ancestor of (or equal to) the figure's commit. A figure without provenance must be listed in
     UNVERSIONED.md; a listed file that no longer exists is a problem too (the list stays true).
+    Files under a ``superseded`` directory are the record of earlier runs and are not checked.
     """
     base = os.path.join(root, figures_dir)
     listed = unversioned(base)
     problems = []
     found = set()
-    for dirpath, _, files in os.walk(base):
+    for dirpath, dirs, files in os.walk(base):
+        dirs[:] = [d for d in dirs if d != SUPERSEDED]
         for f in sorted(files):
             rel = os.path.relpath(os.path.join(dirpath, f), base).replace(os.sep, "/")
             if rel == UNVERSIONED:

@@ -77,6 +77,18 @@ def test_a_figure_older_than_a_change_to_its_files_fails_with_both_commits(repo)
         f"changed its files since (src tools_toy.py); rerun tools/bench_toy.py and record it again"]
 
 
+def test_a_superseded_run_stays_on_file_without_failing_but_only_under_superseded(repo):
+    measured = commit_all(repo, "measured here")
+    (repo / "docs" / "figures" / "superseded").mkdir()
+    figure(repo, "superseded/toy_run1.txt", measured)
+    figure(repo, "toy_run1.txt", measured)
+    commit_all(repo, "figures kept")
+    (repo / "src" / "engine.py").write_text("x = 2\n")
+    commit_all(repo, "engine changed")
+    problems = check_figures(str(repo), bench_files=FILES)
+    assert len(problems) == 1 and problems[0].startswith("docs/figures/toy_run1.txt: bench_toy figure measured"), problems
+
+
 def test_a_figure_measured_on_the_newest_change_passes(repo):
     (repo / "src" / "engine.py").write_text("x = 3\n")
     newest = commit_all(repo, "engine changed")
