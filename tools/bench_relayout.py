@@ -14,7 +14,7 @@
 (a) Live on CPU ranks (``tools/relayout_live_worker.py`` under torchrun): a 12-layer tiny GPT, m = 8,
     one rank slowed 2x (throttle); tokens/s healthy, slowed with no action, slowed after the
     planner's plan was applied by ``Trainer.relayout``, and the capacity-proportional optimum
-    (healthy x mean device speed); the pause; the loss curve against a straight run. ``pp2``: PP2 on
+    (healthy x the mean of the ranks' measured speeds relative to the fastest rank); the pause; the loss curve against a straight run. ``pp2``: PP2 on
     2 ranks, one core each (layer repartition). ``pp2dp2`` (skipped on fewer than 4 cores: no two ranks of a case share a core): PP2 x DP2 on 4 ranks, one core per
     replica, the slow rank in replica 0 (layers and micro-batches between replicas: DP work
     migration). ``fail_stop``: ``pretrain_gpt.py --nproc-per-node 4 --resihp-on-stop continue``
@@ -117,10 +117,15 @@ def _live_relayout(root: str, tmp: str, iters: int, scenario: str, nproc: int) -
     healthy, slow = TOKENS / r["healthy_s"], TOKENS / r["slow_s"]
     after = TOKENS / r["relayout_s"] if "relayout_s" in r else None
     # The capacity optimum from each rank's measured speed in the slowed phase (its forward
-    # seconds healthy / slowed, the throttle's hold included), not the nominal factor.
-    optimum = healthy * float(np.mean(r["measured_speeds"]))
-    print(f"  {scenario}: rank speeds measured {' '.join(f'{v:.2f}' for v in r['measured_speeds'])} "
-          f"(nominal {' '.join(f'{v:.2f}' for v in r['speeds'])})")
+    # seconds healthy / slowed, the throttle's hold included), not the nominal factor -- relative
+    # to the fastest rank: the host's load between the two phases slows every rank alike and is
+    # not a device's speed (raw, an unthrottled rank read 0.71 at load 5 and put the "optimum"
+    # below what the re-layout reached).
+    raw = np.asarray(r["measured_speeds"], dtype=float)
+    relative = raw / raw.max()
+    optimum = healthy * float(np.mean(relative))
+    print(f"  {scenario}: rank speeds measured {' '.join(f'{v:.2f}' for v in raw)}, relative to the fastest "
+          f"{' '.join(f'{v:.2f}' for v in relative)} (nominal {' '.join(f'{v:.2f}' for v in r['speeds'])})")
     print(f"  {scenario}: plan: {r['plan']}")
     knobs = (f"layers {r['stage_layers']}"
              + (f", micro-batches {r['replica_microbatches']}" if r.get("replica_microbatches") else "")
@@ -146,6 +151,7 @@ def _live_relayout(root: str, tmp: str, iters: int, scenario: str, nproc: int) -
             "slow_relayout_tok_s": round(after, 1) if after else None,
             "optimum_fraction": round(after / optimum, 4) if after else None,
             "measured_speeds": [round(v, 4) for v in r["measured_speeds"]],
+            "relative_speeds": [round(float(v), 4) for v in relative],
             "pause_s": round(r.get("pause_s", float("nan")), 3),
             "loss_max_rel_diff": r["loss_max_rel_diff"], "plan": r["plan"],
             "stage_layers": r.get("stage_layers"), "replica_microbatches": r.get("replica_microbatches")}
