@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     base = args.keep or tempfile.mkdtemp(prefix="bench-squeeze-")
     cases: dict[str, dict] = {}
     orders: dict[str, list[str]] = {}
+    finished = False
     try:
         ci = 0
         for engine in args.engines:
@@ -341,9 +342,12 @@ def main(argv: list[str] | None = None) -> int:
                 cases[name]["exclusive"] = excl
                 cases[name]["run_order"] = order
                 print(f"{name}: done (runs in the order {', '.join(order)})", flush=True)
+        finished = True
     finally:
-        if args.keep is None:
+        if args.keep is None and finished:
             shutil.rmtree(base, ignore_errors=True)
+        elif not finished:  # a failed run's logs are what explains it: keep them
+            print(f"bench_squeezer.py: the runs' files (rank logs included) are kept in {base}", file=sys.stderr)
     head = ["case", "slowdown", "ci90", "A/A", "vs plain", "ci90", "A/A", "guest/excl", "bubble", "used",
             "pause p50/p99 ms", "fcst err", "parity"]
     lines = ["  ".join(head)]
