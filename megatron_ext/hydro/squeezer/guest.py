@@ -399,7 +399,7 @@ class GuestTuner(HydroTuner):
         # Storage calls (and the sampler behind ask) are units too: a pause point before each, so
         # the guest never starts one in a window without room for it.
         study = super()._open_study()
-        self._ask_raw, self._tell_raw = study.ask, study.tell
+        self._tell_raw = study.tell
         study.ask = self._gated(study.ask, "study ask")
         study.tell = self._gated(study.tell, "study tell")
         return study
@@ -434,6 +434,21 @@ class GuestTuner(HydroTuner):
     def _counted(self) -> int:
         return self.study._storage.get_n_trials(self.study._study_id, state=COUNTED)
 
+    def _ask_owned(self, study: optuna.Study) -> optuna.Trial:
+        """A new running trial that names this guest as its owner from its first write: asked and
+        then owned in two writes, a guest killed between them would leave a running trial no one
+        can give back (seen once under load in CI). The study is never given waiting trials."""
+        import datetime
+
+        template = optuna.trial.FrozenTrial(
+            number=-1, state=TrialState.RUNNING, value=None, datetime_start=datetime.datetime.now(),
+            datetime_complete=None, params={}, distributions={}, user_attrs={OWNER_ATTR: dict(self.owner)},
+            system_attrs={}, intermediate_values={}, trial_id=-1)
+        local = getattr(study, "_thread_local", None)      # Study.ask drops its trial cache first
+        if local is not None:
+            local.cached_all_trials = None
+        return optuna.Trial(study, study._storage.create_new_trial(study._study_id, template_trial=template))
+
     def _new_trial(self, study: optuna.Study) -> tuple[optuna.Trial, TrialSpec] | None:
         """One trial, asked only when the study still has fewer than ``n_trials`` trials finished or
         running, counted just before the ask. Trials are asked one at a time, so guests that count
@@ -447,8 +462,7 @@ class GuestTuner(HydroTuner):
             for attempt in range(4):
                 if self._counted() >= self.cfg.n_trials:
                     return None
-                trial = self._ask_raw()
-                trial.set_user_attr(OWNER_ATTR, self.owner)
+                trial = self._ask_owned(study)
                 spec = self._spec(trial)
                 # A repeat is withdrawn while the space has a free point (a full one must repeat).
                 twin = duplicate_of(study, trial, names) if names and attempt < 3 else None
