@@ -58,10 +58,11 @@ def check_config(cfg: RunConfig) -> None:
 
 def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0,
                       join: bool = False) -> DistContext:
-    """Process group, DeepSpeed's comm backend (patched) and this rank's place in the PP x DP grid.
+    """Process group, DeepSpeed's comm backend (patched) and this rank's place in the TP x PP x DP grid.
 
-    DeepSpeed's grid orders ranks as megatron does with TP = 1 (data-parallel index fastest), so
-    ``Layout(tp=1, pp, dp)`` describes it; ``DeepSpeedTrainer`` checks that against the engine's grid.
+    DeepSpeed's grid (``PipeModelDataParallelTopology``) orders ranks as megatron does (TP fastest,
+    then DP, then PP), so ``Layout(tp, pp, dp)`` describes it; ``DeepSpeedTrainer`` checks that
+    against the engine's grid.
     May be called again in the same processes for another pipeline size. ``join``: a replacement
     process (no group until a layout change takes it in; ``layout_context`` then initialises
     DeepSpeed's comm on the new group).
@@ -71,6 +72,10 @@ def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float =
         ctx = distributed.joining_context(parallel, timeout_s=timeout_s)
         if ctx.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            if parallel.tensor_model_parallel_size > 1:
+                from megatron_ext.compat import megatron_cpu
+
+                megatron_cpu.apply()
         import deepspeed_patches
 
         deepspeed_patches.apply()
@@ -80,6 +85,11 @@ def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float =
     if device.type == "cpu":
         # Name the accelerator: DeepSpeed's auto-detection warns on every rank when it falls back to CPU.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if parallel.tensor_model_parallel_size > 1:
+            # the TP layers call megatron-core's region functions, which allocate on the CUDA device
+            from megatron_ext.compat import megatron_cpu
+
+            megatron_cpu.apply()
     import deepspeed_patches
 
     deepspeed_patches.apply()
@@ -90,7 +100,7 @@ def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float =
     ds_logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     torch.manual_seed(seed)
-    layout = Layout.from_world(world, 1, parallel.pipeline_model_parallel_size)
+    layout = Layout.from_world(world, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
                        layout=layout, vpp=None, store_addr=store_lib.address_from_env(), timeout_s=timeout_s)
 
@@ -109,8 +119,10 @@ class ClippedAdamW(torch.optim.AdamW):
 
     def __init__(self, params: list[torch.nn.Parameter], *, norm_params: list[torch.nn.Parameter],
                  norm_group: Any, clip_grad: float, before_update: Any = None, after_update: Any = None,
-                 **adamw: Any) -> None:
+                 sequence_parallel: tuple[list[torch.nn.Parameter], Any] | None = None, **adamw: Any) -> None:
         super().__init__(_param_groups(params), **adamw)
+        # (parameters, TP group): gradients of what sees only a sequence shard, summed before the norm
+        self.sequence_parallel = sequence_parallel
         # The trainer's commit vote (--resihp-on-stop continue) sits between the norm and the update.
         self.before_update, self.after_update = before_update, after_update
         self.norm_params = norm_params
@@ -131,6 +143,11 @@ class ClippedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.sequence_parallel is not None:   # megatron's _allreduce_layernorm_grads
+            params, group = self.sequence_parallel
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=group)
         norm = self.grad_norm()
         self.last_grad_norm = self._global_grad_norm = norm
         self.overflow = not torch.isfinite(torch.tensor(norm))
@@ -161,6 +178,9 @@ def deepspeed_config(cfg: RunConfig, layout: Layout) -> dict[str, Any]:
         "steps_per_print": 2**62,  # progress lines are the Trainer's
         "wall_clock_breakdown": False,
         "zero_optimization": {"stage": 0},
+        # Stages send whole activations to the same TP rank of the next stage: DeepSpeed's
+        # partitioning assumes TP ranks hold equal activations, which sequence parallelism breaks.
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
     }
 
 
@@ -173,14 +193,15 @@ class DeepSpeedTrainer(Trainer):
     """The runtime Trainer with DeepSpeed's PipelineEngine running each iteration."""
 
     engine: Any = None
-    # PP size, layers per stage and the rank order (TP is 1 on this engine)
+    # PP size, layers per stage and the rank order (the TP size stays the run's)
     relayout_knobs = frozenset({"layers", "permute"})
     _engine_groups: list = []
 
     def check_target(self, target: LayoutTarget) -> None:
-        if target.tp != 1 or target.vp > 1:
-            raise ConfigError("--engine deepspeed re-lays out the pipeline only (TP 1, no virtual stages): use "
-                              "--engine megatron for a TP or interleaved target")
+        if target.tp != self.ctx.layout.tp or target.vp > 1:
+            raise ConfigError(f"--engine deepspeed re-lays out the pipeline and the rank order only (TP stays "
+                              f"{self.ctx.layout.tp}, no virtual stages; the target has TP {target.tp}): use "
+                              "--engine megatron to change the TP size or for interleaved stages")
         mbs = target.replica_microbatches
         if mbs is not None and len(set(mbs)) > 1:
             raise ConfigError("--engine deepspeed cannot move micro-batches between replicas (its engine scales "
@@ -224,8 +245,10 @@ class DeepSpeedTrainer(Trainer):
         self.check_target(target)
         self._drop_engine()
         if generation is None:
-            return dataclasses.replace(self.ctx, layout=Layout.from_world(self.ctx.world_size, 1, target.pp), vpp=None)
-        ctx = distributed.new_world(self.ctx, members=list(target.members), tp=1, pp=target.pp, store_addr=store_addr,
+            return dataclasses.replace(self.ctx, layout=Layout.from_world(self.ctx.world_size, target.tp, target.pp),
+                                       vpp=None)
+        ctx = distributed.new_world(self.ctx, members=list(target.members), tp=target.tp, pp=target.pp,
+                                    store_addr=store_addr,
                                     generation=generation)
         import deepspeed
 
@@ -236,19 +259,26 @@ class DeepSpeedTrainer(Trainer):
         import deepspeed
 
         from deepspeed_patches.engine import EventPipelineEngine
-        from deepspeed_patches.gpt import build_gpt_pipeline, norm_params
+        from deepspeed_patches.gpt import build_gpt_pipeline, norm_params, sequence_parallel_params
 
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.training
-        vocab = padded_vocab_size(self.splits.tokenizer.vocab_size, 1)
+        tp = ctx.layout.tp
+        vocab = padded_vocab_size(self.splits.tokenizer.vocab_size, tp)
         before = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
         self.model = build_gpt_pipeline(cfg.model, vocab_size=vocab, num_stages=ctx.layout.pp, seed=t.seed,
-                                        std=cfg.model.init_method_std, stage_layers=cfg.parallel.pipeline_stage_layers)
+                                        std=cfg.model.init_method_std, stage_layers=cfg.parallel.pipeline_stage_layers,
+                                        tensor_parallel=tp, sequence_parallel=cfg.parallel.sequence_parallel)
         grid = self.model._grid
-        got = (grid.get_stage_id(), grid.get_data_parallel_rank())
-        if got != (ctx.coord.pp, ctx.coord.dp):  # DeepSpeed's grid and the Layout disagree: groups would be wrong
-            raise RuntimeError(f"rank {ctx.rank}: DeepSpeed grid (stage, dp) {got} != layout {ctx.coord}")
+        got = (grid.get_stage_id(), grid.get_data_parallel_rank(), grid.get_slice_parallel_rank())
+        if got != (ctx.coord.pp, ctx.coord.dp, ctx.coord.tp):  # grid and Layout disagree: groups would be wrong
+            raise RuntimeError(f"rank {ctx.rank}: DeepSpeed grid (stage, dp, tp) {got} != layout {ctx.coord}")
+        sp = sequence_parallel_params(self.model)
+        # the norm sums over one replica (every stage and TP rank: DeepSpeed's model-parallel group)
         self.optimizer = ClippedAdamW(list(self.model.parameters()), norm_params=norm_params(self.model),
-                                      norm_group=grid.get_pipe_parallel_group(), clip_grad=t.clip_grad,
+                                      norm_group=grid.get_model_parallel_group() if tp > 1 else
+                                      grid.get_pipe_parallel_group(),
+                                      sequence_parallel=(sp, grid.get_slice_parallel_group()) if sp else None,
+                                      clip_grad=t.clip_grad,
                                       before_update=self.commit_update, after_update=self.update_applied, lr=t.lr,
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
@@ -283,7 +313,8 @@ class DeepSpeedTrainer(Trainer):
         return sum(p.numel() for p in self.model.parameters())
 
     def layout_name(self) -> str:
-        return f"deepspeed pp{self.ctx.layout.pp}dp{self.ctx.layout.dp}"
+        lay = self.ctx.layout
+        return f"deepspeed {f'tp{lay.tp}' if lay.tp > 1 else ''}pp{lay.pp}dp{lay.dp}"
 
     def _train_batches(self, batches: list[dict[str, Any]]) -> tuple[Any, bool, float | None]:
         loss = self.engine.train_batch(data_iter=iter(pipe_items(batches)))

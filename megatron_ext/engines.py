@@ -95,14 +95,12 @@ MEGATRON = register_engine(EngineSpec(
     teardown="megatron_ext.runtime.distributed:teardown", check="megatron_ext.runtime.model:check_config"))
 
 DEEPSPEED = register_engine(EngineSpec(
-    name="deepspeed", summary="DeepSpeed's PipelineEngine over the GPT as a PipelineModule (PP x DP)",
+    name="deepspeed", summary="DeepSpeed's PipelineEngine over the GPT as a PipelineModule (TP x PP x DP)",
     trainer="deepspeed_patches.trainer:DeepSpeedTrainer", setup_distributed="deepspeed_patches.trainer:setup_distributed",
     teardown="deepspeed_patches.trainer:teardown", check="deepspeed_patches.trainer:check_config",
     refusals={
-        "tensor_parallel": "--engine deepspeed trains PP x DP: it needs --tensor-model-parallel-size 1 and no "
-                           "--virtual-pipeline-model-parallel-size",
-        "virtual_pipeline": "--engine deepspeed trains PP x DP: it needs --tensor-model-parallel-size 1 and no "
-                            "--virtual-pipeline-model-parallel-size",
+        "virtual_pipeline": "--engine deepspeed runs one stage per rank (DeepSpeed's TrainSchedule): drop "
+                            "--virtual-pipeline-model-parallel-size or use --engine megatron",
         "distributed_optimizer": "--use-distributed-optimizer is megatron's optimizer: it needs --engine megatron",
         "data_parallel_microbatches": "--data-parallel-microbatches needs --engine megatron and plain 1F1B "
                                       "(no --virtual-pipeline-model-parallel-size)",

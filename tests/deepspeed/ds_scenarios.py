@@ -4,7 +4,8 @@ One launch (imports cost 10-20 s per rank on 2 cores) runs, in the same 4 proces
 timelines (PP2xDP2 m4, PP4 m4, PP4 m8: the joined IterationRecord of the last iteration, pickled),
 loss curves for parity with the megatron engine (PP2xDP2, PP4), resume (20 straight against 10 + 10),
 live re-layout (PP2xDP2 -> 3+1 layers -> PP4 in the same processes against the straight 20),
-and checkpoints moved between engines (DeepSpeed PP2xDP2 -> megatron PP2xDP2 and back).
+checkpoints moved between engines (DeepSpeed PP2xDP2 -> megatron PP2xDP2 and back), and TP2 x PP2 on
+both engines (the LLaMA-style family; checkpoints continued across engines and layouts).
 Rank 0 writes ``results.json`` and the pickles into the output directory.
 """
 from __future__ import annotations
@@ -42,6 +43,12 @@ RESIHP = {"train_iters": 60, "eval_iters": 0, "progress": False, "num_layers": 4
           "seq_length": 128, "micro_batch_size": 1, "global_batch_size": 8, "lr_decay_style": "constant",
           "pipeline_model_parallel_size": 2, "resihp": True, "resihp_warmup": 12, "inject_slow": ["2:20:3.0"]}
 PP4 = {"pipeline_model_parallel_size": 4}
+# TP x PP x DP: the LLaMA-style family (RMSNorm, SwiGLU, rotary, grouped-query attention, no biases,
+# untied head), fp32, no dropout, so that the engines must agree to rounding.
+LLAMA = {**BASE, "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "group_query_attention": True,
+         "num_query_groups": 2, "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+         "disable_bias_linear": True, "untie_embeddings_and_output_weights": True, "save_interval": 5}
+TP2PP2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
 
 
 def curve(trainer: Trainer) -> list[float]:
@@ -60,6 +67,51 @@ def run_deepspeed(base: dict, values: dict, *, load: str | None = None) -> tuple
     trainer = ds.DeepSpeedTrainer(cfg, ctx, exts).setup()
     trainer.run()
     return trainer, exts
+
+
+def megatron_curve(base: dict, values: dict, *, load: str | None = None) -> list[float]:
+    """A megatron-engine run's loss curve; its parallel state is destroyed after (the default group stays)."""
+    cfg = config_from_values({**base, **values, **({"load": load} if load else {})})
+    cfg.validate(int(os.environ["WORLD_SIZE"]))
+    trainer = Trainer(cfg, distributed.setup(cfg.parallel, seed=cfg.training.seed), build_extensions(cfg)).setup()
+    trainer.run()
+    losses = curve(trainer)
+    distributed.destroy_parallel_state(trainer.ctx.pgs)
+    return losses
+
+
+def checkpoint_at(save_dir: str, iteration: int, out_dir: str) -> str:
+    """A directory whose latest checkpoint is ``save_dir``'s of ``iteration`` (rank 0 links it)."""
+    name = f"iter_{iteration:07d}"
+    path = os.path.join(out_dir, f"{os.path.basename(save_dir)}_at{iteration}")
+    if int(os.environ["RANK"]) == 0:
+        os.makedirs(path, exist_ok=True)
+        os.symlink(os.path.join(save_dir, name), os.path.join(path, name))
+        with open(os.path.join(path, "latest"), "w", encoding="ascii") as fh:
+            fh.write(name)
+    dist.barrier()
+    return path
+
+
+def three_d(out_dir: str) -> dict:
+    """The LLaMA-style family in TP2 x PP2 on both engines (DeepSpeed's with sequence parallelism and
+    the timeline on), and each engine's checkpoint of iteration 5 continued by the other engine in
+    another layout (megatron TP1 x PP2 x DP2 from DeepSpeed's; DeepSpeed TP2 x DP2 from megatron's)."""
+    ds_save, mg_save = os.path.join(out_dir, "ckpt_ds_tp2pp2"), os.path.join(out_dir, "ckpt_megatron_tp2pp2")
+    res: dict = {"megatron_tp2pp2": megatron_curve(LLAMA, {**TP2PP2, "save": mg_save})}
+    trainer, exts = run_deepspeed(LLAMA, {**TP2PP2, "sequence_parallel": True, "save": ds_save, "timeline": True,
+                                          "timeline_out": os.path.join(out_dir, "ds_tp2pp2")})
+    res["deepspeed_tp2pp2_sp"] = curve(trainer)
+    res["layout"] = trainer.layout_name()
+    record = exts[0].record(trainer, trainer.iteration, dst=0)
+    if record is not None:
+        with open(os.path.join(out_dir, "ds_tp2pp2.pkl"), "wb") as fh:
+            pickle.dump(record, fh)
+    res["megatron_tp1pp2dp2_from_ds5"] = megatron_curve(LLAMA, {"pipeline_model_parallel_size": 2},
+                                                        load=checkpoint_at(ds_save, 5, out_dir))
+    res["deepspeed_tp2dp2_from_megatron5"] = curve(run_deepspeed(
+        LLAMA, {"tensor_model_parallel_size": 2}, load=checkpoint_at(mg_save, 5, out_dir))[0])
+    return res
 
 
 def same_initial_weights(cfg, ctx, vocab_size: int) -> list[int]:
@@ -159,6 +211,9 @@ def main() -> None:
     trainer.run()
     results["megatron_first10"] = curve(trainer)
     results["ds_from_megatron10"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 20}, load=megatron_ckpt)[0])
+
+    distributed.destroy_parallel_state(ctx.pgs)   # megatron's PP2 x DP2 state: three_d sets up its own
+    results["three_d"] = three_d(out_dir)
 
     verdicts = os.path.join(out_dir, "resihp.verdicts.jsonl")
     run_deepspeed(RESIHP, {"resihp_verdicts_out": verdicts,

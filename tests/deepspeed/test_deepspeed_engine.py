@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
                "--lr", "2e-3", "--metrics-file", str(single))
     results["single"] = [json.loads(line)["loss"] for line in single.read_text().splitlines()]
     records = {}
-    for name in TIMELINES:
+    for name in [*TIMELINES, "ds_tp2pp2"]:
         with open(out / f"{name}.pkl", "rb") as fh:
             records[name] = pickle.load(fh)
     return {"results": results, "records": records, "dir": out}
@@ -187,8 +187,8 @@ def test_live_relayout_repartitions_the_pipeline(runs):
     assert live["members"] == [3, 2, 1, 0] and live["generation"] == 1
     assert max_rel(live["losses"], res["straight20"]) < 1e-5
     assert live["refusals"] == [
-        "--engine deepspeed re-lays out the pipeline only (TP 1, no virtual stages): use --engine megatron "
-        "for a TP or interleaved target",
+        "--engine deepspeed re-lays out the pipeline and the rank order only (TP stays 1, no virtual stages; the "
+        "target has TP 2): use --engine megatron to change the TP size or for interleaved stages",
         "--engine deepspeed cannot move micro-batches between replicas (its engine scales every replica's loss "
         "by one accumulation count): use --engine megatron for DP work migration"]
 
@@ -228,3 +228,40 @@ def test_resihp_names_the_slow_rank_on_this_engine(runs):
                    f"{runs['dir'] / 'resihp.trace.jsonl'}")
     assert {v["rank"] for v in found} == {2} and found[0]["stage"] == 1
     assert found[0]["iteration"] >= 20
+
+
+# --- TP x PP x DP --------------------------------------------------------------------------------
+
+def test_tp2pp2_reproduces_the_megatron_engine(runs):
+    # The LLaMA-style family (GQA, SwiGLU, rotary, RMSNorm, untied head) in TP2 x PP2, fp32: DeepSpeed's
+    # PipelineModule with megatron's tensor-parallel layers (and sequence parallelism) against megatron's
+    # GPTModel, same seed and data, 10 iterations.
+    res = runs["results"]["three_d"]
+    megatron = res["megatron_tp2pp2"]
+    assert res["layout"] == "deepspeed tp2pp2dp1"
+    assert len(megatron) == 10 and megatron[-1] < megatron[0] - 0.3, "the reference run did not learn"
+    assert max_rel(res["deepspeed_tp2pp2_sp"], megatron) < 1e-5
+
+
+def test_checkpoints_reshard_between_engines_and_tp_layouts(runs):
+    # Iteration 5 of each engine's TP2 x PP2 run, continued by the other engine in another layout
+    # (megatron TP1 x PP2 x DP2 from DeepSpeed's; DeepSpeed TP2 x DP2 from megatron's), weights and
+    # optimizer state: the continuation is the straight run's.
+    res = runs["results"]["three_d"]
+    straight = res["megatron_tp2pp2"][5:]
+    assert max_rel(res["megatron_tp1pp2dp2_from_ds5"], straight) < 1e-5
+    assert max_rel(res["deepspeed_tp2dp2_from_megatron5"], straight) < 1e-5
+
+
+def test_timeline_of_tp2pp2_has_every_rank_in_deepspeeds_schedule(runs):
+    rec = runs["records"]["ds_tp2pp2"]
+    assert (rec.schedule, rec.num_stages, rec.num_microbatches) == ("deepspeed", 2, 4)
+    assert len(rec.ranks) == 4 and sorted(r.stage for r in rec.ranks.values()) == [0, 0, 1, 1]
+    order = deepspeed_train(2, 4)
+    for rank, r in rec.ranks.items():   # both TP ranks of a stage run the stage's order
+        assert [op.key for op in rec.compute_order(rank)] == [op.key for op in order.stages[r.stage]], rank
+    windows = rec.bubble_windows()
+    expected = rec.expected_bubbles()
+    for r in rec.ranks.values():   # every idle window the schedule predicts, on both TP ranks
+        mine = {w.ended_by: w for w in windows if w.rank == r.rank}
+        assert expected[r.stage] and all(op in mine and mine[op].duration_s > 0 for op in expected[r.stage]), r.rank

@@ -174,12 +174,9 @@ def _main(argv, monkeypatch, capsys, world: int = 1):
 
 
 @pytest.mark.parametrize("argv,world,message", [
-    (["--tensor-model-parallel-size", "2"], 4,
-     "--engine deepspeed trains PP x DP: it needs --tensor-model-parallel-size 1 and no "
-     "--virtual-pipeline-model-parallel-size"),
     (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], 4,
-     "--engine deepspeed trains PP x DP: it needs --tensor-model-parallel-size 1 and no "
-     "--virtual-pipeline-model-parallel-size"),
+     "--engine deepspeed runs one stage per rank (DeepSpeed's TrainSchedule): drop "
+     "--virtual-pipeline-model-parallel-size or use --engine megatron"),
     (["--pipeline-model-parallel-size", "3"], 3,
      "--num-layers (4) is not divisible by --pipeline-model-parallel-size (3)"),
     (["--pipeline-model-parallel-size", "3"], 4,
