@@ -3,8 +3,11 @@
 
     python tools/bench_parallel.py [--iters 12] [--rounds 12]
 
-Layouts: TP1 (x DP4), TP2xPP2, PP2xDP2, PP4, each trained from the same initialisation; its loss curve
-is compared with a single-rank run of the same model and data (parity_max_rel_diff). Overhead: in
+Layouts: TP1 (x DP4), TP2xPP2, PP2xDP2, PP4, and TP2xPP2 on the DeepSpeed engine, each trained from the
+same initialisation; its loss curve is compared with a single-rank run of the same model and data
+(parity_max_rel_diff). Engines: megatron's and DeepSpeed's TP2xPP2 in blocks of steps interleaved in
+rotated order with an A/A arm of megatron's (deepspeed_vs_megatron_tp2pp2: the median per-round ratio
+of step times, with its 90 % interval and the A/A floor). Overhead: in
 TP2xPP2, blocks of ``Trainer.train_step`` ("runtime"), of a bare loop ("bare") and of the runtime
 again ("runtime (A/A)") run interleaved, their order rotated every round (megatron_ext.bench.harness,
 docs/benchmarks.md); overhead = median of the per-round runtime/bare ratios - 1, with a bootstrap
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {"tp1": (1, 1), "tp2pp2": (2, 2), "pp2dp2": (1, 2), "pp4": (1, 4)}
@@ -145,6 +149,46 @@ def worker(out_path: str, iters: int, rounds: int) -> None:
     step_s = statistics.median(result["layouts"]["tp2pp2"]["times"]) if "times" in result["layouts"]["tp2pp2"] else None
     result["data_fetch_ms"] = fetch_s * 1000
     result["data_fetch_share"] = fetch_s / step_s if step_s else None
+
+    # The engines side by side in TP2 x PP2: DeepSpeed's PipelineModule with megatron's tensor-parallel
+    # layers (same model, data and seed) -- first its loss curve from the initialisation, as every
+    # layout above, then blocks of steps interleaved with megatron's and an A/A arm of megatron's.
+    from deepspeed_patches import trainer as ds
+
+    def deepspeed_trainer(train_iters: int):
+        c = config_from_values({**BASE, "train_iters": train_iters, "engine": "deepspeed",
+                                "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
+        return ds.DeepSpeedTrainer(c, ds.setup_distributed(c.parallel, seed=c.training.seed)).setup()
+
+    dtr = deepspeed_trainer(iters)
+    losses, times = [], []
+    for _ in range(iters):
+        m = dtr.train_step()
+        losses.append(m.loss)
+        times.append(m.iter_time_s)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, losses if dtr.ctx.is_last_stage else None)
+    steady = statistics.median(times[2:])
+    result["layouts"]["deepspeed tp2pp2"] = {
+        "tokens_per_s": BASE["global_batch_size"] * BASE["seq_length"] / steady, "iter_ms": steady * 1000,
+        "losses": next(g for g in gathered if g is not None), "times": times[2:]}
+    dtr = deepspeed_trainer(10**6)
+
+    def engine_block(trainer) -> Callable[[], float]:
+        def run() -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                trainer.train_step()
+            dist.barrier()
+            return time.perf_counter() - t0
+
+        return run
+
+    measured = interleave({"megatron": engine_block(tr), "deepspeed": engine_block(dtr)}, rounds, aa="megatron",
+                          warmup=1)
+    result["engine_samples"] = measured.samples
+    result["engine_orders"] = measured.orders
     if ctx.rank == 0:
         with open(out_path, "w", encoding="utf-8") as fh:
             json.dump(result, fh)
@@ -183,12 +227,12 @@ def main() -> int:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         result = json.load(open(out, encoding="utf-8"))
         reference = single_rank_curve(args.iters, tmp)
-    lines = [f"{'layout':<8} {'tokens/s':>10} {'iter ms':>9} {'parity max rel diff':>20}"]
+    lines = [f"{'layout':<16} {'tokens/s':>10} {'iter ms':>9} {'parity max rel diff':>20}"]
     figures: dict = {"layouts": {}}
     for name, row in result["layouts"].items():
         diff = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
         figures["layouts"][name] = {"tokens_per_s": round(row["tokens_per_s"], 1), "parity_max_rel_diff": diff}
-        lines.append(f"{name:<8} {row['tokens_per_s']:>10.0f} {row['iter_ms']:>9.1f} {diff:>20.2e}")
+        lines.append(f"{name:<16} {row['tokens_per_s']:>10.0f} {row['iter_ms']:>9.1f} {diff:>20.2e}")
     samples = result["overhead_samples"]
     overhead = ratio_interval(samples["runtime"], samples["bare"])
     cmp = compare(samples, "runtime", higher_is_better=False)
@@ -202,6 +246,17 @@ def main() -> int:
               f"{(floor['interval'][1] - 1) * 100:+.2f} %]; {cmp['rounds']} rounds)",
               f"runtime's own per-iteration work (data fetch) timed alone: {result['data_fetch_ms']:.2f} ms = "
               f"{result['data_fetch_share'] * 100:.2f} % of a TP2xPP2 step"]
+    engines = compare(result["engine_samples"], "megatron", higher_is_better=False)
+    ratio = ratio_interval(result["engine_samples"]["deepspeed"], result["engine_samples"]["megatron"])
+    efloor = engines["noise_floor"]
+    lines += ["", "TP2xPP2 blocks of 6 steps, seconds, by engine (same model, data and seed):",
+              format_comparison(engines, "s"), "",
+              f"deepspeed / megatron step time: {ratio['median']:.3f} (90 % interval {ratio['interval'][0]:.3f} .. "
+              f"{ratio['interval'][1]:.3f}; A/A {efloor['ratio']:.3f} [{efloor['interval'][0]:.3f} .. "
+              f"{efloor['interval'][1]:.3f}]; {engines['rounds']} rounds)"]
+    figures.update(deepspeed_vs_megatron_tp2pp2=ratio["median"], deepspeed_vs_megatron_interval=ratio["interval"],
+                   engines_noise_floor={"ratio": efloor["ratio"], "interval": efloor["interval"]},
+                   engine_orders=result["engine_orders"])
     figures.update(overhead_vs_bare=overhead["median"] - 1.0,
                    overhead_interval=[lo - 1.0, hi - 1.0],
                    overhead_ratios=overhead["ratios"],
