@@ -56,6 +56,15 @@ def check_config(cfg: RunConfig) -> None:
         spec.refuse("overlap_grad_reduce")
 
 
+def _tensor_parallel_on_cpu(tp: int, device: torch.device) -> None:
+    """The TP layers call megatron-core's region functions, which allocate on the CUDA device: on
+    CPU they need the project's megatron-core shim (``compat/megatron_cpu.py``)."""
+    if tp > 1 and device.type == "cpu":
+        from megatron_ext.compat import megatron_cpu
+
+        megatron_cpu.apply()
+
+
 def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0,
                       join: bool = False) -> DistContext:
     """Process group, DeepSpeed's comm backend (patched) and this rank's place in the TP x PP x DP grid.
@@ -72,10 +81,6 @@ def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float =
         ctx = distributed.joining_context(parallel, timeout_s=timeout_s)
         if ctx.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            if parallel.tensor_model_parallel_size > 1:
-                from megatron_ext.compat import megatron_cpu
-
-                megatron_cpu.apply()
         import deepspeed_patches
 
         deepspeed_patches.apply()
@@ -85,11 +90,6 @@ def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float =
     if device.type == "cpu":
         # Name the accelerator: DeepSpeed's auto-detection warns on every rank when it falls back to CPU.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if parallel.tensor_model_parallel_size > 1:
-            # the TP layers call megatron-core's region functions, which allocate on the CUDA device
-            from megatron_ext.compat import megatron_cpu
-
-            megatron_cpu.apply()
     import deepspeed_patches
 
     deepspeed_patches.apply()
@@ -193,15 +193,15 @@ class DeepSpeedTrainer(Trainer):
     """The runtime Trainer with DeepSpeed's PipelineEngine running each iteration."""
 
     engine: Any = None
-    # PP size, layers per stage and the rank order (the TP size stays the run's)
-    relayout_knobs = frozenset({"layers", "permute"})
+    # TP and PP sizes, layers per stage and the rank order: the PipelineModule is rebuilt for the new
+    # layout and the state moves by shard entries
+    relayout_knobs = frozenset({"shape", "layers", "permute"})
     _engine_groups: list = []
 
     def check_target(self, target: LayoutTarget) -> None:
-        if target.tp != self.ctx.layout.tp or target.vp > 1:
-            raise ConfigError(f"--engine deepspeed re-lays out the pipeline and the rank order only (TP stays "
-                              f"{self.ctx.layout.tp}, no virtual stages; the target has TP {target.tp}): use "
-                              "--engine megatron to change the TP size or for interleaved stages")
+        if target.vp > 1:
+            raise ConfigError("--engine deepspeed runs one stage per rank: use --engine megatron for a target with "
+                              "virtual (interleaved) stages")
         mbs = target.replica_microbatches
         if mbs is not None and len(set(mbs)) > 1:
             raise ConfigError("--engine deepspeed cannot move micro-batches between replicas (its engine scales "
@@ -263,6 +263,7 @@ class DeepSpeedTrainer(Trainer):
 
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.training
         tp = ctx.layout.tp
+        _tensor_parallel_on_cpu(tp, ctx.device)
         vocab = padded_vocab_size(self.splits.tokenizer.vocab_size, tp)
         before = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
         self.model = build_gpt_pipeline(cfg.model, vocab_size=vocab, num_stages=ctx.layout.pp, seed=t.seed,

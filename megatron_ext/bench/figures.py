@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 BENCH_FILES: dict[str, list[str]] = {
     "bench_cluster": ["tools/bench_cluster.py", "megatron_ext/cluster", "megatron_ext/bench/harness.py"],
     "bench_detector": ["tools/bench_detector.py", "megatron_ext/resihp", "megatron_ext/ft", "megatron_ext/runtime",
-                       "megatron_ext/config", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
+                       "megatron_ext/config", "deepspeed_patches", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
     "bench_helix": ["tools/bench_helix.py", "megatron_ext/helix", "megatron_ext/runtime", "megatron_ext/config",
                     "megatron_ext/models", "megatron_ext/bench/harness.py"],
     "bench_hydro": ["tools/bench_hydro.py", "megatron_ext/hydro", ":(exclude)megatron_ext/hydro/squeezer",

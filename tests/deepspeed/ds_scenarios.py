@@ -135,8 +135,8 @@ def same_initial_weights(cfg, ctx, vocab_size: int) -> list[int]:
 
 def live_relayout() -> dict:
     """Trainer.relayout on this engine: PP2 x DP2 (2+2 layers) -> 3+1 at iteration 7 -> PP4 with the
-    ranks reversed at 14, with the timeline on (it re-attaches to each new engine); then the targets
-    it refuses."""
+    ranks reversed at 14 -> TP2 x PP2 at 17, with the timeline on (it re-attaches to each new engine);
+    then the targets it refuses."""
     from megatron_ext.config.base import ConfigError
 
     cfg = config_from_values({**BASE, **PP2DP2, "train_iters": 20, "engine": "deepspeed", "timeline": True})
@@ -156,9 +156,11 @@ def live_relayout() -> dict:
     train(7)
     # With the ranks in reverse order: the processes renumbered on a new default group.
     members = trainer.relayout(tp=1, pp=4, rank_order=[3, 2, 1, 0])["members"]
-    train(6)
+    train(3)
+    trainer.relayout(tp=2, pp=2)     # the TP size changed live: the PipelineModule rebuilt with TP layers
+    train(3)
     refusals = []
-    for kw in ({"tp": 2, "pp": 2}, {"tp": 1, "pp": 2, "replica_microbatches": [3, 1]}):
+    for kw in ({"tp": 1, "pp": 2, "vpp": 2}, {"tp": 1, "pp": 2, "replica_microbatches": [3, 1]}):
         try:
             trainer.relayout(**kw)
         except ConfigError as exc:

@@ -179,16 +179,17 @@ def test_resume_continues_exactly(runs):
 
 def test_live_relayout_repartitions_the_pipeline(runs):
     # PipelineModule rebuilt with 3 + 1 layers, then 4 stages with the ranks in reverse order (a new
-    # default group, the processes renumbered), state moved rank to rank: the curve is the straight
-    # run's.
+    # default group, the processes renumbered), then TP2 x PP2 (tensor-parallel layers built, every
+    # weight and optimizer state cut to its TP shard), state moved rank to rank: the curve is the
+    # straight run's.
     res = runs["results"]
     live = res["relayout"]
-    assert live["layouts"] == ["deepspeed pp2dp2", "deepspeed pp2dp2", "deepspeed pp4dp1"]
+    assert live["layouts"] == ["deepspeed pp2dp2", "deepspeed pp2dp2", "deepspeed pp4dp1", "deepspeed tp2pp2dp1"]
     assert live["members"] == [3, 2, 1, 0] and live["generation"] == 1
     assert max_rel(live["losses"], res["straight20"]) < 1e-5
     assert live["refusals"] == [
-        "--engine deepspeed re-lays out the pipeline and the rank order only (TP stays 1, no virtual stages; the "
-        "target has TP 2): use --engine megatron to change the TP size or for interleaved stages",
+        "--engine deepspeed runs one stage per rank: use --engine megatron for a target with virtual (interleaved) "
+        "stages",
         "--engine deepspeed cannot move micro-batches between replicas (its engine scales every replica's loss "
         "by one accumulation count): use --engine megatron for DP work migration"]
 
