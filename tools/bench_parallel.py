@@ -59,20 +59,34 @@ def worker(out_path: str, iters: int, rounds: int) -> None:
         ctx = distributed.relayout(ctx, tp=tp, pp=pp, vpp=None, seed=c.training.seed)
         return Trainer(c, ctx).setup()
 
-    for name in LAYOUTS:
-        tr = trainer_for(name, iters)
+    def curve_of(trainer) -> dict:
+        """``iters`` steps from the initialisation: the loss curve and the steady step time."""
         losses, times = [], []
         for _ in range(iters):
-            m = tr.train_step()
+            m = trainer.train_step()
             losses.append(m.loss)
             times.append(m.iter_time_s)
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, losses if ctx.is_last_stage else None)
-        curve = next(g for g in gathered if g is not None)
+        dist.all_gather_object(gathered, losses if trainer.ctx.is_last_stage else None)
         steady = statistics.median(times[2:])
-        tokens = BASE["global_batch_size"] * BASE["seq_length"]
-        result["layouts"][name] = {"tokens_per_s": tokens / steady, "iter_ms": steady * 1000, "losses": curve,
-                                   "times": times[2:]}
+        return {"tokens_per_s": BASE["global_batch_size"] * BASE["seq_length"] / steady, "iter_ms": steady * 1000,
+                "losses": next(g for g in gathered if g is not None), "times": times[2:]}
+
+    def steps_block(trainer) -> Callable[[], float]:
+        """Seconds of ``block`` steps, between barriers (every rank's time is the slowest rank's)."""
+        def run() -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                trainer.train_step()
+            dist.barrier()
+            return time.perf_counter() - t0
+
+        return run
+
+    block = 6
+    for name in LAYOUTS:
+        result["layouts"][name] = curve_of(trainer_for(name, iters))
 
     # Overhead: the runtime's train_step against a bare loop written independently of the runtime
     # (its own batch fetch from the same megatron dataset, its own forward step and loss, megatron's
@@ -105,20 +119,12 @@ def worker(out_path: str, iters: int, rounds: int) -> None:
 
         return output, loss_func
 
-    block = 6
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.bench.harness import interleave
 
     forward_backward = get_forward_backward_func()
-
-    def runtime_block() -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(block):
-            tr.train_step()
-        dist.barrier()
-        return time.perf_counter() - t0
+    runtime_block = steps_block(tr)
 
     def bare_block() -> float:
         dist.barrier()
@@ -160,32 +166,9 @@ def worker(out_path: str, iters: int, rounds: int) -> None:
                                 "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
         return ds.DeepSpeedTrainer(c, ds.setup_distributed(c.parallel, seed=c.training.seed)).setup()
 
-    dtr = deepspeed_trainer(iters)
-    losses, times = [], []
-    for _ in range(iters):
-        m = dtr.train_step()
-        losses.append(m.loss)
-        times.append(m.iter_time_s)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, losses if dtr.ctx.is_last_stage else None)
-    steady = statistics.median(times[2:])
-    result["layouts"]["deepspeed tp2pp2"] = {
-        "tokens_per_s": BASE["global_batch_size"] * BASE["seq_length"] / steady, "iter_ms": steady * 1000,
-        "losses": next(g for g in gathered if g is not None), "times": times[2:]}
+    result["layouts"]["deepspeed tp2pp2"] = curve_of(deepspeed_trainer(iters))
     dtr = deepspeed_trainer(10**6)
-
-    def engine_block(trainer) -> Callable[[], float]:
-        def run() -> float:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(block):
-                trainer.train_step()
-            dist.barrier()
-            return time.perf_counter() - t0
-
-        return run
-
-    measured = interleave({"megatron": engine_block(tr), "deepspeed": engine_block(dtr)}, rounds, aa="megatron",
+    measured = interleave({"megatron": steps_block(tr), "deepspeed": steps_block(dtr)}, rounds, aa="megatron",
                           warmup=1)
     result["engine_samples"] = measured.samples
     result["engine_orders"] = measured.orders
