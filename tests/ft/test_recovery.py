@@ -13,6 +13,8 @@ injected faults, and single-rank straight runs as the reference curves.
   next round; rank 0 trains alone to the end.
 * "ds" (``--engine deepspeed`` PP2 x DP2): rank 3 dies in its optimizer step: DP shrink on
   DeepSpeed's engine, the curve within 1e-5.
+* "ds_tp" (``--engine deepspeed`` TP2 x DP2): rank 3 dies in its optimizer step: its replica has lost
+  a TP rank; the survivors take a layout without it on DeepSpeed's engine, the curve within 1e-5.
 * "perm": a live rank permutation after iteration 2 during which rank 1 is SIGKILLed (a loss in the
   middle of a planned re-layout): the survivors recover from the state held before it.
 * "error" (PP2 x DP2): an ordinary ``ValueError`` in rank 2's step at iteration 5 ends rank 2 only;
@@ -51,6 +53,8 @@ SCENARIOS = {
                "--inject-stop", "2:4:save", "3:7", "1:7:relayout"], None),
     "ds": (4, ["--engine", "deepspeed", *PP2, "--train-iters", "5", "--lr-decay-iters", "8", "--save-interval", "100",
                "--inject-stop", "3:3:step"], None),
+    "ds_tp": (4, ["--engine", "deepspeed", "--tensor-model-parallel-size", "2", "--train-iters", "5",
+                  "--lr-decay-iters", "8", "--save-interval", "100", "--inject-stop", "3:3:step"], None),
     # A live rank permutation after iteration 2 (launch ranks 2, 0, 3, 1 take ranks 0..3) in which
     # rank 1 dies once the new process groups exist.
     "perm": (4, [*PP2, "--train-iters", "5", "--lr-decay-iters", "8", "--save-interval", "100",
@@ -80,7 +84,8 @@ def curve(path) -> dict[int, float]:
 # imports, a survivor's continue timeout), and each launch has its own store, port and directory.
 # The longest first, so that the short ones fill in beside it.
 CONCURRENT = 2
-LONGEST_FIRST = ("regrow", "pp", "dp", "ds", "perm", "error", "keep_newer", "same_error", "collective", "no_copy")
+LONGEST_FIRST = ("regrow", "pp", "dp", "ds", "ds_tp", "perm", "error", "keep_newer", "same_error", "collective",
+                 "no_copy")
 assert sorted(LONGEST_FIRST) == sorted(SCENARIOS)
 STRAIGHT = (("straight150", 150, 150), ("straight10", 10, 10), ("straight8", 8, 8))
 
@@ -203,6 +208,19 @@ def test_the_deepspeed_engine_continues_by_dp_shrink(launches):
     # The survivors' layout is the planner's (scaled to the measured iteration times: PP2 x DP1 or
     # PP3 on this host, both built by DeepSpeed's PipelineModule over the new world).
     assert change["from"] == "deepspeed pp2dp2" and change["to"] in ("deepspeed pp2dp1", "deepspeed pp3dp1"), change
+    assert 3 not in change["members"] and change["lost_ranks"] == [3]
+    assert (change["rolled_back"], change["lost_iterations"]) == (3, 0)
+    assert max_rel(curve(run["metrics"]), launches["straight5"]) < 1e-5
+
+
+@pytest.mark.multirank
+def test_deepspeed_with_tensor_parallelism_continues_without_the_lost_rank(launches):
+    run = launches["ds_tp"]
+    assert run["job"] == 0 and run["codes"][3] == -9, tail(run)
+    (change,) = changes(run)
+    # rank 3's TP peer (rank 2) cannot form a TP2 replica alone: the planner's layout over the
+    # survivors, built by DeepSpeed's PipelineModule over the new world
+    assert change["from"] == "deepspeed tp2pp1dp2" and change["to"].startswith("deepspeed "), change
     assert 3 not in change["members"] and change["lost_ranks"] == [3]
     assert (change["rolled_back"], change["lost_iterations"]) == (3, 0)
     assert max_rel(curve(run["metrics"]), launches["straight5"]) < 1e-5
