@@ -43,9 +43,16 @@ def _child_env(extra: dict) -> dict:
 
 def run_torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 900, env: dict | None = None
                  ) -> subprocess.CompletedProcess:
-    """Launch ``script`` on ``nproc`` gloo ranks; fails the test with the output tail on error."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           script, *args]
+    """Launch ``script`` on ``nproc`` gloo ranks; fails the test with the output tail on error.
+
+    Through tests/warm_run.py: torch's elastic agent forks the ranks after the imports they would
+    each repeat (same rendezvous, same environment per rank as torchrun); with
+    MEGATRON_EXT_TEST_TORCHRUN=1, plain ``python -m torch.distributed.run --standalone``."""
+    if os.environ.get("MEGATRON_EXT_TEST_TORCHRUN") == "1":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               script, *args]
+    else:
+        cmd = [sys.executable, os.path.join("tests", "warm_run.py"), str(nproc), script, *args]
     full_env = _child_env({"OMP_NUM_THREADS": "1", **(env or {})})
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
