@@ -17,6 +17,11 @@ import sys
 import uuid
 
 
+# What every rank would import again (torch with them): megatron-core's parallel state and
+# tensor-parallel layers, and torch._dynamo (torch.optim's first step imports it).
+PRELOADED = ("megatron.core.parallel_state", "megatron.core.tensor_parallel", "torch._dynamo")
+
+
 def _rank(script: str, args: list[str]) -> None:
     """One rank: SCRIPT run as ``__main__``, as ``python SCRIPT ARGS`` would."""
     sys.argv = [script, *args]
@@ -32,9 +37,10 @@ def main(argv: list[str]) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    import megatron.core.parallel_state  # noqa: F401  -- the imports every rank would repeat
-    import megatron.core.tensor_parallel  # noqa: F401
-    import torch._dynamo  # noqa: F401
+    import importlib
+
+    for name in PRELOADED:
+        importlib.import_module(name)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
