@@ -9,9 +9,9 @@ slow 2x, a NIC and a PP stage link at 1/2 and 1/4 bandwidth, one GPU lost, one n
 
 Policies: ``ckpt_restart`` (Megatron + NVRx in-job restart with a spare node), ``oobleck``,
 ``recycle``, ``malleus`` (Malleus-like re-planner), ``adaptra``, ``torchft`` (DP shrink),
-``resihp`` (ResiHP's planner and hysteresis as they are, ``megatron_ext.resihp``), ``resihp+``
-(the same decisions with this package's glue: TP groups kept inside nodes after a reshape),
-``resihp+rr`` (the glue also reroutes a faulty stage's micro-batches to its peers at once and
+``resihp`` (ResiHP's planner and hysteresis as they are, ``megatron_ext.resihp``, told the node
+size), ``resihp-nodeless`` (the planner before it knew nodes: the "before" of that change),
+``resihp+rr`` (glue: reroutes a faulty stage's micro-batches to its peers at once and
 re-lays out only when the planner predicts that beats rerouting) and ``resihp+rr+link`` (a what-if:
 ``resihp+rr`` given link verdicts, as issue #22 item 4 would give them).
 Every policy gets the same detector model (a compute fail-slow named after 7 iterations, a loss
@@ -22,7 +22,8 @@ instead of the usual one, so that no policy gains from a better shape that neede
 Prints the table (throughput relative to the healthy job, per model, scenario and policy; the best
 baseline; ResiHP's speedup over it), the simulator's error against recorded CPU runs, then one JSON
 line: {"scenarios": {model/scenario: {policy: x}}, "speedup_vs_best": {...} (resihp over the best
-baseline), "geomean_speedup_vs_best": x, "glue": {policy: {...}}, "what_if_link_verdicts": {...},
+baseline), "geomean_speedup_vs_best": x, "before": {policy: {...}}, "glue": {...},
+"what_if_link_verdicts": {...},
 "sim_err": {"median": .., "p95": ..}, ...}.
 """
 from __future__ import annotations
@@ -46,19 +47,18 @@ from megatron_ext.resilience.validate import sim_error  # noqa: E402
 
 logger = logging.getLogger("bench_resilience")
 
-RESIHP = ("resihp",) + resihp_policy.GLUE + resihp_policy.WHAT_IF
+RESIHP = resihp_policy.BEFORE + ("resihp",) + resihp_policy.GLUE + resihp_policy.WHAT_IF
 SHORT = {"ckpt_restart": "ckpt", "oobleck": "oobleck", "recycle": "recycle", "malleus": "malleus",
-         "adaptra": "adaptra", "torchft": "torchft", "resihp": "resihp", "resihp+": "resihp+", "resihp+rr": "+rr",
-         "resihp+rr+link": "+rr+link"}
+         "adaptra": "adaptra", "torchft": "torchft", "resihp-nodeless": "nodeless", "resihp": "resihp",
+         "resihp+rr": "+rr", "resihp+rr+link": "+rr+link"}
 
 
 def planner_healthy_gain(ctx) -> float:
     """How much faster (simulator's score) the layout ResiHP's planner picks for a *healthy* cluster
     is than the start: the part of any ResiHP re-layout's gain that no fault was needed for."""
-    pol = resihp_policy.ResiHP(node_aware=True)
+    pol = resihp_policy.ResiHP()
     pol.start(ctx)
     best, _ = pol.policy.planner.best_layout(to_plan_layout(ctx.start), np.ones(ctx.num_devices))
-    best = resihp_policy.node_local(best, ctx.hw.gpus_per_node, np.ones(ctx.num_devices))
     return ctx.sim.healthy(ctx.start).time_s / ctx.sim.healthy(from_plan_layout(best)).time_s - 1
 
 
@@ -121,8 +121,8 @@ def main() -> int:
         lines.append(f"{model:<15} {sname:<14} " + " ".join(f"{thr[n]:>8.3f}" for n in names)
                      + f"  {SHORT[best]:>9} " + " ".join(f"{speedups[n][key]:>9.3f}" for n in RESIHP))
     gm = {n: geomean(speedups[n].values()) for n in RESIHP}
-    what = {"resihp": "as it is", "resihp+": "glue: node-local TP groups", "resihp+rr": "glue: + reroute first",
-            "resihp+rr+link": "what-if: + link verdicts"}
+    what = {"resihp-nodeless": "before: no nodes in the planner", "resihp": "as it is",
+            "resihp+rr": "glue: + reroute first", "resihp+rr+link": "what-if: + link verdicts"}
     lines.append("over the best baseline, geometric mean (min, max): " + "; ".join(
         f"{n} ({what[n]}) {gm[n]:.3f}x ({min(speedups[n].values()):.3f}, {max(speedups[n].values()):.3f})"
         for n in RESIHP))
@@ -131,6 +131,8 @@ def main() -> int:
                                          f"{100 * v['planner_healthy_gain']:+.1f} %" for m, v in meta.items()))
     out = {"scenarios": figures, "speedup_vs_best": speedups["resihp"],
            "geomean_speedup_vs_best": round(gm["resihp"], 4),
+           "before": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}
+                      for n in resihp_policy.BEFORE},
            "glue": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}
                     for n in resihp_policy.GLUE},
            "what_if_link_verdicts": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}

@@ -44,8 +44,8 @@ from megatron_ext.resihp.planner_types import (HEALTHY_EPS, Cluster, MemoryModel
                                                PlanningError, Workload, _short, _split_even)
 
 __all__ = ["Cluster", "MemoryModel", "Plan", "PlanLayout", "Planner", "PlannerConfig", "PlanningError", "Workload",
-           "capacity_optimum_s", "default_memory_model", "layer_params", "predict_iteration_s", "stage_params",
-           "state_move_bytes"]
+           "capacity_optimum_s", "default_memory_model", "layer_params", "node_local_groups", "predict_iteration_s",
+           "spans_nodes", "stage_params", "stage_speeds", "state_move_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +93,13 @@ class _Costs:
     head_fwd: float
     head_bwd: float
     tp_allreduce_s: float   # a micro-batch's activation bytes / TP link bandwidth (before the ring factor)
+    nic_allreduce_s: float  # the same bytes over the NIC: a TP group that spans nodes
 
-    def layer(self, tp: int) -> tuple[float, float]:
+    def layer(self, tp: int, across_nodes: bool = False) -> tuple[float, float]:
         """Seconds per layer and micro-batch on one device of a TP group of ``tp``: the FLOPs
         divided by ``tp``, plus megatron's two activation all-reduces per layer forward and two
-        backward (ring: ``2 (tp - 1) / tp`` of the bytes)."""
-        comm = 2.0 * 2.0 * (tp - 1) / tp * self.tp_allreduce_s
+        backward (ring: ``2 (tp - 1) / tp`` of the bytes), over the NIC when the group spans nodes."""
+        comm = 2.0 * 2.0 * (tp - 1) / tp * (self.nic_allreduce_s if across_nodes else self.tp_allreduce_s)
         return self.layer_fwd / tp + comm, self.layer_bwd / tp + comm
 
 
@@ -109,7 +110,57 @@ def _costs(spec: ModelSpec, workload: Workload, cluster: Cluster) -> _Costs:
     act_bytes = 2.0 * workload.tokens * spec.hidden_size   # bf16 activations of the micro-batch
     return _Costs(one.forward(t, sq).total / f, one.backward(t, sq).total / f,
                   head.forward(t, sq).total / f, head.backward(t, sq).total / f,
-                  act_bytes / cluster.tp_bytes_per_s)
+                  act_bytes / cluster.tp_bytes_per_s, act_bytes / cluster.link_bytes_per_s)
+
+
+def spans_nodes(layout: PlanLayout, devices_per_node: int | None) -> np.ndarray:
+    """(pp, dp) bool: which TP groups of ``layout`` have devices on more than one node (all False
+    without nodes, or at TP 1)."""
+    grid = layout.grid()
+    if devices_per_node is None or layout.tp == 1:
+        return np.zeros(grid.shape[:2], dtype=bool)
+    node = grid // devices_per_node
+    return (node != node[:, :, :1]).any(axis=2)
+
+
+def stage_speeds(layout: PlanLayout, speeds: np.ndarray, costs: _Costs, devices_per_node: int | None) -> np.ndarray:
+    """(pp, dp) effective speed of each TP group: its slowest member, divided by how much longer a
+    layer takes when the group's all-reduces cross the NIC (a whole-group slowdown, as a slow
+    member is)."""
+    out = speeds[layout.grid()].min(axis=2)
+    across = spans_nodes(layout, devices_per_node)
+    if across.any():
+        inside, over = sum(costs.layer(layout.tp)), sum(costs.layer(layout.tp, across_nodes=True))
+        out = np.where(across, out * inside / over, out)
+    return out
+
+
+def node_local_groups(layout: PlanLayout, devices_per_node: int, speed: np.ndarray) -> PlanLayout:
+    """``layout`` with its TP groups inside nodes where the devices allow: the groups that span
+    nodes are rebuilt from their own devices and the usable idle ones (spares, devices a plan left
+    out), whole node-local groups first (fastest first; among equals, those of the spanning groups'
+    own devices, which move nothing), and handed to those groups' slots in order. Groups already
+    inside a node keep their devices, so a placement of slow devices survives."""
+    g, tp = devices_per_node, layout.tp
+    devs = np.asarray(layout.devices).reshape(-1, tp)
+    spanning = [i for i, grp in enumerate(devs) if len({int(d) // g for d in grp}) > 1]
+    if not spanning:
+        return layout
+    own = [int(d) for i in spanning for d in devs[i]]
+    idle = sorted(set(np.flatnonzero(speed > 0).tolist()) - {int(d) for d in layout.devices})
+    by_node: dict[int, list[int]] = {}
+    for d in sorted(set(own) | set(idle), key=lambda d: (-speed[d], d not in own, d)):
+        by_node.setdefault(d // g, []).append(d)
+    whole = [ds[i:i + tp] for ds in by_node.values() for i in range(0, len(ds) - len(ds) % tp, tp)]
+    whole.sort(key=lambda grp: (-min(speed[d] for d in grp), -sum(d in own for d in grp), grp[0]))
+    groups = whole[:len(spanning)]
+    if len(groups) < len(spanning):
+        taken = {d for grp in groups for d in grp}
+        rest = [d for d in own if d not in taken]
+        groups += [rest[i:i + tp] for i in range(0, tp * (len(spanning) - len(groups)), tp)]
+    for i, grp in zip(spanning, groups):
+        devs[i] = sorted(grp)
+    return dataclasses.replace(layout, devices=tuple(int(d) for d in devs.reshape(-1)))
 
 
 def _chunk_seconds(costs: _Costs, layers: Sequence[Sequence[int]], tp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -175,10 +226,11 @@ def predict_iteration_s(layout: PlanLayout, spec: ModelSpec, speeds: Sequence[fl
     sp = _check_speeds(speeds, layout)
     if layout.num_layers != spec.num_layers:
         raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {spec.num_layers}")
-    stage_speed = sp[layout.grid()].min(axis=2)
+    costs = _costs(spec, workload, cluster)
+    stage_speed = stage_speeds(layout, sp, costs, cluster.devices_per_node)
     if (stage_speed <= 0).any():
         return math.inf
-    fwd, bwd = _chunk_seconds(_costs(spec, workload, cluster), layout.layers, layout.tp)
+    fwd, bwd = _chunk_seconds(costs, layout.layers, layout.tp)
     tail = _tail_seconds(spec, workload, cluster, layout.tp, layout.dp, layout.stage_layers)
     return _simulate_layout(layout, stage_speed, fwd, bwd, tail, cluster.p2p_latency_s)
 
@@ -430,12 +482,16 @@ class Planner:
         out: list[_Candidate] = []
         seen: set[PlanLayout] = set()
 
+        g = self.cluster.devices_per_node
+
         def add(lay: PlanLayout | None, actions: tuple[str, ...]) -> None:
+            if lay is not None and g is not None:
+                lay = node_local_groups(lay, g, sp)
             if lay is None or lay in seen:
                 return
             if not cfg.uneven_microbatches and len(set(lay.microbatches)) > 1:
                 return
-            stage_speed = sp[lay.grid()].min(axis=2)
+            stage_speed = stage_speeds(lay, sp, self.costs, g)
             if (stage_speed <= 0).any() or not self.fits(lay, memory):
                 return
             seen.add(lay)
@@ -550,7 +606,9 @@ class Planner:
               actions: tuple[str, ...], *, same_shape: bool):
         """Layer partitions x micro-batch splits for a placement."""
         cfg = self.config
-        stage_speed = sp[placed.grid()].min(axis=2)            # (pp, dp)
+        if self.cluster.devices_per_node is not None:
+            placed = node_local_groups(placed, self.cluster.devices_per_node, sp)
+        stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node)   # (pp, dp)
         if (stage_speed <= 0).any():
             return
         layer_opts: list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]] = []

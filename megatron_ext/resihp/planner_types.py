@@ -155,11 +155,19 @@ class Cluster:
     tp_bytes_per_s: float = math.inf
     """Bandwidth of the TP group's all-reduces (NVLink inside a node). Finite, it makes TP cost
     something, so a smaller TP group is not free of trade-offs; infinite ignores TP traffic."""
+    devices_per_node: int | None = None
+    """Devices per node: ranks ``n * g`` to ``n * g + g - 1`` share node ``n``. A TP group that spans
+    nodes does its all-reduces over the NIC (``link_bytes_per_s``), not ``tp_bytes_per_s``, and the
+    planner rebuilds such groups inside nodes where the devices allow. None: no nodes (one TP
+    bandwidth for every group; a single host)."""
 
     def __post_init__(self) -> None:
         for name in ("device_flops", "link_bytes_per_s", "tp_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise PlanningError(f"cluster.{name} must be > 0, got {getattr(self, name)}")
+        if self.devices_per_node is not None and not (isinstance(self.devices_per_node, int)
+                                                      and self.devices_per_node >= 1):
+            raise PlanningError(f"cluster.devices_per_node must be an integer >= 1 or None, got {self.devices_per_node!r}")
         for name in ("p2p_latency_s", "relayout_pause_s"):
             if not getattr(self, name) >= 0:
                 raise PlanningError(f"cluster.{name} must be >= 0, got {getattr(self, name)}")

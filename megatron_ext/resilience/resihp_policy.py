@@ -1,8 +1,9 @@
 """ResiHP as a policy: ``megatron_ext.resihp``'s planner and hysteresis decide, the simulator scores;
 and this package's glue around them (issue #22 item 5), each variant a row of the benchmark.
 
-* ``resihp``: the planner and ``PlanPolicy`` as they are;
-* ``resihp+``: plans' TP groups rebuilt inside nodes (``node_local``);
+* ``resihp``: the planner and ``PlanPolicy`` as they are; the planner is told the node size
+  (``Cluster.devices_per_node``), so its TP groups stay inside nodes;
+* ``resihp-nodeless``: the planner as it was before it knew nodes (the "before" of that change);
 * ``resihp+rr``: also reroutes a faulty stage's micro-batches to its peers at once (ReCycle's
   mechanism) and re-lays out only when the planner predicts its plan beats that;
 * ``resihp+rr+link``: a what-if with the link verdicts issue #22 item 4 would give.
@@ -17,7 +18,7 @@ import numpy as np
 from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.resihp.planner import Cluster, Planner, PlannerConfig, Workload
 from megatron_ext.resihp.planner_policy import PlanPolicy
-from megatron_ext.resihp.planner_types import PlanLayout, PlanningError
+from megatron_ext.resihp.planner_types import PlanningError
 from megatron_ext.resihp.verdicts import Verdict
 from megatron_ext.resilience.detector import LinkVerdict
 from megatron_ext.resilience.job import Job, from_plan_layout, memory_bytes, to_plan_layout
@@ -39,37 +40,6 @@ def model_spec(shape: ModelShape) -> ModelSpec:
                      flash_attention=True)
 
 
-def node_local(layout: PlanLayout, g: int, speed: np.ndarray) -> PlanLayout:
-    """``layout`` with its TP groups inside nodes where the devices allow: the groups that straddle
-    nodes are rebuilt from their own devices and the idle usable ones (spares, devices left out),
-    whole node-local groups first (fastest first), and handed to those groups' slots in order.
-    Groups already inside a node keep their devices, so the planner's placement of slow devices
-    survives."""
-    tp = layout.tp
-    devs = np.asarray(layout.devices).reshape(-1, tp)
-    straddle = [i for i, grp in enumerate(devs) if len({int(d) // g for d in grp}) > 1]
-    if not straddle:
-        return layout
-    own = [int(d) for i in straddle for d in devs[i]]
-    idle = sorted(set(np.flatnonzero(speed > 0).tolist()) - set(int(d) for d in layout.devices))
-    by_node: dict[int, list[int]] = {}
-    for d in sorted(set(own) | set(idle), key=lambda d: (-speed[d], d not in own, d)):
-        by_node.setdefault(d // g, []).append(d)
-    whole = []
-    for ds in by_node.values():
-        whole += [ds[i:i + tp] for i in range(0, len(ds) - len(ds) % tp, tp)]
-    # Fastest groups first; among equals, those made of the straddling groups' own devices (no move).
-    whole.sort(key=lambda grp: (-min(speed[d] for d in grp), -sum(d in own for d in grp), grp[0]))
-    groups = whole[:len(straddle)]
-    if len(groups) < len(straddle):
-        taken = {d for grp in groups for d in grp}
-        rest = [d for d in own if d not in taken]
-        groups += [rest[i:i + tp] for i in range(0, tp * (len(straddle) - len(groups)), tp)]
-    for i, grp in zip(straddle, groups):
-        devs[i] = sorted(grp)
-    return dataclasses.replace(layout, devices=tuple(int(d) for d in devs.reshape(-1)))
-
-
 class ResiHP(Policy):
     """ResiHP's planner and hysteresis (``megatron_ext.resihp``) decide; the simulator scores. The
     planner gets this cluster's figures (effective FLOP/s, NIC and NVLink bandwidth, the re-layout
@@ -79,14 +49,16 @@ class ResiHP(Policy):
 
     name = "resihp"
 
-    def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, node_aware: bool = False,
+    def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, nodes: bool = True,
                  link_aware: bool = False, reroute_first: bool = False) -> None:
         self.config = config or PlannerConfig()
         self.recover_after = recover_after
-        self.node_aware = node_aware
+        self.nodes = nodes
         self.link_aware = link_aware
         self.reroute_first = reroute_first
-        if node_aware:
+        if not nodes:
+            self.name = "resihp-nodeless"
+        elif reroute_first or link_aware:
             self.name = "resihp+" + "+".join(x for x, on in (("rr", reroute_first), ("link", link_aware)) if on)
 
     def planner(self, ctx: Context) -> Planner:
@@ -99,7 +71,8 @@ class ResiHP(Policy):
 
         cl = Cluster(device_flops=ctx.hw.flops, memory_bytes=ctx.hw.memory_bytes, link_bytes_per_s=ctx.hw.nic_bytes_per_s,
                      tp_bytes_per_s=ctx.hw.nvlink_bytes_per_s, relayout_pause_s=ctx.costs.reconfigure_s,
-                     p2p_latency_s=ctx.hw.nic_latency_s)
+                     p2p_latency_s=ctx.hw.nic_latency_s,
+                     devices_per_node=ctx.hw.gpus_per_node if self.nodes else None)
         wl = Workload(seq_length=ctx.data.seq_length, micro_batch_size=ctx.data.micro_batch_size,
                       attention_sq_per_sequence=float(ctx.data.sum_sq.mean()) / ctx.data.micro_batch_size)
         return Planner(model_spec(shape), cl, wl, self.config, memory_model=memory)
@@ -126,12 +99,6 @@ class ResiHP(Policy):
             return act
         if plan is None:
             return None
-        if self.node_aware:
-            # Glue, not planner: the planner's cost model has one TP bandwidth and no nodes, so a
-            # reshape that leaves a device out shifts every later TP group across a node boundary.
-            fixed = node_local(plan.new, ctx.hw.gpus_per_node, self.policy.speeds)
-            plan = dataclasses.replace(plan, new=fixed)
-            self.policy.layout = fixed
         new = from_plan_layout(plan.new)
         same_places = plan.new.dp == plan.old.dp and \
             dataclasses.replace(plan.new, microbatches=plan.old.microbatches) == plan.old
@@ -168,12 +135,11 @@ class ResiHP(Policy):
         share = base.num_microbatches / max(1, base.num_microbatches - sum(base.microbatches[d] for d in gone))
         rerouted_s = self.policy.planner.iteration_s(base, hidden) * share
         if plan is not None and plan.iteration_s_after + plan.move_s / plan.horizon_iterations < rerouted_s:
-            fixed = node_local(plan.new, ctx.hw.gpus_per_node, self.policy.speeds)
-            self.policy.layout = fixed
-            new = from_plan_layout(fixed)
+            self.policy.layout = plan.new
+            new = from_plan_layout(plan.new)
             pause = move_pause_s(ctx, from_plan_layout(base), new, ctx.costs.reconfigure_s)
             self.job = new
-            return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {fixed.shape} (beats rerouting)")
+            return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape} (beats rerouting)")
         try:
             _, job = reroute(from_plan_layout(base).pipelines, self.policy.speeds)
         except RuntimeError:
@@ -201,20 +167,20 @@ class ResiHP(Policy):
         return out
 
 
-GLUE = ("resihp+", "resihp+rr")
+BEFORE = ("resihp-nodeless",)
+"""ResiHP as it was before a change of ``megatron_ext.resihp``, kept as a row for the before/after."""
+GLUE = ("resihp+rr",)
 """ResiHP's decisions with this package's glue (docs/resilience.md, "Policy glue")."""
 WHAT_IF = ("resihp+rr+link",)
 """The glue given link verdicts, which ResiHP's detector does not produce yet (issue #22 item 4)."""
-_GLUE_FLAGS = {"resihp+": {}, "resihp+rr": {"reroute_first": True}, "resihp+link": {"link_aware": True},
-               "resihp+rr+link": {"reroute_first": True, "link_aware": True}}
+_FLAGS = {"resihp": {}, "resihp-nodeless": {"nodes": False}, "resihp+rr": {"reroute_first": True},
+          "resihp+link": {"link_aware": True}, "resihp+rr+link": {"reroute_first": True, "link_aware": True}}
 
 
 def make(name: str) -> Policy:
-    """A fresh policy by name: a baseline (``BASELINES``), ``resihp``, or a glue variant."""
-    if name in _GLUE_FLAGS:
-        return ResiHP(node_aware=True, **_GLUE_FLAGS[name])
-    if name == "resihp":
-        return ResiHP()
+    """A fresh policy by name: a baseline (``BASELINES``), ``resihp``, its "before" or a glue variant."""
+    if name in _FLAGS:
+        return ResiHP(**_FLAGS[name])
     if name not in TABLE:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join([*BASELINES, 'resihp', *_GLUE_FLAGS])}")
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join([*BASELINES, *_FLAGS])}")
     return TABLE[name]()

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.resihp.planner import (Cluster, Plan, PlanLayout, Planner, PlannerConfig, PlanningError, Workload,
-                                         capacity_optimum_s, layer_params, predict_iteration_s, state_move_bytes)
+                                         capacity_optimum_s, layer_params, node_local_groups, predict_iteration_s,
+                                         spans_nodes, state_move_bytes)
 from megatron_ext.resihp.planner_policy import PlanPolicy
 from megatron_ext.resihp.verdicts import Verdict
 
@@ -223,6 +224,48 @@ def test_fail_stop_with_replicas_shrinks_dp_without_moving_state():
     assert plan.describe().startswith("resihp plan [dp_shrink] for 5:dead: tp2pp2dp4 -> tp2pp2dp3; ")
 
 
+def test_a_tp_group_across_nodes_pays_the_nic_and_the_node_aware_planner_keeps_groups_inside_nodes():
+    # 3 nodes of 4; a TP2 x PP2 x DP2 job on the first two, node 2 idle. Device 3 dies.
+    nodes = Cluster(device_flops=150e12, memory_bytes=80e9, link_bytes_per_s=25e9, relayout_pause_s=10.0,
+                    tp_bytes_per_s=300e9, devices_per_node=4)
+    start = PlanLayout.even(num_layers=24, tp=2, pp=2, dp=2, num_microbatches=32)
+    ones = np.ones(12)
+    # The same layout with its groups shifted by one device: (1, 2) and (5, 6) stay inside nodes,
+    # (3, 4) and (7, 8) span two; only the node-aware cost model sees it.
+    shifted = dataclasses.replace(start, devices=(1, 2, 3, 4, 5, 6, 7, 8))
+    assert spans_nodes(shifted, 4).tolist() == [[False, True], [False, True]]
+    assert not spans_nodes(shifted, None).any() and not spans_nodes(start, 4).any()
+    flat = Planner(M350, cluster(80e9), WORKLOAD)
+    aware = Planner(M350, nodes, WORKLOAD)
+    assert aware.iteration_s(shifted, ones) > 1.05 * aware.iteration_s(start, ones)
+    assert flat.iteration_s(shifted, ones) == pytest.approx(flat.iteration_s(start, ones))
+    sp = speeds_of(12, {3: 0.0})
+    for p in (flat, aware):
+        plan = p.plan(start, sp)
+        assert 3 not in plan.new.devices
+        groups = np.asarray(plan.new.devices).reshape(-1, plan.new.tp)
+        if p is aware:
+            assert all(len({int(d) // 4 for d in g}) == 1 for g in groups), plan.new.devices
+            assert plan.iteration_s_after <= aware.iteration_s(plan.new, sp) * (1 + 1e-9)
+
+
+def test_node_local_groups_rebuilds_only_the_groups_that_span_nodes():
+    speed = np.ones(24)
+    speed[3] = 0.0
+    # Device 3 was left out and the reshape shifted every later TP pair across a node boundary.
+    devices = (0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
+    lay = PlanLayout(tp=2, pp=2, dp=4, layers=((12,), (12,)), microbatches=(2, 2, 2, 2), devices=devices)
+    fixed = node_local_groups(lay, 8, speed)
+    groups = np.asarray(fixed.devices).reshape(-1, 2)
+    kept = [0, 1, 2, 4, 5, 6]
+    assert all(len({d // 8 for d in g}) == 1 for g in groups)
+    assert 3 not in fixed.devices
+    # Groups that were inside a node keep their devices; only (7, 8) and (15, 16) spanned two.
+    assert [groups[i].tolist() for i in kept] == [[0, 1], [2, 4], [5, 6], [9, 10], [11, 12], [13, 14]]
+    assert sorted(groups[3].tolist() + groups[7].tolist()) != [7, 8, 15, 16]
+    assert node_local_groups(fixed, 8, speed) == fixed
+
+
 def test_fail_stop_without_room_is_an_error_naming_the_rank():
     p = planner(memory=6e9)
     start = PlanLayout.even(num_layers=24, tp=1, pp=4, dp=1, num_microbatches=8)
@@ -417,6 +460,8 @@ def test_planner_input_errors():
         p.plan(short, np.ones(4))
     with pytest.raises(PlanningError, match=re.escape("cluster.link_bytes_per_s must be > 0, got 0")):
         Cluster(device_flops=1e12, memory_bytes=1e9, link_bytes_per_s=0)
+    with pytest.raises(PlanningError, match=re.escape("cluster.devices_per_node must be an integer >= 1 or None, got 0")):
+        Cluster(device_flops=1e12, memory_bytes=1e9, link_bytes_per_s=1e9, devices_per_node=0)
     with pytest.raises(PlanningError, match=re.escape("planner.horizon_iterations must be >= 1, got 0")):
         PlannerConfig(horizon_iterations=0)
     with pytest.raises(PlanningError, match=re.escape("workload.seq_length must be >= 1, got 0")):

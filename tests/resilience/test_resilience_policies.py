@@ -3,17 +3,15 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 
-from megatron_ext.resihp.planner_types import PlanLayout
 from megatron_ext.resilience import policies, resihp_policy, setting
 from megatron_ext.resilience.detector import DetectorModel
 from megatron_ext.resilience.faults import FaultTrace, healthy_state
 from megatron_ext.resilience.run import run_policy
 from megatron_ext.resilience.validate import sim_error
 
-ALL = policies.BASELINES + ("resihp",) + resihp_policy.GLUE + resihp_policy.WHAT_IF
+ALL = policies.BASELINES + resihp_policy.BEFORE + ("resihp",) + resihp_policy.GLUE + resihp_policy.WHAT_IF
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +55,6 @@ def test_resihp_decides_with_resihps_own_planner(ctx):
     it, plan = pol.policy.plans[0]
     assert plan.speeds == {sc.faults[0].target: 0.5}
     assert it == pytest.approx((sc.faults[0].start_s - 0.0) / ctx.sim.healthy(ctx.start).time_s + 7, abs=1.5)
-
-
-def test_node_local_keeps_tp_groups_inside_nodes_when_idle_devices_allow():
-    speed = np.ones(24)
-    speed[3] = 0.0
-    # Device 3 was left out and the reshape shifted every later TP pair across a node boundary.
-    devices = (0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
-    lay = PlanLayout(tp=2, pp=2, dp=4, layers=((4,), (4,)), microbatches=(2, 2, 2, 2), devices=devices)
-    fixed = resihp_policy.node_local(lay, 8, speed)
-    groups = np.asarray(fixed.devices).reshape(-1, 2)
-    kept = [0, 1, 2, 4, 5, 6]
-    assert all(len({d // 8 for d in g}) == 1 for g in groups)
-    assert 3 not in fixed.devices
-    # Groups that were inside a node keep their devices; only (7, 8) and (15, 16) straddled.
-    assert [groups[i].tolist() for i in kept] == [[0, 1], [2, 4], [5, 6], [9, 10], [11, 12], [13, 14]]
-    assert sorted(groups[3].tolist() + groups[7].tolist()) != [7, 8, 15, 16]
 
 
 def test_the_detector_names_after_its_delay_and_only_devices_it_watches(ctx):
