@@ -19,7 +19,7 @@ from typing import Any
 from megatron_ext.errors import ConfigError
 
 FEATURES = ("tensor_parallel", "virtual_pipeline", "distributed_optimizer", "data_parallel_microbatches",
-            "mixture_of_experts", "bf16", "packed_documents", "overlap_grad_reduce", "helix")
+            "mixture_of_experts", "bf16", "packed_documents", "overlap_grad_reduce", "helix", "slow_link_injection")
 """What an engine may refuse (each engine's ``refusals`` names the ones it does, with why)."""
 
 
@@ -112,4 +112,5 @@ DEEPSPEED = register_engine(EngineSpec(
         "overlap_grad_reduce": "--overlap-grad-reduce is a megatron DDP option; DeepSpeed's pipeline engine "
                                "reduces gradients after the schedule: drop it with --engine deepspeed",
         "helix": "--helix compiles megatron-core's GPTModel: use it with --engine megatron",
+        "slow_link_injection": "--inject-slow-link throttles megatron-core's p2p calls: use it with --engine megatron",
     }))

@@ -37,6 +37,10 @@ class ResiHPConfig:
     resihp_noise_floor: float = doc("Smallest relative noise assumed for a rank's score (keeps z-scores "
                                     "finite on very quiet runs).", 0.01)
     resihp_p2p_latency_s: float = doc("Point-to-point latency assumed by the pipeline simulation.", 0.0)
+    resihp_links: bool = doc("Also watch the pipeline links (links.py): a link whose messages arrive late once "
+                             "both ends are ready is named slow_link.", True)
+    resihp_link_floor_ms: float = doc("Smallest excess over the healthy round trip of a link's messages that "
+                                      "flags it, in milliseconds.", 10.0)
     resihp_heartbeat_interval_s: float = doc("How often each rank publishes a heartbeat.", 1.0)
     resihp_heartbeat_timeout_s: float = doc("Fail-stop when a rank's heartbeat is older than this.", 10.0)
     resihp_trace_out: str = doc("Write the detector's input, one JSON record per iteration, to this "
@@ -100,6 +104,11 @@ class ResiHPConfig:
             raise ConfigError(f"--resihp-noise-floor must be > 0, got {self.resihp_noise_floor}")
         if self.resihp_p2p_latency_s < 0:
             raise ConfigError(f"--resihp-p2p-latency-s must be >= 0, got {self.resihp_p2p_latency_s}")
+        if not self.resihp_link_floor_ms > 0:
+            raise ConfigError(f"--resihp-link-floor-ms must be > 0, got {self.resihp_link_floor_ms}")
+        if self.resihp_links and self.resihp_window < 2:
+            raise ConfigError("--resihp-window must be >= 2 while --resihp-links is on (a link's verdict needs "
+                              f"all but one of its last N iterations flagged), got {self.resihp_window}")
         if self.resihp_heartbeat_interval_s <= 0:
             raise ConfigError(f"--resihp-heartbeat-interval-s must be > 0, got {self.resihp_heartbeat_interval_s}")
         if not 0 <= self.resihp_act_min_gain < 1:

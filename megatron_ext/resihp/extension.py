@@ -20,7 +20,7 @@ import numpy as np
 from megatron_ext.pipeline.events import Phase
 from megatron_ext.resihp import config as _config  # noqa: F401  (registers the "resihp" section)
 from megatron_ext.resihp.choose import model_spec
-from megatron_ext.resihp.injection import FaultInjectionConfig, Throttle, die_now, raise_now
+from megatron_ext.resihp.injection import FaultInjectionConfig, LinkThrottle, Throttle, die_now, raise_now
 from megatron_ext.resihp.trace import FaultLabel, TraceLayout, TraceRecord
 from megatron_ext.runtime.extension import Extension, IterationMetrics, register_extension
 
@@ -106,6 +106,16 @@ def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], l
         else:
             lines.append(what + f"named at iteration {hit.iteration} (x{hit.factor:.2f}, "
                          f"{hit.iteration - f.since} iterations later)")
+    for f in faults.slow_link:
+        what = f"injected: link {f.a}-{f.b} at {f.mbps:g} MB/s from iteration {f.since}; "
+        hit = next((v for v in verdicts if v.kind == "slow_link" and v.link == f.pair and v.iteration >= f.since), None)
+        if f.since > last_iteration:
+            lines.append(what + f"never reached (the run ended at iteration {last_iteration})")
+        elif hit is None:
+            lines.append(what + f"no verdict in {last_iteration - f.since + 1} iterations")
+        else:
+            lines.append(what + f"named at iteration {hit.iteration} (+{1e3 * hit.detail['extra_s_per_message']:.1f} "
+                         f"ms per message, {hit.iteration - f.since} iterations later)")
     named_by = {"launcher": "the launcher (its exit)", "self": "itself (its exception)", "heartbeat": "heartbeat"}
     for what, rank in ([(f"injected: rank {f.rank} stopped at iteration {f.at}; ", f.rank) for f in faults.stop]
                        + [(f"injected: rank {f.rank} raised {f.kind} error at iteration {f.at}; ", f.rank)
@@ -125,6 +135,7 @@ class ResiHPExtension(Extension):
         self.faults = faults
         self.detect = bool(cfg is not None and cfg.resihp)
         self.throttle: Throttle | None = None
+        self.link_throttle: LinkThrottle | None = None
         self.detector = None
         self.trace_writer = None
         self.verdict_log = None
@@ -150,6 +161,8 @@ class ResiHPExtension(Extension):
             mine = [f for f in self.faults.slow if f.rank == trainer.ctx.member]
             if mine:
                 self.throttle = Throttle(model_chunks(trainer), mine[0].factor, self.faults.inject_slow_mode)
+            if any(trainer.ctx.member in (f.a, f.b) for f in self.faults.slow_link):
+                self.link_throttle = LinkThrottle({}, lambda: trainer.ctx.members)
         if self.detect:
             self.timeline = self.deps["timeline"]
             self.spec = model_spec(trainer)
@@ -191,6 +204,12 @@ class ResiHPExtension(Extension):
             orphaned = self.detector is None and received is None and trace_mode == "a"
             if self.detector is None:
                 self.detector = received if received is not None else make_detector(self.cfg)
+            if self.cfg.resihp_links and getattr(self.detector, "link_detector", None) is None:
+                from megatron_ext.resihp.links import LinkDetector
+
+                # An attribute of the detector, so it is handed over with it (``_hand_over``).
+                self.detector.link_detector = LinkDetector(warmup=self.cfg.resihp_warmup, window=self.cfg.resihp_window,
+                                                           floor_s=self.cfg.resihp_link_floor_ms / 1e3)
             if self.trace_writer is None and self.cfg.resihp_trace_out:
                 self.trace_writer = JsonLinesWriter(self.cfg.resihp_trace_out, trace_mode)
             if self.verdict_log is None and self.cfg.resihp_verdicts_out:
@@ -356,6 +375,11 @@ class ResiHPExtension(Extension):
             if self.throttle is not None:
                 since = next(f.since for f in self.faults.slow if f.rank == trainer.ctx.member)
                 self.throttle.active = iteration >= since
+            if self.link_throttle is not None:
+                me = trainer.ctx.member
+                self.link_throttle.links = {f.b if f.a == me else f.a: f.mbps * 1e6 for f in self.faults.slow_link
+                                            if me in (f.a, f.b) and iteration >= f.since}
+                self.link_throttle.active = bool(self.link_throttle.links)
         if self.moe_probe is not None:
             self.moe_probe.reset()
 
@@ -381,6 +405,13 @@ class ResiHPExtension(Extension):
         if self.trace_writer is not None:
             self.trace_writer.write(trace)
         report = self.detector.observe(trace)
+        found = list(report.verdicts)
+        links = getattr(self.detector, "link_detector", None)
+        if links is not None and record.num_stages > 1:
+            found += [v.on_devices(trainer.ctx.members)
+                      for v in links.observe(record, trainer.ctx.members, metrics.iteration)]
+            if links.last:
+                metrics.extra["resihp_link_rt_ms"] = round(1e3 * max(links.last.values()), 2)
         scalars = report.scalars()
         if "expected_s" in scalars:
             metrics.extra["resihp_expected_ms"] = round(scalars["expected_s"] * 1e3, 1)
@@ -392,14 +423,14 @@ class ResiHPExtension(Extension):
             for k, v in scalars.items():
                 if np.isfinite(v):
                     tb.add_scalar(f"resihp/{k}", v, metrics.iteration)
-        for v in report.verdicts:
+        for v in found:
             self.verdicts.append(v)
             print(f" {v.describe()}", flush=True)
             if self.verdict_log is not None:
                 self.verdict_log.write(v)
             if tb is not None and v.kind == "fail_slow":
                 tb.add_scalar(f"resihp/fail_slow_rank{v.launch_rank}", v.factor, metrics.iteration)
-        return list(report.verdicts)
+        return found
 
     def teardown(self, trainer: "Trainer") -> None:
         if self.detector is not None and self.faults is not None and self.faults.any:
@@ -407,6 +438,9 @@ class ResiHPExtension(Extension):
                 print(f"resihp: {line}", flush=True)
         if self.throttle is not None:
             self.throttle.remove()
+        if self.link_throttle is not None:
+            self.link_throttle.remove()
+            self.link_throttle = None
         if self.moe_probe is not None:
             self.moe_probe.uninstall()
             self.moe_probe = None
@@ -419,6 +453,10 @@ class ResiHPExtension(Extension):
 def _factory(cfg) -> ResiHPExtension | None:
     resihp = cfg.ext("resihp")
     faults = cfg.ext("faults")
+    if faults is not None and faults.slow_link:
+        from megatron_ext.engines import engine
+
+        engine(cfg.parallel.engine).refuse("slow_link_injection")
     if (resihp is not None and resihp.resihp) or (faults is not None and faults.any):
         return ResiHPExtension(resihp, faults)
     return None

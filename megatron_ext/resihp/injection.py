@@ -19,7 +19,13 @@ during a fail-slow re-layout). RANK is the rank at launch, also after a fail-sto
 (a ``RuntimeError`` as a failed gloo collective raises, while no rank is lost). The message is the
 same on every rank, so the same error on a second rank is the same signature.
 
-``fail_at`` / ``slow_from`` build the same specs for tests.
+``--inject-slow-link A:B:ITER:MBPS`` — from iteration ITER on, every pipeline message between ranks
+A and B (launch ranks, either direction) also crosses a link of MBPS megabytes per second: the
+sender is held ``bytes / (MBPS * 1e6)`` seconds inside megatron-core's p2p call before it posts the
+send (``LinkThrottle``; megatron engine). Nothing computes slower: the receiver waits for the
+message, the sender for its link, which is what ResiHP's link detector (``links.py``) looks for.
+
+``fail_at`` / ``slow_from`` / ``slow_link_from`` build the same specs for tests.
 """
 from __future__ import annotations
 
@@ -57,6 +63,18 @@ class StopFault:
 
 
 ERROR_KINDS = ("value", "collective")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowLinkFault:
+    a: int
+    b: int
+    since: int
+    mbps: float
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        return (min(self.a, self.b), max(self.a, self.b))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +127,24 @@ def parse_error(spec: str, where: str = "--inject-error") -> ErrorFault:
     return fault
 
 
+def parse_slow_link(spec: str, where: str = "--inject-slow-link") -> SlowLinkFault:
+    parts = spec.split(":")
+    try:
+        if len(parts) != 4:
+            raise ValueError
+        fault = SlowLinkFault(int(parts[0]), int(parts[1]), int(parts[2]), float(parts[3]))
+    except ValueError:
+        raise ConfigError(f"{where} {spec!r}: expected A:B:ITER:MBPS (two ranks, the first iteration, megabytes "
+                          "per second), e.g. 0:2:20:1") from None
+    if min(fault.a, fault.b) < 0 or fault.a == fault.b or fault.since < 1 or not 0 < fault.mbps < float("inf"):
+        raise ConfigError(f"{where} {spec!r}: need two different ranks >= 0, ITER >= 1 and 0 < MBPS < inf")
+    return fault
+
+
+def slow_link_from(a: int, b: int, iteration: int, mbps: float) -> str:
+    return f"{a}:{b}:{iteration}:{mbps}"
+
+
 def slow_from(rank: int, iteration: int, factor: float) -> str:
     return f"{rank}:{iteration}:{factor}"
 
@@ -131,6 +167,9 @@ class FaultInjectionConfig:
                                          "start of ITER: value (a ValueError, an ordinary bug) or collective (a "
                                          "RuntimeError as a failed gloo collective raises, no rank lost) "
                                          "(repeatable; for testing the exception policy).", None)
+    inject_slow_link: list[str] | None = doc("A:B:ITER:MBPS — from ITER on, pipeline messages between ranks A and B "
+                                             "(launch ranks) also cross a link of MBPS megabytes/s: the sender is "
+                                             "held bytes/MBPS before it sends (megatron engine; repeatable).", None)
     inject_slow_mode: str = doc("How a slow rank is slowed: 'throttle' (held idle inside each op) or 'work' "
                                 "(extra real matrix multiplies inside each op).", "throttle",
                                 choices=("throttle", "work"))
@@ -139,9 +178,13 @@ class FaultInjectionConfig:
         self.slow = [parse_slow(s) for s in self.inject_slow or []]
         self.stop = [parse_stop(s) for s in self.inject_stop or []]
         self.error = [parse_error(s) for s in self.inject_error or []]
+        self.slow_link = [parse_slow_link(s) for s in self.inject_slow_link or []]
         ranks = [f.rank for f in self.slow]
         if len(ranks) != len(set(ranks)):
             raise ConfigError(f"--inject-slow names rank(s) more than once: {self.inject_slow}")
+        pairs = [f.pair for f in self.slow_link]
+        if len(pairs) != len(set(pairs)):
+            raise ConfigError(f"--inject-slow-link names a pair of ranks more than once: {self.inject_slow_link}")
 
     def check_world(self, world_size: int) -> None:
         """Every fault names a rank of the world at launch (``RunConfig.validate_launch``: before any
@@ -153,10 +196,14 @@ class FaultInjectionConfig:
                 if f.rank >= world_size:
                     raise ConfigError(f"{flag} {spec} names rank {f.rank}, but the world has {world_size} ranks "
                                       f"(0..{world_size - 1})")
+        for spec, f in zip(self.inject_slow_link or [], self.slow_link):
+            if max(f.a, f.b) >= world_size:
+                raise ConfigError(f"--inject-slow-link {spec} names rank {max(f.a, f.b)}, but the world has "
+                                  f"{world_size} ranks (0..{world_size - 1})")
 
     @property
     def any(self) -> bool:
-        return bool(self.slow or self.stop or self.error)
+        return bool(self.slow or self.stop or self.error or self.slow_link)
 
 
 def burn(seconds: float, *, size: int = 96) -> None:
@@ -226,6 +273,55 @@ class Throttle:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class LinkThrottle:
+    """Slow pipeline links: megatron-core's p2p functions (``_p2p_ops``, ``_batched_p2p_ops``, looked
+    up at call time by ``P2PCommunicator._communicate``) wrapped so that a message to a peer over a
+    slow link is held ``bytes / bytes_per_s`` before it is posted. ``links``: for each device of
+    this process's slow links (launch rank of the peer), its bandwidth in bytes/s; ``members()``:
+    the launch rank of each current rank (a re-layout renumbers ranks, the links stay with the
+    devices). Inside the p2p call, so the timeline's send/receive span holds the wait."""
+
+    FUNCTIONS = ("_p2p_ops", "_batched_p2p_ops")
+
+    def __init__(self, links: dict[int, float], members: Callable[[], Any]) -> None:
+        import importlib
+
+        from megatron_ext.pipeline.megatron_hooks import P2P, require_megatron_core
+
+        self.links, self.members = dict(links), members
+        self.active = False
+        self.held_s = 0.0
+        self._module = importlib.import_module(P2P)
+        require_megatron_core("--inject-slow-link", [n for n in self.FUNCTIONS if not hasattr(self._module, n)],
+                              "megatron_ext/resihp/injection.py")
+        self._originals = {n: getattr(self._module, n) for n in self.FUNCTIONS}
+        for n, fn in self._originals.items():
+            setattr(self._module, n, self._wrap(fn))
+
+    def _wrap(self, original: Callable) -> Callable:
+        def p2p(*, tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None, tensor_recv_next=None,
+                group=None, prev_pipeline_rank=None, next_pipeline_rank=None):
+            if self.active:
+                members = self.members()
+                hold = 0.0
+                for tensor, peer in ((tensor_send_prev, prev_pipeline_rank), (tensor_send_next, next_pipeline_rank)):
+                    if tensor is not None and peer is not None and members[peer] in self.links:
+                        hold += tensor.numel() * tensor.element_size() / self.links[members[peer]]
+                if hold > 0:
+                    time.sleep(hold)
+                    self.held_s += hold
+            return original(tensor_send_prev=tensor_send_prev, tensor_recv_prev=tensor_recv_prev,
+                            tensor_send_next=tensor_send_next, tensor_recv_next=tensor_recv_next, group=group,
+                            prev_pipeline_rank=prev_pipeline_rank, next_pipeline_rank=next_pipeline_rank)
+
+        return p2p
+
+    def remove(self) -> None:
+        for n, fn in self._originals.items():
+            setattr(self._module, n, fn)
+        self._originals.clear()
 
 
 def die_now(rank: int, iteration: int, point: str = "start") -> None:

@@ -33,7 +33,7 @@ import functools
 import heapq
 import logging
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -44,7 +44,8 @@ from megatron_ext.resihp.planner_types import (HEALTHY_EPS, Cluster, MemoryModel
                                                PlanningError, Workload, _short, _split_even)
 
 __all__ = ["Cluster", "MemoryModel", "Plan", "PlanLayout", "Planner", "PlannerConfig", "PlanningError", "Workload",
-           "capacity_optimum_s", "default_memory_model", "layer_params", "node_local_groups", "predict_iteration_s",
+           "capacity_optimum_s", "default_memory_model", "layer_params", "link_seconds", "node_local_groups",
+           "predict_iteration_s",
            "spans_nodes", "stage_params", "stage_speeds", "state_move_bytes"]
 
 logger = logging.getLogger(__name__)
@@ -123,15 +124,58 @@ def spans_nodes(layout: PlanLayout, devices_per_node: int | None) -> np.ndarray:
     return (node != node[:, :, :1]).any(axis=2)
 
 
-def stage_speeds(layout: PlanLayout, speeds: np.ndarray, costs: _Costs, devices_per_node: int | None) -> np.ndarray:
+Links = Mapping[tuple[int, int], float]
+"""Slow pipeline links: (device, device) with the smaller first -> extra seconds per message."""
+
+
+def _pair(a: int, b: int) -> tuple[int, int]:
+    return (int(a), int(b)) if a < b else (int(b), int(a))
+
+
+def _hops(layout: PlanLayout) -> list[tuple[int, int, int]]:
+    """(upstream stage, downstream stage, messages per micro-batch each way) of every pipeline hop:
+    each chunk boundary a micro-batch crosses forward (and its gradient backward)."""
+    pp, vp = layout.pp, layout.vp
+    out = [(s, s + 1, vp) for s in range(pp - 1)]
+    if pp > 1 and vp > 1:
+        out.append((pp - 1, 0, vp - 1))
+    return out
+
+
+def link_seconds(layout: PlanLayout, links: Links | None) -> np.ndarray:
+    """(pp, dp) seconds per micro-batch that slow links add to each TP group: a sender is held for
+    its link (the activation downstream, the gradient upstream), and a hop is as slow as its
+    slowest TP rank's link."""
+    grid = layout.grid()
+    out = np.zeros(grid.shape[:2])
+    if not links:
+        return out
+    links = {_pair(*k): float(v) for k, v in links.items()}
+    for s, t, n in _hops(layout):
+        for d in range(layout.dp):
+            worst = max(links.get(_pair(a, b), 0.0) for a, b in zip(grid[s, d], grid[t, d]))
+            out[s, d] += worst * n
+            out[t, d] += worst * n
+    return out
+
+
+def stage_speeds(layout: PlanLayout, speeds: np.ndarray, costs: _Costs, devices_per_node: int | None,
+                 links: Links | None = None) -> np.ndarray:
     """(pp, dp) effective speed of each TP group: its slowest member, divided by how much longer a
     layer takes when the group's all-reduces cross the NIC (a whole-group slowdown, as a slow
-    member is)."""
+    member is), and by what slow links add to its micro-batches (``link_seconds``, against the
+    group's healthy seconds per micro-batch)."""
     out = speeds[layout.grid()].min(axis=2)
     across = spans_nodes(layout, devices_per_node)
     if across.any():
         inside, over = sum(costs.layer(layout.tp)), sum(costs.layer(layout.tp, across_nodes=True))
         out = np.where(across, out * inside / over, out)
+    extra = link_seconds(layout, links)
+    if extra.any():
+        fwd, bwd = _chunk_seconds(costs, layout.layers, layout.tp)
+        c = (fwd + bwd).sum(axis=1)[:, None]                       # (pp, 1) healthy seconds per micro-batch
+        with np.errstate(divide="ignore"):
+            out = np.where(out > 0, c / (c / np.maximum(out, 1e-300) + extra), out)
     return out
 
 
@@ -220,14 +264,14 @@ def _simulate_layout(layout: PlanLayout, stage_speed: np.ndarray, fwd: np.ndarra
 
 
 def predict_iteration_s(layout: PlanLayout, spec: ModelSpec, speeds: Sequence[float], cluster: Cluster,
-                        workload: Workload) -> float:
-    """Predicted iteration seconds of ``layout`` at ``speeds`` (pipeline simulator + FLOPs model);
-    infinite when a device of the layout is dead."""
+                        workload: Workload, links: Links | None = None) -> float:
+    """Predicted iteration seconds of ``layout`` at ``speeds`` (pipeline simulator + FLOPs model),
+    with slow ``links``; infinite when a device of the layout is dead."""
     sp = _check_speeds(speeds, layout)
     if layout.num_layers != spec.num_layers:
         raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {spec.num_layers}")
     costs = _costs(spec, workload, cluster)
-    stage_speed = stage_speeds(layout, sp, costs, cluster.devices_per_node)
+    stage_speed = stage_speeds(layout, sp, costs, cluster.devices_per_node, links)
     if (stage_speed <= 0).any():
         return math.inf
     fwd, bwd = _chunk_seconds(costs, layout.layers, layout.tp)
@@ -380,11 +424,13 @@ class Planner:
         self.config = config or PlannerConfig()
         self.memory_model = memory_model or default_memory_model
         self.costs = _costs(spec, workload, cluster)
+        self.links: dict[tuple[int, int], float] = {}   # the slow links of the search under way
 
     # ---- scoring ----
 
-    def iteration_s(self, layout: PlanLayout, speeds: Sequence[float]) -> float:
-        return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload)
+    def iteration_s(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None) -> float:
+        return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload,
+                                   self.links if links is None else links)
 
     def fits(self, layout: PlanLayout, memory: np.ndarray) -> bool:
         need = self.memory_model(self.spec, self.workload, layout.tp, layout.pp, layout.stage_layers)
@@ -399,11 +445,12 @@ class Planner:
 
     # ---- the search ----
 
-    def plan(self, layout: PlanLayout, speeds: Sequence[float]) -> Plan | None:
+    def plan(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None) -> Plan | None:
         """The best re-layout of ``layout`` for devices at ``speeds`` (indexed by rank; ranks not
-        in the layout are spares), or None when none gains more than ``min_gain``. Raises
-        ``PlanningError`` when the layout has a dead device and no layout runs on the rest."""
-        best, current_s, speeds_arr = self._search(layout, speeds)
+        in the layout are spares) and slow pipeline ``links`` ((device, device) -> extra seconds
+        per message), or None when none gains more than ``min_gain``. Raises ``PlanningError`` when
+        the layout has a dead device and no layout runs on the rest."""
+        best, current_s, speeds_arr = self._search(layout, speeds, links=links)
         if best is None:
             return None
         horizon = self.config.horizon_iterations
@@ -414,10 +461,11 @@ class Planner:
             return None
         return self._to_plan(layout, best, current_s, speeds_arr)
 
-    def best_layout(self, layout: PlanLayout, speeds: Sequence[float]) -> tuple[PlanLayout, float]:
+    def best_layout(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None
+                    ) -> tuple[PlanLayout, float]:
         """The best layout the allowed knobs reach (no threshold, no amortization) and its
         predicted iteration seconds; ``layout`` itself when nothing is better."""
-        best, current_s, _ = self._search(layout, speeds, amortize=False)
+        best, current_s, _ = self._search(layout, speeds, amortize=False, links=links)
         if best is None or best.sim_s >= current_s:
             return layout, current_s
         return best.layout, best.sim_s
@@ -432,7 +480,7 @@ class Planner:
                     horizon_iterations=self.config.horizon_iterations,
                     optimum_s=capacity_optimum_s(healthy_s, sp[list(layout.devices)], layout.world_size),
                     speeds={int(r): float(sp[r]) for r in range(n_dev) if abs(sp[r] - 1.0) > HEALTHY_EPS
-                            and (r in members or sp[r] < 1.0)})
+                            and (r in members or sp[r] < 1.0)}, links=dict(self.links))
 
     def _healthy_s(self, layout: PlanLayout) -> float:
         ones = np.ones(max(layout.devices) + 1)
@@ -441,9 +489,10 @@ class Planner:
                                devices=layout.devices)
         return min(self.iteration_s(layout, ones), self.iteration_s(even, ones))
 
-    def _search(self, layout: PlanLayout, speeds: Sequence[float], amortize: bool = True
+    def _search(self, layout: PlanLayout, speeds: Sequence[float], amortize: bool = True, links: Links | None = None
                 ) -> tuple[_Candidate | None, float, np.ndarray]:
         sp = _check_speeds(speeds, layout)
+        self.links = {_pair(*k): float(v) for k, v in (links or {}).items() if v > 0}
         if layout.num_layers != self.spec.num_layers:
             raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {self.spec.num_layers}")
         n_dev = sp.shape[0]
@@ -491,7 +540,7 @@ class Planner:
                 return
             if not cfg.uneven_microbatches and len(set(lay.microbatches)) > 1:
                 return
-            stage_speed = stage_speeds(lay, sp, self.costs, g)
+            stage_speed = stage_speeds(lay, sp, self.costs, g, self.links)
             if (stage_speed <= 0).any() or not self.fits(lay, memory):
                 return
             seen.add(lay)
@@ -513,6 +562,8 @@ class Planner:
             placements = [(base, tag)]
             if cfg.tp_regroup:
                 placements += [(p, tag + ("tp_regroup",)) for p in self._packings(base, sp)]
+            if cfg.link_avoid and self.links:
+                placements += [(p, tag + ("link_avoid",)) for p in self._avoid_links(base)]
             for lay, acts in placements:
                 for lay2, acts2 in self._fill(lay, layout, sp, memory, acts, same_shape=True):
                     add(lay2, acts2)
@@ -550,6 +601,33 @@ class Planner:
             return None
         mbs = layout.microbatches if dp == layout.dp else tuple(_split_even(layout.num_microbatches, dp))
         return dataclasses.replace(layout, dp=dp, devices=tuple(new.reshape(-1).tolist()), microbatches=mbs)
+
+    def _avoid_links(self, layout: PlanLayout) -> list[PlanLayout]:
+        """For each slow link the layout uses as a pipeline hop: the layouts with one end's TP group
+        swapped with the same stage's group of another replica (the downstream end, or the
+        upstream one), so that the link carries no message; and all links moved that way at once."""
+        out: list[PlanLayout] = []
+        grid = layout.grid()
+        cur = grid.copy()
+        for s, t, _ in _hops(layout):
+            for d in range(layout.dp):
+                if not any(_pair(a, b) in self.links for a, b in zip(grid[s, d], grid[t, d])):
+                    continue
+                for end in (t, s):
+                    for other in range(layout.dp):
+                        if other == d:
+                            continue
+                        g = grid.copy()
+                        g[end, [d, other]] = g[end, [other, d]]
+                        out.append(dataclasses.replace(layout, devices=tuple(int(x) for x in g.reshape(-1))))
+                # Cumulative: the first swap (downstream end, next replica) for every link in turn.
+                other = (d + 1) % layout.dp
+                if other != d:
+                    cur[t, [d, other]] = cur[t, [other, d]]
+        combined = dataclasses.replace(layout, devices=tuple(int(x) for x in cur.reshape(-1)))
+        if combined != layout and combined not in out:
+            out.append(combined)
+        return out
 
     def _packings(self, layout: PlanLayout, sp: np.ndarray) -> list[PlanLayout]:
         """Slow devices packed by replica or by stage, into the stage of the slowest device or, when
@@ -608,7 +686,7 @@ class Planner:
         cfg = self.config
         if self.cluster.devices_per_node is not None:
             placed = node_local_groups(placed, self.cluster.devices_per_node, sp)
-        stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node)   # (pp, dp)
+        stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node, self.links)   # (pp, dp)
         if (stage_speed <= 0).any():
             return
         layer_opts: list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]] = []

@@ -12,6 +12,8 @@ keeps a *believed* speed per device and only re-plans when that belief changes:
   ``recover_after`` iterations before it counts as healthy again and the planner may go back
   towards the healthy layout. A ``fail_slow`` in between cancels the recovery, and since the
   belief never changed, nothing is re-planned;
+* ``slow_link`` (a pair of devices, ``links.py``) sets the link's extra seconds per message at
+  once, and ``link_recovered`` clears it after the same ``recover_after`` iterations;
 * a changed belief re-plans from the layout in force, and the planner's own threshold
   (``PlannerConfig.min_gain``) drops plans that would not pay for their move (a factor re-estimated
   from x2.0 to x2.1 does not re-lay out the job).
@@ -46,6 +48,8 @@ class PlanPolicy:
         self.recover_after = recover_after
         self.speeds = np.ones(num_devices)
         self._recovering: dict[int, int] = {}   # rank -> iteration of its 'recovered' verdict
+        self.links: dict[tuple[int, int], float] = {}            # (device, device) -> extra s per message
+        self._links_recovering: dict[tuple[int, int], int] = {}
         self.plans: list[tuple[int, Plan]] = []
 
     def believed(self, rank: int) -> float:
@@ -55,8 +59,12 @@ class PlanPolicy:
         """What this policy believes, JSON-able, for another process to plan on from
         (``restore``): the speed of every device that is not healthy, and the iteration since
         which each recovering device has had no new ``fail_slow``."""
-        return {"speeds": {str(d): float(s) for d, s in enumerate(self.speeds) if s != 1.0},
-                "recovering": {str(d): int(it) for d, it in self._recovering.items()}}
+        out = {"speeds": {str(d): float(s) for d, s in enumerate(self.speeds) if s != 1.0},
+               "recovering": {str(d): int(it) for d, it in self._recovering.items()}}
+        if self.links or self._links_recovering:
+            out["links"] = {f"{a}-{b}": float(x) for (a, b), x in self.links.items()}
+            out["links_recovering"] = {f"{a}-{b}": int(it) for (a, b), it in self._links_recovering.items()}
+        return out
 
     def restore(self, beliefs: dict[str, dict[str, float]]) -> None:
         """Take over ``beliefs`` from another policy's ``beliefs()``: the hysteresis goes on where
@@ -67,6 +75,13 @@ class PlanPolicy:
             self.speeds[int(d)] = float(speed)
         self._recovering.update({int(d): int(it) for d, it in beliefs.get("recovering", {}).items()})
 
+        def pair(key: str) -> tuple[int, int]:
+            a, b = (int(x) for x in key.split("-"))
+            return (min(a, b), max(a, b))
+
+        self.links.update({pair(k): float(x) for k, x in beliefs.get("links", {}).items()})
+        self._links_recovering.update({pair(k): int(it) for k, it in beliefs.get("links_recovering", {}).items()})
+
     def observe(self, iteration: int, verdicts: Iterable[Verdict] = (), *, adopt: bool = True) -> Plan | None:
         """Take this iteration's verdicts; return a plan when the belief changed and the planner
         found one worth its move. With ``adopt`` the plan's layout becomes the one in force (the
@@ -74,7 +89,7 @@ class PlanPolicy:
         changed = self.update_beliefs(iteration, verdicts)
         if not changed:
             return None
-        plan = self.planner.plan(self.layout, self.speeds)
+        plan = self.planner.plan(self.layout, self.speeds, links=self.links)
         if plan is None:
             logger.info("resihp policy iteration %d: %s; no re-layout gains more than %.0f %%", iteration,
                         "; ".join(changed), 100 * self.planner.config.min_gain)
@@ -110,9 +125,26 @@ class PlanPolicy:
                     changed.append(f"rank {r} dead")
             elif v.kind == "recovered" and 0 < self.speeds[r] < 1:
                 self._recovering.setdefault(r, iteration)
+            elif v.kind == "slow_link":
+                link = v.link
+                extra = float(v.detail.get("extra_s_per_message", 0.0))
+                if not (math.isfinite(extra) and extra > 0):
+                    raise PlanningError(f"slow_link verdict for devices {link} at iteration {v.iteration} has no usable "
+                                        f"extra_s_per_message ({extra!r})")
+                self._links_recovering.pop(link, None)
+                if self.links.get(link) != extra:
+                    self.links[link] = extra
+                    changed.append(f"link {link[0]}-{link[1]} +{1e3 * extra:.1f} ms per message")
+            elif v.kind == "link_recovered" and v.link in self.links:
+                self._links_recovering.setdefault(v.link, iteration)
         for r, since in sorted(self._recovering.items()):
             if iteration - since >= self.recover_after:
                 del self._recovering[r]
                 self.speeds[r] = 1.0
                 changed.append(f"rank {r} healthy since iteration {since}")
+        for link, since in sorted(self._links_recovering.items()):
+            if iteration - since >= self.recover_after:
+                del self._links_recovering[link]
+                self.links.pop(link, None)
+                changed.append(f"link {link[0]}-{link[1]} healthy since iteration {since}")
         return changed

@@ -239,6 +239,10 @@ class PlannerConfig:
     """Allow layouts whose replicas run different micro-batch counts at all (also the remainder of
     an even split over fewer replicas); False for an executor that cannot weight replicas
     (DeepSpeed's pipeline engine)."""
+    link_avoid: bool = True
+    """Around a slow pipeline link (``Planner.plan(links=...)``): swap the replicas of one end's TP
+    group so the link carries no pipeline message (devices of one stage in two replicas hold the
+    same state: nothing moves but the pause)."""
     drop_replicas: bool = True
     """Shrink DP: leave out replicas (those with dead devices; or slow ones when that is faster)."""
     reshape: bool = True
@@ -285,6 +289,8 @@ class Plan:
     optimum_s: float
     speeds: dict[int, float] = dataclasses.field(default_factory=dict)
     """The non-healthy devices the plan was made for (rank -> speed)."""
+    links: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+    """The slow pipeline links it was made for ((device, device) -> extra seconds per message)."""
 
     @property
     def gain(self) -> float:
@@ -322,6 +328,8 @@ class Plan:
         slow = ", ".join(f"{r}:{'dead' if s <= 0 else f'x{1 / s:.2f}'}" for r, s in list(self.speeds.items())[:6])
         if len(self.speeds) > 6:
             slow += f", +{len(self.speeds) - 6}"
+        links = ", ".join(f"link {a}-{b} +{1e3 * x:.1f} ms" for (a, b), x in list(self.links.items())[:4])
+        slow = ", ".join(x for x in (slow, links) if x)
         before = "inf" if math.isinf(self.iteration_s_before) else f"{self.iteration_s_before:.3g} s"
         gain = "" if math.isinf(self.iteration_s_before) else \
             f"-{100 * (1 - self.iteration_s_after / self.iteration_s_before):.1f} %, "
@@ -336,7 +344,8 @@ class Plan:
                 "iteration_s_after": self.iteration_s_after, "bytes_to_move": self.bytes_to_move,
                 "max_bytes_per_device": self.max_bytes_per_device, "move_s": self.move_s,
                 "horizon_iterations": self.horizon_iterations, "optimum_s": _num(self.optimum_s),
-                "speeds": {str(k): v for k, v in self.speeds.items()}}
+                "speeds": {str(k): v for k, v in self.speeds.items()},
+                **({"links": {f"{a}-{b}": x for (a, b), x in self.links.items()}} if self.links else {})}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -351,7 +360,7 @@ class Plan:
             raise PlanningError(f"plan: expected format {PLAN_FORMAT!r}, got {data.get('format')!r}")
         want = {"old", "new", "actions", "iteration_s_before", "iteration_s_after", "bytes_to_move",
                 "max_bytes_per_device", "move_s", "horizon_iterations", "optimum_s", "speeds"}
-        missing, unknown = sorted(want - set(data)), sorted(set(data) - want - {"format"})
+        missing, unknown = sorted(want - set(data)), sorted(set(data) - want - {"format", "links"})
         if missing or unknown:
             raise PlanningError(f"plan: missing keys {missing}, unknown keys {unknown}")
         return cls(old=PlanLayout.from_dict(data["old"], "plan.old"), new=PlanLayout.from_dict(data["new"], "plan.new"),
@@ -359,7 +368,8 @@ class Plan:
                    iteration_s_after=float(data["iteration_s_after"]), bytes_to_move=float(data["bytes_to_move"]),
                    max_bytes_per_device=float(data["max_bytes_per_device"]), move_s=float(data["move_s"]),
                    horizon_iterations=int(data["horizon_iterations"]), optimum_s=float(data["optimum_s"]),
-                   speeds={int(k): float(v) for k, v in data["speeds"].items()})
+                   speeds={int(k): float(v) for k, v in data["speeds"].items()},
+                   links={tuple(int(x) for x in k.split("-")): float(v) for k, v in data.get("links", {}).items()})
 
 
 def _num(x: float) -> float | str:

@@ -13,7 +13,7 @@ from megatron_ext.resihp.jsonl import JsonLinesWriter
 
 logger = logging.getLogger(__name__)
 
-VERDICT_KINDS = ("fail_slow", "fail_stop", "recovered")
+VERDICT_KINDS = ("fail_slow", "fail_stop", "recovered", "slow_link", "link_recovered")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,6 +31,10 @@ class Verdict:
     rank. The device itself is its launch rank (``DistContext.member``), which the fail-slow
     detector puts in ``detail["launch_rank"]`` (``launch_rank`` reads it; without it, no
     renumbering happened and the two are the same).
+
+    ``slow_link`` / ``link_recovered`` (``links.py``) name a pipeline link, the pair of devices
+    ``launch_rank`` and ``detail["peer_launch_rank"]``; ``rank`` is the first one's rank, ``factor``
+    None, and ``detail["extra_s_per_message"]`` what the link adds to each message.
     """
 
     kind: str
@@ -48,6 +52,14 @@ class Verdict:
             raise ValueError(f"verdict kind must be one of {', '.join(VERDICT_KINDS)}, got {self.kind!r}")
         if not 0.0 <= self.confidence <= 1.0 or math.isnan(self.confidence):
             raise ValueError(f"verdict confidence must lie in [0, 1], got {self.confidence}")
+
+    @property
+    def link(self) -> tuple[int, int] | None:
+        """The pair of devices (launch ranks, smaller first) a link verdict names; None otherwise."""
+        if self.kind not in ("slow_link", "link_recovered"):
+            return None
+        a, b = self.launch_rank, int(self.detail["peer_launch_rank"])
+        return (min(a, b), max(a, b))
 
     @property
     def launch_rank(self) -> int:
@@ -88,6 +100,12 @@ class Verdict:
         where = f"rank {self.rank}" + (f" ({', '.join(about)})" if about else "")
         if self.kind == "fail_slow":
             what = f"fail-slow x{self.factor:.2f}"
+        elif self.kind in ("slow_link", "link_recovered"):
+            d = self.detail
+            what = (f"slow link to launch rank {d.get('peer_launch_rank')} (+{1e3 * d.get('extra_s_per_message', 0):.1f} "
+                    f"ms per message; round trip {1e3 * d.get('round_trip_s', 0):.1f} ms against "
+                    f"{1e3 * d.get('baseline_s', 0):.1f} ms healthy)" if self.kind == "slow_link"
+                    else f"link to launch rank {d.get('peer_launch_rank')} recovered")
         elif self.kind == "fail_stop":
             what = "fail-stop (heartbeat lost)"
         else:

@@ -187,6 +187,8 @@ def _main(argv, monkeypatch, capsys, world: int = 1):
     (["--bf16"], 1, "--engine deepspeed trains in fp32: drop --bf16 or use --engine megatron"),
     (["--doc-length-dist", "fixed:16"], 1,
      "--doc-length-dist (packed documents) is not supported by --engine deepspeed yet: use --engine megatron"),
+    (["--pipeline-model-parallel-size", "2", "--inject-slow-link", "0:1:5:1"], 2,
+     "--inject-slow-link throttles megatron-core's p2p calls: use it with --engine megatron"),
 ])
 def test_engine_deepspeed_bad_layout_is_a_config_error(argv, world, message, monkeypatch, capsys):
     code, err = _main(["--engine", "deepspeed", *argv], monkeypatch, capsys, world)

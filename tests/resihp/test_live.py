@@ -88,6 +88,33 @@ def test_acting_on_the_verdict_relays_out_the_live_job(live):
 
 
 @pytest.mark.multirank
+def test_a_slow_link_is_named_as_a_link_and_the_job_is_re_placed_around_it(live):
+    # The pipeline link between launch ranks 0 and 2 carries 2 MB/s from iteration 25: each 64 KB
+    # activation or gradient over it takes 33 ms more. Nothing computes slower.
+    rows = verdicts(live / "link.verdicts.jsonl")
+    named = [v for v in rows if v["kind"] == "slow_link"]
+    assert named, "no slow_link verdict"
+    v = named[0]
+    assert {v["detail"]["launch_rank"], v["detail"]["peer_launch_rank"]} == {0, 2} and v["iteration"] >= 25
+    assert 0.02 < v["detail"]["extra_s_per_message"] < 0.06, v
+    assert not [v for v in rows if v["kind"] == "fail_slow"], "the slow link was taken for a slow device"
+    # ...and a slow device is not taken for a slow link
+    assert not [v for name in ("healthy", "slow", "act") for v in verdicts(live / f"{name}.verdicts.jsonl")
+                if v["kind"] == "slow_link"]
+    # --resihp-act relayout: the planner swaps one end's replica, so that the link carries no
+    # pipeline message, and the iterations get their time back.
+    plans = [v for v in rows if v["kind"] == "plan"]
+    assert plans and "link_avoid" in plans[0]["actions"] and set(plans[0]["links"]) == {"0-2"}, plans
+    done = json.loads((live / "link.relayouts.json").read_text())
+    (first,) = done["relayouts"]
+    m = first["members"]   # TP 1, PP 2, DP 2: stage 0 is m[0:2], stage 1 m[2:4]; replica d is m[d] -> m[2 + d]
+    assert {0, 2} not in [{m[d], m[2 + d]} for d in range(2)], m
+    (rec,) = done["recovery"]
+    assert rec["after_ms"] < rec["during_ms"], rec
+    assert "injected: link 0-2 at 2 MB/s from iteration 25; named at iteration" in (live / "log.txt").read_text()
+
+
+@pytest.mark.multirank
 def test_replay_of_live_trace_finds_the_same_rank(live):
     proc = run_python("-m", "megatron_ext.resihp.replay", str(live / "slow.trace.jsonl"))
     text = proc.stdout

@@ -1,0 +1,162 @@
+"""Slow links: which pipeline link delivers its messages late, told apart from a slow device.
+
+A slow device computes longer; a slow link leaves both of its ends waiting: the receiver for the
+message, the sender for its link. The fail-slow detector scores compute time only, so it is blind
+to a link, and the waits alone cannot tell one from the other (a stage behind a slow device waits
+too). What can: the time a message takes *while its receiver is already waiting*. For each message of
+the iteration (an activation downstream, a gradient upstream) the joined timeline has the sender's
+p2p call and the receiver's. When the receiver posted first, everything from the sender's post to
+the end of the receive, ``recv.t1 - send.t0``, is the message's transfer. A stage held up by a slow
+device posts its sends late, which a waiting receiver does not count against the link; and a
+message whose receiver came late (busy computing) says nothing about the link and is left out.
+
+Per link (a pair of devices, by launch rank) and iteration the detector takes, for each direction,
+the smallest transfer time of those messages (the one least disturbed by a host that stalls a
+process), and adds the two directions: the link's *round trip*. The joined record is on one clock
+(the timeline's clock offsets), and a constant offset left between two ranks would add to one
+direction what it takes from the other. After ``warmup`` iterations the healthy round trip of all
+links pooled is the baseline (median, with the MAD as its noise); a link is flagged in an iteration
+when its round trip exceeds the baseline by ``max(floor_s, zscore x noise)``, named ``slow_link``
+when all but one of its last ``window`` observed iterations are flagged (the fail-slow detector's
+persistence rule), and ``link_recovered`` after ``window`` observed iterations unflagged. A link no
+longer used (a re-layout moved its traffic away) is not observed: its verdict stands, so a planner
+does not route traffic back onto it on no evidence.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from megatron_ext.resihp.verdicts import Verdict
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_ext.pipeline.timeline import IterationRecord
+
+Link = tuple[int, int]
+
+
+def message_times(record: "IterationRecord") -> dict[tuple[int, int], list[float]]:
+    """Transfer seconds of the pipeline messages of the iteration whose receiver was waiting first,
+    keyed by (sender rank, receiver rank) of the record's world: ``recv.t1 - send.t0`` of the two
+    p2p calls that carried it, when ``recv.t0 <= send.t0``."""
+    sends, recvs = record.p2p_messages()
+    ranks = record.ranks
+
+    def key(direction, frm, to, mb, rank):
+        e = ranks[rank]
+        return direction, frm, to, mb, e.dp, e.tp
+
+    posted = {key(d, frm, to, mb, r): (r, i) for d, frm, to, mb, r, i in sends}
+    out: dict[tuple[int, int], list[float]] = collections.defaultdict(list)
+    for d, frm, to, mb, r, i in recvs:
+        hit = posted.get(key(d, frm, to, mb, r))
+        if hit is None:
+            continue
+        s_rank, s_i = hit
+        s_ev, r_ev = ranks[s_rank].events[s_i], ranks[r].events[i]
+        if not float(r_ev["t0"]) <= float(s_ev["t0"]):
+            continue
+        t = float(r_ev["t1"]) - float(s_ev["t0"])
+        if math.isfinite(t):
+            out[(s_rank, r)].append(max(t, 0.0))
+    return dict(out)
+
+
+def round_trips(record: "IterationRecord", members: Sequence[int]) -> dict[Link, float]:
+    """Per link with a timed message in both directions this iteration (devices by launch rank,
+    smaller first): the smallest transfer time one way plus the smallest the other way."""
+    best = {k: min(v) for k, v in message_times(record).items() if v}
+    out = {}
+    for (a, b), t in best.items():
+        back = best.get((b, a))
+        if back is not None and a < b:
+            da, db = int(members[a]), int(members[b])
+            out[(min(da, db), max(da, db))] = t + back
+    return out
+
+
+@dataclasses.dataclass
+class _LinkState:
+    flags: collections.deque
+    excess: collections.deque
+    convicted: bool = False
+    calm: int = 0
+
+
+class LinkDetector:
+    """``observe(record, members, iteration)`` once per iteration on the detector's rank; returns the
+    iteration's ``slow_link`` / ``link_recovered`` verdicts. Picklable (it travels with the detector
+    when the logging rank moves)."""
+
+    def __init__(self, *, warmup: int = 20, window: int = 8, zscore: float = 4.0, floor_s: float = 0.01) -> None:
+        if warmup < 1 or window < 2 or zscore <= 0 or floor_s <= 0:
+            raise ValueError(f"LinkDetector: need warmup >= 1, window >= 2, zscore > 0 and floor_s > 0; got "
+                             f"{warmup}, {window}, {zscore}, {floor_s}")
+        self.warmup, self.window, self.zscore, self.floor_s = warmup, window, zscore, floor_s
+        self.healthy: list[float] = []        # pooled round trips of the warm-up iterations
+        self.base_s: float | None = None
+        self.noise_s = 0.0
+        self.iterations = 0
+        self.links: dict[Link, _LinkState] = {}
+        self.last: dict[Link, float] = {}      # this iteration's round trips (for the log)
+
+    def threshold_s(self) -> float | None:
+        """Round trip above which a link is flagged (None before calibration)."""
+        if self.base_s is None:
+            return None
+        return self.base_s + max(self.floor_s, self.zscore * self.noise_s)
+
+    def known_slow(self) -> dict[Link, float]:
+        """Convicted links and their estimated extra seconds per message (half the round trip's excess)."""
+        return {k: self._extra(st) for k, st in self.links.items() if st.convicted}
+
+    def _extra(self, st: _LinkState) -> float:
+        return float(np.median(st.excess)) / 2.0 if st.excess else 0.0
+
+    def observe(self, record: "IterationRecord", members: Sequence[int], iteration: int) -> list[Verdict]:
+        rt = round_trips(record, members)
+        self.last = rt
+        self.iterations += 1
+        if self.base_s is None:
+            self.healthy.extend(rt.values())
+            if self.iterations >= self.warmup and self.healthy:
+                h = np.asarray(self.healthy)
+                self.base_s = float(np.median(h))
+                self.noise_s = float(1.4826 * np.median(np.abs(h - self.base_s)))
+            return []
+        limit = self.threshold_s()
+        rank_of = {int(m): r for r, m in enumerate(members)}
+        out = []
+        for link, t in sorted(rt.items()):
+            st = self.links.get(link)
+            if st is None:
+                st = self.links[link] = _LinkState(collections.deque(maxlen=self.window),
+                                                   collections.deque(maxlen=self.window))
+            flagged = t > limit
+            st.flags.append(flagged)
+            if flagged:
+                st.excess.append(t - self.base_s)
+                st.calm = 0
+            else:
+                st.calm += 1
+            if not st.convicted and len(st.flags) == self.window and sum(st.flags) >= self.window - 1:
+                st.convicted = True
+                out.append(self._verdict("slow_link", link, rank_of, iteration, t))
+            elif st.convicted and st.calm >= self.window:
+                st.convicted = False
+                st.excess.clear()
+                out.append(self._verdict("link_recovered", link, rank_of, iteration, t))
+        return out
+
+    def _verdict(self, kind: str, link: Link, rank_of: dict[int, int], iteration: int, t: float) -> Verdict:
+        a, b = link
+        detail = {"launch_rank": a, "peer_launch_rank": b, "round_trip_s": round(t, 6),
+                  "baseline_s": round(self.base_s, 6)}
+        if kind == "slow_link":
+            detail["extra_s_per_message"] = round(self._extra(self.links[link]), 6)
+        return Verdict(kind=kind, rank=rank_of.get(a, a), stage=None, iteration=iteration, factor=None,
+                       confidence=1.0, detector="resihp-link", detail=detail)
