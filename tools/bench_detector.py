@@ -30,7 +30,10 @@ Three detectors see the same traces with the same settings (defaults of ResiHPCo
     with rank 2 made 2x slower from iteration 30 (throttled, --inject-slow), one where rank 3 dies
     (SIGKILL, --inject-stop) with a 3 s heartbeat timeout; ranks are started directly so only the
     heartbeat names the dead rank. stop_delay_s is the time from the last heartbeat the survivors saw
-    to the verdict (an upper bound of the time from the death). ``--no-live`` skips it.
+    to the verdict (an upper bound of the time from the death); and one where the pipeline link
+    between ranks 0 and 2 carries 2 MB/s from iteration 30 (--inject-slow-link), named by the link
+    detector (links.py) as a link, with the wrong-kind counts (a link verdict in the slow-device run,
+    a fail-slow verdict in the slow-link run). ``--no-live`` skips it.
 
 Tuning and evaluation. The detector's rules and thresholds were chosen on the synthetic jobs of
 seed 0 (the bench's only seed before this split: the persistence rule, the release level, the MoE
@@ -464,7 +467,14 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
                                "--resihp-heartbeat-interval-s", "0.5", "--resihp-heartbeat-timeout-s", "3",
                                "--resihp-verdicts-out", stop_file], 4, cwd=root, report_exits=False)
         stop = [json.loads(x) for x in open(stop_file)] if os.path.exists(stop_file) else []
+        # A slow pipeline link (links.py): 2 MB/s between ranks 0 and 2 (a 64 KB message: +33 ms).
+        link_file = os.path.join(tmp, "link.jsonl")
+        launch_ranks(common + ["--train-iters", str(slow_at + 30), "--inject-slow-link", f"0:2:{slow_at}:2",
+                               "--resihp-verdicts-out", link_file], 4, cwd=root)
+        link = [json.loads(x) for x in open(link_file)] if os.path.exists(link_file) else []
     slow_v = [v for v in slow if v["kind"] == "fail_slow"]
+    link_v = [v for v in link if v["kind"] == "slow_link"]
+    lfirst = link_v[0] if link_v else None
     stop_v = [v for v in stop if v["kind"] == "fail_stop"]
     first = slow_v[0] if slow_v else None
     live = {
@@ -474,11 +484,24 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
         "stop_detected": bool(stop_v),
         "stop_rank_ok": bool(stop_v and stop_v[0]["rank"] == 3),
         "stop_delay_s": round(stop_v[0]["detail"]["silent_s"], 3) if stop_v else None,
+        "link_detected": bool(link_v),
+        "link_pair_ok": bool(lfirst and {lfirst["detail"]["launch_rank"], lfirst["detail"]["peer_launch_rank"]} == {0, 2}),
+        "link_delay_iters": (lfirst["iteration"] - slow_at) if lfirst else None,
+        "link_extra_ms_per_message": round(1e3 * lfirst["detail"]["extra_s_per_message"], 2) if lfirst else None,
+        "link_injected_ms_per_message": round(1e3 * 256 * 64 * 4 / 2e6, 2),
+        # the wrong kind: a slow device taken for a link, a slow link for a device
+        "slow_link_verdicts_in_device_run": sum(v["kind"] == "slow_link" for v in slow),
+        "fail_slow_verdicts_in_link_run": sum(v["kind"] == "fail_slow" for v in link),
     }
     print("\nlive (4 CPU ranks, PP2 x DP2): fail-slow x2.0 on rank 2 from iteration "
           f"{slow_at}: detected {live['slow_detected']}, right rank {live['slow_rank_ok']}, delay "
           f"{live['slow_delay_iters']} iterations; fail-stop of rank 3: detected {live['stop_detected']}, "
-          f"right rank {live['stop_rank_ok']}, {live['stop_delay_s']} s after its last heartbeat")
+          f"right rank {live['stop_rank_ok']}, {live['stop_delay_s']} s after its last heartbeat; slow link 0-2 "
+          f"(2 MB/s, +{live['link_injected_ms_per_message']} ms per message) from iteration {slow_at}: detected "
+          f"{live['link_detected']}, right pair {live['link_pair_ok']}, delay {live['link_delay_iters']} iterations, "
+          f"estimated +{live['link_extra_ms_per_message']} ms per message; wrong kind: "
+          f"{live['slow_link_verdicts_in_device_run']} link verdict(s) in the slow-device run, "
+          f"{live['fail_slow_verdicts_in_link_run']} fail-slow verdict(s) in the slow-link run")
     return live
 
 
