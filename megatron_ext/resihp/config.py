@@ -37,8 +37,8 @@ class ResiHPConfig:
     resihp_noise_floor: float = doc("Smallest relative noise assumed for a rank's score (keeps z-scores "
                                     "finite on very quiet runs).", 0.01)
     resihp_p2p_latency_s: float = doc("Point-to-point latency assumed by the pipeline simulation.", 0.0)
-    resihp_links: bool = doc("Also watch the pipeline links (links.py): a link whose messages arrive late once "
-                             "both ends are ready is named slow_link.", True)
+    resihp_links: bool = doc("Also watch the pipeline links (links.py): a link whose messages arrive late while "
+                             "their receiver waits is named slow_link.", True)
     resihp_link_floor_ms: float = doc("Smallest excess over the healthy round trip of a link's messages that "
                                       "flags it, in milliseconds.", 10.0)
     resihp_heartbeat_interval_s: float = doc("How often each rank publishes a heartbeat.", 1.0)

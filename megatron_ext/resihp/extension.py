@@ -96,26 +96,22 @@ def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], l
     unseen says so at the end instead of ending silently. Faults and verdicts meet on the device
     (launch rank), which a re-layout's renumbering does not change."""
     lines = []
+
+    def outcome(what: str, since: int, hit: "Verdict | None", found: str) -> str:
+        if since > last_iteration:
+            return what + f"never reached (the run ended at iteration {last_iteration})"
+        if hit is None:
+            return what + f"no verdict in {last_iteration - since + 1} iterations"
+        return what + f"named at iteration {hit.iteration} ({found}, {hit.iteration - since} iterations later)"
+
     for f in faults.slow:
-        what = f"injected: rank {f.rank} x{f.factor:g} slow from iteration {f.since}; "
         hit = next((v for v in verdicts if v.kind == "fail_slow" and v.launch_rank == f.rank and v.iteration >= f.since), None)
-        if f.since > last_iteration:
-            lines.append(what + f"never reached (the run ended at iteration {last_iteration})")
-        elif hit is None:
-            lines.append(what + f"no verdict in {last_iteration - f.since + 1} iterations")
-        else:
-            lines.append(what + f"named at iteration {hit.iteration} (x{hit.factor:.2f}, "
-                         f"{hit.iteration - f.since} iterations later)")
+        lines.append(outcome(f"injected: rank {f.rank} x{f.factor:g} slow from iteration {f.since}; ", f.since, hit,
+                             f"x{hit.factor:.2f}" if hit else ""))
     for f in faults.slow_link:
-        what = f"injected: link {f.a}-{f.b} at {f.mbps:g} MB/s from iteration {f.since}; "
         hit = next((v for v in verdicts if v.kind == "slow_link" and v.link == f.pair and v.iteration >= f.since), None)
-        if f.since > last_iteration:
-            lines.append(what + f"never reached (the run ended at iteration {last_iteration})")
-        elif hit is None:
-            lines.append(what + f"no verdict in {last_iteration - f.since + 1} iterations")
-        else:
-            lines.append(what + f"named at iteration {hit.iteration} (+{1e3 * hit.detail['extra_s_per_message']:.1f} "
-                         f"ms per message, {hit.iteration - f.since} iterations later)")
+        lines.append(outcome(f"injected: link {f.a}-{f.b} at {f.mbps:g} MB/s from iteration {f.since}; ", f.since, hit,
+                             f"+{1e3 * hit.detail['extra_s_per_message']:.1f} ms per message" if hit else ""))
     named_by = {"launcher": "the launcher (its exit)", "self": "itself (its exception)", "heartbeat": "heartbeat"}
     for what, rank in ([(f"injected: rank {f.rank} stopped at iteration {f.at}; ", f.rank) for f in faults.stop]
                        + [(f"injected: rank {f.rank} raised {f.kind} error at iteration {f.at}; ", f.rank)

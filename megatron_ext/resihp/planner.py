@@ -429,6 +429,8 @@ class Planner:
     # ---- scoring ----
 
     def iteration_s(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None) -> float:
+        """Predicted seconds per iteration; ``links`` None: the slow links of the last ``plan`` /
+        ``best_layout`` call (none before one), which is what the search scores with."""
         return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload,
                                    self.links if links is None else links)
 

@@ -59,3 +59,16 @@ def test_faults_and_verdicts_meet_on_the_device_after_a_renumbering():
         "injected: rank 2 x2 slow from iteration 30; named at iteration 36 (x1.90, 6 iterations later)",
         "injected: rank 2 stopped at iteration 60; named by heartbeat"]
     assert injection_outcome(faults, [slow_verdict(0, 36, 1.9), stop], 70)[1].endswith("no verdict")
+
+
+def test_a_slow_link_is_named_by_its_pair_in_either_order():
+    faults = FaultInjectionConfig(inject_slow_link=["2:0:25:2"])
+    wrong = Verdict(kind="slow_link", rank=1, stage=None, iteration=28, factor=None, confidence=1.0,
+                    detector="resihp-link", detail={"launch_rank": 1, "peer_launch_rank": 3, "extra_s_per_message": 0.02})
+    right = Verdict(kind="slow_link", rank=0, stage=None, iteration=31, factor=None, confidence=1.0,
+                    detector="resihp-link", detail={"launch_rank": 0, "peer_launch_rank": 2, "extra_s_per_message": 0.0328})
+    assert injection_outcome(faults, [wrong, right], 60) == [
+        "injected: link 2-0 at 2 MB/s from iteration 25; named at iteration 31 (+32.8 ms per message, 6 iterations later)"]
+    assert injection_outcome(faults, [wrong], 60) == ["injected: link 2-0 at 2 MB/s from iteration 25; no verdict in 36 iterations"]
+    assert injection_outcome(faults, [], 20) == [
+        "injected: link 2-0 at 2 MB/s from iteration 25; never reached (the run ended at iteration 20)"]
