@@ -34,7 +34,7 @@ SCENARIOS = {
     "act": {"train_iters": 60, "inject_slow": ["2:25:3.0"], "resihp_act": "relayout"},
     # A slow link, named as a link (not a device), and re-placed around: the planner swaps the
     # replicas of one end so that the link carries no pipeline traffic.
-    "link": {"train_iters": 60, "inject_slow_link": ["0:2:25:2"], "resihp_act": "relayout"},
+    "link": {"train_iters": 70, "inject_slow_link": ["0:2:25:2"], "resihp_act": "relayout"},
 }
 
 
