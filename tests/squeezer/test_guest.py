@@ -80,13 +80,20 @@ def run(tmp_path_factory):
     out["cpu_across_window"] = _cpu_s(pid) - c0
     sq.window_close(w, time.perf_counter())
     # SIGKILL while it runs inside a window, in the middle of a trial (not between a trial's tell
-    # and the next ask, when it owns no running trial to be marked failed)
+    # and the next ask, when it owns no running trial to be marked failed): a trial of this guest is
+    # running and its operation log shows at least 5 of its 20 steps still to go, so that the guest
+    # cannot reach the trial's tell between this look and the kill (a look at the state alone lost
+    # that race now and then on a loaded host).
     study = optuna.load_study(study_name="sq", storage=f"sqlite:///{tmp}/hydro/sq.db")
+    oplog = os.path.join(log_dir, f"oplog_rank0_pid{first_pid}.jsonl")
 
     def mid_trial() -> bool:
-        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        return guest.state == RUNNING and any(t.user_attrs.get("squeeze_guest", {}).get("pid") == first_pid
-                                              for t in running)
+        mine = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if t.user_attrs.get("squeeze_guest", {}).get("pid") == first_pid]
+        if guest.state != RUNNING or not mine or not os.path.exists(oplog):
+            return False
+        steps = [op["ids"] for op in read_oplog(oplog) if op["op"] == "step"]
+        return any(sum(n in ids for ids in steps) <= 15 for n in mine)
 
     w = drive._window((10 ** 6, 3, 1), time.perf_counter(), 5.0)
     sq.window_open(w)
