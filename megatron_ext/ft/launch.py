@@ -13,23 +13,32 @@ With ``respawn`` (``--resihp-respawn N``) a rank that was lost is started again,
 rank, as a new incarnation (``MEGATRON_EXT_INCARNATION=k``): the new process waits as a spare until
 the survivors take it in at an iteration boundary (``ft/core.py``, "grow"). Nothing is started
 again once the job has ended (``job/end``) or finished training (``job/done``).
+
+A rank of a script is a fork of a preloaded zygote (``ft/zygote.py``: torch and megatron-core
+imported once per launcher, not once per rank); ``MEGATRON_EXT_LAUNCH_START=spawn`` starts each as
+a new interpreter instead.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from megatron_ext.ft import membership as ms
+from megatron_ext.ft import zygote as zg
 from megatron_ext.ft.errors import FAILED_EXIT_CODE
 from megatron_ext.ft.preflight import LAUNCHER_ENV
 from megatron_ext.ft.store import STORE_ENV, host
 
 INCARNATION_ENV = "MEGATRON_EXT_INCARNATION"
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -58,6 +67,13 @@ def _rank_env(rank: int, nproc: int, addr: str, env: dict[str, str] | None, inca
             LAUNCHER_ENV: "1", INCARNATION_ENV: str(incarnation)}
 
 
+def _zygote_env(nproc: int, env: dict[str, str] | None) -> dict[str, str]:
+    """The ranks' environment without what differs between ranks, launches and incarnations: the
+    zygote's (``ft/zygote.py``), so that what a preloaded module computed at import matches a rank."""
+    per_rank = {"RANK", "LOCAL_RANK", "WORLD_SIZE", STORE_ENV, LAUNCHER_ENV, INCARNATION_ENV}
+    return {k: v for k, v in _rank_env(0, nproc, "", env, 0).items() if k not in per_rank}
+
+
 def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, env: dict[str, str] | None = None,
                  timeout_s: float | None = 900.0, capture: bool = True, respawn: int = 0,
                  respawn_delay_s: float = 0.0, report_exits: bool = True,
@@ -78,19 +94,36 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
     lock = threading.Lock()
     watchers: list[threading.Thread] = []
 
+    zygote = zg.zygote_for(_zygote_env(nproc, env)) if zg.forkable(script_args) else None
+    outdir = tempfile.mkdtemp(prefix="megatron-ext-ranks-") if capture and zygote is not None else None
+
     def start(rank: int, incarnation: int) -> None:
-        p = subprocess.Popen([sys.executable, *script_args], cwd=cwd, env=_rank_env(rank, nproc, addr, env, incarnation),
-                             stdout=out, stderr=subprocess.STDOUT if capture else None, text=True)
+        rank_env = _rank_env(rank, nproc, addr, env, incarnation)
+        p = None
+        if zygote is not None:
+            log = os.path.join(outdir, f"rank{rank}.{incarnation}.log") if outdir else None
+            try:
+                p = zygote.start(list(script_args), rank_env, cwd, log)
+            except RuntimeError as e:
+                logger.warning("launch: rank %d started as a new interpreter: %s", rank, e)
+        if p is None:
+            p = subprocess.Popen([sys.executable, *script_args], cwd=cwd, env=rank_env,
+                                 stdout=out, stderr=subprocess.STDOUT if capture else None, text=True)
         with lock:
             procs[rank] = p
         w = threading.Thread(target=watch, args=(rank, incarnation, p), daemon=True)
         watchers.append(w)
         w.start()
 
-    def watch(rank: int, incarnation: int, p: subprocess.Popen) -> None:
-        if capture:
-            texts[rank].append(p.stdout.read())
-        code = p.wait()
+    def watch(rank: int, incarnation: int, p) -> None:
+        if isinstance(p, zg.ForkedRank):
+            code = p.wait()
+            if capture:
+                texts[rank].append(p.output())
+        else:
+            if capture:
+                texts[rank].append(p.stdout.read())
+            code = p.wait()
         codes[rank].append(code)
         if code == 0 or not report_exits:
             return
@@ -134,6 +167,8 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
             p.wait()
         for w in list(watchers):
             w.join(5.0)
+        if outdir is not None:
+            shutil.rmtree(outdir, ignore_errors=True)
     # ``store`` lives until here, after every rank: the survivors of a lost rank meet through it.
     end = ms.job_end(store)
     results = []

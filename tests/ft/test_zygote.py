@@ -1,0 +1,120 @@
+"""The rank zygote (``megatron_ext/ft/zygote.py``): a forked rank behaves as a fresh interpreter
+would -- its script as ``__main__`` with its argv, path, directory and environment, its output
+captured, its exit code as ``Popen`` reports it, the interpreter's exit steps -- and the launcher's
+results are the same forked or spawned."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+
+import pytest
+
+from megatron_ext.ft import zygote as zg
+
+SCRIPT = textwrap.dedent("""
+    import atexit, json, os, sys, threading, time
+    print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "cwd": os.getcwd(),
+                      "path0": sys.path[0], "var": os.environ.get("ZYGOTE_TEST_VAR")}), flush=True)
+    mode = sys.argv[1]
+    atexit.register(lambda: print("atexit ran", flush=True))
+    if mode == "thread":
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+    elif mode == "exit3":
+        sys.exit(3)
+    elif mode == "exitmsg":
+        sys.exit("a message")
+    elif mode == "raise":
+        raise ValueError("boom in the rank")
+    elif mode == "hard":
+        os._exit(5)
+    elif mode == "sleep":
+        time.sleep(60)
+""")
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = zg.zygote_for({**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    if z is None:
+        pytest.skip(f"{zg.START_ENV}=spawn")
+    return z
+
+
+def _run(zygote, tmp_path, mode, **env):
+    script = tmp_path / "rank_script.py"
+    script.write_text(SCRIPT)
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    out = str(tmp_path / f"{mode}.log")
+    rank = zygote.start([str(script), mode], {**os.environ, "ZYGOTE_TEST_VAR": "seven", **env}, str(work), out)
+    code = rank.wait(60)
+    text = rank.output()
+    return code, json.loads(text.splitlines()[0]), text
+
+
+def test_a_forked_rank_is_its_script_as_main(zygote, tmp_path):
+    code, seen, text = _run(zygote, tmp_path, "ok")
+    assert code == 0
+    assert seen == {"name": "__main__", "file": str(tmp_path / "rank_script.py"),
+                    "argv": [str(tmp_path / "rank_script.py"), "ok"], "cwd": str(tmp_path / "work"),
+                    "path0": str(tmp_path), "var": "seven"}
+    assert "atexit ran" in text
+
+
+@pytest.mark.parametrize("mode, want, line", [("exit3", 3, None), ("exitmsg", 1, "a message"),
+                                              ("raise", 1, "ValueError: boom in the rank"), ("hard", 5, None),
+                                              ("thread", 0, "thread done")])
+def test_exit_codes_and_exit_steps_as_an_interpreter(zygote, tmp_path, mode, want, line):
+    code, _, text = _run(zygote, tmp_path, mode)
+    assert code == want, text
+    if line is not None:
+        assert line in text
+    # os._exit skips the exit steps, as it does in any interpreter; a thread is joined before them.
+    assert ("atexit ran" in text) == (mode != "hard")
+    if mode == "thread":
+        assert text.index("thread done") < text.index("atexit ran")
+
+
+def test_a_killed_rank_reports_the_signal(zygote, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    rank = zygote.start([str(script), "sleep"], dict(os.environ), None, str(tmp_path / "k.log"))
+    assert rank.poll() is None
+    rank.kill()
+    assert rank.wait(30) == -signal.SIGKILL
+
+
+def test_forkable_arguments():
+    assert zg.forkable(["pretrain_gpt.py", "--x"]) and zg.forkable(["-c", "print(1)"])
+    assert not zg.forkable(["-m", "torch.distributed.run"]) and not zg.forkable(["-c"])
+    assert not zg.forkable([]) and not zg.forkable(["-u", "x.py"])
+
+
+def test_the_launcher_gives_the_same_results_forked_and_spawned(monkeypatch):
+    from megatron_ext.ft.launch import launch_ranks
+
+    script = ("import os, sys; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:]); "
+              "sys.exit(int(os.environ['RANK']) * 2)")
+    results = {}
+    for start in ("fork", "spawn"):
+        monkeypatch.setenv(zg.START_ENV, start)
+        results[start] = [(r.rank, r.returncode, r.output.strip(), r.incarnations)
+                          for r in launch_ranks(["-c", script, "a", "b"], 3, timeout_s=120)]
+    assert results["fork"] == results["spawn"] == [
+        (r, 2 * r, f"rank {r} of 3 ['a', 'b']", [2 * r]) for r in range(3)]
+
+
+def test_ranks_of_a_zygote_that_dies_are_reported_lost_and_the_next_start_refused(tmp_path):
+    z = zg.Zygote({**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "ZYGOTE_TEST_OWN": "1"})
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    rank = z.start([str(script), "sleep"], dict(os.environ), None, str(tmp_path / "d.log"))
+    z.proc.kill()
+    z.proc.wait()
+    assert rank.wait(30) == -signal.SIGKILL
+    os.kill(rank.pid, signal.SIGKILL)  # the orphan
+    with pytest.raises(RuntimeError, match="zygote"):
+        z.start([str(script), "ok"], dict(os.environ), None, None)
+    assert not z.alive()
