@@ -453,8 +453,11 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
     from megatron_ext.ft.launch import launch_ranks
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    common = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
-              "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "1",
+    hidden, seq, mbs, link_mbps = 64, 256, 1, 2
+    # one pipeline message: a micro-batch's fp32 activations (seq x micro-batch x hidden)
+    link_injected_s = seq * mbs * hidden * 4 / (link_mbps * 1e6)
+    common = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", str(hidden),
+              "--num-attention-heads", "4", "--seq-length", str(seq), "--micro-batch-size", str(mbs),
               "--global-batch-size", "8", "--eval-iters", "0", "--lr-decay-style", "constant",
               "--doc-length-dist", "lognormal:3.5,1", "--resihp", "--resihp-warmup", "15", "--log-interval", "10"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -469,7 +472,7 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
         stop = [json.loads(x) for x in open(stop_file)] if os.path.exists(stop_file) else []
         # A slow pipeline link (links.py): 2 MB/s between ranks 0 and 2 (a 64 KB message: +33 ms).
         link_file = os.path.join(tmp, "link.jsonl")
-        launch_ranks(common + ["--train-iters", str(slow_at + 30), "--inject-slow-link", f"0:2:{slow_at}:2",
+        launch_ranks(common + ["--train-iters", str(slow_at + 30), "--inject-slow-link", f"0:2:{slow_at}:{link_mbps}",
                                "--resihp-verdicts-out", link_file], 4, cwd=root)
         link = [json.loads(x) for x in open(link_file)] if os.path.exists(link_file) else []
     slow_v = [v for v in slow if v["kind"] == "fail_slow"]
@@ -488,7 +491,7 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
         "link_pair_ok": bool(lfirst and {lfirst["detail"]["launch_rank"], lfirst["detail"]["peer_launch_rank"]} == {0, 2}),
         "link_delay_iters": (lfirst["iteration"] - slow_at) if lfirst else None,
         "link_extra_ms_per_message": round(1e3 * lfirst["detail"]["extra_s_per_message"], 2) if lfirst else None,
-        "link_injected_ms_per_message": round(1e3 * 256 * 64 * 4 / 2e6, 2),
+        "link_injected_ms_per_message": round(1e3 * link_injected_s, 2),
         # the wrong kind: a slow device taken for a link, a slow link for a device
         "slow_link_verdicts_in_device_run": sum(v["kind"] == "slow_link" for v in slow),
         "fail_slow_verdicts_in_link_run": sum(v["kind"] == "fail_slow" for v in link),

@@ -244,7 +244,11 @@ class ResiHPExtension(Extension):
         box = [None]
         dist.recv_object_list(box, src=src)
         detector = box[0]
-        slow = ", ".join(f"launch rank {d} x{f:.2f}" for d, f in detector.known_slow().items()) or "none"
+        slow = [f"launch rank {d} x{f:.2f}" for d, f in detector.known_slow().items()]
+        links = getattr(detector, "link_detector", None)
+        if links is not None:
+            slow += [f"link {a}-{b} +{1e3 * s:.1f} ms/message" for (a, b), s in links.known_slow().items()]
+        slow = ", ".join(slow) or "none"
         print(f" resihp: detector handed over with the logging rank from launch rank {old} to launch rank {new} "
               f"(known slow: {slow})", flush=True)
         return detector

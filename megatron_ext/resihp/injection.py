@@ -292,7 +292,6 @@ class LinkThrottle:
 
         self.links, self.members = dict(links), members
         self.active = False
-        self.held_s = 0.0
         self._module = importlib.import_module(P2P)
         require_megatron_core("--inject-slow-link", [n for n in self.FUNCTIONS if not hasattr(self._module, n)],
                               "megatron_ext/resihp/injection.py")
@@ -311,7 +310,6 @@ class LinkThrottle:
                         hold += tensor.numel() * tensor.element_size() / self.links[members[peer]]
                 if hold > 0:
                     time.sleep(hold)
-                    self.held_s += hold
             return original(tensor_send_prev=tensor_send_prev, tensor_recv_prev=tensor_recv_prev,
                             tensor_send_next=tensor_send_next, tensor_recv_next=tensor_recv_next, group=group,
                             prev_pipeline_rank=prev_pipeline_rank, next_pipeline_rank=next_pipeline_rank)

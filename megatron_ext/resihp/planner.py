@@ -424,15 +424,13 @@ class Planner:
         self.config = config or PlannerConfig()
         self.memory_model = memory_model or default_memory_model
         self.costs = _costs(spec, workload, cluster)
-        self.links: dict[tuple[int, int], float] = {}   # the slow links of the search under way
+        self._links: dict[tuple[int, int], float] = {}   # the slow links of the search under way
 
     # ---- scoring ----
 
     def iteration_s(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None) -> float:
-        """Predicted seconds per iteration; ``links`` None: the slow links of the last ``plan`` /
-        ``best_layout`` call (none before one), which is what the search scores with."""
-        return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload,
-                                   self.links if links is None else links)
+        """Predicted seconds per iteration with these device speeds and slow links (none by default)."""
+        return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload, links or {})
 
     def fits(self, layout: PlanLayout, memory: np.ndarray) -> bool:
         need = self.memory_model(self.spec, self.workload, layout.tp, layout.pp, layout.stage_layers)
@@ -482,24 +480,24 @@ class Planner:
                     horizon_iterations=self.config.horizon_iterations,
                     optimum_s=capacity_optimum_s(healthy_s, sp[list(layout.devices)], layout.world_size),
                     speeds={int(r): float(sp[r]) for r in range(n_dev) if abs(sp[r] - 1.0) > HEALTHY_EPS
-                            and (r in members or sp[r] < 1.0)}, links=dict(self.links))
+                            and (r in members or sp[r] < 1.0)}, links=dict(self._links))
 
     def _healthy_s(self, layout: PlanLayout) -> float:
         ones = np.ones(max(layout.devices) + 1)
         even = PlanLayout.even(num_layers=self.spec.num_layers, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                                num_microbatches=layout.num_microbatches, vp=layout.vp, schedule=layout.schedule,
                                devices=layout.devices)
-        return min(self.iteration_s(layout, ones), self.iteration_s(even, ones))
+        return min(self.iteration_s(layout, ones, self._links), self.iteration_s(even, ones, self._links))
 
     def _search(self, layout: PlanLayout, speeds: Sequence[float], amortize: bool = True, links: Links | None = None
                 ) -> tuple[_Candidate | None, float, np.ndarray]:
         sp = _check_speeds(speeds, layout)
-        self.links = {_pair(*k): float(v) for k, v in (links or {}).items() if v > 0}
+        self._links = {_pair(*k): float(v) for k, v in (links or {}).items() if v > 0}
         if layout.num_layers != self.spec.num_layers:
             raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {self.spec.num_layers}")
         n_dev = sp.shape[0]
         memory = self.cluster.memory_of(n_dev)
-        current_s = self.iteration_s(layout, sp)
+        current_s = self.iteration_s(layout, sp, self._links)
         cands = self._candidates(layout, sp, memory)
         if not cands:
             if math.isinf(current_s):
@@ -523,7 +521,7 @@ class Planner:
         for c in cands[:self.config.simulate_top]:
             # The closed form ranks well; only near-ties are worth a simulation each.
             if c is cands[0] or c.closed_s + c.move_s / horizon <= first * (1 + self.config.simulate_margin):
-                c.sim_s = self.iteration_s(c.layout, sp)
+                c.sim_s = self.iteration_s(c.layout, sp, self._links)
         scored = [c for c in cands if c.sim_s is not None]
         best = min(scored, key=lambda c: c.sim_s + c.move_s / horizon)
         return best, current_s, sp
@@ -542,7 +540,7 @@ class Planner:
                 return
             if not cfg.uneven_microbatches and len(set(lay.microbatches)) > 1:
                 return
-            stage_speed = stage_speeds(lay, sp, self.costs, g, self.links)
+            stage_speed = stage_speeds(lay, sp, self.costs, g, self._links)
             if (stage_speed <= 0).any() or not self.fits(lay, memory):
                 return
             seen.add(lay)
@@ -564,7 +562,7 @@ class Planner:
             placements = [(base, tag)]
             if cfg.tp_regroup:
                 placements += [(p, tag + ("tp_regroup",)) for p in self._packings(base, sp)]
-            if cfg.link_avoid and self.links:
+            if cfg.link_avoid and self._links:
                 placements += [(p, tag + ("link_avoid",)) for p in self._avoid_links(base)]
             for lay, acts in placements:
                 for lay2, acts2 in self._fill(lay, layout, sp, memory, acts, same_shape=True):
@@ -613,7 +611,7 @@ class Planner:
         cur = grid.copy()
         for s, t, _ in _hops(layout):
             for d in range(layout.dp):
-                if not any(_pair(a, b) in self.links for a, b in zip(grid[s, d], grid[t, d])):
+                if not any(_pair(a, b) in self._links for a, b in zip(grid[s, d], grid[t, d])):
                     continue
                 for end in (t, s):
                     for other in range(layout.dp):
@@ -688,7 +686,7 @@ class Planner:
         cfg = self.config
         if self.cluster.devices_per_node is not None:
             placed = node_local_groups(placed, self.cluster.devices_per_node, sp)
-        stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node, self.links)   # (pp, dp)
+        stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node, self._links)   # (pp, dp)
         if (stage_speed <= 0).any():
             return
         layer_opts: list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]] = []

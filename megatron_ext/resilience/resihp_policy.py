@@ -133,7 +133,7 @@ class ResiHP(Policy):
         grid = np.asarray(base.devices).reshape(base.pp, base.dp, base.tp)
         gone = [d for d in range(base.dp) if (self.policy.speeds[grid[:, d, :]] <= 0).any(axis=1).all()]
         share = base.num_microbatches / max(1, base.num_microbatches - sum(base.microbatches[d] for d in gone))
-        rerouted_s = self.policy.planner.iteration_s(base, hidden) * share
+        rerouted_s = self.policy.planner.iteration_s(base, hidden, self.policy.links) * share
         if plan is not None and plan.iteration_s_after + plan.move_s / plan.horizon_iterations < rerouted_s:
             self.policy.layout = plan.new
             new = from_plan_layout(plan.new)
