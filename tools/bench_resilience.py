@@ -72,6 +72,10 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=list(setting.LAYOUTS), choices=list(setting.LAYOUTS))
     ap.add_argument("--scenarios", nargs="+", default=None, help="scenario names (default: all)")
     ap.add_argument("--detector-delay", type=int, default=7, help="iterations to a fail-slow verdict")
+    ap.add_argument("--detector-severe-factor", type=float, default=2.0,
+                    help="a device at least this many times slower is named after --detector-severe-delay "
+                         "iterations (ResiHP's --resihp-severe-factor; 0: off)")
+    ap.add_argument("--detector-severe-delay", type=int, default=4, help="iterations to a severe verdict")
     ap.add_argument("--start", choices=setting.START, default="usual",
                     help="the healthy job: the usual layouts, or the simulator's fastest (tuned)")
     ap.add_argument("--no-validate", action="store_true", help="skip the simulator's error against recorded runs")
@@ -84,7 +88,9 @@ def main() -> int:
     rows, figures, meta = [], {}, {}
     speedups: dict[str, dict[str, float]] = {n: {} for n in RESIHP}
     for model in args.models:
-        ctx = setting.context(model, start=args.start, detector_delay=args.detector_delay)
+        ctx = setting.context(model, start=args.start, detector_delay=args.detector_delay,
+                              detector_severe_factor=args.detector_severe_factor,
+                              detector_severe_delay=args.detector_severe_delay)
         healthy = ctx.sim.healthy(ctx.start)
         p0 = ctx.start.pipelines[0]
         meta[model] = {"layout": f"tp{p0.tp}pp{p0.pp}dp{len(ctx.start.pipelines)}",
@@ -126,6 +132,9 @@ def main() -> int:
     lines.append("over the best baseline, geometric mean (min, max): " + "; ".join(
         f"{n} ({what[n]}) {gm[n]:.3f}x ({min(speedups[n].values()):.3f}, {max(speedups[n].values()):.3f})"
         for n in RESIHP))
+    severe = (f", {args.detector_severe_delay} at {args.detector_severe_factor:g}x or slower"
+              if args.detector_severe_factor else ", no severe rule")
+    lines.append(f"detector (every policy): a fail-slow verdict after {args.detector_delay} iterations{severe}")
     lines.append("layouts: " + "; ".join(f"{m} {v['layout']} layers {'/'.join(map(str, v['layers']))} "
                                          f"{v['healthy_iteration_s']} s/it, planner's healthy gain "
                                          f"{100 * v['planner_healthy_gain']:+.1f} %" for m, v in meta.items()))
@@ -137,7 +146,9 @@ def main() -> int:
                     for n in resihp_policy.GLUE},
            "what_if_link_verdicts": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}
                                      for n in resihp_policy.WHAT_IF},
-           "start": args.start, "models": meta}
+           "start": args.start, "models": meta,
+           "detector": {"delay": args.detector_delay, "severe_factor": args.detector_severe_factor,
+                        "severe_delay": args.detector_severe_delay}}
     if not args.no_validate:
         err = sim_error()
         lines.append(f"simulator vs recorded CPU runs ({err['cases']} cases, predicted before any fitting): "

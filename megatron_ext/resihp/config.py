@@ -24,6 +24,10 @@ class ResiHPConfig:
                                "the rank's healthy noise (so a noisy host needs a larger slowdown).", 2.0)
     resihp_window: int = doc("Persistence: a verdict needs all but one of a rank's last N iterations past "
                              "both bounds, the current one included.", 8)
+    resihp_severe_factor: float = doc("A rank at least this many times slower than expected in each of its last "
+                                      "--resihp-severe-window iterations is named at once, without waiting for "
+                                      "--resihp-window (0: off).", 2.0)
+    resihp_severe_window: int = doc("Consecutive iterations past --resihp-severe-factor that name a rank.", 4)
     resihp_warmup: int = doc("Iterations used to calibrate throughput before any fail-slow verdict.", 20)
     resihp_calibration_window: int = doc("Healthy iterations kept for the rolling calibration.", 100)
     resihp_refit_every: int = doc("Refit the throughput model every N iterations after warm-up.", 25)
@@ -86,6 +90,11 @@ class ResiHPConfig:
             raise ConfigError(f"--resihp-zscore must be >= 0, got {self.resihp_zscore}")
         if self.resihp_window < 1:
             raise ConfigError(f"--resihp-window must be >= 1, got {self.resihp_window}")
+        if self.resihp_severe_factor and not self.resihp_severe_factor >= self.resihp_threshold:
+            raise ConfigError(f"--resihp-severe-factor must be 0 (off) or >= --resihp-threshold "
+                              f"({self.resihp_threshold}), got {self.resihp_severe_factor}")
+        if self.resihp_severe_window < 1:
+            raise ConfigError(f"--resihp-severe-window must be >= 1, got {self.resihp_severe_window}")
         if self.resihp_warmup < 3:
             raise ConfigError(f"--resihp-warmup must be >= 3 (calibration needs a few iterations), "
                               f"got {self.resihp_warmup}")

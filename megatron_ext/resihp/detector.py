@@ -208,7 +208,8 @@ class _Base:
 
     def _persistence(self) -> Persistence:
         return Persistence(self.world, threshold=self.cfg.resihp_threshold, zscore=self.cfg.resihp_zscore,
-                           window=self.cfg.resihp_window)
+                           window=self.cfg.resihp_window, severe=self.cfg.resihp_severe_factor or None,
+                           severe_window=self.cfg.resihp_severe_window)
 
     def _relayout(self, rec: TraceRecord) -> None:
         """The record's layout, work or rank order differs from the last one's.
@@ -295,6 +296,7 @@ class _Base:
                             "dp": int(self.dp_of[d.rank]), "tp": int(self.tp_of[d.rank]),
                             "median_z": round(d.median_z, 2), "threshold": self.cfg.resihp_threshold,
                             "window": self.cfg.resihp_window,
+                            **({"rule": d.rule} if d.kind == "fail_slow" else {}),
                             "observed_s": record.iteration_s,
                             "expected_s": None if expected_s is None else round(expected_s, 6),
                             **({"common_factor": round(shared, 4)} if self.common_mode else {})}))

@@ -125,6 +125,7 @@ class PersistenceDecision:
     factor: float
     confidence: float
     median_z: float
+    rule: str = "window"        # what convicted it: "window" (all but one of the window) or "severe"
 
 
 class Persistence:
@@ -142,6 +143,12 @@ class Persistence:
     A rank that really recovers scores about 1.0 and is released ``window`` to ``2 * window``
     iterations later.
 
+    A severe slowdown is named sooner: with ``severe`` set, a rank whose last ``severe_window``
+    scored iterations are all flagged *and* at least ``severe`` times slower is convicted then,
+    without waiting for the window (a 2x device at 7 of 8 iterations costs every policy that listens
+    minutes on a large model). ``severe_window`` longer than the synthetic traces' longest pause (3
+    iterations) keeps one pause from tripping it.
+
     One quiet iteration inside a fault does not hide it, while a healthy rank needs a slowdown
     that lasts nearly the whole window: two short independent pauses (one to three iterations
     each) cannot fill ``window - 1`` of ``window`` iterations unless both are long and nearly
@@ -150,8 +157,13 @@ class Persistence:
     """
 
     def __init__(self, world_size: int, *, threshold: float, zscore: float, window: int,
-                 release: float | None = None):
+                 release: float | None = None, severe: float | None = None, severe_window: int = 4):
         self.threshold, self.zscore, self.window = threshold, zscore, window
+        if severe is not None and not severe >= threshold:
+            raise ValueError(f"Persistence: the severe level must be >= threshold={threshold}, got {severe}")
+        if severe_window < 1:
+            raise ValueError(f"Persistence: severe_window must be >= 1, got {severe_window}")
+        self.severe, self.severe_window = severe, severe_window
         self.release = 1.0 + 0.5 * (threshold - 1.0) if release is None else release
         if not 1.0 <= self.release <= threshold:
             raise ValueError(f"Persistence: release level must be in [1, threshold={threshold}], got {self.release}")
@@ -160,6 +172,7 @@ class Persistence:
         self.recent = [collections.deque(maxlen=2 * window) for _ in range(world_size)]
         self.zs = [collections.deque(maxlen=window) for _ in range(world_size)]
         self.flags = [collections.deque(maxlen=window) for _ in range(world_size)]
+        self.run = np.zeros(world_size, dtype=np.int64)   # consecutive severe iterations
         self.suspect = np.zeros(world_size, dtype=bool)
         self.calm = np.zeros(world_size, dtype=np.int64)
 
@@ -173,7 +186,7 @@ class Persistence:
             for mine, theirs in ((self.scores, other.scores), (self.recent, other.recent), (self.zs, other.zs),
                                  (self.flags, other.flags)):
                 mine[r] = collections.deque(theirs[s], maxlen=mine[r].maxlen)
-            self.suspect[r], self.calm[r] = other.suspect[s], other.calm[s]
+            self.suspect[r], self.calm[r], self.run[r] = other.suspect[s], other.calm[s], other.run[s]
 
     def flagged(self, score: np.ndarray, sigma: np.ndarray) -> np.ndarray:
         z = (score - 1.0) / sigma
@@ -189,6 +202,8 @@ class Persistence:
             self.recent[r].append(float(score[r]))
             self.zs[r].append(float(z[r]))
             self.flags[r].append(bool(flags[r]))
+            severe = self.severe is not None and bool(flags[r]) and float(score[r]) >= self.severe
+            self.run[r] = self.run[r] + 1 if severe else 0
             if self.suspect[r]:
                 self.calm[r] = 0 if flags[r] else self.calm[r] + 1
                 if self.calm[r] >= self.window and float(np.median(self.recent[r])) < self.release:
@@ -196,7 +211,8 @@ class Persistence:
                     out.append(PersistenceDecision(int(r), "recovered", float(np.median(self.scores[r])), 1.0,
                                                    float(np.median(self.zs[r]))))
                 continue
-            if not flags[r] or sum(self.flags[r]) < self.min_flagged:
+            by_window = sum(self.flags[r]) >= self.min_flagged
+            if not flags[r] or not (by_window or self.run[r] >= self.severe_window):
                 continue
             self.suspect[r], self.calm[r] = True, 0
             sel = np.asarray(self.flags[r])
@@ -207,5 +223,6 @@ class Persistence:
             se = max(float(sigma[r]), 1e-12) * math.sqrt(math.pi / 2.0 / len(slow))
             conf = normal_cdf((factor - self.threshold) / se)
             out.append(PersistenceDecision(int(r), "fail_slow", factor, conf,
-                                           float(np.median(np.asarray(self.zs[r])[sel]))))
+                                           float(np.median(np.asarray(self.zs[r])[sel])),
+                                           "window" if by_window else "severe"))
         return out

@@ -2,7 +2,9 @@
 
 * compute fail-slow (every policy): a device of the job that runs at least ``threshold`` times
   slower is named after ``delay`` iterations with its factor (ResiHP's detector: 6-7 iterations at
-  its defaults, docs/resihp.md); ``recovered`` after ``window`` iterations below the threshold.
+  its defaults, docs/resihp.md), and one at least ``severe_factor`` times slower after
+  ``severe_delay`` (its severe rule: 4 iterations at 2x or more); ``recovered`` after ``window``
+  iterations below the threshold.
   Devices outside the job (spares, dropped ones) are not observed.
 * fail-stop (every policy): named when the loop notices the job hangs (after the heartbeat
   timeout, which ``run`` charges).
@@ -35,10 +37,14 @@ class LinkVerdict:
 
 class DetectorModel:
     def __init__(self, num_devices: int, gpus_per_node: int, *, threshold: float = 1.25, delay: int = 7,
-                 window: int = 8) -> None:
-        if threshold <= 1 or delay < 1 or window < 1:
-            raise ValueError(f"DetectorModel: threshold must be > 1 and delay, window >= 1; got {threshold}, {delay}, {window}")
+                 window: int = 8, severe_factor: float | None = None, severe_delay: int = 4) -> None:
+        if threshold <= 1 or delay < 1 or window < 1 or severe_delay < 1:
+            raise ValueError(f"DetectorModel: threshold must be > 1 and delay, window, severe_delay >= 1; got "
+                             f"{threshold}, {delay}, {window}, {severe_delay}")
+        if severe_factor is not None and severe_factor < threshold:
+            raise ValueError(f"DetectorModel: severe_factor must be >= threshold ({threshold}), got {severe_factor}")
         self.threshold, self.delay, self.window, self.g = threshold, delay, window, gpus_per_node
+        self.severe_factor, self.severe_delay = severe_factor, min(severe_delay, delay)
         self.slow_for = np.zeros(num_devices, dtype=np.int64)
         self.ok_for = np.zeros(num_devices, dtype=np.int64)
         self.convicted = np.zeros(num_devices, dtype=bool)
@@ -55,7 +61,10 @@ class DetectorModel:
         self.slow_for = np.where(slow, self.slow_for + 1, 0)
         self.ok_for = np.where(watched & ~slow, self.ok_for + 1, np.where(slow, 0, self.ok_for))
         out = []
-        for r in np.flatnonzero(~self.convicted & (self.slow_for >= self.delay)):
+        delay = np.full(sp.shape, self.delay)
+        if self.severe_factor is not None:
+            delay[(sp > 0) & (sp <= 1.0 / self.severe_factor)] = self.severe_delay
+        for r in np.flatnonzero(~self.convicted & (self.slow_for >= delay)):
             self.convicted[r] = True
             out.append(Verdict(kind="fail_slow", rank=int(r), stage=None, iteration=it, factor=float(1 / sp[r]),
                                confidence=1.0, detector="model"))

@@ -51,6 +51,10 @@ class Context:
     num_devices: int
     """All devices of the cluster, spares included (devices outside ``start`` are spares)."""
     detector_delay: int = 7
+    detector_severe_factor: float = 2.0
+    """A device at least this many times slower is named after ``detector_severe_delay`` iterations
+    (ResiHP's detector, ``--resihp-severe-factor``); 0: off (every fault waits ``detector_delay``)."""
+    detector_severe_delay: int = 4
 
     @property
     def spares(self) -> list[int]:
@@ -80,7 +84,8 @@ def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure
     if healthy_tokens_per_s is None:
         h = sim.healthy(ctx.start)
         healthy_tokens_per_s = h.tokens / h.time_s
-    det = DetectorModel(ctx.num_devices, ctx.hw.gpus_per_node, delay=ctx.detector_delay)
+    det = DetectorModel(ctx.num_devices, ctx.hw.gpus_per_node, delay=ctx.detector_delay,
+                        severe_factor=ctx.detector_severe_factor or None, severe_delay=ctx.detector_severe_delay)
     t, tokens, it = 0.0, 0.0, 0
     ckpt_tokens, next_ckpt = 0.0, costs.checkpoint_interval_s
     at_measure: float | None = 0.0 if measure_from_s == 0 else None

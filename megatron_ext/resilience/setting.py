@@ -46,7 +46,8 @@ START = ("usual", "tuned")
 
 
 def context(model: str, *, start: str = "usual", hw: Hardware | None = None, costs: Costs | None = None,
-            detector_delay: int = 7, data_seed: int = 0) -> Context:
+            detector_delay: int = 7, detector_severe_factor: float = 2.0, detector_severe_delay: int = 4,
+            data_seed: int = 0) -> Context:
     """``start``: ``usual`` (``LAYOUTS``) or ``tuned`` (the simulator's fastest healthy layout with
     at least two stages: what ResiHP's planner could also reach without any fault)."""
     if model not in LAYOUTS:
@@ -70,7 +71,8 @@ def context(model: str, *, start: str = "usual", hw: Hardware | None = None, cos
     else:
         job = tuned_job(sim, n)
     return Context(shape=sh, hw=hw, costs=costs, data=data, sim=sim, start=job,
-                   num_devices=(NODES + SPARE_NODES) * hw.gpus_per_node, detector_delay=detector_delay)
+                   num_devices=(NODES + SPARE_NODES) * hw.gpus_per_node, detector_delay=detector_delay,
+                   detector_severe_factor=detector_severe_factor, detector_severe_delay=detector_severe_delay)
 
 
 def tuned_job(sim: Simulator, n: int) -> Job:

@@ -13,7 +13,8 @@ from megatron_ext.resihp.stats import Persistence, huber_fit, loo_median, robust
 
 def test_flag_list_is_pinned():
     assert field_names(ResiHPConfig) == [
-        "resihp", "resihp_detector", "resihp_threshold", "resihp_zscore", "resihp_window", "resihp_warmup",
+        "resihp", "resihp_detector", "resihp_threshold", "resihp_zscore", "resihp_window", "resihp_severe_factor",
+        "resihp_severe_window", "resihp_warmup",
         "resihp_calibration_window", "resihp_refit_every", "resihp_rank_bias_max", "resihp_common_mode",
         "resihp_noise_floor",
         "resihp_p2p_latency_s", "resihp_links", "resihp_link_floor_ms", "resihp_heartbeat_interval_s", "resihp_heartbeat_timeout_s",
@@ -42,6 +43,8 @@ def test_flags_and_yaml_values_build():
     ({"resihp_continue_timeout_s": 5.0}, "--resihp-continue-timeout-s (5.0) must exceed --resihp-heartbeat-timeout-s (10.0)"),
     ({"resihp_link_floor_ms": 0.0}, "--resihp-link-floor-ms must be > 0, got 0.0"),
     ({"resihp_window": 1}, "--resihp-window must be >= 2 while --resihp-links is on"),
+    ({"resihp_severe_factor": 1.2}, "--resihp-severe-factor must be 0 (off) or >= --resihp-threshold (1.25), got 1.2"),
+    ({"resihp_severe_window": 0}, "--resihp-severe-window must be >= 1, got 0"),
 ])
 def test_bad_values_are_named(kw, message):
     with pytest.raises(ConfigError) as err:
@@ -149,3 +152,30 @@ def test_persistence_does_not_release_a_rank_still_between_release_level_and_thr
 def test_persistence_release_level_is_checked():
     with pytest.raises(ValueError, match="release level"):
         Persistence(1, threshold=1.25, zscore=2.0, window=8, release=1.3)
+
+
+def test_a_severe_slowdown_is_named_after_the_severe_window_not_the_whole_window():
+    sig = np.array([0.02])
+
+    def first_verdict(scores, **kw):
+        p = Persistence(1, threshold=1.25, zscore=5.0, window=8, **kw)
+        for i, s in enumerate(scores):
+            out = p.update(np.array([s]), sig)
+            if out:
+                return i, out[0]
+        return None, None
+
+    # 2x from the first iteration: the 4th names it (rule "severe"); without the rule, the 7th.
+    i, d = first_verdict([2.0] * 10, severe=2.0, severe_window=4)
+    assert (i, d.kind, d.rule, d.factor) == (3, "fail_slow", "severe", 2.0)
+    i, d = first_verdict([2.0] * 10)
+    assert (i, d.rule) == (6, "window")
+    # 1.5x is below the severe level: the whole window, whatever the rule.
+    assert first_verdict([1.5] * 10, severe=2.0, severe_window=4)[0] == 6
+    # A 3-iteration pause at 3x (the synthetic traces' longest) twice, apart: never named.
+    assert first_verdict([3.0] * 3 + [1.0] * 4 + [3.0] * 3 + [1.0] * 4, severe=2.0, severe_window=4)[0] is None
+    # One iteration under the severe level restarts the count (flagged, but only the window counts it).
+    i, d = first_verdict([2.5, 2.5, 2.5, 1.6, 2.5, 2.5, 2.5, 2.5], severe=2.0, severe_window=4)
+    assert (i, d.rule) == (6, "window")
+    with pytest.raises(ValueError, match="severe level must be >= threshold=1.25, got 1.1"):
+        Persistence(1, threshold=1.25, zscore=2.0, window=8, severe=1.1)
