@@ -19,7 +19,8 @@ from typing import Any
 from megatron_ext.errors import ConfigError
 
 FEATURES = ("tensor_parallel", "virtual_pipeline", "distributed_optimizer", "data_parallel_microbatches",
-            "mixture_of_experts", "bf16", "packed_documents", "overlap_grad_reduce", "helix", "slow_link_injection")
+            "mixture_of_experts", "bf16", "packed_documents", "overlap_grad_reduce", "helix", "slow_link_injection",
+            "slow_nic_injection")
 """What an engine may refuse (each engine's ``refusals`` names the ones it does, with why)."""
 
 
@@ -113,4 +114,5 @@ DEEPSPEED = register_engine(EngineSpec(
                                "reduces gradients after the schedule: drop it with --engine deepspeed",
         "helix": "--helix compiles megatron-core's GPTModel: use it with --engine megatron",
         "slow_link_injection": "--inject-slow-link throttles megatron-core's p2p calls: use it with --engine megatron",
+        "slow_nic_injection": "--inject-slow-nic throttles megatron-core's p2p calls: use it with --engine megatron",
     }))

@@ -453,17 +453,19 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
     from megatron_ext.ft.launch import launch_ranks
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    hidden, seq, mbs, link_mbps = 64, 256, 1, 2
+    hidden, seq, mbs, link_mbps, nic_mbps, probe_kb = 64, 256, 1, 2, 4, 64
     # one pipeline message: a micro-batch's fp32 activations (seq x micro-batch x hidden)
     link_injected_s = seq * mbs * hidden * 4 / (link_mbps * 1e6)
+    nic_injected_s = probe_kb * 1024 / (nic_mbps * 1e6)         # per ring-probe message
+    probe = ["--resihp-nic-probe-interval", "1", "--resihp-nic-probe-kb", str(probe_kb)]
     common = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", str(hidden),
               "--num-attention-heads", "4", "--seq-length", str(seq), "--micro-batch-size", str(mbs),
               "--global-batch-size", "8", "--eval-iters", "0", "--lr-decay-style", "constant",
               "--doc-length-dist", "lognormal:3.5,1", "--resihp", "--resihp-warmup", "15", "--log-interval", "10"]
     with tempfile.TemporaryDirectory() as tmp:
         slow_file = os.path.join(tmp, "slow.jsonl")
-        launch_ranks(common + ["--train-iters", str(slow_at + 30), "--inject-slow", f"2:{slow_at}:2.0",
-                               "--resihp-verdicts-out", slow_file], 4, cwd=root)
+        launch_ranks(common + probe + ["--train-iters", str(slow_at + 30), "--inject-slow", f"2:{slow_at}:2.0",
+                                       "--resihp-verdicts-out", slow_file], 4, cwd=root)
         slow = [json.loads(x) for x in open(slow_file)] if os.path.exists(slow_file) else []
         stop_file = os.path.join(tmp, "stop.jsonl")
         launch_ranks(common + ["--train-iters", "200", "--inject-stop", f"3:{stop_at}",
@@ -472,12 +474,19 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
         stop = [json.loads(x) for x in open(stop_file)] if os.path.exists(stop_file) else []
         # A slow pipeline link (links.py): 2 MB/s between ranks 0 and 2 (a 64 KB message: +33 ms).
         link_file = os.path.join(tmp, "link.jsonl")
-        launch_ranks(common + ["--train-iters", str(slow_at + 30), "--inject-slow-link", f"0:2:{slow_at}:{link_mbps}",
-                               "--resihp-verdicts-out", link_file], 4, cwd=root)
+        launch_ranks(common + probe + ["--train-iters", str(slow_at + 30), "--inject-slow-link",
+                                       f"0:2:{slow_at}:{link_mbps}", "--resihp-verdicts-out", link_file], 4, cwd=root)
         link = [json.loads(x) for x in open(link_file)] if os.path.exists(link_file) else []
+        # A slow NIC (nic.py): every send of rank 1 at 4 MB/s, the ring probe every iteration.
+        nic_file = os.path.join(tmp, "nic.jsonl")
+        launch_ranks(common + probe + ["--train-iters", str(slow_at + 30), "--inject-slow-nic",
+                                       f"1:{slow_at}:{nic_mbps}", "--resihp-verdicts-out", nic_file], 4, cwd=root)
+        nic = [json.loads(x) for x in open(nic_file)] if os.path.exists(nic_file) else []
     slow_v = [v for v in slow if v["kind"] == "fail_slow"]
     link_v = [v for v in link if v["kind"] == "slow_link"]
     lfirst = link_v[0] if link_v else None
+    nic_v = [v for v in nic if v["kind"] == "slow_nic"]
+    nfirst = nic_v[0] if nic_v else None
     stop_v = [v for v in stop if v["kind"] == "fail_stop"]
     first = slow_v[0] if slow_v else None
     live = {
@@ -495,6 +504,14 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
         # the wrong kind: a slow device taken for a link, a slow link for a device
         "slow_link_verdicts_in_device_run": sum(v["kind"] == "slow_link" for v in slow),
         "fail_slow_verdicts_in_link_run": sum(v["kind"] == "fail_slow" for v in link),
+        "nic_detected": bool(nic_v),
+        "nic_rank_ok": bool(nfirst and all(v["detail"]["launch_rank"] == 1 for v in nic_v)),
+        "nic_delay_iters": (nfirst["iteration"] - slow_at) if nfirst else None,
+        "nic_extra_ms_per_message": round(1e3 * nfirst["detail"]["extra_s_per_message"], 2) if nfirst else None,
+        "nic_injected_ms_per_message": round(1e3 * nic_injected_s, 2),
+        "slow_nic_verdicts_in_device_run": sum(v["kind"] == "slow_nic" for v in slow),
+        "slow_nic_verdicts_in_link_run": sum(v["kind"] == "slow_nic" for v in link),
+        "fail_slow_verdicts_in_nic_run": sum(v["kind"] == "fail_slow" for v in nic),
     }
     print("\nlive (4 CPU ranks, PP2 x DP2): fail-slow x2.0 on rank 2 from iteration "
           f"{slow_at}: detected {live['slow_detected']}, right rank {live['slow_rank_ok']}, delay "
@@ -505,6 +522,13 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
           f"estimated +{live['link_extra_ms_per_message']} ms per message; wrong kind: "
           f"{live['slow_link_verdicts_in_device_run']} link verdict(s) in the slow-device run, "
           f"{live['fail_slow_verdicts_in_link_run']} fail-slow verdict(s) in the slow-link run")
+    print(f"live, ring probe every iteration in these three runs: slow NIC of rank 1 ({nic_mbps} MB/s, "
+          f"+{live['nic_injected_ms_per_message']} ms per {probe_kb} KB probe message) from iteration {slow_at}: "
+          f"detected {live['nic_detected']}, right device {live['nic_rank_ok']}, delay {live['nic_delay_iters']} "
+          f"iterations, estimated +{live['nic_extra_ms_per_message']} ms per message; wrong kind: "
+          f"{live['slow_nic_verdicts_in_device_run']} NIC verdict(s) in the slow-device run, "
+          f"{live['slow_nic_verdicts_in_link_run']} in the slow-link run, {live['fail_slow_verdicts_in_nic_run']} "
+          "fail-slow verdict(s) in the slow-NIC run")
     return live
 
 

@@ -170,7 +170,9 @@ def serve(reply_fd: int) -> None:
                     pid = os.fork()
                     if pid == 0:
                         reply.close()
-                        os.close(stdin.fileno())
+                        null = os.open(os.devnull, os.O_RDONLY)   # stdin: not the zygote's control pipe
+                        os.dup2(null, 0)
+                        os.close(null)
                         _run_child(req)
                     children.add(pid)
                     say({"id": req["id"], "pid": pid})

@@ -45,6 +45,10 @@ class ResiHPConfig:
                              "their receiver waits is named slow_link.", True)
     resihp_link_floor_ms: float = doc("Smallest excess over the healthy round trip of a link's messages that "
                                       "flags it, in milliseconds.", 10.0)
+    resihp_nic_probe_interval: int = doc("Every N iterations, time a small message from each rank to both of its "
+                                         "ring neighbours (nic.py) and name a device whose sends are slow (slow_nic); "
+                                         "0: off. A collective of all ranks per probe.", 0)
+    resihp_nic_probe_kb: int = doc("Size of each ring-probe message, in KiB.", 64)
     resihp_heartbeat_interval_s: float = doc("How often each rank publishes a heartbeat.", 1.0)
     resihp_heartbeat_timeout_s: float = doc("Fail-stop when a rank's heartbeat is older than this.", 10.0)
     resihp_trace_out: str = doc("Write the detector's input, one JSON record per iteration, to this "
@@ -93,6 +97,10 @@ class ResiHPConfig:
         if self.resihp_severe_factor and not self.resihp_severe_factor >= self.resihp_threshold:
             raise ConfigError(f"--resihp-severe-factor must be 0 (off) or >= --resihp-threshold "
                               f"({self.resihp_threshold}), got {self.resihp_severe_factor}")
+        if self.resihp_nic_probe_interval < 0:
+            raise ConfigError(f"--resihp-nic-probe-interval must be >= 0 (0: off), got {self.resihp_nic_probe_interval}")
+        if self.resihp_nic_probe_kb < 1:
+            raise ConfigError(f"--resihp-nic-probe-kb must be >= 1, got {self.resihp_nic_probe_kb}")
         if self.resihp_severe_window < 1:
             raise ConfigError(f"--resihp-severe-window must be >= 1, got {self.resihp_severe_window}")
         if self.resihp_warmup < 3:

@@ -112,6 +112,11 @@ def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], l
         hit = next((v for v in verdicts if v.kind == "slow_link" and v.link == f.pair and v.iteration >= f.since), None)
         lines.append(outcome(f"injected: link {f.a}-{f.b} at {f.mbps:g} MB/s from iteration {f.since}; ", f.since, hit,
                              f"+{1e3 * hit.detail['extra_s_per_message']:.1f} ms per message" if hit else ""))
+    for f in faults.slow_nic:
+        hit = next((v for v in verdicts if v.kind == "slow_nic" and v.launch_rank == f.rank and v.iteration >= f.since),
+                   None)
+        lines.append(outcome(f"injected: rank {f.rank}'s NIC at {f.mbps:g} MB/s from iteration {f.since}; ", f.since,
+                             hit, f"about {hit.detail.get('mbps')} MB/s" if hit else ""))
     named_by = {"launcher": "the launcher (its exit)", "self": "itself (its exception)", "heartbeat": "heartbeat"}
     for what, rank in ([(f"injected: rank {f.rank} stopped at iteration {f.at}; ", f.rank) for f in faults.stop]
                        + [(f"injected: rank {f.rank} raised {f.kind} error at iteration {f.at}; ", f.rank)
@@ -143,6 +148,7 @@ class ResiHPExtension(Extension):
         self._unlogged: list[Verdict] = []       # losses named while the verdict file was elsewhere
         self.moe_probe = None
         self.detector_member: int | None = None   # launch rank of the process holding the detector
+        self._probe: list[tuple[float, float]] | None = None   # this iteration's ring probe (nic.py)
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
@@ -157,7 +163,8 @@ class ResiHPExtension(Extension):
             mine = [f for f in self.faults.slow if f.rank == trainer.ctx.member]
             if mine:
                 self.throttle = Throttle(model_chunks(trainer), mine[0].factor, self.faults.inject_slow_mode)
-            if any(trainer.ctx.member in (f.a, f.b) for f in self.faults.slow_link):
+            if (any(trainer.ctx.member in (f.a, f.b) for f in self.faults.slow_link)
+                    or any(trainer.ctx.member == f.rank for f in self.faults.slow_nic)):
                 self.link_throttle = LinkThrottle({}, lambda: trainer.ctx.members)
         if self.detect:
             self.timeline = self.deps["timeline"]
@@ -206,6 +213,13 @@ class ResiHPExtension(Extension):
                 # An attribute of the detector, so it is handed over with it (``_hand_over``).
                 self.detector.link_detector = LinkDetector(warmup=self.cfg.resihp_warmup, window=self.cfg.resihp_window,
                                                            floor_s=self.cfg.resihp_link_floor_ms / 1e3)
+            if self.cfg.resihp_nic_probe_interval and getattr(self.detector, "nic_detector", None) is None:
+                from megatron_ext.resihp.nic import NicDetector
+
+                self.detector.nic_detector = NicDetector(
+                    nbytes=1024 * self.cfg.resihp_nic_probe_kb, warmup=max(3, self.cfg.resihp_warmup
+                                                                          // self.cfg.resihp_nic_probe_interval),
+                    window=self.cfg.resihp_window, floor_s=self.cfg.resihp_link_floor_ms / 1e3)
             if self.trace_writer is None and self.cfg.resihp_trace_out:
                 self.trace_writer = JsonLinesWriter(self.cfg.resihp_trace_out, trace_mode)
             if self.verdict_log is None and self.cfg.resihp_verdicts_out:
@@ -248,6 +262,9 @@ class ResiHPExtension(Extension):
         links = getattr(detector, "link_detector", None)
         if links is not None:
             slow += [f"link {a}-{b} +{1e3 * s:.1f} ms/message" for (a, b), s in links.known_slow().items()]
+        nics = getattr(detector, "nic_detector", None)
+        if nics is not None:
+            slow += [f"NIC of launch rank {d} +{1e3 * s:.1f} ms/probe" for d, s in nics.known_slow().items()]
         slow = ", ".join(slow) or "none"
         print(f" resihp: detector handed over with the logging rank from launch rank {old} to launch rank {new} "
               f"(known slow: {slow})", flush=True)
@@ -377,9 +394,15 @@ class ResiHPExtension(Extension):
                 self.throttle.active = iteration >= since
             if self.link_throttle is not None:
                 me = trainer.ctx.member
-                self.link_throttle.links = {f.b if f.a == me else f.a: f.mbps * 1e6 for f in self.faults.slow_link
-                                            if me in (f.a, f.b) and iteration >= f.since}
-                self.link_throttle.active = bool(self.link_throttle.links)
+                links = {f.b if f.a == me else f.a: f.mbps * 1e6 for f in self.faults.slow_link
+                         if me in (f.a, f.b) and iteration >= f.since}
+                for f in self.faults.slow_nic:       # a slow NIC: every send of the device crosses it
+                    if f.rank == me and iteration >= f.since:
+                        for m in trainer.ctx.members:
+                            if m != me:
+                                links[m] = min(links.get(m, float("inf")), f.mbps * 1e6)
+                self.link_throttle.links = links
+                self.link_throttle.active = bool(links)
         if self.moe_probe is not None:
             self.moe_probe.reset()
 
@@ -388,6 +411,7 @@ class ResiHPExtension(Extension):
         if not self.detect:
             return
         record = self.timeline.record(trainer, metrics.iteration, dst=self.detector_rank)
+        self._probe = self._nic_probe(trainer, metrics.iteration)
         moe = self._moe_tables(trainer)
         new_verdicts = (self._detect(trainer, metrics, record, moe) if record is not None and self.detector is not None
                         else [])
@@ -395,6 +419,26 @@ class ResiHPExtension(Extension):
             plan = self.actor.observe(trainer, metrics.iteration, new_verdicts, metrics.iter_time_s)
             if plan is not None and self.verdict_log is not None:
                 self.verdict_log.write_line({"kind": "plan", "iteration": metrics.iteration, **plan.to_dict()})
+
+    def _nic_probe(self, trainer: "Trainer", iteration: int) -> list[tuple[float, float]] | None:
+        """Every --resihp-nic-probe-interval iterations, on every rank: the ring probe (``nic.py``);
+        the arrival times of all ranks on each (None between probes)."""
+        every = self.cfg.resihp_nic_probe_interval
+        if not every or iteration % every or trainer.ctx.world_size < 2:
+            return None
+        import torch
+        import torch.distributed as dist
+
+        from megatron_ext.resihp.nic import ring_probe
+
+        throttle = self.link_throttle
+        hold = None
+        if throttle is not None:
+            hold = lambda nbytes, peer: throttle.hold(nbytes, trainer.ctx.members[peer])  # noqa: E731
+        mine = torch.tensor(ring_probe(1024 * self.cfg.resihp_nic_probe_kb, hold=hold), dtype=torch.float64)
+        every_rank = [torch.zeros(2, dtype=torch.float64) for _ in range(trainer.ctx.world_size)]
+        dist.all_gather(every_rank, mine)
+        return [tuple(float(x) for x in t) for t in every_rank]
 
     def _detect(self, trainer: "Trainer", metrics: IterationMetrics, record: "IterationRecord",
                 moe: dict[int, dict[str, np.ndarray]] | None = None) -> list["Verdict"]:
@@ -412,6 +456,11 @@ class ResiHPExtension(Extension):
                       for v in links.observe(record, trainer.ctx.members, metrics.iteration)]
             if links.last:
                 metrics.extra["resihp_link_rt_ms"] = round(1e3 * max(links.last.values()), 2)
+        nics = getattr(self.detector, "nic_detector", None)
+        if nics is not None and getattr(self, "_probe", None) is not None:
+            found += nics.observe(self._probe, trainer.ctx.members, metrics.iteration)
+            if nics.last:
+                metrics.extra["resihp_nic_egress_ms"] = round(1e3 * max(nics.last.values()), 2)
         scalars = report.scalars()
         if "expected_s" in scalars:
             metrics.extra["resihp_expected_ms"] = round(scalars["expected_s"] * 1e3, 1)
@@ -453,10 +502,13 @@ class ResiHPExtension(Extension):
 def _factory(cfg) -> ResiHPExtension | None:
     resihp = cfg.ext("resihp")
     faults = cfg.ext("faults")
-    if faults is not None and faults.slow_link:
+    if faults is not None and (faults.slow_link or faults.slow_nic):
         from megatron_ext.engines import engine
 
-        engine(cfg.parallel.engine).refuse("slow_link_injection")
+        if faults.slow_link:
+            engine(cfg.parallel.engine).refuse("slow_link_injection")
+        if faults.slow_nic:
+            engine(cfg.parallel.engine).refuse("slow_nic_injection")
     if (resihp is not None and resihp.resihp) or (faults is not None and faults.any):
         return ResiHPExtension(resihp, faults)
     return None

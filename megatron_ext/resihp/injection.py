@@ -78,6 +78,13 @@ class SlowLinkFault:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlowNicFault:
+    rank: int
+    since: int
+    mbps: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ErrorFault:
     rank: int
     at: int
@@ -141,6 +148,20 @@ def parse_slow_link(spec: str, where: str = "--inject-slow-link") -> SlowLinkFau
     return fault
 
 
+def parse_slow_nic(spec: str, where: str = "--inject-slow-nic") -> SlowNicFault:
+    parts = spec.split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        fault = SlowNicFault(int(parts[0]), int(parts[1]), float(parts[2]))
+    except ValueError:
+        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER:MBPS (a rank, the first iteration, megabytes per "
+                          "second), e.g. 2:20:4") from None
+    if fault.rank < 0 or fault.since < 1 or not 0 < fault.mbps < float("inf"):
+        raise ConfigError(f"{where} {spec!r}: need RANK >= 0, ITER >= 1 and 0 < MBPS < inf")
+    return fault
+
+
 def slow_link_from(a: int, b: int, iteration: int, mbps: float) -> str:
     return f"{a}:{b}:{iteration}:{mbps}"
 
@@ -170,6 +191,10 @@ class FaultInjectionConfig:
     inject_slow_link: list[str] | None = doc("A:B:ITER:MBPS — from ITER on, pipeline messages between ranks A and B "
                                              "(launch ranks) also cross a link of MBPS megabytes/s: the sender is "
                                              "held bytes/MBPS before it sends (megatron engine; repeatable).", None)
+    inject_slow_nic: list[str] | None = doc("RANK:ITER:MBPS — from ITER on, RANK's (launch rank) sends cross a NIC of "
+                                            "MBPS megabytes/s: held bytes/MBPS before each pipeline message and each "
+                                            "ResiHP ring-probe message (megatron engine; the gradient all-reduce is not "
+                                            "slowed; repeatable).", None)
     inject_slow_mode: str = doc("How a slow rank is slowed: 'throttle' (held idle inside each op) or 'work' "
                                 "(extra real matrix multiplies inside each op).", "throttle",
                                 choices=("throttle", "work"))
@@ -179,19 +204,24 @@ class FaultInjectionConfig:
         self.stop = [parse_stop(s) for s in self.inject_stop or []]
         self.error = [parse_error(s) for s in self.inject_error or []]
         self.slow_link = [parse_slow_link(s) for s in self.inject_slow_link or []]
+        self.slow_nic = [parse_slow_nic(s) for s in self.inject_slow_nic or []]
         ranks = [f.rank for f in self.slow]
         if len(ranks) != len(set(ranks)):
             raise ConfigError(f"--inject-slow names rank(s) more than once: {self.inject_slow}")
         pairs = [f.pair for f in self.slow_link]
         if len(pairs) != len(set(pairs)):
             raise ConfigError(f"--inject-slow-link names a pair of ranks more than once: {self.inject_slow_link}")
+        nics = [f.rank for f in self.slow_nic]
+        if len(nics) != len(set(nics)):
+            raise ConfigError(f"--inject-slow-nic names rank(s) more than once: {self.inject_slow_nic}")
 
     def check_world(self, world_size: int) -> None:
         """Every fault names a rank of the world at launch (``RunConfig.validate_launch``: before any
         rank starts)."""
         for flag, specs, faults in (("--inject-slow", self.inject_slow, self.slow),
                                     ("--inject-stop", self.inject_stop, self.stop),
-                                    ("--inject-error", self.inject_error, self.error)):
+                                    ("--inject-error", self.inject_error, self.error),
+                                    ("--inject-slow-nic", self.inject_slow_nic, self.slow_nic)):
             for spec, f in zip(specs or [], faults):
                 if f.rank >= world_size:
                     raise ConfigError(f"{flag} {spec} names rank {f.rank}, but the world has {world_size} ranks "
@@ -203,7 +233,7 @@ class FaultInjectionConfig:
 
     @property
     def any(self) -> bool:
-        return bool(self.slow or self.stop or self.error or self.slow_link)
+        return bool(self.slow or self.stop or self.error or self.slow_link or self.slow_nic)
 
 
 def burn(seconds: float, *, size: int = 96) -> None:
@@ -298,6 +328,12 @@ class LinkThrottle:
         self._originals = {n: getattr(self._module, n) for n in self.FUNCTIONS}
         for n, fn in self._originals.items():
             setattr(self._module, n, self._wrap(fn))
+
+    def hold(self, nbytes: int, peer: int) -> None:
+        """Hold a send of ``nbytes`` to the device ``peer`` (launch rank) as its link would (the
+        ResiHP ring probe's sends: ``nic.py``)."""
+        if self.active and peer in self.links:
+            time.sleep(nbytes / self.links[peer])
 
     def _wrap(self, original: Callable) -> Callable:
         def p2p(*, tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=None, tensor_recv_next=None,

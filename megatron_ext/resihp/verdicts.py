@@ -13,7 +13,7 @@ from megatron_ext.resihp.jsonl import JsonLinesWriter
 
 logger = logging.getLogger(__name__)
 
-VERDICT_KINDS = ("fail_slow", "fail_stop", "recovered", "slow_link", "link_recovered")
+VERDICT_KINDS = ("fail_slow", "fail_stop", "recovered", "slow_link", "link_recovered", "slow_nic", "nic_recovered")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,6 +35,8 @@ class Verdict:
     ``slow_link`` / ``link_recovered`` (``links.py``) name a pipeline link, the pair of devices
     ``launch_rank`` and ``detail["peer_launch_rank"]``; ``rank`` is the first one's rank, ``factor``
     None, and ``detail["extra_s_per_message"]`` what the link adds to each message.
+    ``slow_nic`` / ``nic_recovered`` (``nic.py``) name a device whose sends are slow, found by the
+    ring probe; ``detail["mbps"]`` is its estimated bandwidth.
     """
 
     kind: str
@@ -106,6 +108,14 @@ class Verdict:
                     f"ms per message; round trip {1e3 * d.get('round_trip_s', 0):.1f} ms against "
                     f"{1e3 * d.get('baseline_s', 0):.1f} ms healthy)" if self.kind == "slow_link"
                     else f"link to launch rank {d.get('peer_launch_rank')} recovered")
+        elif self.kind == "slow_nic":
+            d = self.detail
+            mbps = f", about {d['mbps']:g} MB/s" if d.get("mbps") else ""
+            what = (f"slow NIC (+{1e3 * d.get('extra_s_per_message', 0):.1f} ms per {d.get('probe_bytes', 0) // 1024} KB "
+                    f"probe message{mbps}; egress {1e3 * d.get('egress_s', 0):.1f} ms against "
+                    f"{1e3 * d.get('baseline_s', 0):.1f} ms healthy)")
+        elif self.kind == "nic_recovered":
+            what = "NIC recovered"
         elif self.kind == "fail_stop":
             what = "fail-stop (heartbeat lost)"
         else:

@@ -16,7 +16,8 @@ from megatron_ext.ft import zygote as zg
 SCRIPT = textwrap.dedent("""
     import atexit, json, os, sys, threading, time
     print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "cwd": os.getcwd(),
-                      "path0": sys.path[0], "var": os.environ.get("ZYGOTE_TEST_VAR")}), flush=True)
+                      "path0": sys.path[0], "var": os.environ.get("ZYGOTE_TEST_VAR"),
+                      "stdin": sys.stdin.read()}), flush=True)
     mode = sys.argv[1]
     atexit.register(lambda: print("atexit ran", flush=True))
     if mode == "thread":
@@ -59,7 +60,7 @@ def test_a_forked_rank_is_its_script_as_main(zygote, tmp_path):
     assert code == 0
     assert seen == {"name": "__main__", "file": str(tmp_path / "rank_script.py"),
                     "argv": [str(tmp_path / "rank_script.py"), "ok"], "cwd": str(tmp_path / "work"),
-                    "path0": str(tmp_path), "var": "seven"}
+                    "path0": str(tmp_path), "var": "seven", "stdin": ""}
     assert "atexit ran" in text
 
 

@@ -4,7 +4,9 @@ Scenario "healthy": no fault, the detector must stay silent. Scenario "slow": ra
 computes 3x slower from iteration 25 (2x sits inside the noise of
 4 ranks sharing 2 cores in some runs: docs/resihp.md, "The README example"). Scenario "link": the
 pipeline link between ranks 0 and 2 (replica 0's stage 0 -> 1) carries 2 MB/s from iteration 25 (a
-64 KB activation: +33 ms per message), with the planner acting on the verdict. Verdicts and traces
+64 KB activation: +33 ms per message), with the planner acting on the verdict. Scenario "nic": every
+send of rank 1 at 4 MB/s from iteration 20 (+16 ms per 64 KB message), the ring probe on (as in
+"healthy", where it must name nothing). Verdicts and traces
 go to files under OUT; a second argument names the scenarios to run (comma-separated; default all).
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ BASE = {"pipeline_model_parallel_size": 2, "num_layers": 4, "hidden_size": 64, "
         "seq_length": 256, "micro_batch_size": 1, "global_batch_size": 8, "eval_iters": 0, "progress": False,
         "doc_length_dist": "lognormal:3.5,1", "resihp": True, "resihp_warmup": 12, "lr_decay_style": "constant"}
 SCENARIOS = {
-    "healthy": {"train_iters": 45},
+    "healthy": {"train_iters": 45, "resihp_nic_probe_interval": 1},
     "slow": {"train_iters": 60, "inject_slow": ["2:25:3.0"]},
     # Acting on the verdict: the planner's plan applied live (the slow rank moved off the stage with
     # the output layer: a rank permutation), training goes on.
@@ -35,6 +37,8 @@ SCENARIOS = {
     # A slow link, named as a link (not a device), and re-placed around: the planner swaps the
     # replicas of one end so that the link carries no pipeline traffic.
     "link": {"train_iters": 70, "inject_slow_link": ["0:2:25:2"], "resihp_act": "relayout"},
+    # A slow NIC (every send of rank 1 at 4 MB/s), named by the ring probe as that device's.
+    "nic": {"train_iters": 45, "inject_slow_nic": ["1:20:4"], "resihp_nic_probe_interval": 1},
 }
 
 

@@ -232,3 +232,18 @@ def test_a_plan_names_devices_by_launch_rank_and_becomes_a_target():
     uneven = dataclasses.replace(old, layers=((3,), (1,)), microbatches=(5, 3))
     t = target_from_plan(uneven)
     assert (t.stage_layers, t.replica_microbatches) == ((3, 1), (5, 3))
+
+
+@pytest.mark.multirank
+def test_a_slow_nic_is_named_by_the_ring_probe_as_that_device(live):
+    # Every send of launch rank 1 at 4 MB/s from iteration 20 (+16 ms per 64 KB probe message); the
+    # probe every iteration (the healthy run probes too and names nothing: test above).
+    rows = verdicts(live / "nic.verdicts.jsonl")
+    named = [v for v in rows if v["kind"] == "slow_nic"]
+    assert named, f"no slow_nic verdict: {rows}"
+    assert {v["detail"]["launch_rank"] for v in named} == {1}, "a device with a healthy NIC was named"
+    first = named[0]
+    assert 20 <= first["iteration"] <= 45
+    assert 8e-3 < first["detail"]["extra_s_per_message"] < 40e-3, first   # 16.4 ms injected
+    assert not [v for v in rows if v["kind"] == "fail_slow"], "the slow NIC was taken for a slow device"
+    assert "injected: rank 1's NIC at 4 MB/s from iteration 20; named at iteration" in (live / "log.txt").read_text()

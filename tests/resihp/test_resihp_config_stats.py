@@ -17,7 +17,8 @@ def test_flag_list_is_pinned():
         "resihp_severe_window", "resihp_warmup",
         "resihp_calibration_window", "resihp_refit_every", "resihp_rank_bias_max", "resihp_common_mode",
         "resihp_noise_floor",
-        "resihp_p2p_latency_s", "resihp_links", "resihp_link_floor_ms", "resihp_heartbeat_interval_s", "resihp_heartbeat_timeout_s",
+        "resihp_p2p_latency_s", "resihp_links", "resihp_link_floor_ms", "resihp_nic_probe_interval", "resihp_nic_probe_kb",
+        "resihp_heartbeat_interval_s", "resihp_heartbeat_timeout_s",
         "resihp_trace_out", "resihp_verdicts_out", "resihp_on_stop", "resihp_exit_file", "resihp_respawn", "resihp_keep_newer_stages",
             "resihp_continue_experimental_nccl", "resihp_continue_timeout_s", "resihp_act", "resihp_act_min_gain",
         "resihp_act_horizon"]
@@ -45,6 +46,8 @@ def test_flags_and_yaml_values_build():
     ({"resihp_window": 1}, "--resihp-window must be >= 2 while --resihp-links is on"),
     ({"resihp_severe_factor": 1.2}, "--resihp-severe-factor must be 0 (off) or >= --resihp-threshold (1.25), got 1.2"),
     ({"resihp_severe_window": 0}, "--resihp-severe-window must be >= 1, got 0"),
+    ({"resihp_nic_probe_interval": -1}, "--resihp-nic-probe-interval must be >= 0 (0: off), got -1"),
+    ({"resihp_nic_probe_kb": 0}, "--resihp-nic-probe-kb must be >= 1, got 0"),
 ])
 def test_bad_values_are_named(kw, message):
     with pytest.raises(ConfigError) as err:

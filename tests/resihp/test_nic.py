@@ -1,0 +1,91 @@
+"""Slow NICs (``megatron_ext/resihp/nic.py``): the ring probe's egress times, the detector's verdicts
+on hand-made probes, the injection flag and the engine's refusal."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_ext.config.base import ConfigError
+from megatron_ext.resihp.injection import FaultInjectionConfig, parse_slow_nic
+from megatron_ext.resihp.nic import NicDetector, egress_times
+from megatron_ext.resihp.verdicts import Verdict
+
+BASE = 0.002
+
+
+def probe(world: int, slow: dict[int, float] | None = None, jitter: float = 0.0, rng=None) -> list[tuple[float, float]]:
+    """What ``ring_probe`` returns on each rank when device r's sends take ``BASE + slow[r]`` (each
+    round starts after a barrier: one hold per message)."""
+    slow = slow or {}
+    rng = rng or np.random.default_rng(0)
+    out = []
+    for r in range(world):
+        prev, nxt = (r - 1) % world, (r + 1) % world
+        from_prev = BASE + slow.get(prev, 0.0)                                 # round 1: prev's send to its next
+        from_next = BASE + slow.get(nxt, 0.0)                                  # round 2: next's send to its previous
+        out.append((from_prev + jitter * rng.random(), from_next + jitter * rng.random()))
+    return out
+
+
+def test_egress_is_the_faster_of_a_devices_two_messages():
+    eg = egress_times(probe(4, {2: 0.05}))
+    assert eg == pytest.approx([BASE, BASE, BASE + 0.05, BASE])
+    # A ring of two: both messages go to the same neighbour.
+    assert egress_times(probe(2, {1: 0.03})) == pytest.approx([BASE, BASE + 0.03])
+    assert egress_times([(0.0, 0.0)]).tolist() == [0.0]
+
+
+def test_a_slow_nic_is_named_after_the_window_and_released_after_it():
+    det = NicDetector(nbytes=65536, warmup=5, window=4, floor_s=0.01)
+    members = [0, 1, 2, 3]
+    rng = np.random.default_rng(1)
+    got = {}
+    for it in range(1, 30):
+        slow = {2: 0.033} if 10 <= it < 20 else {}
+        for v in det.observe(probe(4, slow, jitter=5e-4, rng=rng), members, it):
+            got.setdefault(v.kind, []).append(v)
+    (named,) = got["slow_nic"]
+    assert (named.launch_rank, named.rank, named.iteration) == (2, 2, 12)     # 3 of the last 4 probes flagged
+    assert named.detail["extra_s_per_message"] == pytest.approx(0.033, abs=1e-3)
+    assert named.detail["mbps"] == pytest.approx(65536 / 0.033 / 1e6, rel=0.05)
+    (back,) = got["nic_recovered"]
+    assert (back.launch_rank, back.iteration) == (2, 23)
+    assert det.known_slow() == {}
+    assert "rank 2 slow NIC (+32.9 ms per 64 KB probe message, about 1.989 MB/s" in named.describe()
+
+
+def test_devices_keep_their_record_when_ranks_are_renumbered_and_neighbours_are_not_named():
+    det = NicDetector(nbytes=65536, warmup=3, window=3, floor_s=0.01)
+    for it in range(1, 4):
+        det.observe(probe(4), [0, 1, 2, 3], it)
+    # launch rank 2 now sits at rank 0 (a permutation): its sends are slow there
+    verdicts = [v for it in range(4, 8) for v in det.observe(probe(4, {0: 0.02}), [2, 0, 3, 1], it)]
+    assert [(v.kind, v.launch_rank, v.rank) for v in verdicts] == [("slow_nic", 2, 0)]
+    assert det.known_slow() == {2: pytest.approx(0.02, abs=1e-6)}
+
+
+def test_errors_are_named():
+    with pytest.raises(ValueError, match="NicDetector: need nbytes >= 4"):
+        NicDetector(nbytes=2)
+    with pytest.raises(ValueError, match="3 probe rows for 4 ranks"):
+        NicDetector(nbytes=64).observe([(0, 0)] * 3, [0, 1, 2, 3], 1)
+    with pytest.raises(ConfigError, match="expected RANK:ITER:MBPS"):
+        parse_slow_nic("1:20")
+    with pytest.raises(ConfigError, match="need RANK >= 0, ITER >= 1 and 0 < MBPS < inf"):
+        parse_slow_nic("1:20:0")
+    with pytest.raises(ConfigError, match="--inject-slow-nic names rank"):
+        FaultInjectionConfig(inject_slow_nic=["1:20:4", "1:30:2"])
+    faults = FaultInjectionConfig(inject_slow_nic=["5:20:4"])
+    with pytest.raises(ConfigError, match="--inject-slow-nic 5:20:4 names rank 5, but the world has 4 ranks"):
+        faults.check_world(4)
+    with pytest.raises(ValueError, match="verdict kind must be one of"):
+        Verdict(kind="slow_nick", rank=0, stage=None, iteration=1, factor=None, confidence=1.0, detector="x")
+
+
+def test_deepspeed_refuses_the_nic_injection_by_name():
+    from megatron_ext.config.run import config_from_values
+    from megatron_ext.runtime.extension import build_extensions
+
+    cfg = config_from_values({"engine": "deepspeed", "inject_slow_nic": ["1:20:4"], "resihp": True})
+    with pytest.raises(ConfigError, match="--inject-slow-nic throttles megatron-core's p2p calls"):
+        build_extensions(cfg)
