@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--scenarios", nargs="+", default=None, help="scenario names (default: all)")
     ap.add_argument("--detector-delay", type=int, default=7, help="iterations to a fail-slow verdict")
     ap.add_argument("--detector-severe-factor", type=float, default=2.0,
-                    help="a device at least this many times slower is named after --detector-severe-delay "
+                    help="a device more than this many times slower is named after --detector-severe-delay "
                          "iterations (ResiHP's --resihp-severe-factor; 0: off)")
     ap.add_argument("--detector-severe-delay", type=int, default=4, help="iterations to a severe verdict")
     ap.add_argument("--start", choices=setting.START, default="usual",
@@ -132,7 +132,7 @@ def main() -> int:
     lines.append("over the best baseline, geometric mean (min, max): " + "; ".join(
         f"{n} ({what[n]}) {gm[n]:.3f}x ({min(speedups[n].values()):.3f}, {max(speedups[n].values()):.3f})"
         for n in RESIHP))
-    severe = (f", {args.detector_severe_delay} at {args.detector_severe_factor:g}x or slower"
+    severe = (f", {args.detector_severe_delay} when more than {args.detector_severe_factor:g}x slow"
               if args.detector_severe_factor else ", no severe rule")
     lines.append(f"detector (every policy): a fail-slow verdict after {args.detector_delay} iterations{severe}")
     lines.append("layouts: " + "; ".join(f"{m} {v['layout']} layers {'/'.join(map(str, v['layers']))} "

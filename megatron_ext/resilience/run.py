@@ -52,7 +52,7 @@ class Context:
     """All devices of the cluster, spares included (devices outside ``start`` are spares)."""
     detector_delay: int = 7
     detector_severe_factor: float = 2.0
-    """A device at least this many times slower is named after ``detector_severe_delay`` iterations
+    """A device more than this many times slower is named after ``detector_severe_delay`` iterations
     (ResiHP's detector, ``--resihp-severe-factor``); 0: off (every fault waits ``detector_delay``)."""
     detector_severe_delay: int = 4
 
