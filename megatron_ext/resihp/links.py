@@ -80,76 +80,106 @@ def round_trips(record: "IterationRecord", members: Sequence[int]) -> dict[Link,
 
 
 @dataclasses.dataclass
-class _LinkState:
+class _Watched:
     flags: collections.deque
     excess: collections.deque
     convicted: bool = False
     calm: int = 0
 
 
-class LinkDetector:
-    """``observe(record, members, iteration)`` once per iteration on the detector's rank; returns the
-    iteration's ``slow_link`` / ``link_recovered`` verdicts. Picklable (it travels with the detector
-    when the logging rank moves)."""
+class ExcessWatch:
+    """What the link and NIC detectors share: a baseline pooled over the warm-up's values (median,
+    MAD as noise), a flag at ``max(floor_s, zscore x noise)`` above it, and per watched thing (a
+    link, a device) the persistence rule: convicted when all but one of its last ``window``
+    observed values are flagged, released after ``window`` unflagged in a row."""
 
-    def __init__(self, *, warmup: int = 20, window: int = 8, zscore: float = 4.0, floor_s: float = 0.01) -> None:
+    name = "ExcessWatch"
+
+    def __init__(self, *, warmup: int, window: int, zscore: float, floor_s: float) -> None:
         if warmup < 1 or window < 2 or zscore <= 0 or floor_s <= 0:
-            raise ValueError(f"LinkDetector: need warmup >= 1, window >= 2, zscore > 0 and floor_s > 0; got "
+            raise ValueError(f"{self.name}: need warmup >= 1, window >= 2, zscore > 0 and floor_s > 0; got "
                              f"{warmup}, {window}, {zscore}, {floor_s}")
         self.warmup, self.window, self.zscore, self.floor_s = warmup, window, zscore, floor_s
-        self.healthy: list[float] = []        # pooled round trips of the warm-up iterations
+        self.healthy: list[float] = []        # pooled values of the warm-up
         self.base_s: float | None = None
         self.noise_s = 0.0
-        self.iterations = 0
-        self.links: dict[Link, _LinkState] = {}
-        self.last: dict[Link, float] = {}      # this iteration's round trips (for the log)
+        self.seen = 0                         # observations so far (iterations or probes)
+        self.watched: dict = {}
 
     def threshold_s(self) -> float | None:
-        """Round trip above which a link is flagged (None before calibration)."""
+        """Value above which a watched thing is flagged (None before calibration)."""
         if self.base_s is None:
             return None
         return self.base_s + max(self.floor_s, self.zscore * self.noise_s)
 
-    def known_slow(self) -> dict[Link, float]:
-        """Convicted links and their estimated extra seconds per message (half the round trip's excess)."""
-        return {k: self._extra(st) for k, st in self.links.items() if st.convicted}
+    def known_slow(self) -> dict:
+        """Convicted things and their estimated extra seconds."""
+        return {k: self._extra(st) for k, st in self.watched.items() if st.convicted}
 
-    def _extra(self, st: _LinkState) -> float:
-        return float(np.median(st.excess)) / 2.0 if st.excess else 0.0
+    def _extra(self, st: _Watched) -> float:
+        return float(np.median(st.excess)) / self.excess_divisor if st.excess else 0.0
+
+    excess_divisor = 1.0
+
+    def _calibrating(self, values) -> bool:
+        """Count one observation; during the warm-up pool its values and return True."""
+        self.seen += 1
+        if self.base_s is not None:
+            return False
+        self.healthy.extend(values)
+        if self.seen >= self.warmup and self.healthy:
+            h = np.asarray(self.healthy)
+            self.base_s = float(np.median(h))
+            self.noise_s = float(1.4826 * np.median(np.abs(h - self.base_s)))
+        return True
+
+    def _step(self, key, value: float) -> str | None:
+        """One observed value of ``key``: "slow" when it is convicted now, "recovered" when released."""
+        st = self.watched.get(key)
+        if st is None:
+            st = self.watched[key] = _Watched(collections.deque(maxlen=self.window),
+                                              collections.deque(maxlen=self.window))
+        flagged = value > self.threshold_s()
+        st.flags.append(flagged)
+        if flagged:
+            st.excess.append(value - self.base_s)
+            st.calm = 0
+        else:
+            st.calm += 1
+        if not st.convicted and len(st.flags) == self.window and sum(st.flags) >= self.window - 1:
+            st.convicted = True
+            return "slow"
+        if st.convicted and st.calm >= self.window:
+            st.convicted = False
+            st.excess.clear()
+            return "recovered"
+        return None
+
+
+class LinkDetector(ExcessWatch):
+    """``observe(record, members, iteration)`` once per iteration on the detector's rank; returns the
+    iteration's ``slow_link`` / ``link_recovered`` verdicts. Picklable (it travels with the detector
+    when the logging rank moves)."""
+
+    name = "LinkDetector"
+    excess_divisor = 2.0        # a round trip's excess: both directions, one of them slow
+
+    def __init__(self, *, warmup: int = 20, window: int = 8, zscore: float = 4.0, floor_s: float = 0.01) -> None:
+        super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s)
+        self.last: dict[Link, float] = {}      # this iteration's round trips (for the log)
 
     def observe(self, record: "IterationRecord", members: Sequence[int], iteration: int) -> list[Verdict]:
         rt = round_trips(record, members)
         self.last = rt
-        self.iterations += 1
-        if self.base_s is None:
-            self.healthy.extend(rt.values())
-            if self.iterations >= self.warmup and self.healthy:
-                h = np.asarray(self.healthy)
-                self.base_s = float(np.median(h))
-                self.noise_s = float(1.4826 * np.median(np.abs(h - self.base_s)))
+        if self._calibrating(rt.values()):
             return []
-        limit = self.threshold_s()
         rank_of = {int(m): r for r, m in enumerate(members)}
         out = []
         for link, t in sorted(rt.items()):
-            st = self.links.get(link)
-            if st is None:
-                st = self.links[link] = _LinkState(collections.deque(maxlen=self.window),
-                                                   collections.deque(maxlen=self.window))
-            flagged = t > limit
-            st.flags.append(flagged)
-            if flagged:
-                st.excess.append(t - self.base_s)
-                st.calm = 0
-            else:
-                st.calm += 1
-            if not st.convicted and len(st.flags) == self.window and sum(st.flags) >= self.window - 1:
-                st.convicted = True
-                out.append(self._verdict("slow_link", link, rank_of, iteration, t))
-            elif st.convicted and st.calm >= self.window:
-                st.convicted = False
-                st.excess.clear()
-                out.append(self._verdict("link_recovered", link, rank_of, iteration, t))
+            change = self._step(link, t)
+            if change is not None:
+                out.append(self._verdict("slow_link" if change == "slow" else "link_recovered", link, rank_of,
+                                         iteration, t))
         return out
 
     def _verdict(self, kind: str, link: Link, rank_of: dict[int, int], iteration: int, t: float) -> Verdict:
@@ -157,6 +187,6 @@ class LinkDetector:
         detail = {"launch_rank": a, "peer_launch_rank": b, "round_trip_s": round(t, 6),
                   "baseline_s": round(self.base_s, 6)}
         if kind == "slow_link":
-            detail["extra_s_per_message"] = round(self._extra(self.links[link]), 6)
+            detail["extra_s_per_message"] = round(self._extra(self.watched[link]), 6)
         return Verdict(kind=kind, rank=rank_of.get(a, a), stage=None, iteration=iteration, factor=None,
                        confidence=1.0, detector="resihp-link", detail=detail)

@@ -25,13 +25,12 @@ verdict is reported and kept, not planned around (docs/resihp.md, "Slow NICs").
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
+from megatron_ext.resihp.links import ExcessWatch
 from megatron_ext.resihp.verdicts import Verdict
 
 
@@ -83,87 +82,43 @@ def egress_times(arrivals: Sequence[Sequence[float]]) -> np.ndarray:
     return np.minimum(to_next, to_prev)
 
 
-@dataclasses.dataclass
-class _NicState:
-    flags: collections.deque
-    excess: collections.deque
-    convicted: bool = False
-    calm: int = 0
-
-
-class NicDetector:
+class NicDetector(ExcessWatch):
     """``observe(arrivals, members, iteration)`` once per probe on the detector's rank (the gathered
     ``ring_probe`` results, one row per rank); returns the probe's ``slow_nic`` / ``nic_recovered``
     verdicts. Devices by launch rank (``members[r]``), so a device keeps its record across re-layouts."""
 
+    name = "NicDetector"
+
     def __init__(self, *, nbytes: int, warmup: int = 20, window: int = 8, zscore: float = 4.0,
                  floor_s: float = 0.01) -> None:
-        if nbytes < 4 or warmup < 1 or window < 2 or zscore <= 0 or floor_s <= 0:
-            raise ValueError(f"NicDetector: need nbytes >= 4, warmup >= 1, window >= 2, zscore > 0 and floor_s > 0; "
-                             f"got {nbytes}, {warmup}, {window}, {zscore}, {floor_s}")
-        self.nbytes, self.warmup, self.window, self.zscore, self.floor_s = nbytes, warmup, window, zscore, floor_s
-        self.healthy: list[float] = []
-        self.base_s: float | None = None
-        self.noise_s = 0.0
-        self.probes = 0
-        self.devices: dict[int, _NicState] = {}
+        if nbytes < 4:
+            raise ValueError(f"NicDetector: need nbytes >= 4, got {nbytes}")
+        super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s)
+        self.nbytes = nbytes
         self.last: dict[int, float] = {}
-
-    def threshold_s(self) -> float | None:
-        if self.base_s is None:
-            return None
-        return self.base_s + max(self.floor_s, self.zscore * self.noise_s)
-
-    def known_slow(self) -> dict[int, float]:
-        """Convicted devices (launch rank) and their extra seconds per probe message."""
-        return {d: self._extra(st) for d, st in self.devices.items() if st.convicted}
-
-    def _extra(self, st: _NicState) -> float:
-        return float(np.median(st.excess)) if st.excess else 0.0
 
     def observe(self, arrivals: Sequence[Sequence[float]], members: Sequence[int], iteration: int) -> list[Verdict]:
         if len(arrivals) != len(members):
             raise ValueError(f"NicDetector.observe: {len(arrivals)} probe rows for {len(members)} ranks")
         eg = egress_times(arrivals)
         self.last = {int(members[r]): float(t) for r, t in enumerate(eg)}
-        self.probes += 1
         if len(members) < 2:
+            self.seen += 1
             return []
-        if self.base_s is None:
-            self.healthy.extend(self.last.values())
-            if self.probes >= self.warmup:
-                h = np.asarray(self.healthy)
-                self.base_s = float(np.median(h))
-                self.noise_s = float(1.4826 * np.median(np.abs(h - self.base_s)))
+        if self._calibrating(self.last.values()):
             return []
-        limit = self.threshold_s()
         out = []
         for r, (dev, t) in enumerate(self.last.items()):
-            st = self.devices.get(dev)
-            if st is None:
-                st = self.devices[dev] = _NicState(collections.deque(maxlen=self.window),
-                                                   collections.deque(maxlen=self.window))
-            flagged = t > limit
-            st.flags.append(flagged)
-            if flagged:
-                st.excess.append(t - self.base_s)
-                st.calm = 0
-            else:
-                st.calm += 1
-            if not st.convicted and len(st.flags) == self.window and sum(st.flags) >= self.window - 1:
-                st.convicted = True
-                out.append(self._verdict("slow_nic", r, dev, iteration, t))
-            elif st.convicted and st.calm >= self.window:
-                st.convicted = False
-                st.excess.clear()
-                out.append(self._verdict("nic_recovered", r, dev, iteration, t))
+            change = self._step(dev, t)
+            if change is not None:
+                out.append(self._verdict("slow_nic" if change == "slow" else "nic_recovered", r, dev, iteration, t))
         return out
 
     def _verdict(self, kind: str, rank: int, dev: int, iteration: int, t: float) -> Verdict:
         detail = {"launch_rank": dev, "egress_s": round(t, 6), "baseline_s": round(self.base_s, 6),
                   "probe_bytes": self.nbytes}
         if kind == "slow_nic":
-            extra = self._extra(self.devices[dev])
+            extra = self._extra(self.watched[dev])
             detail["extra_s_per_message"] = round(extra, 6)
             detail["mbps"] = round(self.nbytes / extra / 1e6, 3) if extra > 0 else None
         return Verdict(kind=kind, rank=rank, stage=None, iteration=iteration, factor=None, confidence=1.0,
