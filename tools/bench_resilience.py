@@ -10,20 +10,19 @@ slow 2x, a NIC and a PP stage link at 1/2 and 1/4 bandwidth, one GPU lost, one n
 Policies: ``ckpt_restart`` (Megatron + NVRx in-job restart with a spare node), ``oobleck``,
 ``recycle``, ``malleus`` (Malleus-like re-planner), ``adaptra``, ``torchft`` (DP shrink),
 ``resihp`` (ResiHP's planner and hysteresis as they are, ``megatron_ext.resihp``, told the node
-size), ``resihp-nodeless`` (the planner before it knew nodes: the "before" of that change),
-``resihp+rr`` (glue: reroutes a faulty stage's micro-batches to its peers at once and
-re-lays out only when the planner predicts that beats rerouting) and ``resihp+rr+link`` (a what-if:
-``resihp+rr`` given link verdicts, as issue #22 item 4 would give them).
+size, given the NIC verdicts of its ring probe), ``resihp-nodeless`` (the planner before it knew
+nodes: the "before" of that change), ``resihp-nicless`` (the planner before it took NIC verdicts)
+and ``resihp+rr`` (glue: reroutes a faulty stage's micro-batches to its peers at once and
+re-lays out only when the planner predicts that beats rerouting).
 Every policy gets the same detector model (a compute fail-slow named after 7 iterations, a loss
-after a 30 s heartbeat timeout; link slowdowns only to ADAPTRA, which has a link detector, and to
-the what-if). ``--start tuned`` starts every policy from the simulator's fastest healthy layout
+after a 30 s heartbeat timeout; a slow NIC or path after 7 iterations, used by ADAPTRA, which has a
+link detector, and by ResiHP for NICs: its ring probe, ``--resihp-nic-probe-interval``). ``--start tuned`` starts every policy from the simulator's fastest healthy layout
 instead of the usual one, so that no policy gains from a better shape that needed no fault.
 
 Prints the table (throughput relative to the healthy job, per model, scenario and policy; the best
 baseline; ResiHP's speedup over it), the simulator's error against recorded CPU runs, then one JSON
 line: {"scenarios": {model/scenario: {policy: x}}, "speedup_vs_best": {...} (resihp over the best
 baseline), "geomean_speedup_vs_best": x, "before": {policy: {...}}, "glue": {...},
-"what_if_link_verdicts": {...},
 "sim_err": {"median": .., "p95": ..}, ...}.
 """
 from __future__ import annotations
@@ -47,10 +46,10 @@ from megatron_ext.resilience.validate import sim_error  # noqa: E402
 
 logger = logging.getLogger("bench_resilience")
 
-RESIHP = resihp_policy.BEFORE + ("resihp",) + resihp_policy.GLUE + resihp_policy.WHAT_IF
+RESIHP = resihp_policy.BEFORE + ("resihp",) + resihp_policy.GLUE
 SHORT = {"ckpt_restart": "ckpt", "oobleck": "oobleck", "recycle": "recycle", "malleus": "malleus",
          "adaptra": "adaptra", "torchft": "torchft", "resihp-nodeless": "nodeless", "resihp": "resihp",
-         "resihp+rr": "+rr", "resihp+rr+link": "+rr+link"}
+         "resihp-nicless": "nicless", "resihp+rr": "+rr"}
 
 
 def planner_healthy_gain(ctx) -> float:
@@ -127,8 +126,8 @@ def main() -> int:
         lines.append(f"{model:<15} {sname:<14} " + " ".join(f"{thr[n]:>8.3f}" for n in names)
                      + f"  {SHORT[best]:>9} " + " ".join(f"{speedups[n][key]:>9.3f}" for n in RESIHP))
     gm = {n: geomean(speedups[n].values()) for n in RESIHP}
-    what = {"resihp-nodeless": "before: no nodes in the planner", "resihp": "as it is",
-            "resihp+rr": "glue: + reroute first", "resihp+rr+link": "what-if: + link verdicts"}
+    what = {"resihp-nodeless": "before: no nodes in the planner", "resihp-nicless": "before: no NIC verdicts",
+            "resihp": "as it is", "resihp+rr": "glue: + reroute first"}
     lines.append("over the best baseline, geometric mean (min, max): " + "; ".join(
         f"{n} ({what[n]}) {gm[n]:.3f}x ({min(speedups[n].values()):.3f}, {max(speedups[n].values()):.3f})"
         for n in RESIHP))
@@ -144,8 +143,6 @@ def main() -> int:
                       for n in resihp_policy.BEFORE},
            "glue": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}
                     for n in resihp_policy.GLUE},
-           "what_if_link_verdicts": {n: {"speedup_vs_best": speedups[n], "geomean_speedup_vs_best": round(gm[n], 4)}
-                                     for n in resihp_policy.WHAT_IF},
            "start": args.start, "models": meta,
            "detector": {"delay": args.detector_delay, "severe_factor": args.detector_severe_factor,
                         "severe_delay": args.detector_severe_delay}}

@@ -5,10 +5,10 @@ believed speeds with hysteresis). Every iteration that rank broadcasts its decis
 nothing, so every rank agrees; with ``relayout`` the plan becomes a re-layout request that the
 training loop carries out after the iteration (``Trainer.relayout``): layers per stage, micro-batches
 per replica (DP work migration) and a rank permutation (slow devices into one TP group, or to the
-stage the planner chose), as far as the engine's ``relayout_knobs`` go. What the executor cannot do
-in a live job (fewer ranks, another TP/PP/DP shape from the planner's reshape search) is not asked
-of the planner under ``relayout``; under ``plan`` every knob is searched and the plan only logged.
-A plan becomes a target by the one rule (``choose.target_from_plan``) and is checked by the core's
+stage the planner chose) and, with ``--resihp-act-reshape``, other TP x PP x DP sizes over the same
+ranks, as far as the engine's ``relayout_knobs`` go. Fewer ranks are not asked of the planner
+under ``relayout`` (every rank keeps a place); under ``plan`` every knob is searched and the plan
+only logged. A plan becomes a target by the one rule (``choose.target_from_plan``) and is checked by the core's
 one set of rules (``ft.target.check``). After a fail-stop (``--resihp-on-stop continue``) the
 survivors regroup anyway, and ``choose.choose_layout`` uses every knob.
 
@@ -65,8 +65,9 @@ class Actor:
             self.healthy_times = [float(carried["healthy_s"])]
         planner = make_planner(trainer, executable_only=self.cfg.resihp_act == "relayout",
                                min_gain=self.cfg.resihp_act_min_gain, horizon=self.cfg.resihp_act_horizon,
-                               healthy_times=self.healthy_times)
-        known = [*carried.get("speeds", {}), *carried.get("recovering", {})]
+                               healthy_times=self.healthy_times, live_reshape=self.cfg.resihp_act_reshape)
+        known = [*carried.get("speeds", {}), *carried.get("recovering", {}), *carried.get("nics", {}),
+                 *carried.get("nics_recovering", {})]
         policy = PlanPolicy(planner, plan_layout(trainer), max([*trainer.ctx.members, *map(int, known)]) + 1)
         policy.restore(carried)
         return policy
@@ -118,14 +119,15 @@ class Actor:
                 print(f" resihp: plan not applied: {why}", flush=True)
         if self.cfg.resihp_act == "relayout" and why is None:
             self.carried = box[1]
+            # The detector's rank may now be another process (a permutation, another shape): it
+            # plans on from ``carried``, and its run-end outcome lines see the verdicts so far.
+            if ext is not None and box[2] is not None:
+                ext.verdicts = box[2]
             if target.members != members:
                 # This process's rank after the permutation: the decider's role stays with the
-                # detector's rank, which may now be another process (it plans on from ``carried``,
-                # and its run-end outcome lines see the verdicts so far).
+                # detector's rank.
                 self.rank = list(target.members).index(members[self.rank])
                 if not self.decides:
                     self.policy = None
-                if ext is not None and box[2] is not None:
-                    ext.verdicts = box[2]
             trainer.request_layout(target, reason=plan.describe())
         return plan

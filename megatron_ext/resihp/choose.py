@@ -71,9 +71,11 @@ def plan_layout(trainer: "TrainerLike") -> PlanLayout:
 
 
 def make_planner(trainer: "TrainerLike", *, executable_only: bool, min_gain: float = 0.05, horizon: int = 500,
-                 healthy_times: list[float] | None = None) -> "Planner":
+                 healthy_times: list[float] | None = None, live_reshape: bool = False) -> "Planner":
     """A planner for the running job. ``executable_only``: search only what ``Trainer.relayout``
-    applies in a live job (layers per stage, micro-batches per replica). The device speed is scaled so that the model predicts the healthy
+    applies in a live job with every rank kept (the engine's ``relayout_knobs``: layers per stage,
+    micro-batches per replica, a rank permutation; other TP x PP x DP sizes over the same ranks only
+    with ``live_reshape``, ``--resihp-act-reshape``). The device speed is scaled so that the model predicts the healthy
     iterations measured so far: plans compare layouts relative to each other, but the pause is
     amortized in seconds."""
     from megatron_ext.resihp.planner import Planner
@@ -81,13 +83,15 @@ def make_planner(trainer: "TrainerLike", *, executable_only: bool, min_gain: flo
     spec = model_spec(trainer)
     t = trainer.cfg.training
     workload = Workload(seq_length=trainer.cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-                        state_bytes_per_param=12.0 if not t.bf16 else 16.0)
+                        state_bytes_per_param=12.0 if not t.bf16 else 16.0,
+                        grad_bytes_per_param=2.0 if t.bf16 else 4.0, activation_bytes_per_value=2.0 if t.bf16 else 4.0)
     config = PlannerConfig(min_gain=min_gain, horizon_iterations=horizon,
                            tp_regroup=not executable_only or "permute" in trainer.relayout_knobs,
                            dp_migration="microbatches" in trainer.relayout_knobs,
                            uneven_microbatches="microbatches" in trainer.relayout_knobs,
                            drop_replicas=not executable_only,
-                           reshape=not executable_only)
+                           reshape=not executable_only or (live_reshape and "shape" in trainer.relayout_knobs),
+                           reshape_keeps_devices=executable_only)
     probe = Cluster(device_flops=1e12, memory_bytes=float("inf"), link_bytes_per_s=CPU_LINK_BYTES_PER_S)
     predicted = Planner(spec, probe, workload, config).iteration_s(plan_layout(trainer),
                                                                    np.ones(max(trainer.ctx.members) + 1))
@@ -132,6 +136,17 @@ def _speeds(trainer: "TrainerLike", devices: list[int], lost: list[int]) -> np.n
     return speeds
 
 
+def _slow_links(trainer: "TrainerLike", devices: list[int]) -> tuple[dict, dict]:
+    """The slow pipeline links and NICs the fail-slow policy believes in (where it runs), among
+    ``devices``: the planner weighs them after a loss as it does before."""
+    actor = getattr(extension_of(trainer), "actor", None)
+    if actor is None or actor.policy is None:
+        return {}, {}
+    keep = set(devices)
+    return ({k: x for k, x in actor.policy.links.items() if k[0] in keep and k[1] in keep},
+            {d: x for d, x in actor.policy.nics.items() if d in keep})
+
+
 def _healthy_times(trainer: "TrainerLike") -> list[float]:
     """Iteration times of the layout in force while healthy: the fail-slow actor's, where it runs
     (taken before its first verdict), else the extension's recent ones."""
@@ -151,14 +166,15 @@ def choose_layout(trainer: "TrainerLike", devices: list[int], lost: list[int], c
     try:
         layout = plan_layout(trainer)  # devices are launch ranks, as ``devices``, ``lost`` and the policy's
         speeds = _speeds(trainer, devices, lost)
+        links, nics = _slow_links(trainer, devices)
         # The model's device speed is scaled to the iteration times measured in the layout in force
         # (before the fault): how compute weighs against the links on this machine decides between
         # more replicas and more stages, and 1 TFLOP/s per CPU rank would misjudge it by 100x.
         times = _healthy_times(trainer)
         planner = make_planner(trainer, executable_only=False, min_gain=0.0, healthy_times=times)
         if cause == "grow":
-            return _grow(trainer, planner, layout, speeds, devices)
-        plan = planner.plan(layout, speeds)
+            return _grow(trainer, planner, layout, speeds, devices, links, nics)
+        plan = planner.plan(layout, speeds, links=links, nics=nics)
     except PlanningError as exc:
         return str(exc)
     if plan is None:
@@ -179,8 +195,8 @@ def _checked(trainer: "TrainerLike", new: PlanLayout, describe: str) -> tuple[La
     return target, describe
 
 
-def _grow(trainer: "TrainerLike", planner: "Planner", layout: PlanLayout, speeds: np.ndarray, devices: list[int]
-          ) -> tuple[LayoutTarget, str] | str:
+def _grow(trainer: "TrainerLike", planner: "Planner", layout: PlanLayout, speeds: np.ndarray, devices: list[int],
+          links: dict | None = None, nics: dict | None = None) -> tuple[LayoutTarget, str] | str:
     """Replacements arrived: the best of (the launch layout over every device, the current shape
     widened to every device, the planner's own best), by the planner's model; ties go to the
     launch layout, then the current shape."""
@@ -200,9 +216,9 @@ def _grow(trainer: "TrainerLike", planner: "Planner", layout: PlanLayout, speeds
                                                      num_microbatches=m, vp=vp, devices=sorted(devices))))
         except PlanningError:
             continue
-    best_layout, _ = planner.best_layout(layout, speeds)
+    best_layout, _ = planner.best_layout(layout, speeds, links=links, nics=nics)
     candidates.append(("the planner's best", best_layout))
-    scored = [(planner.iteration_s(lay, speeds), i, name, lay) for i, (name, lay) in enumerate(candidates)]
+    scored = [(planner.iteration_s(lay, speeds, links, nics), i, name, lay) for i, (name, lay) in enumerate(candidates)]
     seconds, _, name, chosen = min(scored, key=lambda s: (round(s[0], 9), s[1]))
     text = (f"grow to {len(set(chosen.devices))} device(s): {name} "
             f"({', '.join(f'{n} {s * 1e3:.3g} ms' for s, _, n, _ in scored)} by the planner's model)")

@@ -77,10 +77,15 @@ class ResiHPConfig:
                                            "longer (it must exceed the longest wait of a healthy run, e.g. a "
                                            "checkpoint save).", 120.0)
     resihp_act: str = doc("What a verdict leads to: 'off' (nothing), 'plan' (the re-layout planner's plan is "
-                          "logged only), 'relayout' (the plan is applied live: pipeline layers per stage and "
-                          "TP/PP sizes; plans that need a rank permutation, uneven micro-batches per replica "
-                          "or fewer ranks are logged, not applied, until the executor can).", "off",
+                          "logged only), 'relayout' (the plan is applied live, as far as the engine's "
+                          "re-layout knobs go: layers per stage, micro-batches per replica, a rank "
+                          "permutation; other TP x PP x DP sizes with --resihp-act-reshape; a plan that "
+                          "needs another engine's knob is logged, not applied).", "off",
                           choices=("off", "plan", "relayout"))
+    resihp_act_reshape: bool = doc("Under --resihp-act relayout, also search other TP x PP x DP sizes over the same "
+                                   "ranks (every group and model chunk rebuilt, state moved: the heaviest change; "
+                                   "a slow NIC's data-parallel ring is only left by a shape without one over it).",
+                                   False)
     resihp_act_min_gain: float = doc("Act only on a plan that shortens the iteration by more than this "
                                      "fraction, after its pause is amortized over --resihp-act-horizon.", 0.05)
     resihp_act_horizon: int = doc("Iterations over which a re-layout's pause is amortized.", 500)
@@ -140,3 +145,10 @@ class ResiHPConfig:
         if self.resihp_heartbeat_timeout_s <= self.resihp_heartbeat_interval_s:
             raise ConfigError(f"--resihp-heartbeat-timeout-s ({self.resihp_heartbeat_timeout_s}) must exceed "
                               f"--resihp-heartbeat-interval-s ({self.resihp_heartbeat_interval_s})")
+
+    @property
+    def nic_probe_warmup(self) -> int:
+        """Probes the NIC detector calibrates on: as many as fit in ``--resihp-warmup`` iterations at
+        the probe's interval, at least 3 (0 with the probe off)."""
+        every = self.resihp_nic_probe_interval
+        return max(3, self.resihp_warmup // every) if every else 0

@@ -148,7 +148,8 @@ class ResiHPExtension(Extension):
         self._unlogged: list[Verdict] = []       # losses named while the verdict file was elsewhere
         self.moe_probe = None
         self.detector_member: int | None = None   # launch rank of the process holding the detector
-        self._probe: list[tuple[float, float]] | None = None   # this iteration's ring probe (nic.py)
+        self.ring_throttle = None                 # an injected slow NIC on the gradient all-reduce
+        self._nic_bytes_per_s: float | None = None
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
@@ -166,6 +167,7 @@ class ResiHPExtension(Extension):
             if (any(trainer.ctx.member in (f.a, f.b) for f in self.faults.slow_link)
                     or any(trainer.ctx.member == f.rank for f in self.faults.slow_nic)):
                 self.link_throttle = LinkThrottle({}, lambda: trainer.ctx.members)
+            self._install_ring_throttle(trainer)
         if self.detect:
             self.timeline = self.deps["timeline"]
             self.spec = model_spec(trainer)
@@ -217,8 +219,7 @@ class ResiHPExtension(Extension):
                 from megatron_ext.resihp.nic import NicDetector
 
                 self.detector.nic_detector = NicDetector(
-                    nbytes=1024 * self.cfg.resihp_nic_probe_kb, warmup=max(3, self.cfg.resihp_warmup
-                                                                          // self.cfg.resihp_nic_probe_interval),
+                    nbytes=1024 * self.cfg.resihp_nic_probe_kb, warmup=self.cfg.nic_probe_warmup,
                     window=self.cfg.resihp_window, floor_s=self.cfg.resihp_link_floor_ms / 1e3)
             if self.trace_writer is None and self.cfg.resihp_trace_out:
                 self.trace_writer = JsonLinesWriter(self.cfg.resihp_trace_out, trace_mode)
@@ -232,7 +233,11 @@ class ResiHPExtension(Extension):
             from megatron_ext.resihp.act import Actor
 
             if self.actor is None or self.actor.decider != self.detector_rank or self.actor.decides != (rank == self.detector_rank):
-                self.actor = Actor(self.cfg, rank=rank, decider=self.detector_rank)
+                old, self.actor = self.actor, Actor(self.cfg, rank=rank, decider=self.detector_rank)
+                if old is not None:
+                    # Another shape put the decision on another rank: it plans on from the beliefs
+                    # the last applied plan carried (a slow NIC or link is not forgotten).
+                    self.actor.carried = old.carried
 
     def _hand_over(self, trainer: "Trainer"):
         """Collective between two ranks: when the logging rank is now another process than the
@@ -269,6 +274,16 @@ class ResiHPExtension(Extension):
         print(f" resihp: detector handed over with the logging rank from launch rank {old} to launch rank {new} "
               f"(known slow: {slow})", flush=True)
         return detector
+
+    def _install_ring_throttle(self, trainer: "Trainer") -> None:
+        """This rank's injected slow NIC also holds its share of the gradient all-reduce (the
+        model's config is rebuilt by a re-layout: installed again in ``attach``)."""
+        if not any(trainer.ctx.member == f.rank for f in self.faults.slow_nic):
+            return
+        from megatron_ext.resihp.injection import GradRingThrottle, gradient_bytes
+
+        self.ring_throttle = GradRingThrottle(trainer.model.config, gradient_bytes(model_chunks(trainer)),
+                                              trainer.ctx.layout.dp, lambda: self._nic_bytes_per_s)
 
     def _install_moe_probe(self, trainer: "Trainer") -> None:
         """MoE models on the megatron engine: routed counts and dispatcher collective time per op
@@ -325,6 +340,9 @@ class ResiHPExtension(Extension):
     def detach(self, trainer: "Trainer") -> None:
         if self.throttle is not None:
             self.throttle.remove()
+        if self.ring_throttle is not None:
+            self.ring_throttle.remove()
+            self.ring_throttle = None
         if self.moe_probe is not None:
             self.moe_probe.uninstall()
             self.moe_probe = None
@@ -340,6 +358,8 @@ class ResiHPExtension(Extension):
             active = self.throttle.active
             self.throttle = Throttle(model_chunks(trainer), self.throttle.factor, self.faults.inject_slow_mode)
             self.throttle.active = active
+        if self.faults is not None:
+            self._install_ring_throttle(trainer)
         if self.moe_probe is not None:
             self.moe_probe.uninstall()
             self.moe_probe = None
@@ -396,8 +416,10 @@ class ResiHPExtension(Extension):
                 me = trainer.ctx.member
                 links = {f.b if f.a == me else f.a: f.mbps * 1e6 for f in self.faults.slow_link
                          if me in (f.a, f.b) and iteration >= f.since}
+                self._nic_bytes_per_s = None
                 for f in self.faults.slow_nic:       # a slow NIC: every send of the device crosses it
                     if f.rank == me and iteration >= f.since:
+                        self._nic_bytes_per_s = f.mbps * 1e6
                         for m in trainer.ctx.members:
                             if m != me:
                                 links[m] = min(links.get(m, float("inf")), f.mbps * 1e6)
@@ -411,10 +433,10 @@ class ResiHPExtension(Extension):
         if not self.detect:
             return
         record = self.timeline.record(trainer, metrics.iteration, dst=self.detector_rank)
-        self._probe = self._nic_probe(trainer, metrics.iteration)
+        probe = self._nic_probe(trainer, metrics.iteration)
         moe = self._moe_tables(trainer)
-        new_verdicts = (self._detect(trainer, metrics, record, moe) if record is not None and self.detector is not None
-                        else [])
+        new_verdicts = (self._detect(trainer, metrics, record, moe, probe)
+                        if record is not None and self.detector is not None else [])
         if self.actor is not None:
             plan = self.actor.observe(trainer, metrics.iteration, new_verdicts, metrics.iter_time_s)
             if plan is not None and self.verdict_log is not None:
@@ -441,7 +463,8 @@ class ResiHPExtension(Extension):
         return [tuple(float(x) for x in t) for t in every_rank]
 
     def _detect(self, trainer: "Trainer", metrics: IterationMetrics, record: "IterationRecord",
-                moe: dict[int, dict[str, np.ndarray]] | None = None) -> list["Verdict"]:
+                moe: dict[int, dict[str, np.ndarray]] | None = None,
+                probe: list[tuple[float, float]] | None = None) -> list["Verdict"]:
         trace = to_trace_record(record, model=self.spec, iteration_s=metrics.iter_time_s,
                                 faults=self._active_faults(metrics.iteration), time_s=time.time(),
                                 stage_layers=getattr(trainer.cfg.parallel, "pipeline_stage_layers", None), moe=moe,
@@ -457,8 +480,8 @@ class ResiHPExtension(Extension):
             if links.last:
                 metrics.extra["resihp_link_rt_ms"] = round(1e3 * max(links.last.values()), 2)
         nics = getattr(self.detector, "nic_detector", None)
-        if nics is not None and getattr(self, "_probe", None) is not None:
-            found += nics.observe(self._probe, trainer.ctx.members, metrics.iteration)
+        if nics is not None and probe is not None:
+            found += nics.observe(probe, trainer.ctx.members, metrics.iteration)
             if nics.last:
                 metrics.extra["resihp_nic_egress_ms"] = round(1e3 * max(nics.last.values()), 2)
         scalars = report.scalars()
@@ -490,6 +513,9 @@ class ResiHPExtension(Extension):
         if self.link_throttle is not None:
             self.link_throttle.remove()
             self.link_throttle = None
+        if self.ring_throttle is not None:
+            self.ring_throttle.remove()
+            self.ring_throttle = None
         if self.moe_probe is not None:
             self.moe_probe.uninstall()
             self.moe_probe = None

@@ -193,8 +193,8 @@ class FaultInjectionConfig:
                                              "held bytes/MBPS before it sends (megatron engine; repeatable).", None)
     inject_slow_nic: list[str] | None = doc("RANK:ITER:MBPS — from ITER on, RANK's (launch rank) sends cross a NIC of "
                                             "MBPS megabytes/s: held bytes/MBPS before each pipeline message and each "
-                                            "ResiHP ring-probe message (megatron engine; the gradient all-reduce is not "
-                                            "slowed; repeatable).", None)
+                                            "ResiHP ring-probe message, and its ring share of the gradient all-reduce "
+                                            "(megatron engine; repeatable).", None)
     inject_slow_mode: str = doc("How a slow rank is slowed: 'throttle' (held idle inside each op) or 'work' "
                                 "(extra real matrix multiplies inside each op).", "throttle",
                                 choices=("throttle", "work"))
@@ -356,6 +356,47 @@ class LinkThrottle:
         for n, fn in self._originals.items():
             setattr(self._module, n, fn)
         self._originals.clear()
+
+
+class GradRingThrottle:
+    """A slow NIC on the data-parallel gradient all-reduce: megatron's gradient finalisation
+    (``finalize_model_grads_func`` of the model's config) wrapped so that this rank is held, before
+    it enters, for what its share of a ring all-reduce takes at the NIC's bandwidth: ``2 (dp - 1) /
+    dp`` of its gradient bytes. The other members wait for it inside the collective, so the ring
+    finishes when the slow NIC would let it. ``bytes_per_s()``: the NIC's bandwidth now (None:
+    healthy). ``remove`` puts back what it wrapped, unless someone has since replaced the wrapper
+    (the timeline's recorder restores its own original when it is uninstalled)."""
+
+    def __init__(self, model_config: Any, grad_bytes: float, dp: int, bytes_per_s: Callable[[], float | None]) -> None:
+        self.config, self.grad_bytes, self.dp, self.bytes_per_s = model_config, float(grad_bytes), int(dp), bytes_per_s
+        self.held_s = 0.0
+        self._original = model_config.finalize_model_grads_func
+
+        def finalize(*args, **kwargs):
+            bw = self.bytes_per_s()
+            if bw and self.dp > 1:
+                hold = 2.0 * (self.dp - 1) / self.dp * self.grad_bytes / bw
+                self.held_s += hold
+                time.sleep(hold)
+            return self._original(*args, **kwargs)
+
+        self._wrapper = finalize
+        model_config.finalize_model_grads_func = finalize
+
+    def remove(self) -> None:
+        if self.config.finalize_model_grads_func is self._wrapper:
+            self.config.finalize_model_grads_func = self._original
+
+
+def gradient_bytes(chunks: list) -> int:
+    """Bytes of the gradients a rank all-reduces: megatron's ``main_grad`` buffers where the DDP
+    wrapper made them, else the parameters' own dtype."""
+    total = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            total += p.numel() * (g.element_size() if g is not None else p.element_size())
+    return total
 
 
 def die_now(rank: int, iteration: int, point: str = "start") -> None:

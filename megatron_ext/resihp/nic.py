@@ -20,8 +20,10 @@ last ``window`` probes are flagged (the persistence rule of the other detectors)
 ``nic_recovered`` after ``window`` probes unflagged. ``extra_s_per_message`` is the median excess;
 with the probe's size it gives the NIC's bandwidth (``detail["mbps"]``).
 
-What it does not do: the planner has no data-parallel ring in its cost model, so a ``slow_nic``
-verdict is reported and kept, not planned around (docs/resihp.md, "Slow NICs").
+What the planner does with it (``planner_policy``, ``planner.ring_factors``): the NIC's bandwidth
+slows the gradient all-reduce of every data-parallel ring its device is in, and every pipeline
+message the device sends; the planner replaces the device by a spare, moves layers off its stage,
+or (``--resihp-act-reshape``) takes a shape without a ring over it (docs/resihp.md, "Slow NICs").
 """
 from __future__ import annotations
 

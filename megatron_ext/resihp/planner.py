@@ -45,7 +45,7 @@ from megatron_ext.resihp.planner_types import (HEALTHY_EPS, Cluster, MemoryModel
 
 __all__ = ["Cluster", "MemoryModel", "Plan", "PlanLayout", "Planner", "PlannerConfig", "PlanningError", "Workload",
            "capacity_optimum_s", "default_memory_model", "layer_params", "link_seconds", "node_local_groups",
-           "predict_iteration_s",
+           "predict_iteration_s", "ring_factors",
            "spans_nodes", "stage_params", "stage_speeds", "state_move_bytes"]
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,16 @@ class _Costs:
     head_bwd: float
     tp_allreduce_s: float   # a micro-batch's activation bytes / TP link bandwidth (before the ring factor)
     nic_allreduce_s: float  # the same bytes over the NIC: a TP group that spans nodes
+    message_bytes: float = 0.0     # a pipeline message at TP 1: the micro-batch's activations
+    link_bytes_per_s: float = math.inf
+
+    def nic_extra_s(self, nics: "Nics | None", tp: int) -> dict[int, float]:
+        """Seconds a slow NIC adds to each pipeline message its device sends at TP ``tp`` (a
+        sequence-parallel shard of the activations), over what the healthy link takes."""
+        if not nics:
+            return {}
+        msg = self.message_bytes / tp
+        return {int(d): max(0.0, msg / bw - msg / self.link_bytes_per_s) for d, bw in nics.items()}
 
     def layer(self, tp: int, across_nodes: bool = False) -> tuple[float, float]:
         """Seconds per layer and micro-batch on one device of a TP group of ``tp``: the FLOPs
@@ -108,10 +118,11 @@ def _costs(spec: ModelSpec, workload: Workload, cluster: Cluster) -> _Costs:
     one = stage_cost(spec, 1)
     head = stage_cost(spec, 0, last_stage=True)
     t, sq, f = workload.tokens, workload.sum_sq, cluster.device_flops
-    act_bytes = 2.0 * workload.tokens * spec.hidden_size   # bf16 activations of the micro-batch
+    act_bytes = workload.activation_bytes_per_value * workload.tokens * spec.hidden_size   # the micro-batch's
     return _Costs(one.forward(t, sq).total / f, one.backward(t, sq).total / f,
                   head.forward(t, sq).total / f, head.backward(t, sq).total / f,
-                  act_bytes / cluster.tp_bytes_per_s, act_bytes / cluster.link_bytes_per_s)
+                  act_bytes / cluster.tp_bytes_per_s, act_bytes / cluster.link_bytes_per_s,
+                  act_bytes, cluster.link_bytes_per_s)
 
 
 def spans_nodes(layout: PlanLayout, devices_per_node: int | None) -> np.ndarray:
@@ -128,6 +139,27 @@ Links = Mapping[tuple[int, int], float]
 """Slow pipeline links: (device, device) with the smaller first -> extra seconds per message."""
 
 
+Nics = Mapping[int, float]
+"""Slow NICs: device -> the bandwidth of its network interface in bytes/s. The data-parallel
+gradient all-reduce of every ring the device is in crosses it."""
+
+
+def ring_factors(layout: PlanLayout, nics: Nics | None, link_bytes_per_s: float) -> np.ndarray:
+    """(pp,) how many times longer each stage's gradient all-reduce takes than with healthy NICs:
+    a stage has one ring per TP rank (over the replicas), every ring carries the same bytes, and a
+    ring finishes at its slowest member's NIC. 1 everywhere without replicas or slow NICs."""
+    out = np.ones(layout.pp)
+    if not nics or layout.dp == 1:
+        return out
+    grid = layout.grid()
+    for d, bw in nics.items():
+        if not bw > 0:
+            raise PlanningError(f"NIC of device {d}: bandwidth must be > 0 bytes/s, got {bw!r}")
+        for s in np.unique(np.argwhere(grid == int(d))[:, 0]):
+            out[s] = max(out[s], link_bytes_per_s / min(float(bw), link_bytes_per_s))
+    return out
+
+
 def _pair(a: int, b: int) -> tuple[int, int]:
     return (int(a), int(b)) if a < b else (int(b), int(a))
 
@@ -142,35 +174,39 @@ def _hops(layout: PlanLayout) -> list[tuple[int, int, int]]:
     return out
 
 
-def link_seconds(layout: PlanLayout, links: Links | None) -> np.ndarray:
+def link_seconds(layout: PlanLayout, links: Links | None, nic_extra: Mapping[int, float] | None = None) -> np.ndarray:
     """(pp, dp) seconds per micro-batch that slow links add to each TP group: a sender is held for
     its link (the activation downstream, the gradient upstream), and a hop is as slow as its
-    slowest TP rank's link."""
+    slowest TP rank's link. ``nic_extra``: what a slow NIC adds to each message of its device
+    (``_Costs.nic_extra_s``); a hop takes the larger of that and its link's own figure (a link
+    verdict measured across a slow NIC is the NIC)."""
     grid = layout.grid()
     out = np.zeros(grid.shape[:2])
-    if not links:
+    if not links and not nic_extra:
         return out
-    links = {_pair(*k): float(v) for k, v in links.items()}
+    links = {_pair(*k): float(v) for k, v in (links or {}).items()}
+    ne = nic_extra or {}
     for s, t, n in _hops(layout):
         for d in range(layout.dp):
-            worst = max(links.get(_pair(a, b), 0.0) for a, b in zip(grid[s, d], grid[t, d]))
+            worst = max(max(links.get(_pair(a, b), 0.0), ne.get(int(a), 0.0), ne.get(int(b), 0.0))
+                        for a, b in zip(grid[s, d], grid[t, d]))
             out[s, d] += worst * n
             out[t, d] += worst * n
     return out
 
 
 def stage_speeds(layout: PlanLayout, speeds: np.ndarray, costs: _Costs, devices_per_node: int | None,
-                 links: Links | None = None) -> np.ndarray:
+                 links: Links | None = None, nics: "Nics | None" = None) -> np.ndarray:
     """(pp, dp) effective speed of each TP group: its slowest member, divided by how much longer a
     layer takes when the group's all-reduces cross the NIC (a whole-group slowdown, as a slow
-    member is), and by what slow links add to its micro-batches (``link_seconds``, against the
-    group's healthy seconds per micro-batch)."""
+    member is), and by what slow links and slow NICs add to its micro-batches (``link_seconds``,
+    against the group's healthy seconds per micro-batch)."""
     out = speeds[layout.grid()].min(axis=2)
     across = spans_nodes(layout, devices_per_node)
     if across.any():
         inside, over = sum(costs.layer(layout.tp)), sum(costs.layer(layout.tp, across_nodes=True))
         out = np.where(across, out * inside / over, out)
-    extra = link_seconds(layout, links)
+    extra = link_seconds(layout, links, costs.nic_extra_s(nics, layout.tp))
     if extra.any():
         fwd, bwd = _chunk_seconds(costs, layout.layers, layout.tp)
         c = (fwd + bwd).sum(axis=1)[:, None]                       # (pp, 1) healthy seconds per micro-batch
@@ -219,14 +255,16 @@ def _chunk_seconds(costs: _Costs, layers: Sequence[Sequence[int]], tp: int) -> t
 
 
 def _tail_seconds(spec: ModelSpec, workload: Workload, cluster: Cluster, tp: int, dp: int,
-                  stage_layers: Sequence[int]) -> np.ndarray:
+                  stage_layers: Sequence[int], ring: np.ndarray | None = None) -> np.ndarray:
     """Per-stage gradient all-reduce after the last op (ring: 2 (dp - 1) / dp of the bytes), not
     overlapped with the backward: the conservative case. It grows with a stage's layers, so an
-    uneven partition pays for its heaviest stage here too."""
+    uneven partition pays for its heaviest stage here too. ``ring``: each stage's slowdown from
+    slow NICs (``ring_factors``)."""
     if dp == 1:
         return np.zeros(len(stage_layers))
     grad = stage_params(spec, stage_layers) / tp * workload.grad_bytes_per_param
-    return grad * 2.0 * (dp - 1) / dp / cluster.link_bytes_per_s
+    out = grad * 2.0 * (dp - 1) / dp / cluster.link_bytes_per_s
+    return out if ring is None else out * ring
 
 
 @functools.lru_cache(maxsize=256)
@@ -264,18 +302,19 @@ def _simulate_layout(layout: PlanLayout, stage_speed: np.ndarray, fwd: np.ndarra
 
 
 def predict_iteration_s(layout: PlanLayout, spec: ModelSpec, speeds: Sequence[float], cluster: Cluster,
-                        workload: Workload, links: Links | None = None) -> float:
+                        workload: Workload, links: Links | None = None, nics: Nics | None = None) -> float:
     """Predicted iteration seconds of ``layout`` at ``speeds`` (pipeline simulator + FLOPs model),
-    with slow ``links``; infinite when a device of the layout is dead."""
+    with slow pipeline ``links`` and slow ``nics``; infinite when a device of the layout is dead."""
     sp = _check_speeds(speeds, layout)
     if layout.num_layers != spec.num_layers:
         raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {spec.num_layers}")
     costs = _costs(spec, workload, cluster)
-    stage_speed = stage_speeds(layout, sp, costs, cluster.devices_per_node, links)
+    stage_speed = stage_speeds(layout, sp, costs, cluster.devices_per_node, links, nics)
     if (stage_speed <= 0).any():
         return math.inf
     fwd, bwd = _chunk_seconds(costs, layout.layers, layout.tp)
-    tail = _tail_seconds(spec, workload, cluster, layout.tp, layout.dp, layout.stage_layers)
+    tail = _tail_seconds(spec, workload, cluster, layout.tp, layout.dp, layout.stage_layers,
+                         ring_factors(layout, nics, cluster.link_bytes_per_s))
     return _simulate_layout(layout, stage_speed, fwd, bwd, tail, cluster.p2p_latency_s)
 
 
@@ -425,12 +464,15 @@ class Planner:
         self.memory_model = memory_model or default_memory_model
         self.costs = _costs(spec, workload, cluster)
         self._links: dict[tuple[int, int], float] = {}   # the slow links of the search under way
+        self._nics: dict[int, float] = {}                  # and its slow NICs (device -> bytes/s)
 
     # ---- scoring ----
 
-    def iteration_s(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None) -> float:
-        """Predicted seconds per iteration with these device speeds and slow links (none by default)."""
-        return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload, links or {})
+    def iteration_s(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None,
+                    nics: Nics | None = None) -> float:
+        """Predicted seconds per iteration with these device speeds, slow pipeline links and slow
+        NICs (none by default)."""
+        return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload, links or {}, nics or {})
 
     def fits(self, layout: PlanLayout, memory: np.ndarray) -> bool:
         need = self.memory_model(self.spec, self.workload, layout.tp, layout.pp, layout.stage_layers)
@@ -439,18 +481,21 @@ class Planner:
     def _closed_s(self, layout: PlanLayout, stage_speed: np.ndarray) -> float:
         fwd, bwd = _chunk_seconds(self.costs, layout.layers, layout.tp)
         a, b = _closed_form(fwd, bwd, stage_speed, layout.vp, self.cluster.p2p_latency_s)
-        tail = _tail_seconds(self.spec, self.workload, self.cluster, layout.tp, layout.dp, layout.stage_layers)
+        tail = _tail_seconds(self.spec, self.workload, self.cluster, layout.tp, layout.dp, layout.stage_layers,
+                             ring_factors(layout, self._nics, self.cluster.link_bytes_per_s))
         m = np.asarray(layout.microbatches, dtype=float)
         return float((a + (m - 1) * b).max() + tail.max())
 
     # ---- the search ----
 
-    def plan(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None) -> Plan | None:
+    def plan(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None,
+             nics: Nics | None = None) -> Plan | None:
         """The best re-layout of ``layout`` for devices at ``speeds`` (indexed by rank; ranks not
-        in the layout are spares) and slow pipeline ``links`` ((device, device) -> extra seconds
-        per message), or None when none gains more than ``min_gain``. Raises ``PlanningError`` when
-        the layout has a dead device and no layout runs on the rest."""
-        best, current_s, speeds_arr = self._search(layout, speeds, links=links)
+        in the layout are spares), slow pipeline ``links`` ((device, device) -> extra seconds
+        per message) and slow ``nics`` (device -> bytes/s), or None when none gains more than
+        ``min_gain``. Raises ``PlanningError`` when the layout has a dead device and no layout runs
+        on the rest."""
+        best, current_s, speeds_arr = self._search(layout, speeds, links=links, nics=nics)
         if best is None:
             return None
         horizon = self.config.horizon_iterations
@@ -461,11 +506,11 @@ class Planner:
             return None
         return self._to_plan(layout, best, current_s, speeds_arr)
 
-    def best_layout(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None
-                    ) -> tuple[PlanLayout, float]:
+    def best_layout(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None,
+                    nics: Nics | None = None) -> tuple[PlanLayout, float]:
         """The best layout the allowed knobs reach (no threshold, no amortization) and its
         predicted iteration seconds; ``layout`` itself when nothing is better."""
-        best, current_s, _ = self._search(layout, speeds, amortize=False, links=links)
+        best, current_s, _ = self._search(layout, speeds, amortize=False, links=links, nics=nics)
         if best is None or best.sim_s >= current_s:
             return layout, current_s
         return best.layout, best.sim_s
@@ -480,24 +525,31 @@ class Planner:
                     horizon_iterations=self.config.horizon_iterations,
                     optimum_s=capacity_optimum_s(healthy_s, sp[list(layout.devices)], layout.world_size),
                     speeds={int(r): float(sp[r]) for r in range(n_dev) if abs(sp[r] - 1.0) > HEALTHY_EPS
-                            and (r in members or sp[r] < 1.0)}, links=dict(self._links))
+                            and (r in members or sp[r] < 1.0)}, links=dict(self._links), nics=dict(self._nics))
 
     def _healthy_s(self, layout: PlanLayout) -> float:
         ones = np.ones(max(layout.devices) + 1)
         even = PlanLayout.even(num_layers=self.spec.num_layers, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                                num_microbatches=layout.num_microbatches, vp=layout.vp, schedule=layout.schedule,
                                devices=layout.devices)
-        return min(self.iteration_s(layout, ones, self._links), self.iteration_s(even, ones, self._links))
+        return min(self.iteration_s(layout, ones, self._links, self._nics),
+                   self.iteration_s(even, ones, self._links, self._nics))
 
-    def _search(self, layout: PlanLayout, speeds: Sequence[float], amortize: bool = True, links: Links | None = None
-                ) -> tuple[_Candidate | None, float, np.ndarray]:
+    def _search(self, layout: PlanLayout, speeds: Sequence[float], amortize: bool = True, links: Links | None = None,
+                nics: Nics | None = None) -> tuple[_Candidate | None, float, np.ndarray]:
         sp = _check_speeds(speeds, layout)
         self._links = {_pair(*k): float(v) for k, v in (links or {}).items() if v > 0}
+        for d, bw in (nics or {}).items():
+            if not (math.isfinite(float(bw)) and float(bw) > 0) or not 0 <= int(d) < sp.shape[0]:
+                raise PlanningError(f"slow NIC of device {d} at {bw!r} bytes/s: need a device of the "
+                                    f"{sp.shape[0]} known and a finite bandwidth > 0")
+        self._nics = {int(d): float(bw) for d, bw in (nics or {}).items()
+                      if float(bw) < self.cluster.link_bytes_per_s}
         if layout.num_layers != self.spec.num_layers:
             raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {self.spec.num_layers}")
         n_dev = sp.shape[0]
         memory = self.cluster.memory_of(n_dev)
-        current_s = self.iteration_s(layout, sp, self._links)
+        current_s = self.iteration_s(layout, sp, self._links, self._nics)
         cands = self._candidates(layout, sp, memory)
         if not cands:
             if math.isinf(current_s):
@@ -521,7 +573,7 @@ class Planner:
         for c in cands[:self.config.simulate_top]:
             # The closed form ranks well; only near-ties are worth a simulation each.
             if c is cands[0] or c.closed_s + c.move_s / horizon <= first * (1 + self.config.simulate_margin):
-                c.sim_s = self.iteration_s(c.layout, sp, self._links)
+                c.sim_s = self.iteration_s(c.layout, sp, self._links, self._nics)
         scored = [c for c in cands if c.sim_s is not None]
         best = min(scored, key=lambda c: c.sim_s + c.move_s / horizon)
         return best, current_s, sp
@@ -540,7 +592,7 @@ class Planner:
                 return
             if not cfg.uneven_microbatches and len(set(lay.microbatches)) > 1:
                 return
-            stage_speed = stage_speeds(lay, sp, self.costs, g, self._links)
+            stage_speed = stage_speeds(lay, sp, self.costs, g, self._links, self._nics)
             if (stage_speed <= 0).any() or not self.fits(lay, memory):
                 return
             seen.add(lay)
@@ -576,13 +628,24 @@ class Planner:
                         add(lay2, acts2)
         return out
 
+    def _nic_share(self, n_dev: int) -> np.ndarray:
+        """(n_dev,) each device's NIC bandwidth as a share of healthy (1 for a healthy NIC)."""
+        out = np.ones(n_dev)
+        for d, bw in self._nics.items():
+            if d < n_dev:
+                out[d] = bw / self.cluster.link_bytes_per_s
+        return out
+
     def _keep_replicas(self, layout: PlanLayout, sp: np.ndarray, dp: int) -> PlanLayout | None:
         """Keep the ``dp`` best replicas in place (fewest dead, then fastest), replacing dead or slow
-        devices in them by faster spares (devices of the dropped replicas, or idle ones); the
+        devices in them by faster spares (devices of the dropped replicas, or idle ones); a device
+        behind a slow NIC counts as worse than an equally fast one behind a healthy NIC. The
         micro-batches of a shrunk job spread evenly over the survivors."""
         grid = layout.grid()
+        nic = self._nic_share(sp.shape[0])
         idle = np.setdiff1d(np.flatnonzero(sp > 0), np.asarray(layout.devices))
-        if dp == layout.dp and (idle.size == 0 or sp[list(layout.devices)].min() >= sp[idle].max()):
+        worst_kept = min((sp[r], nic[r]) for r in layout.devices)
+        if dp == layout.dp and (idle.size == 0 or worst_kept >= max((sp[r], nic[r]) for r in idle)):
             return layout
         rep_speed = sp[grid].min(axis=2).min(axis=0)          # (dp,) slowest stage of each replica
         rep_sum = sp[grid].sum(axis=(0, 2))
@@ -590,11 +653,12 @@ class Planner:
         keep, drop = sorted(order[:dp]), order[dp:]
         new = grid[:, keep, :].copy()
         pool = np.concatenate([grid[:, drop, :].reshape(-1), idle])
-        spares = sorted((int(x) for x in pool if sp[x] > 0), key=lambda r: (-sp[r], r))
-        # Replace the worst kept devices by faster spares, one swap at a time.
+        spares = sorted((int(x) for x in pool if sp[x] > 0), key=lambda r: (-sp[r], -nic[r], r))
+        # Replace the worst kept devices by faster spares (or as fast, behind a better NIC), one
+        # swap at a time.
         flat = new.reshape(-1)
-        for i in np.argsort(sp[flat], kind="stable"):
-            if not spares or sp[spares[0]] <= sp[flat[i]]:
+        for i in np.lexsort((nic[flat], sp[flat])):
+            if not spares or (sp[spares[0]], nic[spares[0]]) <= (sp[flat[i]], nic[flat[i]]):
                 break
             flat[i] = spares.pop(0)
         if (sp[flat] <= 0).any() or layout.num_microbatches < dp:
@@ -686,7 +750,8 @@ class Planner:
         cfg = self.config
         if self.cluster.devices_per_node is not None:
             placed = node_local_groups(placed, self.cluster.devices_per_node, sp)
-        stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node, self._links)   # (pp, dp)
+        stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node, self._links,
+                                   self._nics)   # (pp, dp)
         if (stage_speed <= 0).any():
             return
         layer_opts: list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]] = []
@@ -698,10 +763,12 @@ class Planner:
             layer_opts.append((even, ("pp_repartition",) if same_shape else ()))
         if cfg.pp_repartition or not same_shape:
             cap = self._layer_cap(placed, memory)
+            ring = ring_factors(placed, self._nics, self.cluster.link_bytes_per_s)
             for agg in (stage_speed.min(axis=1), stage_speed.mean(axis=1)):
-                per = self._partition(agg, placed, cap)
-                if per is not None and per not in [lo[0] for lo in layer_opts]:
-                    layer_opts.append((per, ("pp_repartition",)))
+                for r in ((None, ring) if (ring > 1).any() else (None,)):
+                    per = self._partition(agg, placed, cap, r)
+                    if per is not None and per not in [lo[0] for lo in layer_opts]:
+                        layer_opts.append((per, ("pp_repartition",)))
         for layers, lacts in layer_opts:
             lay = dataclasses.replace(placed, layers=layers)
             mb_opts = [(lay.microbatches, ())]
@@ -725,13 +792,23 @@ class Planner:
             cap = np.floor((cap_mem - zero) / one)
         return np.clip(np.nan_to_num(cap, nan=0, posinf=self.spec.num_layers), 0, self.spec.num_layers).astype(np.int64)
 
-    def _partition(self, speed: np.ndarray, layout: PlanLayout, cap: np.ndarray) -> tuple[tuple[int, ...], ...] | None:
-        """Layers per stage for stage speeds ``speed`` (pp,), split over the stage's chunks."""
+    def _partition(self, speed: np.ndarray, layout: PlanLayout, cap: np.ndarray, ring: np.ndarray | None = None
+                   ) -> tuple[tuple[int, ...], ...] | None:
+        """Layers per stage for stage speeds ``speed`` (pp,), split over the stage's chunks. With
+        ``ring`` (each stage's gradient all-reduce slowdown from slow NICs, ``ring_factors``), a
+        stage also pays its share of the all-reduce, spread over the micro-batches a replica runs
+        (``m + pp - 1`` pipeline steps): layers leave a stage whose ring is slow."""
         pp, vp, tp = layout.pp, layout.vp, layout.tp
         c = self.costs
         unit = sum(c.layer(tp)) / speed
         fixed = np.zeros(pp)
         fixed[-1] = (c.head_fwd + c.head_bwd) / tp / speed[-1]
+        if ring is not None:
+            steps = max(layout.microbatches) + pp - 1
+            zero = _tail_seconds(self.spec, self.workload, self.cluster, tp, layout.dp, [0] * pp, ring)
+            one = _tail_seconds(self.spec, self.workload, self.cluster, tp, layout.dp, [1] * pp, ring) - zero
+            unit = unit + one / steps
+            fixed = fixed + zero / steps
         per = _greedy_layers(unit, fixed, self.spec.num_layers, np.minimum(cap, self.spec.num_layers))
         if per is None or any(n < vp for n in per):
             return None
@@ -742,8 +819,15 @@ class Planner:
         Hundreds of shapes at 4,096 devices: the bound and the memory check use prefix sums over
         the devices in speed order, and only the best ``max_reshapes`` become layouts."""
         spec, m_total = self.spec, layout.num_microbatches
-        alive = sorted((r for r in range(sp.shape[0]) if sp[r] > 0), key=lambda r: (-sp[r], r))
+        nic = self._nic_share(sp.shape[0])
+        alive = sorted((r for r in range(sp.shape[0]) if sp[r] > 0), key=lambda r: (-sp[r], -nic[r], r))
+        keep = self.config.reshape_keeps_devices
+        if keep:
+            if any(sp[r] <= 0 for r in layout.devices):
+                return []
+            alive = [r for r in alive if r in set(layout.devices)]
         n_healthy = sum(1 for r in alive if sp[r] >= 1 - HEALTHY_EPS)
+        n_clean = sum(1 for r in alive if sp[r] >= 1 - HEALTHY_EPS and nic[r] >= 1)   # and a healthy NIC
         speed_sum = np.concatenate([[0.0], np.cumsum(sp[alive])])
         mem_min = np.minimum.accumulate(memory[alive]) if alive else np.zeros(0)
         c = self.costs
@@ -757,9 +841,9 @@ class Planner:
                 per_mb = np.asarray(even, dtype=float) * sum(c.layer(tp))
                 per_mb[-1] += (c.head_fwd + c.head_bwd) / tp
                 a = per_mb.sum() / vp + per_mb.max() * (vp - 1) / vp + 2.0 * (pp - 1) * self.cluster.p2p_latency_s
-                for n_pool in sorted({len(alive), n_healthy}):
+                for n_pool in sorted({len(alive)} if keep else {len(alive), n_healthy, n_clean}):
                     dp = min(n_pool // (tp * pp), m_total // (pp if vp > 1 else 1))
-                    if dp < 1 or (tp, pp) == (layout.tp, layout.pp):
+                    if dp < 1 or (tp, pp) == (layout.tp, layout.pp) or (keep and tp * pp * dp != n_pool):
                         continue
                     n = tp * pp * dp
                     if need > mem_min[n - 1] * (1 + 1e-9):

@@ -14,6 +14,9 @@ keeps a *believed* speed per device and only re-plans when that belief changes:
   belief never changed, nothing is re-planned;
 * ``slow_link`` (a pair of devices, ``links.py``) sets the link's extra seconds per message at
   once, and ``link_recovered`` clears it after the same ``recover_after`` iterations;
+* ``slow_nic`` (a device, ``nic.py``) sets the bandwidth of its NIC (``detail["mbps"]``) at
+  once, and ``nic_recovered`` clears it after ``recover_after`` iterations; the planner charges a
+  slow NIC to the gradient all-reduce of every data-parallel ring the device is in;
 * a changed belief re-plans from the layout in force, and the planner's own threshold
   (``PlannerConfig.min_gain``) drops plans that would not pay for their move (a factor re-estimated
   from x2.0 to x2.1 does not re-lay out the job).
@@ -50,6 +53,8 @@ class PlanPolicy:
         self._recovering: dict[int, int] = {}   # rank -> iteration of its 'recovered' verdict
         self.links: dict[tuple[int, int], float] = {}            # (device, device) -> extra s per message
         self._links_recovering: dict[tuple[int, int], int] = {}
+        self.nics: dict[int, float] = {}                          # device -> its NIC's bytes/s
+        self._nics_recovering: dict[int, int] = {}
         self.plans: list[tuple[int, Plan]] = []
 
     def believed(self, rank: int) -> float:
@@ -64,6 +69,9 @@ class PlanPolicy:
         if self.links or self._links_recovering:
             out["links"] = {f"{a}-{b}": float(x) for (a, b), x in self.links.items()}
             out["links_recovering"] = {f"{a}-{b}": int(it) for (a, b), it in self._links_recovering.items()}
+        if self.nics or self._nics_recovering:
+            out["nics"] = {str(d): float(x) for d, x in self.nics.items()}
+            out["nics_recovering"] = {str(d): int(it) for d, it in self._nics_recovering.items()}
         return out
 
     def restore(self, beliefs: dict[str, dict[str, float]]) -> None:
@@ -81,6 +89,8 @@ class PlanPolicy:
 
         self.links.update({pair(k): float(x) for k, x in beliefs.get("links", {}).items()})
         self._links_recovering.update({pair(k): int(it) for k, it in beliefs.get("links_recovering", {}).items()})
+        self.nics.update({int(d): float(x) for d, x in beliefs.get("nics", {}).items()})
+        self._nics_recovering.update({int(d): int(it) for d, it in beliefs.get("nics_recovering", {}).items()})
 
     def observe(self, iteration: int, verdicts: Iterable[Verdict] = (), *, adopt: bool = True) -> Plan | None:
         """Take this iteration's verdicts; return a plan when the belief changed and the planner
@@ -89,7 +99,7 @@ class PlanPolicy:
         changed = self.update_beliefs(iteration, verdicts)
         if not changed:
             return None
-        plan = self.planner.plan(self.layout, self.speeds, links=self.links)
+        plan = self.planner.plan(self.layout, self.speeds, links=self.links, nics=self.nics)
         if plan is None:
             logger.info("resihp policy iteration %d: %s; no re-layout gains more than %.0f %%", iteration,
                         "; ".join(changed), 100 * self.planner.config.min_gain)
@@ -137,6 +147,17 @@ class PlanPolicy:
                     changed.append(f"link {link[0]}-{link[1]} +{1e3 * extra:.1f} ms per message")
             elif v.kind == "link_recovered" and v.link in self.links:
                 self._links_recovering.setdefault(v.link, iteration)
+            elif v.kind == "slow_nic":
+                mbps = v.detail.get("mbps")
+                if not (isinstance(mbps, (int, float)) and math.isfinite(mbps) and mbps > 0):
+                    raise PlanningError(f"slow_nic verdict for device {r} at iteration {v.iteration} has no usable "
+                                        f"bandwidth (detail mbps {mbps!r})")
+                self._nics_recovering.pop(r, None)
+                if self.nics.get(r) != 1e6 * mbps:
+                    self.nics[r] = 1e6 * float(mbps)
+                    changed.append(f"NIC of {r} at {mbps:.4g} MB/s")
+            elif v.kind == "nic_recovered" and r in self.nics:
+                self._nics_recovering.setdefault(r, iteration)
         for r, since in sorted(self._recovering.items()):
             if iteration - since >= self.recover_after:
                 del self._recovering[r]
@@ -147,4 +168,9 @@ class PlanPolicy:
                 del self._links_recovering[link]
                 self.links.pop(link, None)
                 changed.append(f"link {link[0]}-{link[1]} healthy since iteration {since}")
+        for d, since in sorted(self._nics_recovering.items()):
+            if iteration - since >= self.recover_after:
+                del self._nics_recovering[d]
+                self.nics.pop(d, None)
+                changed.append(f"NIC of {d} healthy since iteration {since}")
         return changed

@@ -198,6 +198,8 @@ class Workload:
     master weights and two Adam moments: 2 + 2 + 4 + 8); what a state move transfers."""
     grad_bytes_per_param: float = 2.0
     """Bytes per parameter the data-parallel gradient all-reduce sends."""
+    activation_bytes_per_value: float = 2.0
+    """Bytes per activation value a pipeline message carries (bf16: 2, fp32: 4)."""
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "micro_batch_size"):
@@ -205,7 +207,7 @@ class Workload:
                 raise PlanningError(f"workload.{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_sq_per_sequence is not None and self.attention_sq_per_sequence < 0:
             raise PlanningError(f"workload.attention_sq_per_sequence must be >= 0, got {self.attention_sq_per_sequence}")
-        for name in ("state_bytes_per_param", "grad_bytes_per_param"):
+        for name in ("state_bytes_per_param", "grad_bytes_per_param", "activation_bytes_per_value"):
             if getattr(self, name) < 0:
                 raise PlanningError(f"workload.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -247,6 +249,9 @@ class PlannerConfig:
     """Shrink DP: leave out replicas (those with dead devices; or slow ones when that is faster)."""
     reshape: bool = True
     """Other (tp, pp, dp) sizes over the usable devices (TP only downwards)."""
+    reshape_keeps_devices: bool = False
+    """Reshape only to sizes over exactly the layout's devices, each keeping a place (a live
+    re-layout without a fault keeps every rank: ``--resihp-act relayout``)."""
     max_reshapes: int = 6
     """Shapes other than the current (tp, pp) scored in full, best closed-form bound first."""
     simulate_top: int = 3
@@ -291,6 +296,8 @@ class Plan:
     """The non-healthy devices the plan was made for (rank -> speed)."""
     links: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
     """The slow pipeline links it was made for ((device, device) -> extra seconds per message)."""
+    nics: dict[int, float] = dataclasses.field(default_factory=dict)
+    """The slow NICs it was made for (device -> bytes/s)."""
 
     @property
     def gain(self) -> float:
@@ -329,7 +336,8 @@ class Plan:
         if len(self.speeds) > 6:
             slow += f", +{len(self.speeds) - 6}"
         links = ", ".join(f"link {a}-{b} +{1e3 * x:.1f} ms" for (a, b), x in list(self.links.items())[:4])
-        slow = ", ".join(x for x in (slow, links) if x)
+        nics = ", ".join(f"NIC {d} {_rate(x)}" for d, x in list(self.nics.items())[:4])
+        slow = ", ".join(x for x in (slow, links, nics) if x)
         before = "inf" if math.isinf(self.iteration_s_before) else f"{self.iteration_s_before:.3g} s"
         gain = "" if math.isinf(self.iteration_s_before) else \
             f"-{100 * (1 - self.iteration_s_after / self.iteration_s_before):.1f} %, "
@@ -345,7 +353,8 @@ class Plan:
                 "max_bytes_per_device": self.max_bytes_per_device, "move_s": self.move_s,
                 "horizon_iterations": self.horizon_iterations, "optimum_s": _num(self.optimum_s),
                 "speeds": {str(k): v for k, v in self.speeds.items()},
-                **({"links": {f"{a}-{b}": x for (a, b), x in self.links.items()}} if self.links else {})}
+                **({"links": {f"{a}-{b}": x for (a, b), x in self.links.items()}} if self.links else {}),
+                **({"nics": {str(d): x for d, x in self.nics.items()}} if self.nics else {})}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -360,7 +369,7 @@ class Plan:
             raise PlanningError(f"plan: expected format {PLAN_FORMAT!r}, got {data.get('format')!r}")
         want = {"old", "new", "actions", "iteration_s_before", "iteration_s_after", "bytes_to_move",
                 "max_bytes_per_device", "move_s", "horizon_iterations", "optimum_s", "speeds"}
-        missing, unknown = sorted(want - set(data)), sorted(set(data) - want - {"format", "links"})
+        missing, unknown = sorted(want - set(data)), sorted(set(data) - want - {"format", "links", "nics"})
         if missing or unknown:
             raise PlanningError(f"plan: missing keys {missing}, unknown keys {unknown}")
         return cls(old=PlanLayout.from_dict(data["old"], "plan.old"), new=PlanLayout.from_dict(data["new"], "plan.new"),
@@ -369,7 +378,8 @@ class Plan:
                    max_bytes_per_device=float(data["max_bytes_per_device"]), move_s=float(data["move_s"]),
                    horizon_iterations=int(data["horizon_iterations"]), optimum_s=float(data["optimum_s"]),
                    speeds={int(k): float(v) for k, v in data["speeds"].items()},
-                   links={tuple(int(x) for x in k.split("-")): float(v) for k, v in data.get("links", {}).items()})
+                   links={tuple(int(x) for x in k.split("-")): float(v) for k, v in data.get("links", {}).items()},
+                   nics={int(k): float(v) for k, v in data.get("nics", {}).items()})
 
 
 def _num(x: float) -> float | str:
@@ -378,6 +388,10 @@ def _num(x: float) -> float | str:
 
 def _gb(b: float) -> str:
     return f"{b / 1e9:.3g} GB"
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.3g} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
 
 
 def _runs(values: Sequence[int]) -> str:

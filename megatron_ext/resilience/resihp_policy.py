@@ -2,11 +2,13 @@
 and this package's glue around them (issue #22 item 5), each variant a row of the benchmark.
 
 * ``resihp``: the planner and ``PlanPolicy`` as they are; the planner is told the node size
-  (``Cluster.devices_per_node``), so its TP groups stay inside nodes;
+  (``Cluster.devices_per_node``), so its TP groups stay inside nodes, and the NIC verdicts of the
+  live ring probe (``resihp/nic.py``, ``--resihp-nic-probe-interval``), which it charges to the
+  data-parallel rings the device is in;
 * ``resihp-nodeless``: the planner as it was before it knew nodes (the "before" of that change);
+* ``resihp-nicless``: the planner as it was before it took NIC verdicts (the "before" of that one);
 * ``resihp+rr``: also reroutes a faulty stage's micro-batches to its peers at once (ReCycle's
-  mechanism) and re-lays out only when the planner predicts its plan beats that;
-* ``resihp+rr+link``: a what-if with the link verdicts issue #22 item 4 would give.
+  mechanism) and re-lays out only when the planner predicts its plan beats that.
 """
 from __future__ import annotations
 
@@ -50,16 +52,18 @@ class ResiHP(Policy):
     name = "resihp"
 
     def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, nodes: bool = True,
-                 link_aware: bool = False, reroute_first: bool = False) -> None:
+                 nics: bool = True, reroute_first: bool = False) -> None:
         self.config = config or PlannerConfig()
         self.recover_after = recover_after
         self.nodes = nodes
-        self.link_aware = link_aware
+        self.nics = nics
         self.reroute_first = reroute_first
         if not nodes:
             self.name = "resihp-nodeless"
-        elif reroute_first or link_aware:
-            self.name = "resihp+" + "+".join(x for x, on in (("rr", reroute_first), ("link", link_aware)) if on)
+        elif not nics:
+            self.name = "resihp-nicless"
+        elif reroute_first:
+            self.name = "resihp+rr"
 
     def planner(self, ctx: Context) -> Planner:
         shape, tokens = ctx.shape, ctx.data.tokens
@@ -108,8 +112,8 @@ class ResiHP(Policy):
                       f"{'/'.join(map(str, plan.new.stage_layers))}")
 
     def react(self, ctx, t, it, verdicts, links):
-        if self.link_aware:
-            verdicts = list(verdicts) + self._link_verdicts(it, links)
+        if self.nics:
+            verdicts = list(verdicts) + self._nic_verdicts(ctx, it, links)
         if self.reroute_first:
             return self._reroute_or_plan(ctx, it, verdicts)
         return self.decide(ctx, it, verdicts)
@@ -124,22 +128,19 @@ class ResiHP(Policy):
             plan = self.policy.observe(it, verdicts, adopt=False)
         except PlanningError:
             return self.decide(ctx, it, [])   # no plan survives: decide's fallback restarts
-        if np.array_equal(before, self.policy.speeds):
-            return None
         base = self.policy.layout
+        if np.array_equal(before, self.policy.speeds):
+            # No device changed speed (a NIC did): nothing to reroute; the plan stands on its own.
+            return None if plan is None else self._adopt(ctx, base, plan, "")
         hidden = np.where((self.policy.speeds < 1) & np.isin(np.arange(ctx.num_devices), base.devices), 1.0,
                           self.policy.speeds)
         # A replica that lost every stage cannot be rerouted: its micro-batches go to the others.
         grid = np.asarray(base.devices).reshape(base.pp, base.dp, base.tp)
         gone = [d for d in range(base.dp) if (self.policy.speeds[grid[:, d, :]] <= 0).any(axis=1).all()]
         share = base.num_microbatches / max(1, base.num_microbatches - sum(base.microbatches[d] for d in gone))
-        rerouted_s = self.policy.planner.iteration_s(base, hidden, self.policy.links) * share
+        rerouted_s = self.policy.planner.iteration_s(base, hidden, self.policy.links, self.policy.nics) * share
         if plan is not None and plan.iteration_s_after + plan.move_s / plan.horizon_iterations < rerouted_s:
-            self.policy.layout = plan.new
-            new = from_plan_layout(plan.new)
-            pause = move_pause_s(ctx, from_plan_layout(base), new, ctx.costs.reconfigure_s)
-            self.job = new
-            return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape} (beats rerouting)")
+            return self._adopt(ctx, base, plan, " (beats rerouting)")
         try:
             _, job = reroute(from_plan_layout(base).pipelines, self.policy.speeds)
         except RuntimeError:
@@ -149,32 +150,34 @@ class ResiHP(Policy):
         self.job = job
         return Action(job, ctx.costs.reroute_s, note=_reroute_note(job))
 
-    def _link_verdicts(self, it: int, links: list[LinkVerdict]) -> list[Verdict]:
-        """What-if glue for item 4 of issue #22 (a detector that names slow links): the planner has
-        no link in its model, so a device behind a NIC at 1/2 or less is handed to it as a device
-        that slow (it then packs it away or replaces it by a spare), and handed back when the link
-        recovers. Paths between nodes carry no device: left alone."""
+    def _adopt(self, ctx: Context, base, plan, why: str) -> Action:
+        self.policy.layout = plan.new
+        new = from_plan_layout(plan.new)
+        pause = move_pause_s(ctx, from_plan_layout(base), new, ctx.costs.reconfigure_s)
+        self.job = new
+        return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape}{why}")
+
+    def _nic_verdicts(self, ctx: Context, it: int, links: list[LinkVerdict]) -> list[Verdict]:
+        """The detector model's NIC verdicts as the live ring probe gives them (``resihp/nic.py``:
+        ``slow_nic`` with the NIC's bandwidth in ``detail["mbps"]``, ``nic_recovered``). Paths
+        between nodes carry no device: ResiHP has no verdict for them."""
         out = []
         for lv in links:
             if lv.kind != "slow_nic":
                 continue
-            if lv.factor >= 2.0:
-                out.append(Verdict(kind="fail_slow", rank=int(lv.target), stage=None, iteration=it, factor=lv.factor,
-                                   confidence=1.0, detector="link-model"))
-            elif lv.factor == 1.0:
-                out.append(Verdict(kind="recovered", rank=int(lv.target), stage=None, iteration=it, factor=None,
-                                   confidence=1.0, detector="link-model"))
+            recovered = lv.factor == 1.0
+            out.append(Verdict(kind="nic_recovered" if recovered else "slow_nic", rank=int(lv.target), stage=None,
+                               iteration=it, factor=None, confidence=1.0, detector="link-model",
+                               detail={} if recovered else {"mbps": ctx.hw.nic_bytes_per_s / lv.factor / 1e6}))
         return out
 
 
-BEFORE = ("resihp-nodeless",)
-"""ResiHP as it was before a change of ``megatron_ext.resihp``, kept as a row for the before/after."""
+BEFORE = ("resihp-nodeless", "resihp-nicless")
+"""ResiHP as it was before a change of ``megatron_ext.resihp``, kept as rows for the before/after."""
 GLUE = ("resihp+rr",)
 """ResiHP's decisions with this package's glue (docs/resilience.md, "Policy glue")."""
-WHAT_IF = ("resihp+rr+link",)
-"""The glue given link verdicts, which ResiHP's detector does not produce yet (issue #22 item 4)."""
-_FLAGS = {"resihp": {}, "resihp-nodeless": {"nodes": False}, "resihp+rr": {"reroute_first": True},
-          "resihp+link": {"link_aware": True}, "resihp+rr+link": {"reroute_first": True, "link_aware": True}}
+_FLAGS = {"resihp": {}, "resihp-nodeless": {"nodes": False, "nics": False}, "resihp-nicless": {"nics": False},
+          "resihp+rr": {"reroute_first": True}}
 
 
 def make(name: str) -> Policy:

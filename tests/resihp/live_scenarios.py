@@ -5,8 +5,9 @@ computes 3x slower from iteration 25 (2x sits inside the noise of
 4 ranks sharing 2 cores in some runs: docs/resihp.md, "The README example"). Scenario "link": the
 pipeline link between ranks 0 and 2 (replica 0's stage 0 -> 1) carries 2 MB/s from iteration 25 (a
 64 KB activation: +33 ms per message), with the planner acting on the verdict. Scenario "nic": every
-send of rank 1 at 4 MB/s from iteration 20 (+16 ms per 64 KB message), the ring probe on (as in
-"healthy", where it must name nothing). Verdicts and traces
+send of rank 1 at 4 MB/s from iteration 20 (+16 ms per 64 KB message, and its share of the gradient
+all-reduce), the ring probe on (as in "healthy", where it must name nothing), and the planner
+allowed other shapes over the same ranks. Verdicts and traces
 go to files under OUT; a second argument names the scenarios to run (comma-separated; default all).
 """
 from __future__ import annotations
@@ -37,8 +38,10 @@ SCENARIOS = {
     # A slow link, named as a link (not a device), and re-placed around: the planner swaps the
     # replicas of one end so that the link carries no pipeline traffic.
     "link": {"train_iters": 70, "inject_slow_link": ["0:2:25:2"], "resihp_act": "relayout"},
-    # A slow NIC (every send of rank 1 at 4 MB/s), named by the ring probe as that device's.
-    "nic": {"train_iters": 45, "inject_slow_nic": ["1:20:4"], "resihp_nic_probe_interval": 1},
+    # A slow NIC (every send of rank 1 at 4 MB/s, its share of the gradient all-reduce included),
+    # named by the ring probe as that device's; the planner reshapes around it (--resihp-act-reshape).
+    "nic": {"train_iters": 40, "inject_slow_nic": ["1:20:4"], "resihp_nic_probe_interval": 1, "resihp_act": "relayout",
+            "resihp_act_reshape": True},
 }
 
 

@@ -247,3 +247,23 @@ def test_a_slow_nic_is_named_by_the_ring_probe_as_that_device(live):
     assert 8e-3 < first["detail"]["extra_s_per_message"] < 40e-3, first   # 16.4 ms injected
     assert not [v for v in rows if v["kind"] == "fail_slow"], "the slow NIC was taken for a slow device"
     assert "injected: rank 1's NIC at 4 MB/s from iteration 20; named at iteration" in (live / "log.txt").read_text()
+
+
+@pytest.mark.multirank
+def test_the_planner_takes_the_data_parallel_ring_off_a_slow_nic_live(live):
+    # --resihp-act relayout: the NIC verdict reaches the planner as the NIC's bandwidth; its share
+    # of the gradient all-reduce (held by the injection too) makes PP2 x DP2 wait for it, and the
+    # planner reshapes to a layout with no data-parallel ring over the same four ranks. Later link
+    # verdicts (the NIC's sends to its new pipeline neighbours) change nothing: the planner already
+    # counts the NIC on them, so it does not flap back to a ring.
+    rows = verdicts(live / "nic.verdicts.jsonl")
+    plans = [v for v in rows if v["kind"] == "plan"]
+    assert plans and set(plans[0]["nics"]) == {"1"}, plans
+    assert 3e6 < plans[0]["nics"]["1"] < 5e6, plans[0]["nics"]                # 4 MB/s injected
+    done = json.loads((live / "nic.relayouts.json").read_text())
+    (first,) = done["relayouts"]
+    assert first["from"] == "tp1pp2dp2" and first["to"].endswith("dp1") and sorted(first["members"]) == [0, 1, 2, 3]
+    assert done["iterations"] == done["train_rows"] == 40
+    (rec,) = done["recovery"]
+    assert rec["during_ms"] > 1.5 * rec["before_ms"], rec       # the NIC's ring share made iterations slower
+    assert rec["after_ms"] < rec["during_ms"], rec              # the re-layout helped

@@ -20,7 +20,8 @@ def test_flag_list_is_pinned():
         "resihp_p2p_latency_s", "resihp_links", "resihp_link_floor_ms", "resihp_nic_probe_interval", "resihp_nic_probe_kb",
         "resihp_heartbeat_interval_s", "resihp_heartbeat_timeout_s",
         "resihp_trace_out", "resihp_verdicts_out", "resihp_on_stop", "resihp_exit_file", "resihp_respawn", "resihp_keep_newer_stages",
-            "resihp_continue_experimental_nccl", "resihp_continue_timeout_s", "resihp_act", "resihp_act_min_gain",
+            "resihp_continue_experimental_nccl", "resihp_continue_timeout_s", "resihp_act", "resihp_act_reshape",
+        "resihp_act_min_gain",
         "resihp_act_horizon"]
 
 
