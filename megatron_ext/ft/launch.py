@@ -116,14 +116,10 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
         w.start()
 
     def watch(rank: int, incarnation: int, p) -> None:
-        if isinstance(p, zg.ForkedRank):
-            code = p.wait()
-            if capture:
-                texts[rank].append(p.output())
-        else:
-            if capture:
-                texts[rank].append(p.stdout.read())
-            code = p.wait()
+        text, _ = p.communicate()      # a forked rank's and a new interpreter's alike
+        code = p.returncode
+        if capture:
+            texts[rank].append(text or "")
         codes[rank].append(code)
         if code == 0 or not report_exits:
             return

@@ -194,8 +194,8 @@ def serve(reply_fd: int) -> None:
 
 class ForkedRank:
     """A rank forked by a zygote, with the part of ``subprocess.Popen``'s interface the launcher
-    uses (``pid``, ``poll``, ``wait``, ``kill``, ``returncode``); its output, when captured, is in
-    the file ``out``."""
+    uses (``pid``, ``poll``, ``wait``, ``communicate``, ``kill``, ``returncode``); its output, when
+    captured, is in the file ``out``."""
 
     def __init__(self, pid: int, out: str | None):
         self.pid, self.out, self.returncode = pid, out, None
@@ -219,6 +219,12 @@ class ForkedRank:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def communicate(self) -> tuple[str | None, None]:
+        """As ``Popen.communicate``: wait for the end, then the captured output (None when not
+        captured)."""
+        self.wait()
+        return (self.output() if self.out is not None else None), None
 
     def output(self) -> str:
         if self.out is None:

@@ -147,7 +147,9 @@ class Persistence:
     scored iterations are all flagged *and* at least ``severe`` times slower is convicted then,
     without waiting for the window (a 2x device at 7 of 8 iterations costs every policy that listens
     minutes on a large model). ``severe_window`` longer than the synthetic traces' longest pause (3
-    iterations) keeps one pause from tripping it.
+    iterations) keeps one such pause from tripping it, but not every stall: measured on the tuning
+    seed of tools/bench_detector.py, two healthy stalls and one wrong rank in a 3x job were named by
+    this rule (docs/resihp.md); it trades those for acting 3 iterations sooner.
 
     One quiet iteration inside a fault does not hide it, while a healthy rank needs a slowdown
     that lasts nearly the whole window: two short independent pauses (one to three iterations
