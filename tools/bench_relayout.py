@@ -21,7 +21,10 @@
     (PP2 x DP2) with rank 3 SIGKILLed in its optimizer step: whether the survivors trained to the
     end, iterations lost, the pause, the curve against a straight run; ``fail_stop_dp1``: the same
     on PP2 over 2 ranks (no replica: the lost stage comes from the last checkpoint).
-    ``--no-live`` skips part (a).
+    ``slow_nic``: PP2 x DP2 with one rank's NIC at 4 MB/s (its pipeline messages, ring-probe
+    messages and share of the gradient all-reduce), named by the ring probe; the planner's plan
+    applied (``--resihp-act relayout --resihp-act-reshape``) against the same run with the plan only
+    logged. ``--no-live`` skips part (a).
 
 Prints a table, then one JSON line through the harness:
   {"bench": "bench_relayout", "live": {...}, "sim": {"decision_s_4096": ..., "decision_warm_s_4096": ...}, ...}
@@ -342,8 +345,67 @@ def _live_error_exit(root: str, tmp: str, name: str, errors: list[str], *, at: i
     return out
 
 
+def _live_slow_nic(root: str, tmp: str, *, iters: int = 55, since: int = 25, mbps: float = 4.0) -> dict:
+    """PP2 x DP2 on 4 ranks, launch rank 1's NIC at ``mbps`` MB/s from iteration ``since`` (its
+    pipeline messages, its ring-probe messages and its share of the gradient all-reduce held), the
+    ring probe every iteration. Two arms, one after the other: ``relayout`` (``--resihp-act relayout
+    --resihp-act-reshape``: the planner's plan applied) and ``plan`` (the same plan only logged:
+    the job keeps its layout). Iteration medians before the fault, with it before the change, and
+    after it (from 3 iterations after the change); the same windows of the ``plan`` arm; what the
+    planner predicted for the layout in force and for its plan."""
+    import re
+
+    from megatron_ext.ft.launch import job_exit_code
+
+    out: dict = {}
+    for arm in ("relayout", "plan"):
+        d = os.path.join(tmp, f"slow_nic_{arm}")
+        metrics = os.path.join(d, "metrics.jsonl")
+        argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--pipeline-model-parallel-size", "2",
+                "--train-iters", str(iters), "--resihp", "--resihp-nic-probe-interval", "1", "--resihp-act", arm,
+                "--inject-slow-nic", f"1:{since}:{mbps:g}", "--metrics-file", metrics]
+        if arm == "relayout":
+            argv.append("--resihp-act-reshape")
+        ranks, wall, _ = _launch_watched(argv, 4, root, metrics)
+        text = "".join(r.output for r in ranks)
+        train = {r["iteration"]: r["iter_time_s"] for r in _rows(metrics, "train")}
+        changes = _rows(metrics, "layout_change")
+        plan_line = next((line.strip() for line in text.splitlines() if " resihp plan [" in line), None)
+        pred = re.search(r"iteration ([0-9.]+) s -> ([0-9.]+) s predicted", plan_line or "")
+        out[arm] = {"exit_code": job_exit_code(ranks), "wall_s": round(wall, 1), "changes": len(changes),
+                    "to": changes[0]["to"] if changes else None, "plan": plan_line,
+                    "predicted_before_ms": round(1e3 * float(pred.group(1)), 1) if pred else None,
+                    "predicted_after_ms": round(1e3 * float(pred.group(2)), 1) if pred else None,
+                    "named_at": next((int(m.group(1)) for m in re.finditer(r"iteration (\d+): rank \d+ slow NIC", text)),
+                                     None), "train": train}
+    act = out["relayout"]
+    at = next((c["iteration"] for c in _rows(os.path.join(tmp, "slow_nic_relayout", "metrics.jsonl"), "layout_change")),
+              None)
+
+    def med(arm: str, lo: int, hi: int) -> float | None:
+        xs = [out[arm]["train"][i] for i in range(lo, hi + 1) if i in out[arm]["train"]]
+        return round(1e3 * float(np.median(xs)), 1) if xs else None
+
+    res = {"mbps": mbps, "since": since, "iterations": iters, "changed_at": at,
+           **{f"{arm}_{k}": v for arm in out for k, v in out[arm].items() if k != "train"}}
+    res["before_ms"] = med("relayout", 3, since - 1)
+    res["during_ms"] = med("relayout", since + 1, (at or iters))
+    if at is not None:
+        res["after_ms"] = med("relayout", at + 3, iters)
+        res["plan_arm_same_window_ms"] = med("plan", at + 3, iters)
+        res["plan_arm_before_ms"] = med("plan", 3, since - 1)
+    print(f"  slow_nic: PP2 x DP2, launch rank 1's NIC at {mbps:g} MB/s from iteration {since} (ring probe every "
+          f"iteration): named at {act['named_at']}; relayout arm -> {act['to']} at iteration {at}; iteration "
+          f"{res['before_ms']} ms healthy, {res['during_ms']} ms with the slow NIC, {res.get('after_ms')} ms after the "
+          f"change (plan-only arm over the same iterations: {res.get('plan_arm_same_window_ms')} ms, its healthy "
+          f"{res.get('plan_arm_before_ms')} ms); the planner predicted {act['predicted_before_ms']} ms for the layout "
+          f"in force and {act['predicted_after_ms']} ms for its plan; exit codes {act['exit_code']}/"
+          f"{out['plan']['exit_code']}")
+    return res
+
+
 LIVE_PARTS = ("pp2", "pp2dp2", "fail_stop", "fail_stop_dp1", "second_fault", "regrow", "plain_error",
-              "collective_error")
+              "collective_error", "slow_nic")
 
 
 def run_live(iters: int, parts: tuple[str, ...] = LIVE_PARTS) -> dict:
@@ -384,6 +446,8 @@ def run_live(iters: int, parts: tuple[str, ...] = LIVE_PARTS) -> dict:
             live["plain_error_exit_s"] = live["plain_error"]["exit_s"]
         if "collective_error" in parts:  # a collective failing while no rank is lost: re-raised on every rank
             live["collective_error"] = _live_error_exit(root, tmp, "collective_error", ["2:10:collective"])
+        if "slow_nic" in parts:  # a slow NIC named by the ring probe, the planner reshaping around it
+            live["slow_nic"] = _live_slow_nic(root, tmp)
     live["load_average_end"] = round(os.getloadavg()[0], 1)
     return live
 
