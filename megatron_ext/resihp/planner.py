@@ -56,10 +56,15 @@ logger = logging.getLogger(__name__)
 
 
 def layer_params(spec: ModelSpec) -> float:
-    """Parameters of one transformer layer (projections; norms and biases are noise here)."""
+    """Parameters of one transformer layer (projections; norms and biases are noise here). MoE:
+    every expert's MLP and the router (it counted one expert's MLP before: an MoE layer's
+    gradients, state and memory were undercounted by its expert count)."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.groups * d
-    return float(h * (q + 2 * kv) + q * h + h * spec.ffn * (3 if spec.gated_linear_unit else 2))
+    mlp = h * spec.ffn * (3 if spec.gated_linear_unit else 2)
+    if spec.num_experts is not None:
+        mlp = spec.num_experts * mlp + h * spec.num_experts
+    return float(h * (q + 2 * kv) + q * h + mlp)
 
 
 def stage_params(spec: ModelSpec, layers: Sequence[int]) -> np.ndarray:
@@ -72,11 +77,13 @@ def stage_params(spec: ModelSpec, layers: Sequence[int]) -> np.ndarray:
     return out
 
 
-def default_memory_model(spec: ModelSpec, workload: Workload, tp: int, pp: int, layers: Sequence[int]) -> np.ndarray:
-    """Bytes per device of each stage: state (``state_bytes_per_param``) plus the activations 1F1B
-    keeps in flight (stage ``s`` holds up to ``pp - s`` micro-batches), per layer
-    ``s b h (34 + 5 a s / h)`` bytes without recomputation and ``2 s b h`` with full
-    recomputation (Korthikanti et al. 2022), divided by ``tp`` (sequence parallel)."""
+def default_memory_model(spec: ModelSpec, workload: Workload, tp: int, pp: int, layers: Sequence[int],
+                         dp: int = 1) -> np.ndarray:
+    """Bytes per device of each stage: state (``state_bytes_per_param``, whole on every replica: no
+    distributed optimizer, so ``dp`` does not matter) plus the activations 1F1B keeps in flight
+    (stage ``s`` holds up to ``pp - s`` micro-batches), per layer ``s b h (34 + 5 a s / h)`` bytes
+    without recomputation and ``2 s b h`` with full recomputation (Korthikanti et al. 2022),
+    divided by ``tp`` (sequence parallel)."""
     s, b, h, a = workload.seq_length, workload.micro_batch_size, spec.hidden_size, spec.num_attention_heads
     per_layer = 2.0 * s * b * h if spec.recompute else s * b * h * (34.0 + 5.0 * a * s / h)
     inflight = pp - np.arange(pp, dtype=float)
@@ -475,7 +482,7 @@ class Planner:
         return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload, links or {}, nics or {})
 
     def fits(self, layout: PlanLayout, memory: np.ndarray) -> bool:
-        need = self.memory_model(self.spec, self.workload, layout.tp, layout.pp, layout.stage_layers)
+        need = self.memory_model(self.spec, self.workload, layout.tp, layout.pp, layout.stage_layers, layout.dp)
         return bool((need[:, None, None] <= memory[layout.grid()] * (1 + 1e-9)).all())
 
     def _closed_s(self, layout: PlanLayout, stage_speed: np.ndarray) -> float:
@@ -786,8 +793,8 @@ class Planner:
         """Most layers each stage can hold in memory (the smallest device of the stage decides)."""
         pp = layout.pp
         cap_mem = memory[layout.grid()].min(axis=(1, 2))
-        zero = self.memory_model(self.spec, self.workload, layout.tp, pp, [0] * pp)
-        one = self.memory_model(self.spec, self.workload, layout.tp, pp, [1] * pp) - zero
+        zero = self.memory_model(self.spec, self.workload, layout.tp, pp, [0] * pp, layout.dp)
+        one = self.memory_model(self.spec, self.workload, layout.tp, pp, [1] * pp, layout.dp) - zero
         with np.errstate(divide="ignore", invalid="ignore"):
             cap = np.floor((cap_mem - zero) / one)
         return np.clip(np.nan_to_num(cap, nan=0, posinf=self.spec.num_layers), 0, self.spec.num_layers).astype(np.int64)
@@ -837,7 +844,6 @@ class Planner:
             for pp in range(1, min(spec.num_layers, len(alive) // tp) + 1):
                 vp = layout.vp if pp > 1 and spec.num_layers >= pp * layout.vp else 1
                 even = _split_even(spec.num_layers, pp)
-                need = float(self.memory_model(spec, self.workload, tp, pp, even).max())
                 per_mb = np.asarray(even, dtype=float) * sum(c.layer(tp))
                 per_mb[-1] += (c.head_fwd + c.head_bwd) / tp
                 a = per_mb.sum() / vp + per_mb.max() * (vp - 1) / vp + 2.0 * (pp - 1) * self.cluster.p2p_latency_s
@@ -846,6 +852,7 @@ class Planner:
                     if dp < 1 or (tp, pp) == (layout.tp, layout.pp) or (keep and tp * pp * dp != n_pool):
                         continue
                     n = tp * pp * dp
+                    need = float(self.memory_model(spec, self.workload, tp, pp, even, dp).max())
                     if need > mem_min[n - 1] * (1 + 1e-9):
                         continue
                     m = -(-m_total // dp)

@@ -270,8 +270,10 @@ class PlannerConfig:
                                 f"got {self.max_reshapes} and {self.simulate_top}")
 
 
-MemoryModel = Callable[[ModelSpec, Workload, int, int, Sequence[int]], np.ndarray]
-"""``(spec, workload, tp, pp, layers per stage) -> bytes each device of a stage needs, shape (pp,)``."""
+MemoryModel = Callable[[ModelSpec, Workload, int, int, Sequence[int], int], np.ndarray]
+"""``(spec, workload, tp, pp, layers per stage, dp) -> bytes each device of a stage needs, shape
+(pp,)``; ``dp`` for a model whose optimizer state is sharded over the replicas (a distributed
+optimizer)."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class ResiHP(Policy):
     """ResiHP's planner and hysteresis (``megatron_ext.resihp``) decide; the simulator scores. The
     planner gets this cluster's figures (effective FLOP/s, NIC and NVLink bandwidth, the re-layout
     pause) and, since the planner's memory model is injectable, this module's (distributed
-    optimizer, selective recomputation). A layout no planner move can reach after a loss falls back
+    optimizer over the layout's replicas, selective recomputation). A layout no planner move can reach after a loss falls back
     to checkpoint-restart."""
 
     name = "resihp"
@@ -68,9 +68,9 @@ class ResiHP(Policy):
     def planner(self, ctx: Context) -> Planner:
         shape, tokens = ctx.shape, ctx.data.tokens
 
-        def memory(spec, workload, tp, pp, layers):
-            # dp = 1: the whole optimizer state on each device, the conservative case.
-            return np.array([memory_bytes(shape, int(n), first=k == 0, last=k == pp - 1, tp=tp, dp=1, inflight=pp - k,
+        def memory(spec, workload, tp, pp, layers, dp):
+            # The distributed optimizer: master weights and moments sharded over the replicas.
+            return np.array([memory_bytes(shape, int(n), first=k == 0, last=k == pp - 1, tp=tp, dp=dp, inflight=pp - k,
                                           seq_tokens=tokens) for k, n in enumerate(layers)])
 
         cl = Cluster(device_flops=ctx.hw.flops, memory_bytes=ctx.hw.memory_bytes, link_bytes_per_s=ctx.hw.nic_bytes_per_s,

@@ -126,3 +126,26 @@ def test_a_slow_nic_also_holds_its_devices_pipeline_messages():
     assert with_nic == pytest.approx(p.iteration_s(pipe, ones, links={(0, 1): extra, (1, 2): extra}), rel=1e-12)
     # A link verdict measured across the slow NIC is the NIC: the larger figure counts, not both.
     assert p.iteration_s(pipe, ones, links={(0, 1): extra / 2}, nics={1: LINK / 10}) == pytest.approx(with_nic, rel=1e-12)
+
+
+def test_the_memory_model_is_told_the_replicas_so_a_sharded_optimizer_fits():
+    # A distributed optimizer: state sharded over the replicas. The layout fits at DP 2 and not at
+    # DP 1: the planner asks with each candidate's own DP, so a same-shape fix is a candidate and a
+    # shrink to one replica is not.
+    seen = []
+
+    def sharded(spec, workload, tp, pp, layers, dp):
+        seen.append(dp)
+        return np.full(pp, 60e9 if dp == 1 else 40e9)
+
+    cl = Cluster(device_flops=150e12, memory_bytes=50e9, link_bytes_per_s=LINK, relayout_pause_s=10.0,
+                 tp_bytes_per_s=300e9)
+    p = Planner(M350, cl, Workload(seq_length=2048), PlannerConfig(horizon_iterations=1000, reshape=False),
+                memory_model=sharded)
+    assert p.fits(START, cl.memory_of(6)) and 2 in seen
+    plan = p.plan(START, np.ones(6), nics={1: LINK / 10})
+    assert plan is not None and plan.new.dp == 2 and 1 not in plan.new.devices
+    sp = np.ones(4)
+    sp[1] = 0.0                                        # a loss: no room for one replica alone
+    with pytest.raises(PlanningError, match="no layout runs without rank"):
+        p.plan(START, sp)

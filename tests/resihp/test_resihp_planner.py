@@ -540,3 +540,13 @@ def test_other_schedules_plan_with_their_own_simulation(schedule, vp):
         # microbatch_group_size_per_vp_stage), every chunk keeps a layer.
         assert all(m % plan.new.pp == 0 for m in plan.new.microbatches)
     assert plan.new.schedule == schedule or plan.new.vp != vp
+
+
+def test_an_moe_layer_holds_every_expert_and_the_router():
+    moe = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000, ffn_hidden_size=96,
+                    gated_linear_unit=True, num_experts=8, moe_router_topk=2)
+    dense = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=1000, ffn_hidden_size=96,
+                      gated_linear_unit=True)
+    attention = 4 * 64 * 64
+    assert layer_params(dense) == attention + 3 * 64 * 96
+    assert layer_params(moe) == attention + 8 * 3 * 64 * 96 + 64 * 8
