@@ -24,7 +24,7 @@
     ``slow_nic``: PP2 x DP2 with one rank's NIC at 4 MB/s (its pipeline messages, ring-probe
     messages and share of the gradient all-reduce), named by the ring probe; the planner's plan
     applied (``--resihp-act relayout --resihp-act-reshape``) against the same run with the plan only
-    logged. ``--no-live`` skips part (a).
+    logged, two rounds in rotated order, the arms' healthy windows as the A/A. ``--no-live`` skips part (a).
 
 Prints a table, then one JSON line through the harness:
   {"bench": "bench_relayout", "live": {...}, "sim": {"decision_s_4096": ..., "decision_warm_s_4096": ...}, ...}
@@ -345,62 +345,86 @@ def _live_error_exit(root: str, tmp: str, name: str, errors: list[str], *, at: i
     return out
 
 
-def _live_slow_nic(root: str, tmp: str, *, iters: int = 55, since: int = 25, mbps: float = 4.0) -> dict:
-    """PP2 x DP2 on 4 ranks, launch rank 1's NIC at ``mbps`` MB/s from iteration ``since`` (its
-    pipeline messages, its ring-probe messages and its share of the gradient all-reduce held), the
-    ring probe every iteration. Two arms, one after the other: ``relayout`` (``--resihp-act relayout
-    --resihp-act-reshape``: the planner's plan applied) and ``plan`` (the same plan only logged:
-    the job keeps its layout). Iteration medians before the fault, with it before the change, and
-    after it (from 3 iterations after the change); the same windows of the ``plan`` arm; what the
-    planner predicted for the layout in force and for its plan."""
+def _slow_nic_arm(root: str, d: str, arm: str, *, iters: int, since: int, mbps: float) -> dict:
+    """One job of the ``slow_nic`` case: ``--resihp-act ARM`` (``relayout`` also with
+    ``--resihp-act-reshape``); its iteration times, its first plan line and what that predicted."""
     import re
 
     from megatron_ext.ft.launch import job_exit_code
 
-    out: dict = {}
-    for arm in ("relayout", "plan"):
-        d = os.path.join(tmp, f"slow_nic_{arm}")
-        metrics = os.path.join(d, "metrics.jsonl")
-        argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--pipeline-model-parallel-size", "2",
-                "--train-iters", str(iters), "--resihp", "--resihp-nic-probe-interval", "1", "--resihp-act", arm,
-                "--inject-slow-nic", f"1:{since}:{mbps:g}", "--metrics-file", metrics]
-        if arm == "relayout":
-            argv.append("--resihp-act-reshape")
-        ranks, wall, _ = _launch_watched(argv, 4, root, metrics)
-        text = "".join(r.output for r in ranks)
-        train = {r["iteration"]: r["iter_time_s"] for r in _rows(metrics, "train")}
-        changes = _rows(metrics, "layout_change")
-        plan_line = next((line.strip() for line in text.splitlines() if " resihp plan [" in line), None)
-        pred = re.search(r"iteration ([0-9.]+) s -> ([0-9.]+) s predicted", plan_line or "")
-        out[arm] = {"exit_code": job_exit_code(ranks), "wall_s": round(wall, 1), "changes": len(changes),
-                    "to": changes[0]["to"] if changes else None, "plan": plan_line,
-                    "predicted_before_ms": round(1e3 * float(pred.group(1)), 1) if pred else None,
-                    "predicted_after_ms": round(1e3 * float(pred.group(2)), 1) if pred else None,
-                    "named_at": next((int(m.group(1)) for m in re.finditer(r"iteration (\d+): rank \d+ slow NIC", text)),
-                                     None), "train": train}
-    act = out["relayout"]
-    at = next((c["iteration"] for c in _rows(os.path.join(tmp, "slow_nic_relayout", "metrics.jsonl"), "layout_change")),
-              None)
+    metrics = os.path.join(d, "metrics.jsonl")
+    argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--pipeline-model-parallel-size", "2",
+            "--train-iters", str(iters), "--resihp", "--resihp-nic-probe-interval", "1", "--resihp-act", arm,
+            "--inject-slow-nic", f"1:{since}:{mbps:g}", "--metrics-file", metrics]
+    if arm == "relayout":
+        argv.append("--resihp-act-reshape")
+    ranks, wall, _ = _launch_watched(argv, 4, root, metrics)
+    text = "".join(r.output for r in ranks)
+    changes = _rows(metrics, "layout_change")
+    plan_line = next((line.strip() for line in text.splitlines() if " resihp plan [" in line), None)
+    pred = re.search(r"iteration ([0-9.]+) s -> ([0-9.]+) s predicted", plan_line or "")
+    named = re.search(r"iteration (\d+): rank \d+ slow NIC", text)
+    return {"exit_code": job_exit_code(ranks), "wall_s": round(wall, 1), "changes": len(changes),
+            "changed_at": changes[0]["iteration"] if changes else None, "to": changes[0]["to"] if changes else None,
+            "plan": plan_line, "predicted_before_ms": round(1e3 * float(pred.group(1)), 1) if pred else None,
+            "predicted_after_ms": round(1e3 * float(pred.group(2)), 1) if pred else None,
+            "named_at": int(named.group(1)) if named else None,
+            "train": {r["iteration"]: r["iter_time_s"] for r in _rows(metrics, "train")}}
 
-    def med(arm: str, lo: int, hi: int) -> float | None:
-        xs = [out[arm]["train"][i] for i in range(lo, hi + 1) if i in out[arm]["train"]]
-        return round(1e3 * float(np.median(xs)), 1) if xs else None
 
-    res = {"mbps": mbps, "since": since, "iterations": iters, "changed_at": at,
-           **{f"{arm}_{k}": v for arm in out for k, v in out[arm].items() if k != "train"}}
-    res["before_ms"] = med("relayout", 3, since - 1)
-    res["during_ms"] = med("relayout", since + 1, (at or iters))
-    if at is not None:
-        res["after_ms"] = med("relayout", at + 3, iters)
-        res["plan_arm_same_window_ms"] = med("plan", at + 3, iters)
-        res["plan_arm_before_ms"] = med("plan", 3, since - 1)
-    print(f"  slow_nic: PP2 x DP2, launch rank 1's NIC at {mbps:g} MB/s from iteration {since} (ring probe every "
-          f"iteration): named at {act['named_at']}; relayout arm -> {act['to']} at iteration {at}; iteration "
-          f"{res['before_ms']} ms healthy, {res['during_ms']} ms with the slow NIC, {res.get('after_ms')} ms after the "
-          f"change (plan-only arm over the same iterations: {res.get('plan_arm_same_window_ms')} ms, its healthy "
-          f"{res.get('plan_arm_before_ms')} ms); the planner predicted {act['predicted_before_ms']} ms for the layout "
-          f"in force and {act['predicted_after_ms']} ms for its plan; exit codes {act['exit_code']}/"
-          f"{out['plan']['exit_code']}")
+def _live_slow_nic(root: str, tmp: str, *, iters: int = 55, since: int = 25, mbps: float = 4.0,
+                   rounds: int = 2) -> dict:
+    """PP2 x DP2 on 4 ranks, launch rank 1's NIC at ``mbps`` MB/s from iteration ``since`` (its
+    pipeline messages, its ring-probe messages and its share of the gradient all-reduce held), the
+    ring probe every iteration. Two arms per round, in an order rotated every round: ``relayout``
+    (``--resihp-act relayout --resihp-act-reshape``: the planner's plan applied) and ``plan`` (the
+    same verdict, the plan only logged: the job keeps its layout). Per round, iteration medians of
+    the ``relayout`` arm before the fault, with it until the change, and after it (from 3 iterations
+    after the change), the ``plan`` arm over the same iterations, and the two arms' healthy windows
+    against each other (the A/A: the same code and data before the fault, the noise floor of the
+    arm comparison); the figures are medians over rounds, every round kept in ``rounds``."""
+    per_round = []
+    for k in range(rounds):
+        order = ("relayout", "plan") if k % 2 == 0 else ("plan", "relayout")
+        arms = {arm: _slow_nic_arm(root, os.path.join(tmp, f"slow_nic_{k}_{arm}"), arm, iters=iters, since=since,
+                                   mbps=mbps) for arm in order}
+        act, plan = arms["relayout"], arms["plan"]
+        at = act["changed_at"]
+
+        def med(train: dict, lo: int, hi: int) -> float | None:
+            xs = [train[i] for i in range(lo, hi + 1) if i in train]
+            return round(1e3 * float(np.median(xs)), 1) if xs else None
+
+        r = {"order": list(order), **{f"{arm}_{key}": v for arm in arms for key, v in arms[arm].items() if key != "train"},
+             "before_ms": med(act["train"], 3, since - 1), "during_ms": med(act["train"], since + 1, at or iters),
+             "plan_arm_before_ms": med(plan["train"], 3, since - 1)}
+        if at is not None:
+            r["after_ms"] = med(act["train"], at + 3, iters)
+            r["plan_arm_same_window_ms"] = med(plan["train"], at + 3, iters)
+            r["after_vs_plan_arm"] = round(r["after_ms"] / r["plan_arm_same_window_ms"], 3)
+        r["aa_healthy_ratio"] = round(r["before_ms"] / r["plan_arm_before_ms"], 3)
+        per_round.append(r)
+        print(f"  slow_nic round {k + 1} ({' first, '.join(order)} second): PP2 x DP2, launch rank 1's NIC at "
+              f"{mbps:g} MB/s from iteration {since} (ring probe every iteration): named at {act['named_at']}; relayout "
+              f"arm -> {act['to']} at iteration {at}; iteration {r['before_ms']} ms healthy, {r['during_ms']} ms with "
+              f"the slow NIC, {r.get('after_ms')} ms after the change; plan-only arm over the same iterations "
+              f"{r.get('plan_arm_same_window_ms')} ms (after / plan-only {r.get('after_vs_plan_arm')}); A/A, the arms' "
+              f"healthy windows: {r['before_ms']} / {r['plan_arm_before_ms']} ms = {r['aa_healthy_ratio']}; the planner "
+              f"predicted {act['predicted_before_ms']} ms for the layout in force and {act['predicted_after_ms']} ms "
+              f"for its plan; exit codes {act['exit_code']}/{plan['exit_code']}")
+
+    def median(key: str) -> float | None:
+        xs = [r[key] for r in per_round if r.get(key) is not None]
+        return round(float(np.median(xs)), 3) if xs else None
+
+    res = {"mbps": mbps, "since": since, "iterations": iters, "rounds": per_round,
+           **{k: median(k) for k in ("before_ms", "during_ms", "after_ms", "plan_arm_same_window_ms",
+                                     "after_vs_plan_arm", "aa_healthy_ratio", "relayout_predicted_before_ms",
+                                     "relayout_predicted_after_ms")}}
+    spread = [r.get("after_vs_plan_arm") for r in per_round]
+    aa = [r["aa_healthy_ratio"] for r in per_round]
+    print(f"  slow_nic: median over {rounds} rounds: after the change / the plan-only arm {res['after_vs_plan_arm']} "
+          f"(rounds {spread}); A/A noise floor {res['aa_healthy_ratio']} (rounds {aa})")
     return res
 
 

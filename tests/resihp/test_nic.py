@@ -89,3 +89,29 @@ def test_deepspeed_refuses_the_nic_injection_by_name():
     cfg = config_from_values({"engine": "deepspeed", "inject_slow_nic": ["1:20:4"], "resihp": True})
     with pytest.raises(ConfigError, match="--inject-slow-nic throttles megatron-core's p2p calls"):
         build_extensions(cfg)
+
+
+def test_the_gradient_ring_hold_is_the_ranks_ring_share_at_the_nics_bandwidth():
+    import types
+
+    from megatron_ext.resihp.injection import GradRingThrottle
+
+    calls = []
+    config = types.SimpleNamespace(finalize_model_grads_func=lambda *a, **k: calls.append((a, k)) or "done")
+    original = config.finalize_model_grads_func
+    bw = {"now": None}
+    ring = GradRingThrottle(config, grad_bytes=4e4, dp=4, bytes_per_s=lambda: bw["now"])
+    assert config.finalize_model_grads_func("x", y=1) == "done" and ring.held_s == 0.0   # healthy: no hold
+    bw["now"] = 1e6
+    config.finalize_model_grads_func()
+    assert ring.held_s == pytest.approx(2 * 3 / 4 * 4e4 / 1e6)                           # 2 (dp - 1) / dp of the bytes
+    assert len(calls) == 2
+    ring.remove()
+    assert config.finalize_model_grads_func is original
+    # Someone (the timeline's recorder) replaced the wrapper since: remove leaves theirs alone.
+    ring = GradRingThrottle(config, grad_bytes=4e4, dp=1, bytes_per_s=lambda: 1e6)
+    config.finalize_model_grads_func()
+    assert ring.held_s == 0.0                                                             # no replica, no ring
+    theirs = config.finalize_model_grads_func = lambda *a, **k: None
+    ring.remove()
+    assert config.finalize_model_grads_func is theirs
