@@ -75,6 +75,18 @@ def test_without_a_spare_layers_leave_the_stage_whose_ring_is_slow():
     assert slow_on_1.new.stage_layers[1] < slow_on_1.new.stage_layers[0]
 
 
+def test_a_reshape_that_leaves_a_slow_nic_out_is_not_pruned_by_the_bound():
+    # Eight devices, four of them spares, the last behind a slow NIC. The closed-form bound cannot
+    # see NICs, so over every device it always ranks above the seven without the slow NIC; with
+    # one shape kept per search, the shapes over the seven were never scored (no plan at all).
+    # Each pool keeps its own best: a bigger shape leaving device 7 out of every ring.
+    p = planner(**{**ONLY, "reshape": True, "max_reshapes": 1})
+    plan = p.plan(START, np.ones(8), nics={7: LINK / 50})
+    assert plan is not None and "reshape" in plan.actions, plan
+    assert 7 not in plan.new.devices and len(plan.new.devices) > len(START.devices)
+    assert plan.iteration_s_after < p.iteration_s(START, np.ones(8)) / 1.3
+
+
 def test_the_policy_keeps_a_slow_nic_until_it_has_recovered_for_long_enough():
     p = planner(reshape=False)
     pol = PlanPolicy(p, START, 6, recover_after=30)
