@@ -824,7 +824,8 @@ class Planner:
     def _reshapes(self, layout: PlanLayout, sp: np.ndarray, memory: np.ndarray) -> list[PlanLayout]:
         """Other (tp, pp) shapes over the fastest usable devices, best closed-form bound first.
         Hundreds of shapes at 4,096 devices: the bound and the memory check use prefix sums over
-        the devices in speed order, and only the best ``max_reshapes`` of each pool become layouts."""
+        the devices in speed order (a slow NIC among them charged to the gradient all-reduce), and only
+        the best ``max_reshapes`` become layouts."""
         spec, m_total = self.spec, layout.num_microbatches
         nic = self._nic_share(sp.shape[0])
         alive = sorted((r for r in range(sp.shape[0]) if sp[r] > 0), key=lambda r: (-sp[r], -nic[r], r))
@@ -837,6 +838,7 @@ class Planner:
         n_clean = sum(1 for r in alive if sp[r] >= 1 - HEALTHY_EPS and nic[r] >= 1)   # and a healthy NIC
         speed_sum = np.concatenate([[0.0], np.cumsum(sp[alive])])
         mem_min = np.minimum.accumulate(memory[alive]) if alive else np.zeros(0)
+        nic_min = np.minimum.accumulate(nic[alive]) if alive else np.zeros(0)
         c = self.costs
         tps = [t for t in _divisors(spec.num_attention_heads) if spec.groups % t == 0 and t <= layout.tp]
         scored = []
@@ -857,21 +859,18 @@ class Planner:
                         continue
                     m = -(-m_total // dp)
                     tail = _tail_seconds(spec, self.workload, self.cluster, tp, dp, even).max()
+                    # The slowest NIC among the devices used holds a ring (the worst case: its
+                    # stage's). Without it, the pool over every device always ranked above the one
+                    # without the slow NICs (more devices, same speeds), and the shapes that leave a
+                    # slow NIC out were cut by the top-k before being scored.
+                    if dp > 1 and nic_min[n - 1] < 1:
+                        tail = tail / nic_min[n - 1]
                     t = (a + (m - 1) * per_mb.max() + tail) * n / speed_sum[n]
-                    scored.append((t, n_pool, tp, pp, dp, vp))
-        # The bound sees device speeds, not NICs: over every device it always beats the pool
-        # without the slow NICs (more devices, same speeds), so one shared top-k could prune every
-        # shape that leaves a slow NIC out. Each pool keeps its own best ``max_reshapes``.
+                    scored.append((t, tp, pp, dp, vp))
         scored.sort()
-        best: dict[tuple, None] = {}
-        taken: dict[int, int] = {}
-        for _, n_pool, tp, pp, dp, vp in scored:
-            if taken.get(n_pool, 0) < self.config.max_reshapes and (tp, pp, dp, vp) not in best:
-                taken[n_pool] = taken.get(n_pool, 0) + 1
-                best[(tp, pp, dp, vp)] = None
         old_slot = {r: i for i, r in enumerate(layout.devices)}
         out: list[PlanLayout] = []
-        for tp, pp, dp, vp in best:
+        for _, tp, pp, dp, vp in scored[:self.config.max_reshapes]:
             # Keep the old rank order among the chosen devices: neighbours stay neighbours.
             use = sorted(alive[:tp * pp * dp], key=lambda r: (old_slot.get(r, 1 << 30), r))
             out.append(PlanLayout.even(num_layers=spec.num_layers, tp=tp, pp=pp, dp=dp, num_microbatches=m_total,

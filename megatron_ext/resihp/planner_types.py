@@ -253,8 +253,7 @@ class PlannerConfig:
     """Reshape only to sizes over exactly the layout's devices, each keeping a place (a live
     re-layout without a fault keeps every rank: ``--resihp-act relayout``)."""
     max_reshapes: int = 6
-    """Shapes other than the current (tp, pp) scored in full, best closed-form bound first, per pool
-    of devices (every live one; the healthy; the healthy behind healthy NICs)."""
+    """Shapes other than the current (tp, pp) scored in full, best closed-form bound first."""
     simulate_top: int = 3
     """Candidates re-scored by the pipeline simulator, best closed form first (each distinct
     micro-batch count compiles a schedule once per process: the bulk of a cold decision)."""

@@ -76,10 +76,11 @@ def test_without_a_spare_layers_leave_the_stage_whose_ring_is_slow():
 
 
 def test_a_reshape_that_leaves_a_slow_nic_out_is_not_pruned_by_the_bound():
-    # Eight devices, four of them spares, the last behind a slow NIC. The closed-form bound cannot
-    # see NICs, so over every device it always ranks above the seven without the slow NIC; with
-    # one shape kept per search, the shapes over the seven were never scored (no plan at all).
-    # Each pool keeps its own best: a bigger shape leaving device 7 out of every ring.
+    # Eight devices, four of them spares, the last behind a slow NIC. A closed-form bound blind to
+    # NICs ranks a shape over every device above one over the seven without the slow NIC (more
+    # devices, same speeds); with one shape kept per search, the shapes over the seven were never
+    # scored (no plan at all). The bound charges the slow NIC to the ring: a bigger shape leaving
+    # device 7 out of every ring.
     p = planner(**{**ONLY, "reshape": True, "max_reshapes": 1})
     plan = p.plan(START, np.ones(8), nics={7: LINK / 50})
     assert plan is not None and "reshape" in plan.actions, plan
