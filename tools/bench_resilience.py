@@ -42,6 +42,7 @@ from megatron_ext.bench.harness import Report  # noqa: E402
 from megatron_ext.resilience import policies, resihp_policy, setting  # noqa: E402
 from megatron_ext.resilience.job import from_plan_layout, to_plan_layout  # noqa: E402
 from megatron_ext.resilience.run import run_policy  # noqa: E402
+from megatron_ext.resilience import validate  # noqa: E402
 from megatron_ext.resilience.validate import sim_error  # noqa: E402
 
 logger = logging.getLogger("bench_resilience")
@@ -151,12 +152,25 @@ def main() -> int:
         lines.append(f"simulator vs recorded CPU runs ({err['cases']} cases, predicted before any fitting): "
                      f"|error| median {err['median']:.3f}, p95 {err['p95']:.3f}; with the host's load change "
                      f"between windows factored out: median {err['load_normalised']['median']:.3f}, "
-                     f"p95 {err['load_normalised']['p95']:.3f}")
+                     f"p95 {err['load_normalised']['p95']:.3f}; the composition alone (the window's own op "
+                     f"times, no device speed predicted): median {err['composition']['median']:.3f}, "
+                     f"p95 {err['composition']['p95']:.3f}")
+
+        def _set_line(label: str, e: dict) -> str:
+            return (f"  {label}: {e['cases']} cases, |error| median {e['median']:.3f}, p95 {e['p95']:.3f}; "
+                    f"load factored out {e['load_normalised']['median']:.3f}; composition {e['composition']['median']:.3f}")
+
+        for name, e in err["by_set"].items():
+            lines.append(_set_line(f"set {name} ({validate.SETS[name]})", e))
+        if err["one_rank_per_core"]:
+            lines.append(_set_line("one rank per core (as the simulator's devices)", err["one_rank_per_core"]))
         for c in err["detail"]:
             lines.append(f"  {c['case']:<36} predicted {1e3 * c['predicted_s']:7.1f} ms  recorded "
-                         f"{1e3 * c['observed_s']:7.1f} ms  {100 * c['rel_error']:+6.1f} %")
+                         f"{1e3 * c['observed_s']:7.1f} ms  {100 * c['rel_error']:+6.1f} %  composed "
+                         f"{100 * c['rel_error_composition']:+6.1f} %  {c['set']}")
         out["sim_err"] = {"median": err["median"], "p95": err["p95"], "cases": err["cases"],
-                          "load_normalised": err["load_normalised"]}
+                          "load_normalised": err["load_normalised"], "composition": err["composition"],
+                          "by_set": err["by_set"], "one_rank_per_core": err["one_rank_per_core"]}
     else:
         out["sim_err"] = None
     report.emit(out, "\n".join(lines))

@@ -1,7 +1,9 @@
 """Collect live ResiHP traces: pretrain_gpt.py on 4 CPU ranks with ``--resihp --resihp-trace-out``,
 healthy and with an injected fail-slow, on both engines and two layouts, and on the MoE model
 (PP2 x DP2 with EP2 in each stage, the all-to-all dispatcher: ``moe-pp2dp2ep2-*``; ``-noaux-``
-without the load-balancing loss, whose routers drift to one EP rank's experts).
+without the load-balancing loss, whose routers drift to one EP rank's experts); and megatron PP2 on
+2 ranks (``megatron-pp2-*``: one rank per core of a 2-core host, the resilience simulator's
+validation set, tests/resilience/data/).
 
     python tools/collect_resihp_traces.py OUT_DIR [--runs 2] [--iters 80] [--only NAME_SUBSTRING ...] [--gzip]
 
@@ -58,11 +60,22 @@ def scenarios(iters: int) -> dict[str, list[str]]:
             for factor, since in ((1.3, 30), (1.6, 35), (2.0, 25), (3.0, 40)):
                 out[f"{engine}-{lay}-slow{slow_rank}x{factor:g}@{since}"] = base + [
                     "--inject-slow", f"{slow_rank}:{since}:{factor}"]
+    # One rank per core (2 ranks on the 2-core host): what the resilience simulator assumes of a
+    # device. On 4 ranks over 2 cores a throttled rank, held idle, hands its core to the others.
+    base = ["--seq-length", "256", "--doc-length-dist", "lognormal:3.5,1", "--pipeline-model-parallel-size", "2"]
+    out["megatron-pp2-healthy"] = base
+    for factor, since in ((1.3, 30), (1.6, 35), (2.0, 25), (3.0, 40)):
+        out[f"megatron-pp2-slow1x{factor:g}@{since}"] = base + ["--inject-slow", f"1:{since}:{factor}"]
     out["moe-pp2dp2ep2-healthy"] = MOE
     out["moe-pp2dp2ep2-noaux-healthy"] = MOE + ["--moe-aux-loss-coeff", "0"]
     for factor, since in ((1.6, 35), (2.0, 25), (3.0, 40)):
         out[f"moe-pp2dp2ep2-slow2x{factor:g}@{since}"] = MOE + ["--inject-slow", f"2:{since}:{factor}"]
     return out
+
+
+def world(name: str) -> int:
+    """Ranks of a scenario: 2 for the one-rank-per-core layout (``megatron-pp2-*``), else 4."""
+    return 2 if name.startswith("megatron-pp2-") else 4
 
 
 def pack(src: str, dst: str) -> None:
@@ -100,7 +113,7 @@ def main() -> int:
             t0 = time.time()
             res = launch_ranks(["pretrain_gpt.py", *MODEL, *flags, "--train-iters", str(args.iters),
                                 "--seed", str(args.seed + k), "--resihp", "--resihp-trace-out", trace,
-                                "--resihp-verdicts-out", verdicts], 4, cwd=ROOT, timeout_s=900)
+                                "--resihp-verdicts-out", verdicts], world(name), cwd=ROOT, timeout_s=900)
             codes = [r.returncode for r in res]
             found = [json.loads(x) for x in open(verdicts)] if os.path.exists(verdicts) else []
             summary = [(v["kind"], v["rank"], v["iteration"]) for v in found]

@@ -32,6 +32,7 @@ BENCH_FILES: dict[str, list[str]] = {
                        "megatron_ext/resihp", "megatron_ext/runtime", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
     "bench_resilience": ["tools/bench_resilience.py", "megatron_ext/resilience", "megatron_ext/resihp",
                          "megatron_ext/pipeline/pipesim.py", "megatron_ext/pipeline/schedule_orders.py",
+                         "tests/resihp/data", "tests/resilience/data", "docs/figures/resihp_relayout",
                          "megatron_ext/bench/harness.py"],
     "bench_squeezer": ["tools/bench_squeezer.py", "megatron_ext/hydro", "megatron_ext/pipeline",
                        "megatron_ext/runtime", "deepspeed_patches", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],

@@ -112,6 +112,16 @@ def test_the_simulator_is_validated_against_recorded_runs():
     names = {c["case"] for c in err["detail"]}
     assert {"relayout-pp2-iter35", "relayout-pp2-iter75"} <= names
     assert not any(n.startswith("deepspeed") for n in names)
+    # Per set and over the runs with a core per rank, beside (not instead of) the figure over all.
+    assert sum(e["cases"] for e in err["by_set"].values()) == err["cases"]
+    assert set(err["by_set"]) == {"resihp-traces", "relayout-timelines", "pp2-traces"}
+    own = [c for c in err["detail"] if c["one_rank_per_core"]]
+    assert {c["set"] for c in own} == {"relayout-timelines", "pp2-traces"}
+    assert err["one_rank_per_core"]["cases"] == len(own)
+    assert {"megatron-pp2-healthy-r0", "megatron-pp2-slow1x2@25-r0"} <= names
+    # The composition alone (each window's own op times) is given for every case.
+    assert all(math.isfinite(c["rel_error_composition"]) for c in err["detail"])
+    assert 0 <= err["composition"]["median"] <= err["composition"]["p95"]
 
 
 def test_a_rollback_loses_exactly_the_work_since_the_last_checkpoint(ctx):
