@@ -190,6 +190,48 @@ def make_traceable(model: torch.nn.Module) -> TraceableReport:
     return report
 
 
+def prefill_first_call_state(model: torch.nn.Module, micro_batch_size: int, seq_length: int) -> int:
+    """Create, before ``model`` is compiled, the megatron-core state its first forward would create;
+    returns how many entries it created or grew.
+
+    Two of megatron-core's globals are filled at the first call: ``DotProductAttention`` takes its
+    ``baddbmm`` input from the global memory buffer (``get_tensor(..., "mpu")`` allocates it), and
+    the router's aux-loss logging adds its loss's entry to the MoE logging tracker. Traced before
+    that first call, the graph creates them and Dynamo guards on their absence: the second
+    micro-batch fails the guard and the whole chunk is traced, partitioned and scheduled again (a
+    second graph per chunk, as long again as the first on CPU). Created here with megatron's own
+    calls -- the attention buffer at the size each attention asks for (a shorter sequence fits in
+    it, a longer one makes megatron grow it), the tracker entry with a zero loss added -- the first
+    trace reads them as every later call does: one graph per chunk."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
+                                                         save_to_aux_losses_tracker)
+
+    buffer = parallel_state.get_global_memory_buffer()
+    tracker = get_moe_layer_wise_logging_tracker()
+    created = 0
+    for mod in model.modules():
+        if isinstance(mod, DotProductAttention):
+            cp = getattr(mod.config, "context_parallel_size", 1) or 1
+            s = seq_length // cp
+            shape = (micro_batch_size * mod.num_attention_heads_per_partition, s, s)
+            key = ("mpu", mod.config.params_dtype)
+            before = buffer.buffer.get(key)
+            buffer.get_tensor(shape, mod.config.params_dtype, "mpu")  # megatron's own call and name
+            created += buffer.buffer.get(key) is not before
+        elif isinstance(mod, MoELayer) and mod.router.layer_number is not None \
+                and mod.router.get_aux_loss_coeff("aux_loss") > 0:
+            # what adapter_moe._router_attach_and_log logs, the only aux loss the traceable router has
+            created += "load_balancing_loss" not in tracker
+            cfg = mod.config
+            save_to_aux_losses_tracker("load_balancing_loss", torch.zeros((), device=mod.router.weight.device),
+                                       mod.router.layer_number, cfg.num_layers + (cfg.mtp_num_layers or 0),
+                                       reduce_group=mod.router.tp_cp_group)
+    return created
+
+
 def restore(model: torch.nn.Module) -> int:
     """Undo :func:`make_traceable` on ``model`` (the class methods apply again)."""
     from megatron_ext.helix import adapter_moe

@@ -45,12 +45,15 @@ class HelixExtension(Extension):
         """Compile this layout's model chunks (a re-layout brings new chunks: new graphs)."""
         import torch
 
-        from megatron_ext.helix.adapter import make_traceable
+        from megatron_ext.helix.adapter import make_traceable, prefill_first_call_state
         from megatron_ext.runtime.model import unwrap
 
+        seq_length = getattr(getattr(trainer.cfg, "model", None), "seq_length", None)
         for chunk in trainer.model.chunks:
             model = unwrap(chunk)
             report = make_traceable(model)
+            if seq_length is not None:  # else the first micro-batch's graph creates it: two graphs
+                prefill_first_call_state(model, trainer.cfg.training.micro_batch_size, seq_length)
             model.forward = torch.compile(model.forward, backend=self.backend, dynamic=False)
             self.models.append(model)
             if trainer.ctx.rank == 0:

@@ -2,9 +2,9 @@
 ``torchrun --nproc_per_node 2`` (one launch: megatron's import costs 8-20 s per rank on 2 cores).
 
 ``python tests/helix/helix_training.py OUT_DIR [extra pretrain_gpt.py flags]`` writes one metrics
-file per run: ``OUT_DIR/{name}.jsonl``. The Helix runs come first, so that their first micro-batch
-allocates megatron's global attention buffer inside the compiled graph and the second recompiles
-(the two graphs of a real ``--helix`` run).
+file per run: ``OUT_DIR/{name}.jsonl``. The Helix runs come first, before anything has allocated
+megatron's global attention buffer: the extension allocates it before compiling, so each run
+compiles one graph (test_training.py checks the log), as a real ``--helix`` run does.
 """
 from __future__ import annotations
 
