@@ -44,9 +44,9 @@ MOE = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2
        "--seq-length", "128", "--doc-length-dist", "lognormal:3.5,1"]
 
 
-def scenarios(iters: int) -> dict[str, list[str]]:
-    """name -> extra flags. Fault onsets vary so calibration sees different amounts of history."""
-    out: dict[str, list[str]] = {}
+def scenarios(iters: int) -> dict[str, tuple[int, list[str]]]:
+    """name -> (ranks, extra flags). Fault onsets vary so calibration sees different amounts of history."""
+    out: dict[str, tuple[int, list[str]]] = {}
     layouts = {"pp2dp2": ["--pipeline-model-parallel-size", "2"], "pp4": ["--pipeline-model-parallel-size", "4"]}
     for engine in ("megatron", "deepspeed"):
         eng = ["--engine", "deepspeed"] if engine == "deepspeed" else []
@@ -55,27 +55,22 @@ def scenarios(iters: int) -> dict[str, list[str]]:
             else ["--seq-length", "128"]
         for lay, flags in layouts.items():
             base = eng + data + flags
-            out[f"{engine}-{lay}-healthy"] = base
+            out[f"{engine}-{lay}-healthy"] = (4, base)
             slow_rank = 2 if lay == "pp2dp2" else 1
             for factor, since in ((1.3, 30), (1.6, 35), (2.0, 25), (3.0, 40)):
-                out[f"{engine}-{lay}-slow{slow_rank}x{factor:g}@{since}"] = base + [
-                    "--inject-slow", f"{slow_rank}:{since}:{factor}"]
+                out[f"{engine}-{lay}-slow{slow_rank}x{factor:g}@{since}"] = (4, base + [
+                    "--inject-slow", f"{slow_rank}:{since}:{factor}"])
     # One rank per core (2 ranks on the 2-core host): what the resilience simulator assumes of a
     # device. On 4 ranks over 2 cores a throttled rank, held idle, hands its core to the others.
     base = ["--seq-length", "256", "--doc-length-dist", "lognormal:3.5,1", "--pipeline-model-parallel-size", "2"]
-    out["megatron-pp2-healthy"] = base
+    out["megatron-pp2-healthy"] = (2, base)
     for factor, since in ((1.3, 30), (1.6, 35), (2.0, 25), (3.0, 40)):
-        out[f"megatron-pp2-slow1x{factor:g}@{since}"] = base + ["--inject-slow", f"1:{since}:{factor}"]
-    out["moe-pp2dp2ep2-healthy"] = MOE
-    out["moe-pp2dp2ep2-noaux-healthy"] = MOE + ["--moe-aux-loss-coeff", "0"]
+        out[f"megatron-pp2-slow1x{factor:g}@{since}"] = (2, base + ["--inject-slow", f"1:{since}:{factor}"])
+    out["moe-pp2dp2ep2-healthy"] = (4, MOE)
+    out["moe-pp2dp2ep2-noaux-healthy"] = (4, MOE + ["--moe-aux-loss-coeff", "0"])
     for factor, since in ((1.6, 35), (2.0, 25), (3.0, 40)):
-        out[f"moe-pp2dp2ep2-slow2x{factor:g}@{since}"] = MOE + ["--inject-slow", f"2:{since}:{factor}"]
+        out[f"moe-pp2dp2ep2-slow2x{factor:g}@{since}"] = (4, MOE + ["--inject-slow", f"2:{since}:{factor}"])
     return out
-
-
-def world(name: str) -> int:
-    """Ranks of a scenario: 2 for the one-rank-per-core layout (``megatron-pp2-*``), else 4."""
-    return 2 if name.startswith("megatron-pp2-") else 4
 
 
 def pack(src: str, dst: str) -> None:
@@ -104,7 +99,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     todo = {n: f for n, f in scenarios(args.iters).items() if not args.only or any(s in n for s in args.only)}
     for k in range(args.runs):
-        for name, flags in todo.items():
+        for name, (ranks, flags) in todo.items():
             stem = os.path.join(args.out, f"{name}-r{k}")
             trace, verdicts = stem + ".trace.jsonl", stem + ".verdicts.jsonl"
             for f in (trace, verdicts):
@@ -113,7 +108,7 @@ def main() -> int:
             t0 = time.time()
             res = launch_ranks(["pretrain_gpt.py", *MODEL, *flags, "--train-iters", str(args.iters),
                                 "--seed", str(args.seed + k), "--resihp", "--resihp-trace-out", trace,
-                                "--resihp-verdicts-out", verdicts], world(name), cwd=ROOT, timeout_s=900)
+                                "--resihp-verdicts-out", verdicts], ranks, cwd=ROOT, timeout_s=900)
             codes = [r.returncode for r in res]
             found = [json.loads(x) for x in open(verdicts)] if os.path.exists(verdicts) else []
             summary = [(v["kind"], v["rank"], v["iteration"]) for v in found]

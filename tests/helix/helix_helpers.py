@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from typing import Callable
 
 import torch
@@ -13,6 +14,12 @@ from megatron_ext.helix.blocks import MoELayer, TPEPLayer, TPTransformerLayer, c
 from megatron_ext.helix.collectives import GroupRef
 
 B, S, H, HEADS = 4, 16, 64, 4
+
+
+def rank0_graphs(log: str) -> list[str]:
+    """The index of every graph rank 0 compiled, from a launch's log (the compiler's one line per
+    graph, behind pretrain_gpt.py's ``[time rank0]`` prefix)."""
+    return re.findall(r"\[[\d:]+ rank0\] megatron_ext\.helix\.compiler: helix graph (\d+):", log)
 
 
 @contextlib.contextmanager

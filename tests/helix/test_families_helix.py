@@ -6,10 +6,10 @@ and configs/qwen3_moe_tiny.yaml reproduces the plain loss curve. One launch
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
+from helix_helpers import rank0_graphs
 from tests.conftest import run_torchrun
 
 pytestmark = pytest.mark.multirank
@@ -132,5 +132,5 @@ def test_pretrain_gpt_helix_compiles_each_chunk_once(out):
     # guards at the second micro-batch and the chunk was compiled again. (The parity cases above
     # run before pretrain_gpt.py sets up logging: they log nothing here.)
     log = (out / "log.txt").read_text()
-    graphs = re.findall(r"\[[\d:]+ rank0\] megatron_ext\.helix\.compiler: helix graph (\d+):", log)
+    graphs = rank0_graphs(log)
     assert graphs == ["0", "0"], graphs  # llama3_tiny, then qwen3_moe_tiny

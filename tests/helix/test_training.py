@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
+from helix_helpers import rank0_graphs
 from tests.conftest import run_torchrun
 
 pytestmark = pytest.mark.multirank
@@ -31,7 +31,7 @@ def test_each_helix_run_compiles_its_chunk_once(launch):
     # is allocated before compiling (adapter.prefill_first_call_state); allocated inside the first
     # graph, it failed Dynamo's guard at the second micro-batch and the chunk was compiled again.
     _, log = launch
-    graphs = re.findall(r"\[[\d:]+ rank0\] megatron_ext\.helix\.compiler: helix graph (\d+):", log)
+    graphs = rank0_graphs(log)
     assert graphs == ["0", "0"], graphs  # the two --helix runs, one graph each
 
 

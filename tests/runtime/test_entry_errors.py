@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from megatron_ext.config.base import ConfigError
 from megatron_ext.runtime.rundir import check_outputs, truncate_metrics
+from tests.conftest import launch_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,8 +19,7 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 300
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         if env is None or var not in env:
             full_env.pop(var, None)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return launch_python([os.path.join(ROOT, "pretrain_gpt.py"), *args], full_env, timeout, merge=False)
 
 
 def error_lines(text: str) -> list[str]:
