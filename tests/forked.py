@@ -6,8 +6,9 @@
 ARGV is what would follow ``python``: a script path, ``-c CODE`` or ``-m MODULE``, then its
 arguments. Around it, what a fresh interpreter gives the test and a fork would not by itself:
 
-- its own process group (``os.setsid``), so a test that times out can stop the whole launch --
-  a launcher and the ranks it started -- with one ``killpg``;
+- its own process group (``os.setpgid``; the session stays the test's, so the kernel's per-session
+  scheduling groups treat it as a spawned launch), so a test that times out can stop the whole
+  launch -- a launcher and the ranks it started -- with one ``killpg``;
 - stderr in ERR_FILE (``-``: left where the zygote put it, with stdout), so the tests that read
   stderr apart from stdout still can.
 """
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise SystemExit("usage: python tests/forked.py ERR_FILE ARGV...")
     err_file, target = argv[0], argv[1:]
-    os.setsid()
+    os.setpgid(0, 0)
     if err_file != "-":
         sys.stderr.flush()
         fd = os.open(err_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
