@@ -43,36 +43,10 @@ def _child_env(extra: dict) -> dict:
     return env
 
 
-# What differs between launches and tests but not in what a preloaded module computed at import:
-# left out of a zygote's key (each forked child still gets its whole environment). pytest sets
-# PYTEST_CURRENT_TEST anew for every test; keyed on it, every test would start its own zygote.
-_NOT_KEYED = ("PYTEST_CURRENT_TEST", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT")
-_MAX_ZYGOTES = 2
-"""Zygotes kept at once per test process (each holds torch and megatron-core, some 0.4 GB): the
-least recently used one beyond this is closed."""
 FORKED = os.path.join("tests", "forked.py")
-_zygotes: dict[tuple, object] = {}
 _forked_cpu = [0.0]
 """CPU seconds of the forked launches so far (their parent is the zygote: this process's
 RUSAGE_CHILDREN misses them); read by the MEGATRON_EXT_TEST_CPU_LOG hook."""
-
-
-def _zygote(env: dict):
-    """This test process's zygote for ``env`` (megatron_ext/ft/zygote.py), started on first use;
-    None with MEGATRON_EXT_LAUNCH_START=spawn."""
-    from megatron_ext.ft import zygote as zg
-
-    if os.environ.get(zg.START_ENV, "fork") == "spawn":
-        return None
-    key = tuple(sorted((k, v) for k, v in env.items() if k not in _NOT_KEYED))
-    z = _zygotes.pop(key, None)
-    if z is None or not z.alive():
-        z = zg.Zygote({k: v for k, v in env.items() if k not in _NOT_KEYED})
-    _zygotes[key] = z                       # the most recently used last
-    while len(_zygotes) > _MAX_ZYGOTES:
-        _zygotes.pop(next(iter(_zygotes))).close()
-    return z
 
 
 def _reaped_cpu(pid: int) -> float:
@@ -96,13 +70,19 @@ def launch_python(argv: list[str], env: dict, timeout: float, merge: bool) -> su
     cmd = [sys.executable, *argv]
 
     def spawned() -> subprocess.CompletedProcess:
-        if merge:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=timeout)
-            return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout, "")
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, process_group=0,
+                              stderr=subprocess.STDOUT if merge else subprocess.PIPE) as p:
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)      # its own group, as a forked launch's
+                out, err = p.communicate()
+                raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err or "")
 
-    z = _zygote(env)
+    from megatron_ext.ft import zygote as zg
+
+    z = zg.zygote_for(env)
     if z is None:
         return spawned()
     with tempfile.TemporaryDirectory(prefix="megatron-ext-test-") as tmp:
@@ -140,7 +120,7 @@ def run_torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 900, en
 
     Through tests/warm_run.py: torch's elastic agent forks the ranks after the imports they would
     each repeat (same rendezvous, same environment per rank as torchrun), and the agent's process is
-    itself a fork of the session's zygote (``launch_python``); with MEGATRON_EXT_TEST_TORCHRUN=1, plain
+    itself a fork of this test process's zygote (``launch_python``); with MEGATRON_EXT_TEST_TORCHRUN=1, plain
     ``python -m torch.distributed.run --standalone``."""
     if os.environ.get("MEGATRON_EXT_TEST_TORCHRUN") == "1":
         argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
@@ -155,7 +135,7 @@ def run_torchrun(script: str, *args: str, nproc: int = 4, timeout: int = 900, en
 
 def run_python(*args: str, timeout: int = 600, env: dict | None = None, check: bool = True
                ) -> subprocess.CompletedProcess:
-    """``python ARGS`` in the repository root (a fork of the session's zygote: ``launch_python``), stdout
+    """``python ARGS`` in the repository root (a fork of this test process's zygote: ``launch_python``), stdout
     and stderr apart; with ``check``, a non-zero exit fails the test with the output tail."""
     proc = launch_python(list(args), _child_env(env or {}), timeout, merge=False)
     if check and proc.returncode != 0:

@@ -39,11 +39,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench.harness import Report  # noqa: E402
-from megatron_ext.resilience import policies, resihp_policy, setting  # noqa: E402
+from megatron_ext.resilience import policies, resihp_policy, setting, validate  # noqa: E402
 from megatron_ext.resilience.job import from_plan_layout, to_plan_layout  # noqa: E402
 from megatron_ext.resilience.run import run_policy  # noqa: E402
-from megatron_ext.resilience import validate  # noqa: E402
-from megatron_ext.resilience.validate import sim_error  # noqa: E402
 
 logger = logging.getLogger("bench_resilience")
 
@@ -148,7 +146,7 @@ def main() -> int:
            "detector": {"delay": args.detector_delay, "severe_factor": args.detector_severe_factor,
                         "severe_delay": args.detector_severe_delay}}
     if not args.no_validate:
-        err = sim_error()
+        err = validate.sim_error()
         lines.append(f"simulator vs recorded CPU runs ({err['cases']} cases, predicted before any fitting): "
                      f"|error| median {err['median']:.3f}, p95 {err['p95']:.3f}; with the host's load change "
                      f"between windows factored out: median {err['load_normalised']['median']:.3f}, "

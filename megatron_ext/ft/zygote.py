@@ -316,19 +316,32 @@ class Zygote:
             pass
 
 
+NOT_KEYED = ("PYTEST_CURRENT_TEST", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+             "MASTER_PORT")
+"""Variables that differ between launches (or, under pytest, between tests) but not in what a
+preloaded module computes at import: left out of a zygote's environment and key (each forked child
+still gets its whole environment). Keyed on PYTEST_CURRENT_TEST, every test would start a zygote."""
+MAX_ZYGOTES = 2
+"""Zygotes kept at once per process (each holds torch and megatron-core, some 0.4 GB): starting one
+more closes the least recently used (it ends once its last child has)."""
 _zygotes: dict[tuple, Zygote] = {}
 _zygotes_lock = threading.Lock()
 
 
 def zygote_for(env: dict[str, str]) -> Zygote | None:
-    """The process-wide zygote for this environment (started on first use; None when turned off)."""
+    """This process's zygote for ``env`` less ``NOT_KEYED``, started on first use; None when turned
+    off (``MEGATRON_EXT_LAUNCH_START=spawn``)."""
     if os.environ.get(START_ENV, "fork") == "spawn":
         return None
-    key = tuple(sorted(env.items()))
+    kept = {k: v for k, v in env.items() if k not in NOT_KEYED}
+    key = tuple(sorted(kept.items()))
     with _zygotes_lock:
-        z = _zygotes.get(key)
+        z = _zygotes.pop(key, None)
         if z is None or not z.alive():
-            z = _zygotes[key] = Zygote(env)
+            z = Zygote(kept)
+        _zygotes[key] = z                       # the most recently used last
+        while len(_zygotes) > MAX_ZYGOTES:
+            _zygotes.pop(next(iter(_zygotes))).close()
         return z
 
 

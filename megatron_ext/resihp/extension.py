@@ -473,17 +473,18 @@ class ResiHPExtension(Extension):
             self.trace_writer.write(trace)
         report = self.detector.observe(trace)
         found = list(report.verdicts)
-        links = getattr(self.detector, "link_detector", None)
-        if links is not None and record.num_stages > 1:
-            found += [v.on_devices(trainer.ctx.members)
-                      for v in links.observe(record, trainer.ctx.members, metrics.iteration)]
-            if links.last:
-                metrics.extra["resihp_link_rt_ms"] = round(1e3 * max(links.last.values()), 2)
         nics = getattr(self.detector, "nic_detector", None)
         if nics is not None and probe is not None:
             found += nics.observe(probe, trainer.ctx.members, metrics.iteration)
             if nics.last:
                 metrics.extra["resihp_nic_egress_ms"] = round(1e3 * max(nics.last.values()), 2)
+        links = getattr(self.detector, "link_detector", None)
+        if links is not None and record.num_stages > 1:
+            # after the NIC probe: a link verdict a suspected NIC may explain waits for it
+            found += [v.on_devices(trainer.ctx.members)
+                      for v in links.observe(record, trainer.ctx.members, metrics.iteration, nics=nics)]
+            if links.last:
+                metrics.extra["resihp_link_rt_ms"] = round(1e3 * max(links.last.values()), 2)
         scalars = report.scalars()
         if "expected_s" in scalars:
             metrics.extra["resihp_expected_ms"] = round(scalars["expected_s"] * 1e3, 1)

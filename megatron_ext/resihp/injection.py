@@ -91,72 +91,58 @@ class ErrorFault:
     kind: str = "value"
 
 
-def parse_slow(spec: str, where: str = "--inject-slow") -> SlowFault:
+def _fields(spec: str, where: str, types: tuple, form: str, *, optional: int = 0) -> list:
+    """The ``:``-separated fields of ``spec`` converted by ``types`` (the last ``optional`` may be
+    left out); a wrong count or a field that does not convert names the form expected."""
     parts = spec.split(":")
     try:
-        if len(parts) != 3:
+        if not len(types) - optional <= len(parts) <= len(types):
             raise ValueError
-        fault = SlowFault(int(parts[0]), int(parts[1]), float(parts[2]))
+        return [t(p) for t, p in zip(types, parts)]
     except ValueError:
-        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER:FACTOR, e.g. 2:30:1.5") from None
+        raise ConfigError(f"{where} {spec!r}: expected {form}") from None
+
+
+def _one_of(where: str, spec: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{where} {spec!r}: {name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def parse_slow(spec: str, where: str = "--inject-slow") -> SlowFault:
+    fault = SlowFault(*_fields(spec, where, (int, int, float), "RANK:ITER:FACTOR, e.g. 2:30:1.5"))
     if fault.rank < 0 or fault.since < 1 or not fault.factor > 1.0:
         raise ConfigError(f"{where} {spec!r}: need RANK >= 0, ITER >= 1 and FACTOR > 1")
     return fault
 
 
 def parse_stop(spec: str, where: str = "--inject-stop") -> StopFault:
-    parts = spec.split(":")
-    try:
-        if len(parts) not in (2, 3):
-            raise ValueError
-        fault = StopFault(int(parts[0]), int(parts[1]), *parts[2:])
-    except ValueError:
-        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER[:POINT], e.g. 3:40 or 3:40:step") from None
+    fault = StopFault(*_fields(spec, where, (int, int, str), "RANK:ITER[:POINT], e.g. 3:40 or 3:40:step", optional=1))
     if fault.rank < 0 or fault.at < 1:
         raise ConfigError(f"{where} {spec!r}: need RANK >= 0 and ITER >= 1")
-    if fault.point not in STOP_POINTS:
-        raise ConfigError(f"{where} {spec!r}: POINT must be one of {', '.join(STOP_POINTS)}, got {fault.point!r}")
+    _one_of(where, spec, "POINT", fault.point, STOP_POINTS)
     return fault
 
 
 def parse_error(spec: str, where: str = "--inject-error") -> ErrorFault:
-    parts = spec.split(":")
-    try:
-        if len(parts) not in (2, 3):
-            raise ValueError
-        fault = ErrorFault(int(parts[0]), int(parts[1]), *parts[2:])
-    except ValueError:
-        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER[:KIND], e.g. 2:5 or 2:5:collective") from None
+    fault = ErrorFault(*_fields(spec, where, (int, int, str), "RANK:ITER[:KIND], e.g. 2:5 or 2:5:collective",
+                                optional=1))
     if fault.rank < 0 or fault.at < 1:
         raise ConfigError(f"{where} {spec!r}: need RANK >= 0 and ITER >= 1")
-    if fault.kind not in ERROR_KINDS:
-        raise ConfigError(f"{where} {spec!r}: KIND must be one of {', '.join(ERROR_KINDS)}, got {fault.kind!r}")
+    _one_of(where, spec, "KIND", fault.kind, ERROR_KINDS)
     return fault
 
 
 def parse_slow_link(spec: str, where: str = "--inject-slow-link") -> SlowLinkFault:
-    parts = spec.split(":")
-    try:
-        if len(parts) != 4:
-            raise ValueError
-        fault = SlowLinkFault(int(parts[0]), int(parts[1]), int(parts[2]), float(parts[3]))
-    except ValueError:
-        raise ConfigError(f"{where} {spec!r}: expected A:B:ITER:MBPS (two ranks, the first iteration, megabytes "
-                          "per second), e.g. 0:2:20:1") from None
+    fault = SlowLinkFault(*_fields(spec, where, (int, int, int, float), "A:B:ITER:MBPS (two ranks, the first "
+                                   "iteration, megabytes per second), e.g. 0:2:20:1"))
     if min(fault.a, fault.b) < 0 or fault.a == fault.b or fault.since < 1 or not 0 < fault.mbps < float("inf"):
         raise ConfigError(f"{where} {spec!r}: need two different ranks >= 0, ITER >= 1 and 0 < MBPS < inf")
     return fault
 
 
 def parse_slow_nic(spec: str, where: str = "--inject-slow-nic") -> SlowNicFault:
-    parts = spec.split(":")
-    try:
-        if len(parts) != 3:
-            raise ValueError
-        fault = SlowNicFault(int(parts[0]), int(parts[1]), float(parts[2]))
-    except ValueError:
-        raise ConfigError(f"{where} {spec!r}: expected RANK:ITER:MBPS (a rank, the first iteration, megabytes per "
-                          "second), e.g. 2:20:4") from None
+    fault = SlowNicFault(*_fields(spec, where, (int, int, float), "RANK:ITER:MBPS (a rank, the first iteration, "
+                                  "megabytes per second), e.g. 2:20:4"))
     if fault.rank < 0 or fault.since < 1 or not 0 < fault.mbps < float("inf"):
         raise ConfigError(f"{where} {spec!r}: need RANK >= 0, ITER >= 1 and 0 < MBPS < inf")
     return fault

@@ -112,6 +112,11 @@ class ExcessWatch:
             return None
         return self.base_s + max(self.floor_s, self.zscore * self.noise_s)
 
+    def suspect(self, key) -> bool:
+        """Flagged on its last observation and not convicted (yet)."""
+        st = self.watched.get(key)
+        return st is not None and not st.convicted and bool(st.flags) and bool(st.flags[-1])
+
     def known_slow(self) -> dict:
         """Convicted things and their estimated extra seconds."""
         return {k: self._extra(st) for k, st in self.watched.items() if st.convicted}
@@ -167,8 +172,30 @@ class LinkDetector(ExcessWatch):
     def __init__(self, *, warmup: int = 20, window: int = 8, zscore: float = 4.0, floor_s: float = 0.01) -> None:
         super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s)
         self.last: dict[Link, float] = {}      # this iteration's round trips (for the log)
+        self.held: list[Verdict] = []          # slow_link verdicts waiting on the NIC probe
 
-    def observe(self, record: "IterationRecord", members: Sequence[int], iteration: int) -> list[Verdict]:
+    def observe(self, record: "IterationRecord", members: Sequence[int], iteration: int, *,
+                nics: ExcessWatch | None = None) -> list[Verdict]:
+        """With ``nics`` (the NIC detector, observed first in the iteration), a link verdict that
+        a NIC under suspicion may explain waits for it (``_after_nics``)."""
+        found = self._observe(record, members, iteration)
+        return found if nics is None else self._after_nics(found, nics)
+
+    def _after_nics(self, found: list[Verdict], nics: ExcessWatch) -> list[Verdict]:
+        """A slow NIC slows every message of its device, so its pipeline link's too, and either
+        watch may convict first (both need all but one of a window flagged; each can miss one). A
+        planner told of the link alone re-lays the job out around it, and again when the NIC's
+        verdict follows. So a ``slow_link`` verdict with an end whose NIC the last probe flagged,
+        not yet convicted, waits here: released behind the NIC's verdict once the NIC is convicted
+        (the planner then counts the NIC on the link: one plan), or as it is once the probe of both
+        ends comes back clean. A ``link_recovered`` for a link still waiting drops both."""
+        waiting = self.held + [v for v in found if v.kind == "slow_link"]
+        back = {v.link for v in found if v.kind == "link_recovered"} & {v.link for v in waiting}
+        self.held = [v for v in waiting if v.link not in back and any(nics.suspect(d) for d in v.link)]
+        return ([v for v in found if v.kind != "slow_link" and v.link not in back]
+                + [v for v in waiting if v.link not in back and v not in self.held])
+
+    def _observe(self, record: "IterationRecord", members: Sequence[int], iteration: int) -> list[Verdict]:
         rt = round_trips(record, members)
         self.last = rt
         if self._calibrating(rt.values()):

@@ -102,8 +102,7 @@ class _Costs:
     head_bwd: float
     tp_allreduce_s: float   # a micro-batch's activation bytes / TP link bandwidth (before the ring factor)
     nic_allreduce_s: float  # the same bytes over the NIC: a TP group that spans nodes
-    message_bytes: float = 0.0     # a pipeline message at TP 1: the micro-batch's activations
-    link_bytes_per_s: float = math.inf
+    message_bytes: float = 0.0     # those bytes: a pipeline message at TP 1
 
     def nic_extra_s(self, nics: "Nics | None", tp: int) -> dict[int, float]:
         """Seconds a slow NIC adds to each pipeline message its device sends at TP ``tp`` (a
@@ -111,7 +110,7 @@ class _Costs:
         if not nics:
             return {}
         msg = self.message_bytes / tp
-        return {int(d): max(0.0, msg / bw - msg / self.link_bytes_per_s) for d, bw in nics.items()}
+        return {int(d): max(0.0, msg / bw - self.nic_allreduce_s / tp) for d, bw in nics.items()}
 
     def layer(self, tp: int, across_nodes: bool = False) -> tuple[float, float]:
         """Seconds per layer and micro-batch on one device of a TP group of ``tp``: the FLOPs
@@ -128,8 +127,7 @@ def _costs(spec: ModelSpec, workload: Workload, cluster: Cluster) -> _Costs:
     act_bytes = workload.activation_bytes_per_value * workload.tokens * spec.hidden_size   # the micro-batch's
     return _Costs(one.forward(t, sq).total / f, one.backward(t, sq).total / f,
                   head.forward(t, sq).total / f, head.backward(t, sq).total / f,
-                  act_bytes / cluster.tp_bytes_per_s, act_bytes / cluster.link_bytes_per_s,
-                  act_bytes, cluster.link_bytes_per_s)
+                  act_bytes / cluster.tp_bytes_per_s, act_bytes / cluster.link_bytes_per_s, act_bytes)
 
 
 def spans_nodes(layout: PlanLayout, devices_per_node: int | None) -> np.ndarray:

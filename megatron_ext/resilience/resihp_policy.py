@@ -103,13 +103,7 @@ class ResiHP(Policy):
             return act
         if plan is None:
             return None
-        new = from_plan_layout(plan.new)
-        same_places = plan.new.dp == plan.old.dp and \
-            dataclasses.replace(plan.new, microbatches=plan.old.microbatches) == plan.old
-        pause = move_pause_s(ctx, self.job, new, 1.0 if same_places else ctx.costs.reconfigure_s)
-        self.job = new
-        return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape} layers "
-                      f"{'/'.join(map(str, plan.new.stage_layers))}")
+        return self._adopt(ctx, plan, "")
 
     def react(self, ctx, t, it, verdicts, links):
         if self.nics:
@@ -131,7 +125,7 @@ class ResiHP(Policy):
         base = self.policy.layout
         if np.array_equal(before, self.policy.speeds):
             # No device changed speed (a NIC did): nothing to reroute; the plan stands on its own.
-            return None if plan is None else self._adopt(ctx, base, plan, "")
+            return None if plan is None else self._adopt(ctx, plan, "")
         hidden = np.where((self.policy.speeds < 1) & np.isin(np.arange(ctx.num_devices), base.devices), 1.0,
                           self.policy.speeds)
         # A replica that lost every stage cannot be rerouted: its micro-batches go to the others.
@@ -140,7 +134,7 @@ class ResiHP(Policy):
         share = base.num_microbatches / max(1, base.num_microbatches - sum(base.microbatches[d] for d in gone))
         rerouted_s = self.policy.planner.iteration_s(base, hidden, self.policy.links, self.policy.nics) * share
         if plan is not None and plan.iteration_s_after + plan.move_s / plan.horizon_iterations < rerouted_s:
-            return self._adopt(ctx, base, plan, " (beats rerouting)")
+            return self._adopt(ctx, plan, " (beats rerouting)")
         try:
             _, job = reroute(from_plan_layout(base).pipelines, self.policy.speeds)
         except RuntimeError:
@@ -150,12 +144,18 @@ class ResiHP(Policy):
         self.job = job
         return Action(job, ctx.costs.reroute_s, note=_reroute_note(job))
 
-    def _adopt(self, ctx: Context, base, plan, why: str) -> Action:
+    def _adopt(self, ctx: Context, plan, why: str) -> Action:
+        """The plan's layout becomes the job's. Its pause: the largest state a device receives plus
+        a process-group rebuild, or, when every device keeps its place (a new micro-batch split
+        only), what a reroute costs the baselines for the same act."""
         self.policy.layout = plan.new
         new = from_plan_layout(plan.new)
-        pause = move_pause_s(ctx, from_plan_layout(base), new, ctx.costs.reconfigure_s)
+        same_places = plan.new.dp == plan.old.dp and \
+            dataclasses.replace(plan.new, microbatches=plan.old.microbatches) == plan.old
+        pause = move_pause_s(ctx, self.job, new, ctx.costs.reroute_s if same_places else ctx.costs.reconfigure_s)
         self.job = new
-        return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape}{why}")
+        return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape} layers "
+                      f"{'/'.join(map(str, plan.new.stage_layers))}{why}")
 
     def _nic_verdicts(self, ctx: Context, it: int, links: list[LinkVerdict]) -> list[Verdict]:
         """The detector model's NIC verdicts as the live ring probe gives them (``resihp/nic.py``:

@@ -119,3 +119,53 @@ def test_ranks_of_a_zygote_that_dies_are_reported_lost_and_the_next_start_refuse
     with pytest.raises(RuntimeError, match="zygote"):
         z.start([str(script), "ok"], dict(os.environ), None, None)
     assert not z.alive()
+
+
+def test_launches_differing_only_in_volatile_variables_share_a_zygote_and_the_oldest_is_closed(monkeypatch):
+    # Under pytest, PYTEST_CURRENT_TEST changes with every test and RANK / MASTER_PORT with every
+    # launch: keyed on them, each test would start (and keep) a zygote of its own.
+    monkeypatch.setattr(zg, "_zygotes", {})
+    monkeypatch.setattr(zg, "MAX_ZYGOTES", 1)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "ZYGOTE_TEST_KEY": "a"}
+    first = zg.zygote_for({**env, "PYTEST_CURRENT_TEST": "t1", "RANK": "0", "MASTER_PORT": "1"})
+    try:
+        assert zg.zygote_for({**env, "PYTEST_CURRENT_TEST": "t2", "RANK": "3", "MASTER_PORT": "2"}) is first
+        assert zg.zygote_for({**env, "RANK": "1"}) is first
+        other = zg.zygote_for({**env, "ZYGOTE_TEST_KEY": "b"})
+        assert other is not first and list(zg._zygotes.values()) == [other]
+        assert first.proc.wait(120) == 0          # closed: it ends once it has no child left
+        assert other.alive()
+    finally:
+        for z in (first, *zg._zygotes.values()):
+            z.close()
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_launch_past_its_timeout_is_killed_with_what_it_started(start, monkeypatch):
+    import subprocess
+    import time
+
+    from tests.conftest import _child_env, launch_python
+
+    monkeypatch.setenv(zg.START_ENV, start)
+
+    child = ("import subprocess, sys, time; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+             "print('grandchild', p.pid, flush=True); time.sleep(120)")
+    with pytest.raises(subprocess.TimeoutExpired) as err:
+        launch_python(["-c", child], _child_env({"OMP_NUM_THREADS": "1"}), timeout=5, merge=True)
+    words = err.value.output.split()
+    assert "grandchild" in words, err.value.output
+    pid = int(words[words.index("grandchild") + 1])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except OSError:
+            break                                     # gone
+        time.sleep(0.2)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the launch's own child {pid} outlived its timeout")

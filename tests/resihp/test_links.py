@@ -11,7 +11,8 @@ from megatron_ext.config.base import ConfigError
 from megatron_ext.pipeline.events import EVENT_DTYPE, Call, Phase
 from megatron_ext.pipeline.timeline import IterationRecord, RankEvents
 from megatron_ext.resihp.flops import ModelSpec
-from megatron_ext.resihp.injection import FaultInjectionConfig, parse_slow_link, slow_link_from
+from megatron_ext.resihp.injection import (ErrorFault, FaultInjectionConfig, SlowFault, StopFault, parse_error, parse_slow,
+                                          parse_slow_link, parse_slow_nic, parse_stop, slow_from, slow_link_from)
 from megatron_ext.resihp.links import LinkDetector, round_trips
 from megatron_ext.resihp.planner import Cluster, Plan, PlanLayout, Planner, PlannerConfig, Workload, link_seconds
 from megatron_ext.resihp.planner_policy import PlanPolicy
@@ -134,6 +135,25 @@ def test_injection_spec_and_its_errors():
                                                     "ranks (0..3)")):
         cfg.check_world(4)
 
+
+
+@pytest.mark.parametrize("parse, spec, message", [
+    (parse_slow, "2:30", "--inject-slow '2:30': expected RANK:ITER:FACTOR, e.g. 2:30:1.5"),
+    (parse_slow, "2:x:1.5", "--inject-slow '2:x:1.5': expected RANK:ITER:FACTOR"),
+    (parse_slow, "2:30:1", "--inject-slow '2:30:1': need RANK >= 0, ITER >= 1 and FACTOR > 1"),
+    (parse_stop, "3:40:step:x", "--inject-stop '3:40:step:x': expected RANK:ITER[:POINT], e.g. 3:40 or 3:40:step"),
+    (parse_stop, "3:0", "--inject-stop '3:0': need RANK >= 0 and ITER >= 1"),
+    (parse_stop, "3:40:stpe", "--inject-stop '3:40:stpe': POINT must be one of start, step, save, relayout, got 'stpe'"),
+    (parse_error, "2", "--inject-error '2': expected RANK:ITER[:KIND], e.g. 2:5 or 2:5:collective"),
+    (parse_error, "2:5:io", "--inject-error '2:5:io': KIND must be one of value, collective, got 'io'"),
+    (parse_slow_nic, "1:20:0", "--inject-slow-nic '1:20:0': need RANK >= 0, ITER >= 1 and 0 < MBPS < inf"),
+])
+def test_every_fault_spec_error_names_the_flag_the_spec_and_the_form(parse, spec, message):
+    with pytest.raises(ConfigError) as err:
+        parse(spec)
+    assert str(err.value).startswith(message), str(err.value)
+    assert parse_stop("3:40") == StopFault(3, 40, "start") and parse_error("2:5:collective") == ErrorFault(2, 5, "collective")
+    assert parse_slow(slow_from(2, 30, 1.5)) == SlowFault(2, 30, 1.5)
 
 SPEC = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, vocab_size=32000)
 

@@ -7,6 +7,7 @@ import pytest
 
 from megatron_ext.config.base import ConfigError
 from megatron_ext.resihp.injection import FaultInjectionConfig, parse_slow_nic
+from megatron_ext.resihp.links import LinkDetector
 from megatron_ext.resihp.nic import NicDetector, egress_times
 from megatron_ext.resihp.verdicts import Verdict
 
@@ -62,6 +63,47 @@ def test_devices_keep_their_record_when_ranks_are_renumbered_and_neighbours_are_
     verdicts = [v for it in range(4, 8) for v in det.observe(probe(4, {0: 0.02}), [2, 0, 3, 1], it)]
     assert [(v.kind, v.launch_rank, v.rank) for v in verdicts] == [("slow_nic", 2, 0)]
     assert det.known_slow() == {2: pytest.approx(0.02, abs=1e-6)}
+
+
+def test_a_link_verdict_a_suspected_nic_may_explain_waits_for_the_nic_probe():
+    # Device 2's NIC slows its link to 0 from iteration 10, but the probe misses iteration 10: the
+    # link watch convicts at 12 and the NIC watch at 13. Link 1-3 is slow by itself; device 3's
+    # probe is flagged once (noise) at 12, the iteration that link is convicted.
+    from tests.resihp.test_links import record, two_stage
+
+    def run(with_nics: bool):
+        links, nics = LinkDetector(warmup=5, window=4, floor_s=0.01), NicDetector(nbytes=65536, warmup=5, window=4)
+        out = []
+        for it in range(1, 16):
+            slow = {2: 0.033} if it >= 11 else {}
+            if it == 12:
+                slow[3] = 0.02
+            found = nics.observe(probe(4, slow), [0, 1, 2, 3], it)
+            delay = 0.033 if it >= 10 else 0.0
+            rec = record(two_stage(link_s=delay), two_stage(link_s=delay), iteration=it)
+            found += links.observe(rec, [0, 1, 2, 3], it, nics=nics if with_nics else None)
+            out += [(it, v.kind, v.link or v.launch_rank) for v in found]
+        return out, links
+
+    alone, _ = run(False)
+    assert alone == [(12, "slow_link", (0, 2)), (12, "slow_link", (1, 3)), (13, "slow_nic", 2)]
+    after, links = run(True)
+    # 0-2 waits for device 2's NIC and follows its verdict; 1-3 waits one probe for device 3's
+    # to come back clean
+    assert after == [(13, "slow_nic", 2), (13, "slow_link", (0, 2)), (13, "slow_link", (1, 3))]
+    assert links.held == []
+    # A link that recovers while its verdict waits: neither verdict goes out.
+    nics = NicDetector(nbytes=65536, warmup=1, window=2)
+    for it in (1, 2):
+        nics.observe(probe(4, {2: 0.05} if it == 2 else {}), [0, 1, 2, 3], it)
+    assert nics.suspect(2) and not nics.suspect(0)
+    slow = Verdict(kind="slow_link", rank=0, stage=None, iteration=2, factor=None, confidence=1.0,
+                   detector="resihp-link", detail={"launch_rank": 0, "peer_launch_rank": 2, "extra_s_per_message": 0.03})
+    back = Verdict(kind="link_recovered", rank=0, stage=None, iteration=3, factor=None, confidence=1.0,
+                   detector="resihp-link", detail={"launch_rank": 0, "peer_launch_rank": 2})
+    det = LinkDetector()
+    assert det._after_nics([slow], nics) == [] and det.held == [slow]
+    assert det._after_nics([back], nics) == [] and det.held == []
 
 
 def test_errors_are_named():
