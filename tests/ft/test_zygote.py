@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import textwrap
+import time
 
 import pytest
 
@@ -142,13 +144,9 @@ def test_launches_differing_only_in_volatile_variables_share_a_zygote_and_the_ol
 
 @pytest.mark.parametrize("start", ["fork", "spawn"])
 def test_a_launch_past_its_timeout_is_killed_with_what_it_started(start, monkeypatch):
-    import subprocess
-    import time
-
     from tests.conftest import _child_env, launch_python
 
     monkeypatch.setenv(zg.START_ENV, start)
-
     child = ("import subprocess, sys, time; "
              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
              "print('grandchild', p.pid, flush=True); time.sleep(120)")

@@ -11,8 +11,9 @@ from megatron_ext.config.base import ConfigError
 from megatron_ext.pipeline.events import EVENT_DTYPE, Call, Phase
 from megatron_ext.pipeline.timeline import IterationRecord, RankEvents
 from megatron_ext.resihp.flops import ModelSpec
-from megatron_ext.resihp.injection import (ErrorFault, FaultInjectionConfig, SlowFault, StopFault, parse_error, parse_slow,
-                                          parse_slow_link, parse_slow_nic, parse_stop, slow_from, slow_link_from)
+from megatron_ext.resihp.injection import (ErrorFault, FaultInjectionConfig, SlowFault, SlowNicFault, StopFault, parse_error,
+                                          parse_slow, parse_slow_link, parse_slow_nic, parse_stop, slow_from,
+                                          slow_link_from)
 from megatron_ext.resihp.links import LinkDetector, round_trips
 from megatron_ext.resihp.planner import Cluster, Plan, PlanLayout, Planner, PlannerConfig, Workload, link_seconds
 from megatron_ext.resihp.planner_policy import PlanPolicy
@@ -136,6 +137,12 @@ def test_injection_spec_and_its_errors():
         cfg.check_world(4)
 
 
+def test_every_fault_spec_parses_to_its_fault():
+    assert parse_slow(slow_from(2, 30, 1.5)) == SlowFault(2, 30, 1.5)
+    assert parse_stop("3:40") == StopFault(3, 40, "start") and parse_stop("3:40:save") == StopFault(3, 40, "save")
+    assert parse_error("2:5") == ErrorFault(2, 5, "value") and parse_error("2:5:collective") == ErrorFault(2, 5, "collective")
+    assert parse_slow_nic("1:20:4") == SlowNicFault(1, 20, 4.0)
+
 
 @pytest.mark.parametrize("parse, spec, message", [
     (parse_slow, "2:30", "--inject-slow '2:30': expected RANK:ITER:FACTOR, e.g. 2:30:1.5"),
@@ -152,8 +159,7 @@ def test_every_fault_spec_error_names_the_flag_the_spec_and_the_form(parse, spec
     with pytest.raises(ConfigError) as err:
         parse(spec)
     assert str(err.value).startswith(message), str(err.value)
-    assert parse_stop("3:40") == StopFault(3, 40, "start") and parse_error("2:5:collective") == ErrorFault(2, 5, "collective")
-    assert parse_slow(slow_from(2, 30, 1.5)) == SlowFault(2, 30, 1.5)
+
 
 SPEC = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=16, vocab_size=32000)
 
