@@ -11,8 +11,9 @@ Policies: ``ckpt_restart`` (Megatron + NVRx in-job restart with a spare node), `
 ``recycle``, ``malleus`` (Malleus-like re-planner), ``adaptra``, ``torchft`` (DP shrink),
 ``resihp`` (ResiHP's planner and hysteresis as they are, ``megatron_ext.resihp``, told the node
 size, given the NIC verdicts of its ring probe), ``resihp-nodeless`` (the planner before it knew
-nodes: the "before" of that change), ``resihp-nicless`` (the planner before it took NIC verdicts)
-and ``resihp+rr`` (glue: reroutes a faulty stage's micro-batches to its peers at once and
+nodes: the "before" of that change), ``resihp-nicless`` (the planner before it took NIC verdicts),
+``resihp-noreadmit`` (before slow devices left out of the job were readmitted after an hour and DP
+could grow back onto them) and ``resihp+rr`` (glue: reroutes a faulty stage's micro-batches to its peers at once and
 re-lays out only when the planner predicts that beats rerouting).
 Every policy gets the same detector model (a compute fail-slow named after 7 iterations, a loss
 after a 30 s heartbeat timeout; a slow NIC or path after 7 iterations, used by ADAPTRA, which has a
@@ -48,7 +49,7 @@ logger = logging.getLogger("bench_resilience")
 RESIHP = resihp_policy.BEFORE + ("resihp",) + resihp_policy.GLUE
 SHORT = {"ckpt_restart": "ckpt", "oobleck": "oobleck", "recycle": "recycle", "malleus": "malleus",
          "adaptra": "adaptra", "torchft": "torchft", "resihp-nodeless": "nodeless", "resihp": "resihp",
-         "resihp-nicless": "nicless", "resihp+rr": "+rr"}
+         "resihp-nicless": "nicless", "resihp-noreadmit": "noreadm", "resihp+rr": "+rr"}
 
 
 def planner_healthy_gain(ctx) -> float:
@@ -126,6 +127,7 @@ def main() -> int:
                      + f"  {SHORT[best]:>9} " + " ".join(f"{speedups[n][key]:>9.3f}" for n in RESIHP))
     gm = {n: geomean(speedups[n].values()) for n in RESIHP}
     what = {"resihp-nodeless": "before: no nodes in the planner", "resihp-nicless": "before: no NIC verdicts",
+            "resihp-noreadmit": "before: left-out slow devices never readmitted, no DP growth",
             "resihp": "as it is", "resihp+rr": "glue: + reroute first"}
     lines.append("over the best baseline, geometric mean (min, max): " + "; ".join(
         f"{n} ({what[n]}) {gm[n]:.3f}x ({min(speedups[n].values()):.3f}, {max(speedups[n].values()):.3f})"

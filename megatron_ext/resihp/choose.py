@@ -89,7 +89,7 @@ def make_planner(trainer: "TrainerLike", *, executable_only: bool, min_gain: flo
                            tp_regroup=not executable_only or "permute" in trainer.relayout_knobs,
                            dp_migration="microbatches" in trainer.relayout_knobs,
                            uneven_microbatches="microbatches" in trainer.relayout_knobs,
-                           drop_replicas=not executable_only,
+                           drop_replicas=not executable_only, grow_replicas=not executable_only,
                            reshape=not executable_only or (live_reshape and "shape" in trainer.relayout_knobs),
                            reshape_keeps_devices=executable_only)
     probe = Cluster(device_flops=1e12, memory_bytes=float("inf"), link_bytes_per_s=CPU_LINK_BYTES_PER_S)

@@ -48,6 +48,7 @@ class ModelSpec:
     num_experts: int | None = None           # MoE: every layer's MLP is a router + this many experts
     moe_router_topk: int = 2                 # experts per token (MoE only)
     moe_ffn_hidden_size: int | None = None   # each expert's MLP width; default ffn
+    shared_expert_ffn_hidden_size: int = 0   # MoE: a dense MLP beside the experts that every token takes
     flash_attention: bool = False            # attention backward recomputes the scores
     recompute: bool = False                  # full activation recomputation in backward
 
@@ -64,6 +65,9 @@ class ModelSpec:
         if self.num_experts is not None and not 1 <= self.moe_router_topk <= self.num_experts:
             raise ValueError(f"ModelSpec: moe_router_topk {self.moe_router_topk} must be between 1 and "
                              f"num_experts {self.num_experts}")
+        if self.shared_expert_ffn_hidden_size < 0 or (self.shared_expert_ffn_hidden_size and self.num_experts is None):
+            raise ValueError(f"ModelSpec: shared_expert_ffn_hidden_size {self.shared_expert_ffn_hidden_size} needs "
+                             "to be >= 0, and 0 for a dense model (num_experts unset)")
 
     @property
     def ffn(self) -> int:
@@ -150,19 +154,22 @@ def spec_of_model(m: Any, vocab_size: int) -> ModelSpec:
                      vocab_size=vocab_size, ffn_hidden_size=m.ffn_hidden_size,
                      num_query_groups=m.num_query_groups if m.group_query_attention else None,
                      gated_linear_unit=m.swiglu, num_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
-                     moe_ffn_hidden_size=m.moe_ffn_hidden_size)
+                     moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+                     shared_expert_ffn_hidden_size=(getattr(m, "moe_shared_expert_intermediate_size", None) or 0)
+                     if m.num_experts else 0)
 
 
 def layer_linear_flops_per_token(spec: ModelSpec) -> float:
     """Forward FLOPs per token of one transformer layer's projections on the rank's own tokens:
-    QKV, output projection and the MLP, or for an MoE layer the router (the experts are counted
-    per routed pair, ``layer_expert_flops_per_pair``)."""
+    QKV, output projection and the MLP, or for an MoE layer the router and the shared expert, if
+    any (the routed experts are counted per routed pair, ``layer_expert_flops_per_pair``)."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.groups * d
     qkv = 2 * h * (q + 2 * kv)
     proj = 2 * q * h
     matrices = 3 if spec.gated_linear_unit else 2
-    mlp = 2 * h * spec.ffn * matrices if spec.num_experts is None else 2 * h * spec.num_experts
+    mlp = 2 * h * spec.ffn * matrices if spec.num_experts is None else \
+        2 * h * spec.num_experts + 2 * h * spec.shared_expert_ffn_hidden_size * matrices
     return float(qkv + proj + mlp)
 
 

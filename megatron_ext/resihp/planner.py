@@ -57,13 +57,14 @@ logger = logging.getLogger(__name__)
 
 def layer_params(spec: ModelSpec) -> float:
     """Parameters of one transformer layer (projections; norms and biases are noise here). MoE:
-    every expert's MLP and the router (it counted one expert's MLP before: an MoE layer's
-    gradients, state and memory were undercounted by its expert count)."""
+    every expert's MLP (at the experts' width), the router and the shared expert, if any."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.groups * d
-    mlp = h * spec.ffn * (3 if spec.gated_linear_unit else 2)
+    matrices = 3 if spec.gated_linear_unit else 2
+    mlp = h * spec.ffn * matrices
     if spec.num_experts is not None:
-        mlp = spec.num_experts * mlp + h * spec.num_experts
+        mlp = (spec.num_experts * h * spec.expert_ffn * matrices + h * spec.num_experts
+               + h * spec.shared_expert_ffn_hidden_size * matrices)
     return float(h * (q + 2 * kv) + q * h + mlp)
 
 
@@ -625,6 +626,14 @@ class Planner:
                 for lay2, acts2 in self._fill(lay, layout, sp, memory, acts, same_shape=True):
                     add(lay2, acts2)
 
+        if cfg.grow_replicas:
+            # Replicas added on healthy idle devices (after a shrink, once devices recovered or came
+            # back): the same (tp, pp) with more replicas, which no reshape offers.
+            base = self._keep_replicas(layout, sp, layout.dp) or layout
+            for lay in self._grow_replicas(base, sp):
+                for lay2, acts2 in self._fill(lay, layout, sp, memory, ("dp_grow",), same_shape=True):
+                    add(lay2, acts2)
+
         if cfg.reshape:
             for lay in self._reshapes(layout, sp, memory):
                 placements = [lay] + (self._packings(lay, sp) if cfg.tp_regroup else [])
@@ -670,6 +679,26 @@ class Planner:
             return None
         mbs = layout.microbatches if dp == layout.dp else tuple(_split_even(layout.num_microbatches, dp))
         return dataclasses.replace(layout, dp=dp, devices=tuple(new.reshape(-1).tolist()), microbatches=mbs)
+
+    def _grow_replicas(self, layout: PlanLayout, sp: np.ndarray) -> list[PlanLayout]:
+        """The layout with 1, 2, ... more replicas of its (tp, pp), on the healthy idle devices
+        behind healthy NICs (in rank order), as many as they and the micro-batches allow; the
+        micro-batches spread evenly over all replicas."""
+        nic = self._nic_share(sp.shape[0])
+        used = set(layout.devices)
+        idle = [r for r in range(sp.shape[0]) if r not in used and sp[r] >= 1 - HEALTHY_EPS and nic[r] >= 1]
+        per = layout.tp * layout.pp
+        grid = layout.grid()
+        out = []
+        for k in range(1, len(idle) // per + 1):
+            dp = layout.dp + k
+            if dp > layout.num_microbatches:
+                break
+            extra = np.asarray(idle[:k * per]).reshape(layout.pp, k, layout.tp)
+            new = np.concatenate([grid, extra], axis=1)
+            out.append(dataclasses.replace(layout, dp=dp, devices=tuple(int(x) for x in new.reshape(-1)),
+                                           microbatches=tuple(_split_even(layout.num_microbatches, dp))))
+        return out
 
     def _avoid_links(self, layout: PlanLayout) -> list[PlanLayout]:
         """For each slow link the layout uses as a pipeline hop: the layouts with one end's TP group

@@ -17,6 +17,10 @@ keeps a *believed* speed per device and only re-plans when that belief changes:
 * ``slow_nic`` (a device, ``nic.py``) sets the bandwidth of its NIC (``detail["mbps"]``) at
   once, and ``nic_recovered`` clears it after ``recover_after`` iterations; the planner charges a
   slow NIC to the gradient all-reduce of every data-parallel ring the device is in;
+* a slow device the layout left out is no longer watched, so no ``recovered`` verdict can come for
+  it; with ``readmit_after`` it counts as healthy again once it has been out that many iterations
+  (the fault's expected duration is over): the planner may take it back, and if it is still slow
+  the detector names it again once it computes;
 * a changed belief re-plans from the layout in force, and the planner's own threshold
   (``PlannerConfig.min_gain``) drops plans that would not pay for their move (a factor re-estimated
   from x2.0 to x2.1 does not re-lay out the job).
@@ -40,16 +44,21 @@ class PlanPolicy:
     """Feeds verdicts to the planner with hysteresis; one instance per job, on the rank that
     decides (its plans are broadcast). ``observe`` once per iteration."""
 
-    def __init__(self, planner: Planner, layout: PlanLayout, num_devices: int, *, recover_after: int = 50) -> None:
+    def __init__(self, planner: Planner, layout: PlanLayout, num_devices: int, *, recover_after: int = 50,
+                 readmit_after: int = 0) -> None:
         if recover_after < 0:
             raise PlanningError(f"recover_after must be >= 0 iterations, got {recover_after}")
+        if readmit_after < 0:
+            raise PlanningError(f"readmit_after must be >= 0 iterations (0: never), got {readmit_after}")
         if num_devices <= max(layout.devices):
             raise PlanningError(f"num_devices ({num_devices}) must exceed the largest rank of the layout "
                                 f"({max(layout.devices)})")
         self.planner = planner
         self.layout = layout
         self.recover_after = recover_after
+        self.readmit_after = readmit_after
         self.speeds = np.ones(num_devices)
+        self._outside: dict[int, int] = {}      # slow rank the layout left out -> iteration it was first seen out
         self._recovering: dict[int, int] = {}   # rank -> iteration of its 'recovered' verdict
         self.links: dict[tuple[int, int], float] = {}            # (device, device) -> extra s per message
         self._links_recovering: dict[tuple[int, int], int] = {}
@@ -66,6 +75,8 @@ class PlanPolicy:
         which each recovering device has had no new ``fail_slow``."""
         out = {"speeds": {str(d): float(s) for d, s in enumerate(self.speeds) if s != 1.0},
                "recovering": {str(d): int(it) for d, it in self._recovering.items()}}
+        if self._outside:
+            out["outside"] = {str(d): int(it) for d, it in self._outside.items()}
         if self.links or self._links_recovering:
             out["links"] = {f"{a}-{b}": float(x) for (a, b), x in self.links.items()}
             out["links_recovering"] = {f"{a}-{b}": int(it) for (a, b), it in self._links_recovering.items()}
@@ -82,6 +93,7 @@ class PlanPolicy:
                 raise PlanningError(f"beliefs name device {d}; the policy knows {self.speeds.shape[0]} devices")
             self.speeds[int(d)] = float(speed)
         self._recovering.update({int(d): int(it) for d, it in beliefs.get("recovering", {}).items()})
+        self._outside.update({int(d): int(it) for d, it in beliefs.get("outside", {}).items()})
 
         def pair(key: str) -> tuple[int, int]:
             a, b = (int(x) for x in key.split("-"))
@@ -163,6 +175,8 @@ class PlanPolicy:
                 del self._recovering[r]
                 self.speeds[r] = 1.0
                 changed.append(f"rank {r} healthy since iteration {since}")
+        if self.readmit_after:
+            changed += self._readmit(iteration)
         for link, since in sorted(self._links_recovering.items()):
             if iteration - since >= self.recover_after:
                 del self._links_recovering[link]
@@ -173,4 +187,22 @@ class PlanPolicy:
                 del self._nics_recovering[d]
                 self.nics.pop(d, None)
                 changed.append(f"NIC of {d} healthy since iteration {since}")
+        return changed
+
+    def _readmit(self, iteration: int) -> list[str]:
+        """Slow devices out of the layout for ``readmit_after`` iterations count as healthy again."""
+        inside = set(self.layout.devices)
+        for r in list(self._outside):
+            if r in inside or not 0 < self.speeds[r] < 1:
+                del self._outside[r]
+        for r in np.flatnonzero((self.speeds > 0) & (self.speeds < 1)).tolist():
+            if r not in inside:
+                self._outside.setdefault(int(r), iteration)
+        changed = []
+        for r, since in sorted(self._outside.items()):
+            if iteration - since >= self.readmit_after:
+                del self._outside[r]
+                self._recovering.pop(r, None)
+                self.speeds[r] = 1.0
+                changed.append(f"rank {r} readmitted after {iteration - since} iterations out of the job")
         return changed

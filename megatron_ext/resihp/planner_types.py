@@ -247,6 +247,9 @@ class PlannerConfig:
     same state: nothing moves but the pause)."""
     drop_replicas: bool = True
     """Shrink DP: leave out replicas (those with dead devices; or slow ones when that is faster)."""
+    grow_replicas: bool = True
+    """Grow DP: add replicas of the current (tp, pp) on healthy idle devices (after a shrink, once
+    devices recovered or came back)."""
     reshape: bool = True
     """Other (tp, pp, dp) sizes over the usable devices (TP only downwards)."""
     reshape_keeps_devices: bool = False

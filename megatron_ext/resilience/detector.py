@@ -6,7 +6,8 @@
   ``severe_delay`` (its severe rule, 2x in each of 4 iterations: measured, a 3x device is named
   after 3-4 iterations and a device at exactly 2x still after 6, its scores straddling 2);
   ``recovered`` after ``window`` iterations below the threshold.
-  Devices outside the job (spares, dropped ones) are not observed.
+  Devices outside the job (spares, dropped ones) are not observed; a convicted device that comes
+  back into the job is watched afresh: named again if it is still slow, ``recovered`` if not.
 * fail-stop (every policy): named when the loop notices the job hangs (after the heartbeat
   timeout, which ``run`` charges).
 * slow links (only for a policy that has a link detector: ADAPTRA's, or ResiHP with item 4 of
@@ -50,6 +51,8 @@ class DetectorModel:
         self.ok_for = np.zeros(num_devices, dtype=np.int64)
         self.convicted = np.zeros(num_devices, dtype=bool)
         self.dead = np.zeros(num_devices, dtype=bool)
+        self.watched = np.zeros(num_devices, dtype=bool)
+        self.rename = np.zeros(num_devices, dtype=bool)   # convicted, out of the job, back in it
         self.link_for: dict[tuple, int] = {}
         self.link_named: dict[tuple, float] = {}
 
@@ -57,6 +60,10 @@ class DetectorModel:
         devs = np.asarray(job.devices)
         watched = np.zeros(self.slow_for.shape[0], dtype=bool)
         watched[devs] = True
+        entered = watched & ~self.watched
+        self.watched = watched
+        self.rename |= entered & self.convicted
+        self.ok_for[entered] = 0
         sp = state.speed
         slow = watched & (sp > 0) & (sp <= 1.0 / self.threshold)
         self.slow_for = np.where(slow, self.slow_for + 1, 0)
@@ -67,12 +74,14 @@ class DetectorModel:
             # strictly slower than the severe factor: a device at exactly 2x scores around 2 and,
             # measured (tools/bench_detector.py), is named by the window rule (6 iterations)
             delay[(sp > 0) & (sp < 1.0 / self.severe_factor)] = self.severe_delay
-        for r in np.flatnonzero(~self.convicted & (self.slow_for >= delay)):
+        for r in np.flatnonzero((~self.convicted | self.rename) & (self.slow_for >= delay)):
             self.convicted[r] = True
+            self.rename[r] = False
             out.append(Verdict(kind="fail_slow", rank=int(r), stage=None, iteration=it, factor=float(1 / sp[r]),
                                confidence=1.0, detector="model"))
         for r in np.flatnonzero(self.convicted & watched & (self.ok_for >= self.window) & (sp > 0)):
             self.convicted[r] = False
+            self.rename[r] = False
             out.append(Verdict(kind="recovered", rank=int(r), stage=None, iteration=it, factor=None,
                                confidence=1.0, detector="model"))
         return out, self._links(it, job, state)

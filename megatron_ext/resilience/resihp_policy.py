@@ -7,6 +7,9 @@ and this package's glue around them (issue #22 item 5), each variant a row of th
   data-parallel rings the device is in;
 * ``resihp-nodeless``: the planner as it was before it knew nodes (the "before" of that change);
 * ``resihp-nicless``: the planner as it was before it took NIC verdicts (the "before" of that one);
+* ``resihp-noreadmit``: the policy as it was before it readmitted slow devices left out of the
+  job (``PlanPolicy(readmit_after=...)``: a left-out device is not watched, so without it the
+  policy believes it slow for the rest of the run) and before the planner grew DP back onto them;
 * ``resihp+rr``: also reroutes a faulty stage's micro-batches to its peers at once (ReCycle's
   mechanism) and re-lays out only when the planner predicts its plan beats that.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import numpy as np
 
@@ -31,14 +35,20 @@ from megatron_ext.resilience.shapes import ModelShape
 
 logger = logging.getLogger(__name__)
 
+READMIT_AFTER_S = 3600.0
+"""A slow device the layout left out counts as healthy again after this long unwatched: the fault
+model's slow-device episodes (``setting.mixed_day``: Pareto from 10 minutes, shape 1.5) are over
+within the hour nine times in ten."""
+
 
 def model_spec(shape: ModelShape) -> ModelSpec:
-    """The shape as ResiHP's FLOPs model sees it (no shared expert: ModelSpec has none)."""
+    """The shape as ResiHP's FLOPs model sees it."""
     return ModelSpec(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
                      num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
                      ffn_hidden_size=shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
                      num_query_groups=shape.num_query_groups, gated_linear_unit=True,
                      num_experts=shape.num_experts, moe_router_topk=shape.moe_topk if shape.is_moe else 2,
+                     shared_expert_ffn_hidden_size=shape.shared_expert_ffn_hidden_size,
                      flash_attention=True)
 
 
@@ -52,9 +62,12 @@ class ResiHP(Policy):
     name = "resihp"
 
     def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, nodes: bool = True,
-                 nics: bool = True, reroute_first: bool = False) -> None:
+                 nics: bool = True, reroute_first: bool = False, readmit_after_s: float | None = READMIT_AFTER_S) -> None:
         self.config = config or PlannerConfig()
+        if readmit_after_s is None:
+            self.config = dataclasses.replace(self.config, grow_replicas=False)
         self.recover_after = recover_after
+        self.readmit_after_s = readmit_after_s
         self.nodes = nodes
         self.nics = nics
         self.reroute_first = reroute_first
@@ -62,6 +75,8 @@ class ResiHP(Policy):
             self.name = "resihp-nodeless"
         elif not nics:
             self.name = "resihp-nicless"
+        elif readmit_after_s is None:
+            self.name = "resihp-noreadmit"
         elif reroute_first:
             self.name = "resihp+rr"
 
@@ -85,8 +100,10 @@ class ResiHP(Policy):
         job = super().start(ctx)
         self.fallback = CheckpointRestart()
         self.fallback.start(ctx)
+        readmit = 0 if self.readmit_after_s is None else \
+            max(1, math.ceil(self.readmit_after_s / ctx.sim.healthy(ctx.start).time_s))
         self.policy = PlanPolicy(self.planner(ctx), to_plan_layout(job), ctx.num_devices,
-                                 recover_after=self.recover_after)
+                                 recover_after=self.recover_after, readmit_after=readmit)
         return job
 
     def decide(self, ctx: Context, it: int, verdicts: list[Verdict]) -> Action | None:
@@ -172,11 +189,12 @@ class ResiHP(Policy):
         return out
 
 
-BEFORE = ("resihp-nodeless", "resihp-nicless")
+BEFORE = ("resihp-nodeless", "resihp-nicless", "resihp-noreadmit")
 """ResiHP as it was before a change of ``megatron_ext.resihp``, kept as rows for the before/after."""
 GLUE = ("resihp+rr",)
 """ResiHP's decisions with this package's glue (docs/resilience.md, "Policy glue")."""
 _FLAGS = {"resihp": {}, "resihp-nodeless": {"nodes": False, "nics": False}, "resihp-nicless": {"nics": False},
+          "resihp-noreadmit": {"readmit_after_s": None},
           "resihp+rr": {"reroute_first": True}}
 
 

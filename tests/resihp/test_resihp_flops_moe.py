@@ -22,6 +22,12 @@ class MoEMLP(torch.nn.Module):
         width = f * (2 if spec.gated_linear_unit else 1)
         self.fc1 = torch.nn.ModuleList(torch.nn.Linear(h, width, bias=False) for _ in range(e))
         self.fc2 = torch.nn.ModuleList(torch.nn.Linear(f, h, bias=False) for _ in range(e))
+        s = spec.shared_expert_ffn_hidden_size
+        self.shared = None if not s else torch.nn.Sequential(
+            torch.nn.Linear(h, s * (2 if spec.gated_linear_unit else 1), bias=False), torch.nn.Linear(s, h, bias=False))
+
+    def act(self, y):
+        return F.silu(y.chunk(2, -1)[0]) * y.chunk(2, -1)[1] if self.spec.gated_linear_unit else F.gelu(y)
 
     def forward(self, x):
         probs, experts = torch.topk(self.router(x).softmax(-1), self.spec.moe_router_topk, dim=-1)
@@ -30,9 +36,10 @@ class MoEMLP(torch.nn.Module):
             rows, slot = (experts == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            y = self.fc1[e](x[rows])
-            y = F.silu(y.chunk(2, -1)[0]) * y.chunk(2, -1)[1] if self.spec.gated_linear_unit else F.gelu(y)
+            y = self.act(self.fc1[e](x[rows]))
             out = out.index_add(0, rows, self.fc2[e](y) * probs[rows, slot, None])
+        if self.shared is not None:     # every token, beside its top-k experts (Qwen2-MoE, DeepSeek)
+            out = out + self.shared[1](self.act(self.shared[0](x)))
         return out
 
 
@@ -47,13 +54,15 @@ def counted_mlp(spec: ModelSpec, tokens: int, seed: int) -> tuple[int, int]:
     return fwd.get_total_flops(), bwd.get_total_flops()
 
 
+@pytest.mark.parametrize("shared", [0, 20])
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_moe_mlp_flops_are_exact_whatever_the_routing(glu, seed):
+def test_moe_mlp_flops_are_exact_whatever_the_routing(glu, seed, shared):
     dense = ModelSpec(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10, ffn_hidden_size=24,
                       gated_linear_unit=glu)
     moe = ModelSpec(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10, ffn_hidden_size=24,
-                    gated_linear_unit=glu, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=12)
+                    gated_linear_unit=glu, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=12,
+                    shared_expert_ffn_hidden_size=shared)
     tokens = 37
     fwd, bwd = counted_mlp(moe, tokens, seed)
     # Both specs share the attention projections, so the MoE MLP's share of the model's count is the
@@ -66,10 +75,12 @@ def test_moe_mlp_flops_are_exact_whatever_the_routing(glu, seed):
     assert bwd == moe_bwd.linear + moe_bwd.expert - dense_bwd.linear + 2 * dense_mlp * tokens
 
 
-def test_topk_is_checked():
+def test_topk_and_the_shared_expert_are_checked():
     with pytest.raises(ValueError, match="moe_router_topk 5 must be between 1 and num_experts 4"):
         ModelSpec(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=10, num_experts=4,
                   moe_router_topk=5)
+    with pytest.raises(ValueError, match="shared_expert_ffn_hidden_size 16 needs to be >= 0, and 0 for a dense model"):
+        ModelSpec(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=10, shared_expert_ffn_hidden_size=16)
 
 
 def test_live_spec_carries_gqa_swiglu_and_experts():
@@ -79,6 +90,10 @@ def test_live_spec_carries_gqa_swiglu_and_experts():
     moe = parse_run_config(["--config", "configs/qwen3_moe_tiny.yaml"]).model
     spec = spec_of_model(moe, 4096)
     assert (spec.num_experts, spec.moe_router_topk, spec.expert_ffn) == (4, 2, 128)
+    assert spec.shared_expert_ffn_hidden_size == 0
+    shared = parse_run_config(["--config", "configs/qwen3_moe_tiny.yaml", "--moe-shared-expert-intermediate-size",
+                               "96"]).model
+    assert spec_of_model(shared, 4096).shared_expert_ffn_hidden_size == 96
     # Old traces (no MoE keys) still read.
     assert ModelSpec.from_dict({"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
                                 "vocab_size": 10}).num_experts is None

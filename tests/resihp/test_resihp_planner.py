@@ -22,7 +22,8 @@ from megatron_ext.resihp.verdicts import Verdict
 M350 = ModelSpec(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50304)
 G175 = ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=51200)
 WORKLOAD = Workload(seq_length=2048)
-ONLY = dict(tp_regroup=False, pp_repartition=False, dp_migration=False, drop_replicas=False, reshape=False)
+ONLY = dict(tp_regroup=False, pp_repartition=False, dp_migration=False, drop_replicas=False, grow_replicas=False,
+            reshape=False)
 
 
 def cluster(memory: float, **kw) -> Cluster:
@@ -224,6 +225,22 @@ def test_fail_stop_with_replicas_shrinks_dp_without_moving_state():
     assert plan.describe().startswith("resihp plan [dp_shrink] for 5:dead: tp2pp2dp4 -> tp2pp2dp3; ")
 
 
+def test_dp_grows_back_onto_healthy_idle_devices():
+    # TP1 x PP2 x DP2 on devices 0-3 of 8; 4-7 idle, 6 slow: one replica more on 4 and 5 (the
+    # healthy idle devices, in rank order); the slow one is left idle. Without the knob: no plan.
+    p = planner(memory=80e9, **{**ONLY, "grow_replicas": True})
+    start = PlanLayout.even(num_layers=24, tp=1, pp=2, dp=2, num_microbatches=24)
+    sp = speeds_of(8, {6: 0.5})
+    plan = p.plan(start, sp)
+    assert plan.actions == ("dp_grow",) and plan.new.dp == 3 and plan.new.microbatches == (8, 8, 8)
+    assert plan.new.grid()[:, :2, :].tolist() == start.grid().tolist() and sorted(plan.new.grid()[:, 2, 0]) == [4, 5]
+    check_invariants(p, plan, sp)
+    assert planner(memory=80e9, **ONLY).plan(start, sp) is None
+    # Never more replicas than micro-batches.
+    few = PlanLayout.even(num_layers=24, tp=1, pp=2, dp=2, num_microbatches=2)
+    assert p.plan(few, np.ones(8)) is None
+
+
 def test_a_tp_group_across_nodes_pays_the_nic_and_the_node_aware_planner_keeps_groups_inside_nodes():
     # 3 nodes of 4; a TP2 x PP2 x DP2 job on the first two, node 2 idle. Device 3 dies.
     nodes = Cluster(device_flops=150e12, memory_bytes=80e9, link_bytes_per_s=25e9, relayout_pause_s=10.0,
@@ -366,6 +383,34 @@ def test_beliefs_handed_to_another_process_keep_the_hysteresis():
     assert sorted(plans) == [10, 70] and plans[70].new == start
     with pytest.raises(PlanningError, match=re.escape("beliefs name device 7; the policy knows 4 devices")):
         pol.restore({"speeds": {"7": 0.5}})
+
+
+def test_a_slow_device_left_out_of_the_job_is_readmitted_after_readmit_after_iterations():
+    # TP1 x PP2 x DP3 on 6 devices; device 5 (replica 2, stage 1) goes 4x slow. The planner drops
+    # its replica; out of the job it is not watched, so no 'recovered' can come. With
+    # readmit_after=20 it counts as healthy 20 iterations later and DP grows back onto it.
+    p = planner(memory=80e9, **{**ONLY, "drop_replicas": True, "grow_replicas": True})
+    start = PlanLayout.even(num_layers=24, tp=1, pp=2, dp=3, num_microbatches=24)
+    for readmit in (0, 20):
+        pol = PlanPolicy(p, start, 6, readmit_after=readmit)
+        plans = {it: plan for it in range(100) if (plan := pol.observe(it, [slow(5, 10, 4.0)] if it == 10 else []))}
+        assert plans[10].actions[0] == "dp_shrink" and 5 not in plans[10].new.devices
+        if not readmit:
+            assert sorted(plans) == [10] and pol.believed(5) == 0.25
+            continue
+        assert sorted(plans) == [10, 31] and pol.believed(5) == 1.0
+        assert plans[31].actions[0] == "dp_grow" and plans[31].new.dp == 3 and 5 in plans[31].new.devices
+        # handed over mid-way, the clock goes on where it was
+        pol = PlanPolicy(p, start, 6, readmit_after=readmit)
+        for it in range(30):
+            pol.observe(it, [slow(5, 10, 4.0)] if it == 10 else [])
+        handed = json.loads(json.dumps(pol.beliefs()))
+        assert handed["outside"] == {"5": 11}
+        pol2 = PlanPolicy(p, pol.layout, 6, readmit_after=readmit)
+        pol2.restore(handed)
+        assert pol2.observe(30) is None and pol2.observe(31).actions[0] == "dp_grow"
+    with pytest.raises(PlanningError, match=re.escape("readmit_after must be >= 0 iterations (0: never), got -1")):
+        PlanPolicy(p, start, 6, readmit_after=-1)
 
 
 def test_fail_stop_verdict_replans_at_once_and_log_only_mode_keeps_the_layout():
@@ -550,3 +595,6 @@ def test_an_moe_layer_holds_every_expert_and_the_router():
     attention = 4 * 64 * 64
     assert layer_params(dense) == attention + 3 * 64 * 96
     assert layer_params(moe) == attention + 8 * 3 * 64 * 96 + 64 * 8
+    # experts at their own width, and a shared expert beside them
+    narrow = dataclasses.replace(moe, moe_ffn_hidden_size=32, shared_expert_ffn_hidden_size=128)
+    assert layer_params(narrow) == attention + 8 * 3 * 64 * 32 + 64 * 8 + 3 * 64 * 128

@@ -75,6 +75,22 @@ def test_the_detector_names_after_its_delay_and_only_devices_it_watches(ctx):
     assert [(lv.kind, lv.target, lv.factor) for ls in links for lv in ls] == [("slow_nic", 5, 4.0)]
 
 
+def test_a_convicted_device_back_in_the_job_is_watched_afresh(ctx):
+    # Device 5 is named, then left out of the job (not watched) and taken back: named again if it
+    # is still slow, 'recovered' once it runs healthy if not.
+    from megatron_ext.resilience.job import Job
+    without = Job(tuple(p for p in ctx.start.pipelines if 5 not in p.devices))
+    for healed in (False, True):
+        det = DetectorModel(ctx.num_devices, 8, delay=3, window=2)
+        st = healthy_state(ctx.num_devices)
+        st.speed[5] = 0.5
+        assert [v.kind for i in range(1, 4) for v in det.observe(i, ctx.start, st)[0]] == ["fail_slow"]
+        assert [v for i in range(4, 10) for v in det.observe(i, without, st)[0]] == []
+        st.speed[5] = 1.0 if healed else 0.5
+        back = [(i, v.kind) for i in range(10, 14) for v in det.observe(i, ctx.start, st)[0]]
+        assert back == ([(11, "recovered")] if healed else [(12, "fail_slow")])
+
+
 def test_the_detector_names_a_severe_slowdown_sooner(ctx):
     det = DetectorModel(ctx.num_devices, 8, delay=7, window=8, severe_factor=2.0, severe_delay=4)
     st = healthy_state(ctx.num_devices)
