@@ -10,6 +10,7 @@ from megatron_ext.resihp.injection import FaultInjectionConfig, parse_slow_nic
 from megatron_ext.resihp.links import LinkDetector
 from megatron_ext.resihp.nic import NicDetector, egress_times
 from megatron_ext.resihp.verdicts import Verdict
+from tests.resihp.link_timelines import record, two_stage
 
 BASE = 0.002
 
@@ -69,7 +70,6 @@ def test_a_link_verdict_a_suspected_nic_may_explain_waits_for_the_nic_probe():
     # Device 2's NIC slows its link to 0 from iteration 10, but the probe misses iteration 10: the
     # link watch convicts at 12 and the NIC watch at 13. Link 1-3 is slow by itself; device 3's
     # probe is flagged once (noise) at 12, the iteration that link is convicted.
-    from tests.resihp.test_links import record, two_stage
 
     def run(with_nics: bool):
         links, nics = LinkDetector(warmup=5, window=4, floor_s=0.01), NicDetector(nbytes=65536, warmup=5, window=4)
