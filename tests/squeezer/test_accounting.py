@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megatron_ext.hydro.squeezer.control import RING, RUNNING, Control, cpu_clock_s
+from megatron_ext.hydro.squeezer.control import FINISHED, NO_ROOM, PARKED, RING, RUNNING, Control, cpu_clock_s
 from megatron_ext.hydro.squeezer.controller import Squeezer
 from megatron_ext.pipeline.windows import Window
 
@@ -104,6 +104,28 @@ def test_a_halted_guest_is_counted_and_its_latency_is_what_it_ran_until_it_stopp
     assert s["halts"] == 2 and s["units_outlived"] == 2
     sq.before_stop()                     # the halt still in force at the end is measured too
     assert len(sq.stats()["latencies"]) == 2
+
+
+@pytest.mark.parametrize("wrote", [PARKED, NO_ROOM, FINISHED])
+@pytest.mark.parametrize("guest", [SPIN], indirect=True)
+def test_a_guest_halted_as_it_parked_or_ended_is_continued_at_the_next_window(guest, wrote):
+    """The close read RUNNING and sent SIGSTOP, but the guest had meanwhile parked (the next open
+    finds it PARKED: a wake-up byte alone would leave it stopped for the rest of the run) or ended
+    (it takes no window any more, and must still run to exit)."""
+    sq = Squeezer(guest, suspend=True)
+    sq.active = True
+    pid = guest.proc.pid
+    _window(sq, 0, 0.05)                 # closes on a running guest: SIGSTOP
+    assert sq.stats()["halts"] == 1
+    guest.ctl["state"] = wrote           # what the guest wrote just before the stop took effect
+    time.sleep(0.1)
+    c_stopped = cpu_clock_s(pid)
+    w = Window((1, 3, 1), time.perf_counter(), 0.3)
+    sq.window_open(w)
+    time.sleep(0.3)
+    assert cpu_clock_s(pid) > c_stopped + 0.01, "the guest was left stopped"
+    assert len(sq.latencies) == 1 and guest.ctl.stops_since(0.0)[-1][1] != float("inf")
+    sq.window_close(w, time.perf_counter())
 
 
 def test_every_latency_the_guest_measured_is_kept_not_the_last_ring_full():

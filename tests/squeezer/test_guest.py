@@ -231,7 +231,9 @@ def test_a_rank_without_room_for_one_trial_gets_no_guest(tmp_path):
     drive = WindowDriver(sq, open_s=0.03, closed_s=0.0)
     guest.start()
     try:
-        assert drive.until(lambda: guest.proc.poll() is not None, 120)
+        assert drive.until(lambda: guest.proc.poll() is not None, 120), \
+            (f"the guest did not end: state {guest.state}, kernel state {_proc_state(guest.proc.pid)}, "
+             f"{drive.n} windows, halts {sq.halts}")
         line = guest.check()
         assert line.startswith("guest of rank 3 ended: no room (one trial needs ")
         assert "MiB, the rank leaves 0.0 MiB free (--squeeze-memory-budget-mb" in line

@@ -216,6 +216,8 @@ class Squeezer:
         ctl = self.ctl
         state = ctl["state"]
         if state != PARKED and state != RUNNING and state != SUSPENDED:
+            if self._stopped:     # it ended between the close's read and the stop: let it exit
+                self._continue(w.t_open, self._guest_cpu())
             return
         if w.forecast_s is None:
             self.no_forecast += 1
@@ -232,13 +234,21 @@ class Squeezer:
             self.overrun_s += cpu[1] - self._close_cpu[1]
         self._close_cpu = None
         self._open_cpu = cpu
+        # A halt is ended whatever the state says: the close read RUNNING, but the guest may have
+        # parked before the SIGSTOP landed (it then sits stopped and PARKED; a wake-up byte alone
+        # would never reach it).
+        if self._stopped:
+            self._continue(w.t_open, cpu)
+        elif state == SUSPENDED:
+            self.guest.signal(signal.SIGCONT)
         if state == PARKED:
             ctl.wake()
-        elif self._stopped or state == SUSPENDED:
-            if self._stopped:
-                self._halted_latency(cpu)
-                ctl.continued(w.t_open)
-            self.guest.signal(signal.SIGCONT)
+
+    def _continue(self, t: float, cpu: tuple[int, float] | None) -> None:
+        """End the halt of the last close: its latency is read first, on the stopped clock."""
+        self._halted_latency(cpu)
+        self.ctl.continued(t)
+        self.guest.signal(signal.SIGCONT)
 
     def _halted_latency(self, cpu: tuple[int, float] | None) -> None:
         """The guest is still stopped: its CPU clock now is the clock when it stopped running."""
