@@ -25,25 +25,6 @@ from megatron_ext.resilience.run import run_policy  # noqa: E402
 logger = logging.getLogger("resilience_hourly")
 
 
-class _Recorder:
-    """The policy as ``run_policy`` sees it, noting the end time and tokens of every iteration."""
-
-    def __init__(self, policy, last: dict) -> None:
-        self._policy, self._last = policy, last
-        self.done: list[tuple[float, float]] = []     # (end time, tokens) per finished iteration
-
-    def __getattr__(self, name):
-        return getattr(self._policy, name)
-
-    def react(self, ctx, t, it, verdicts, links):
-        # Called after every finished iteration (``it`` counts them) and once more after a heartbeat
-        # timeout, with the same ``it``: nothing finished then.
-        if it > 0 and self._last.get("it") != it:
-            self.done.append((t, self._last["r"].tokens))
-            self._last["it"] = it
-        return self._policy.react(ctx, t, it, verdicts, links)
-
-
 def hourly(model: str, scenario: str, policies: list[str], *, bin_s: float = 3600.0, start: str = "usual",
            verbose: bool = False) -> dict[str, list[float]]:
     """{policy: throughput relative to the healthy job in each bin of ``bin_s`` seconds}."""
@@ -58,23 +39,14 @@ def hourly(model: str, scenario: str, policies: list[str], *, bin_s: float = 360
     rate = healthy.tokens / healthy.time_s
     bins = math.ceil(sc.end_s / bin_s)
     out = {}
-    sim_iteration = ctx.sim.iteration
     for name in policies:
-        last: dict = {}
-
-        def iteration(job, state, _last=last):
-            _last["r"] = sim_iteration(job, state)
-            return _last["r"]
-
-        rec = _Recorder(resihp_policy.make(name), last)
-        ctx.sim.iteration = iteration
-        try:
-            res = run_policy(rec, ctx, setting.trace(ctx, sc), end_s=sc.end_s, measure_from_s=sc.measure_from_s)
-        finally:
-            del ctx.sim.iteration
         tokens = [0.0] * bins
-        for t, n in rec.done:
-            tokens[min(bins - 1, int(t // bin_s))] += n
+
+        def note(t: float, n: float, _tokens=tokens) -> None:
+            _tokens[min(bins - 1, int(t // bin_s))] += n
+
+        res = run_policy(resihp_policy.make(name), ctx, setting.trace(ctx, sc), end_s=sc.end_s,
+                         measure_from_s=sc.measure_from_s, on_iteration=note)
         span = [min(bin_s, sc.end_s - k * bin_s) for k in range(bins)]
         out[name] = [tokens[k] / (rate * span[k]) for k in range(bins)]
         print(f"{name}: {res.throughput_vs_healthy:.4f} of healthy over the scenario, {res.relayouts} layout "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from megatron_ext.resilience.detector import DetectorModel
 from megatron_ext.resilience.faults import FaultTrace
@@ -74,7 +75,11 @@ class RunResult:
 
 
 def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure_from_s: float = 0.0,
-               healthy_tokens_per_s: float | None = None) -> RunResult:
+               healthy_tokens_per_s: float | None = None,
+               on_iteration: Callable[[float, float], None] | None = None) -> RunResult:
+    """``on_iteration(t, tokens)``: called after every iteration that finished, with its end time and
+    its tokens (not for the one cut off at ``end_s``, nor for one lost to a device loss; a rollback
+    takes back tokens already reported)."""
     if not 0 <= measure_from_s < end_s:
         raise ValueError(f"run_policy: need 0 <= measure_from_s ({measure_from_s}) < end_s ({end_s})")
     if trace.n != ctx.num_devices:
@@ -153,6 +158,8 @@ def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure
         t += dt
         tokens += r.tokens
         it += 1
+        if on_iteration is not None:
+            on_iteration(t, r.tokens)
         while t >= next_ckpt:
             # A checkpoint taken while this iteration ran holds the state from before it.
             ckpt_tokens = tokens if next_ckpt >= t else before

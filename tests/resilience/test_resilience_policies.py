@@ -27,6 +27,28 @@ def test_without_faults_every_policy_runs_at_the_healthy_rate(ctx):
         assert r.relayouts == r.restarts == 0
 
 
+def test_every_finished_iteration_is_reported_once_and_they_add_up_to_the_run(ctx):
+    it_s = ctx.sim.healthy(ctx.start).time_s
+    seen = []
+    r = run_policy(resihp_policy.make("recycle"), ctx, FaultTrace(ctx.num_devices, 8, []), end_s=600.0,
+                   on_iteration=lambda t, n: seen.append((t, n)))
+    times = [t for t, _ in seen]
+    assert len(seen) == int(600.0 // it_s) and times == sorted(times) and times[-1] <= 600.0
+    assert times[0] == pytest.approx(it_s)
+    # the run's tokens are these iterations' and the share of the one cut off at the end
+    cut = r.tokens - sum(n for _, n in seen)
+    assert 0 <= cut < seen[0][1]
+    # a loss: the iteration in flight is not reported; reported ones end before the onset or after
+    # the heartbeat timeout and the policy's pause
+    sc = setting.scenarios(ctx)["gpu_lost"]
+    lost = []
+    run_policy(resihp_policy.make("recycle"), ctx, setting.trace(ctx, sc), end_s=sc.end_s,
+               measure_from_s=sc.measure_from_s, on_iteration=lambda t, n: lost.append(t))
+    onset = sc.faults[0].start_s
+    after = [t for t in lost if t > onset]
+    assert after and after[0] >= onset + ctx.costs.heartbeat_timeout_s + it_s
+
+
 def test_after_a_loss_every_policy_runs_without_the_lost_device(ctx):
     sc = setting.scenarios(ctx)["gpu_lost"]
     dead = sc.faults[0].target
