@@ -85,3 +85,39 @@ def wait_for(pred, timeout_s: float = 60.0, poll_s: float = 0.05) -> bool:
             return True
         time.sleep(poll_s)
     return pred()
+
+
+def guest_tuner(path: str, rank: int, run_start: int = 1, restarts: int = 0):
+    """A guest's tuner on the study of ``path``, its gate held open (a window without end)."""
+    import math
+
+    from megatron_ext.hydro.config import load_config
+    from megatron_ext.hydro.squeezer.control import Control
+    from megatron_ext.hydro.squeezer.guest import GuestTuner, WindowGate
+
+    cfg, space, defaults, dropout = load_config(path, {"target_steps": 0})
+    ctl = Control.create()
+    ctl.open_window(time.perf_counter(), math.inf)
+    tuner = GuestTuner(cfg, space, defaults, dropout, gate=WindowGate(ctl), budget_bytes=1 << 30,
+                       owner={"rank": rank, "pid": 10_000 + rank, "host": "test"}, log=lambda s: None,
+                       sampler_key=(run_start, restarts))
+    study = tuner._open_study()
+    return tuner, study, ctl
+
+
+def ask_until_full(path: str, rank: int, barrier) -> None:
+    """One guest of a race (a child process): asks, after the others are ready, until the study is full."""
+    tuner, study, ctl = guest_tuner(path, rank)
+    barrier.wait()
+    while True:
+        asked = []
+        for _ in range(tuner._askable(2, 0, 0)):
+            got = tuner._new_trial(study)
+            if got is None:
+                break
+            asked.append(got[0])
+        if not asked:
+            break
+        for trial in asked:
+            study.tell(trial.number, float(trial.number))
+    ctl.close(unlink=True)

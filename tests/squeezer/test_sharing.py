@@ -3,9 +3,7 @@ than ``n_trials`` plus one per other guest -- the asking path of real ``GuestTun
 study, driven in this process (and, for the race, in four processes at once)."""
 from __future__ import annotations
 
-import math
 import multiprocessing
-import time
 
 import optuna
 import pytest
@@ -13,28 +11,16 @@ from optuna.trial import TrialState
 
 from megatron_ext.hydro.config import load_config
 from megatron_ext.hydro.distinct import COUNTED, distinct_sets
-from megatron_ext.hydro.squeezer.control import Control
-from megatron_ext.hydro.squeezer.guest import GuestTuner, WindowGate, study_summary
+from megatron_ext.hydro.squeezer.guest import study_summary
 from megatron_ext.hydro.tuner import GIVEN_BACK_ATTR, _make_sampler, sampler_seed
-from squeezer_helpers import LR_SPACE, tiny_study
+from squeezer_helpers import LR_SPACE, ask_until_full, tiny_study
+from squeezer_helpers import guest_tuner as _guest
 
 # 3 x 5 x 2 = 30 points: guests drawing on their own would meet on some.
 DISCRETE = """\
   beta2: {type: categorical, choices: [0.9, 0.95, 0.99]}
   warmup_steps: {type: int, low: 0, high: 40, step: 10}
   schedule: {type: categorical, choices: [constant, cosine]}"""
-
-
-def _guest(path: str, rank: int, run_start: int = 1, restarts: int = 0):
-    """A guest's tuner on the study of ``path``, its gate held open (a window without end)."""
-    cfg, space, defaults, dropout = load_config(path, {"target_steps": 0})
-    ctl = Control.create()
-    ctl.open_window(time.perf_counter(), math.inf)
-    tuner = GuestTuner(cfg, space, defaults, dropout, gate=WindowGate(ctl), budget_bytes=1 << 30,
-                       owner={"rank": rank, "pid": 10_000 + rank, "host": "test"}, log=lambda s: None,
-                       sampler_key=(run_start, restarts))
-    study = tuner._open_study()
-    return tuner, study, ctl
 
 
 def _names(path):
@@ -141,29 +127,14 @@ def test_a_set_another_guest_drew_at_the_same_moment_is_withdrawn_and_asked_agai
         ctl_b.close(unlink=True)
 
 
-def _ask_until_full(path: str, rank: int, barrier) -> None:
-    tuner, study, ctl = _guest(path, rank)
-    barrier.wait()
-    while True:
-        asked = []
-        for _ in range(tuner._askable(2, 0, 0)):
-            got = tuner._new_trial(study)
-            if got is None:
-                break
-            asked.append(got[0])
-        if not asked:
-            break
-        for trial in asked:
-            study.tell(trial.number, float(trial.number))
-    ctl.close(unlink=True)
-
-
 def test_guests_asking_at_the_same_time_overshoot_by_at_most_one_each_with_no_set_twice(tmp_path):
     path = tiny_study(tmp_path, name="race4", n_trials=8, space=DISCRETE)
     _guest(path, 9)[2].close(unlink=True)            # the study exists before the race
-    ctx = multiprocessing.get_context("fork")
+    # Spawned, not forked: a fork of this multi-threaded test process once crashed in all four
+    # children (SIGSEGV in the garbage collector during optuna's first storage import).
+    ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(4)
-    procs = [ctx.Process(target=_ask_until_full, args=(path, r, barrier)) for r in range(4)]
+    procs = [ctx.Process(target=ask_until_full, args=(path, r, barrier)) for r in range(4)]
     for p in procs:
         p.start()
     for p in procs:
