@@ -22,9 +22,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from megatron_ext.resilience import resihp_policy, setting  # noqa: E402
 from megatron_ext.resilience.run import run_policy  # noqa: E402
 
-logger = logging.getLogger("resilience_hourly")
-
-
 def hourly(model: str, scenario: str, policies: list[str], *, bin_s: float = 3600.0, start: str = "usual",
            verbose: bool = False) -> dict[str, list[float]]:
     """{policy: throughput relative to the healthy job in each bin of ``bin_s`` seconds}."""
@@ -38,6 +35,8 @@ def hourly(model: str, scenario: str, policies: list[str], *, bin_s: float = 360
     healthy = ctx.sim.healthy(ctx.start)
     rate = healthy.tokens / healthy.time_s
     bins = math.ceil(sc.end_s / bin_s)
+    span = [min(bin_s, sc.end_s - k * bin_s) for k in range(bins)]
+    trace = setting.trace(ctx, sc)
     out = {}
     for name in policies:
         tokens = [0.0] * bins
@@ -45,9 +44,8 @@ def hourly(model: str, scenario: str, policies: list[str], *, bin_s: float = 360
         def note(t: float, n: float, _tokens=tokens) -> None:
             _tokens[min(bins - 1, int(t // bin_s))] += n
 
-        res = run_policy(resihp_policy.make(name), ctx, setting.trace(ctx, sc), end_s=sc.end_s,
-                         measure_from_s=sc.measure_from_s, on_iteration=note)
-        span = [min(bin_s, sc.end_s - k * bin_s) for k in range(bins)]
+        res = run_policy(resihp_policy.make(name), ctx, trace, end_s=sc.end_s, measure_from_s=sc.measure_from_s,
+                         healthy_tokens_per_s=rate, on_iteration=note)
         out[name] = [tokens[k] / (rate * span[k]) for k in range(bins)]
         print(f"{name}: {res.throughput_vs_healthy:.4f} of healthy over the scenario, {res.relayouts} layout "
               f"changes, {res.restarts} restarts, {res.pause_s:.0f} s paused")

@@ -1,25 +1,14 @@
 """tools/resilience_hourly.py: throughput per time bin of the benchmark's policies."""
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 
 from megatron_ext.resilience import setting
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("resilience_hourly", ROOT / "tools" / "resilience_hourly.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.conftest import run_python
+from tools import resilience_hourly as tool
 
 
 def test_bins_before_the_fault_run_at_the_healthy_rate_and_a_restart_shows_in_its_bin(capsys):
-    tool = _tool()
     ctx = setting.context("llama2-13b")
     it_s = ctx.sim.healthy(ctx.start).time_s
     bin_s = setting.ONSET_S          # bin 0 ends at the fault's onset
@@ -37,8 +26,14 @@ def test_bins_before_the_fault_run_at_the_healthy_rate_and_a_restart_shows_in_it
 
 
 def test_bad_input_is_named():
-    tool = _tool()
     with pytest.raises(ValueError, match="unknown scenario 'nope'; known: gpu_slow_1.5x"):
         tool.hourly("llama2-13b", "nope", ["resihp"])
     with pytest.raises(ValueError, match="--bin-s must be > 0, got 0"):
         tool.hourly("llama2-13b", "gpu_lost", ["resihp"], bin_s=0)
+
+
+def test_the_command_names_bad_input_in_one_line_and_exits_2():
+    proc = run_python("tools/resilience_hourly.py", "--model", "llama2-13b", "--scenario", "nope", check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("resilience_hourly: unknown scenario 'nope'; known: gpu_slow_1.5x")
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -13,8 +13,7 @@ from megatron_ext.hydro.config import load_config
 from megatron_ext.hydro.distinct import COUNTED, distinct_sets
 from megatron_ext.hydro.squeezer.guest import study_summary
 from megatron_ext.hydro.tuner import GIVEN_BACK_ATTR, _make_sampler, sampler_seed
-from squeezer_helpers import LR_SPACE, ask_until_full, tiny_study
-from squeezer_helpers import guest_tuner as _guest
+from squeezer_helpers import LR_SPACE, ask_until_full, guest_tuner, tiny_study
 
 # 3 x 5 x 2 = 30 points: guests drawing on their own would meet on some.
 DISCRETE = """\
@@ -47,7 +46,7 @@ def test_four_guests_filling_their_bundles_at_once_ask_n_trials_distinct_sets(tm
     each asked a bundle's worth with the same seed: 32 trials of 8 settings for ``n_trials: 24``
     (here: bundles of 4, 12 trials)."""
     path = tiny_study(tmp_path, name="four", n_trials=12, space=DISCRETE)
-    guests = [_guest(path, r) for r in range(4)]
+    guests = [guest_tuner(path, r) for r in range(4)]
     try:
         wanted = [tuner._askable(4, 0, 0) for tuner, _, _ in guests]
         assert wanted == [4, 4, 4, 4]             # all counted before any asked
@@ -79,7 +78,7 @@ def test_a_space_smaller_than_the_study_is_covered_before_a_point_repeats(tmp_pa
   beta2: {type: categorical, choices: [0.9, 0.99]}
   warmup_steps: {type: int, low: 0, high: 20, step: 10}"""
     path = tiny_study(tmp_path, name="small", n_trials=8, space=space, sampler="random")
-    guests = [_guest(path, r) for r in range(2)]
+    guests = [guest_tuner(path, r) for r in range(2)]
     try:
         numbers = []
         for k in range(8):
@@ -97,7 +96,7 @@ def test_a_set_another_guest_drew_at_the_same_moment_is_withdrawn_and_asked_agai
     from megatron_ext.hydro import distinct
 
     path = tiny_study(tmp_path, name="race", n_trials=6, space=DISCRETE)
-    (a, study_a, ctl_a), (b, study_b, ctl_b) = _guest(path, 0), _guest(path, 1)
+    (a, study_a, ctl_a), (b, study_b, ctl_b) = guest_tuner(path, 0), guest_tuner(path, 1)
     try:
         first = a._new_trial(study_a)[0]
         # Guest 1 checks its draws before guest 0's values are stored: it draws guest 0's set.
@@ -129,7 +128,7 @@ def test_a_set_another_guest_drew_at_the_same_moment_is_withdrawn_and_asked_agai
 
 def test_guests_asking_at_the_same_time_overshoot_by_at_most_one_each_with_no_set_twice(tmp_path):
     path = tiny_study(tmp_path, name="race4", n_trials=8, space=DISCRETE)
-    _guest(path, 9)[2].close(unlink=True)            # the study exists before the race
+    guest_tuner(path, 9)[2].close(unlink=True)            # the study exists before the race
     # Spawned, not forked: a fork of this multi-threaded test process once crashed in all four
     # children (SIGSEGV in the garbage collector during optuna's first storage import).
     ctx = multiprocessing.get_context("spawn")
@@ -166,7 +165,7 @@ def test_a_trial_is_owned_by_its_guest_from_the_write_that_creates_it(tmp_path, 
     """Asked and then owned in two writes, a guest killed between them left a running trial that no
     successor could give back (CI, under load: '1 running' at the end). No separate owner write."""
     path = tiny_study(tmp_path, name="owned", n_trials=4, space=LR_SPACE)
-    tuner, study, ctl = _guest(path, 0)
+    tuner, study, ctl = guest_tuner(path, 0)
     try:
         def refused(*args, **kwargs):
             raise AssertionError("the owner was written apart from the trial's creation")
