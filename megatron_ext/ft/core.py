@@ -23,7 +23,9 @@ down:
    rank: it says so in the store (its exit report names the exception, so the others go on
    without it at once) and in one line, and exits 1 (``RankEnded``). The same exception (type and
    message) ending a second rank ends the job on every rank with that one line and exit 1
-   (``JobFailed``): a deterministic bug is not a lost device.
+   (``JobFailed``): a deterministic bug is not a lost device. A rank that meets an exception some
+   rank already ended on counts as that second rank even when it already sees the first one lost
+   (ranks raising the same bug in the same iteration see each other's exit reports in any order).
 2. A failed collective (or an abandoned vote) waits up to ``wait_for_loss_s`` for a lost rank to
    be named (the launcher's exit report, a rank's own report, or the heartbeat). If one is, the
    survivors recover; if none is, the failure is the job's: it is raised as itself on this rank and
@@ -425,7 +427,8 @@ class FaultTolerance:
         if end is not None:
             raise self._ended(end) from exc
         lost = self.lost()
-        if not lost and not isinstance(exc, RankLost) and not is_communication_error(exc):
+        if not isinstance(exc, RankLost) and not is_communication_error(exc) and (
+                not lost or ms.error_count(self.base, exc) > 0):
             self._end_this_rank(trainer, exc)
         if self.cfg.on_stop == "report":
             raise exc
@@ -454,12 +457,13 @@ class FaultTolerance:
     def _end_this_rank(self, trainer: "TrainerLike", exc: BaseException) -> None:
         it = self.step.iteration if self.step is not None else trainer.iteration
         described = f"{type(exc).__name__}: {one_line(exc)[:300]}"
-        ms.report_exit(self.base, self.member, self.incarnation, code=FAILED_EXIT_CODE, reason=described, by="self")
+        # The error's count before the exit report: a rank that sees this one gone also sees its error.
         count, first = ms.report_error(self.base, self.member, exc, f"{described} (iteration {it})")
+        ms.report_exit(self.base, self.member, self.incarnation, code=FAILED_EXIT_CODE, reason=described, by="self")
         deadline = time.monotonic() + SAME_ERROR_GRACE_S
         while count < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-            count = int(store_lib.job_keys(self.base, "errors").add(ms.signature(exc), 0))
+            count = ms.error_count(self.base, exc)
         if count >= 2 or self.cfg.on_stop != "continue":
             other = (f"; rank {first['member']} ended on the same error: a bug, not a lost device"
                      if count >= 2 and first["member"] != self.member else "")

@@ -183,6 +183,11 @@ def report_error(base: Any, member: int, exc: BaseException, described: str) -> 
     return count, json.loads(keys.get(f"{sig}/first"))
 
 
+def error_count(base: Any, exc: BaseException) -> int:
+    """How many processes have ended on ``exc``'s signature so far (``report_error``)."""
+    return int(store_lib.job_keys(base, "errors").add(signature(exc), 0))
+
+
 def declare_end(base: Any, *, code: int, message: str, by: int, lost: dict | None = None) -> dict[str, Any]:
     """End the job with ``code`` and one line (the first declaration wins). ``lost``: the lost
     processes that ended it (member -> what is known of the loss), so every rank that ends on it

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -114,6 +115,36 @@ def test_a_user_error_ends_the_job_with_2_not_as_a_lost_rank(store, monkeypatch,
     assert ms.job_end(base)["code"] == 2  # the others end with 2 when they read it, whatever they see first
     assert json.loads((tmp_path / "end.json").read_text()) == {"code": 2, "message": "--data-path x: no such file",
                                                                "lost": []}
+
+
+def test_an_error_a_lost_rank_ended_on_ends_the_job_when_met_again(store, monkeypatch):
+    # Every rank raises the same ValueError in one iteration; rank 0's own exit report is already
+    # in the store when rank 1's exception reaches the policy, so rank 1 sees rank 0 lost. It is
+    # still the second rank on that error: the job ends at once with one line, instead of the
+    # survivors recovering, redoing the iteration and meeting the bug again (tools/bench_relayout.py
+    # `plain_error` ended 2-4 s late with two error lines in half its runs before this).
+    import types
+
+    from megatron_ext.ft import membership as ms
+    from megatron_ext.ft.core import FAILED_EXIT_CODE, FaultTolerance, FTConfig, JobFailed
+    from megatron_ext.ft.preflight import LAUNCHER_ENV
+
+    base, addr = store
+    monkeypatch.setenv(LAUNCHER_ENV, "1")
+    described = "ValueError: injected error"
+    ms.report_error(base, 0, ValueError("injected error"), f"{described} (iteration 10)")  # rank 0, in that order
+    ms.report_exit(base, 0, 0, code=FAILED_EXIT_CODE, reason=described, by="self")
+    ft = FaultTolerance(FTConfig(on_stop="continue"), store_addr=addr, member=1)
+    ft.members = {0: 0, 1: 0}
+    assert ft.lost() == {0: described}
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed) as info:
+        ft.on_failure(types.SimpleNamespace(iteration=9), ValueError("injected error"))
+    assert time.monotonic() - t0 < 0.5  # no grace to wait out: the count is already two
+    end = ms.job_end(base)
+    assert end["code"] == FAILED_EXIT_CODE and end["by"] == 1 and info.value.report
+    assert end["message"] == ("rank 1: ValueError: injected error (iteration 9; rank 0 ended on the same error: "
+                              "a bug, not a lost device)")
 
 
 def test_the_launcher_stops_ranks_left_waiting_after_a_failure():
