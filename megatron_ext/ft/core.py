@@ -25,7 +25,8 @@ down:
    message) ending a second rank ends the job on every rank with that one line and exit 1
    (``JobFailed``): a deterministic bug is not a lost device. A rank that meets an exception some
    rank already ended on counts as that second rank even when it already sees the first one lost
-   (ranks raising the same bug in the same iteration see each other's exit reports in any order).
+   (ranks raising the same bug in the same iteration see each other's exit reports in any order),
+   and such a loss does not stop the others' next step before it starts (``start_step``).
 2. A failed collective (or an abandoned vote) waits up to ``wait_for_loss_s`` for a lost rank to
    be named (the launcher's exit report, a rank's own report, or the heartbeat). If one is, the
    survivors recover; if none is, the failure is the job's: it is raised as itself on this rank and
@@ -387,9 +388,16 @@ class FaultTolerance:
     # --- the loop's three meeting points ---------------------------------------------------------
     def start_step(self, trainer: "TrainerLike") -> StepRecord:
         """Before step ``trainer.iteration + 1``: a loss known now ends it before it starts; a
-        replacement that arrived is taken in first. Returns the step's record."""
-        if self.cfg.on_stop == "continue" and self.lost():
-            raise RankLost("a rank is gone")  # named between two iterations
+        replacement that arrived is taken in first. Returns the step's record.
+
+        A rank that ended on its own exception is the exception: the step starts, so that a bug the
+        others are about to meet too ends the job at once (``on_failure``: the same error on a second
+        rank); if it does not, the step's first collective fails (the monitor thread has shut the
+        connections) and the recovery runs from there, the step rolled back."""
+        if self.cfg.on_stop == "continue":
+            lost = self.lost()
+            if lost and not all(why_is_own_error(w) for w in lost.values()):
+                raise RankLost("a rank is gone")  # named between two iterations
         end = ms.job_end(self.base)
         if end is not None:
             raise self._ended(end)

@@ -147,6 +147,36 @@ def test_an_error_a_lost_rank_ended_on_ends_the_job_when_met_again(store, monkey
                               "a bug, not a lost device)")
 
 
+@pytest.mark.parametrize("how", ["own error", "killed"])
+def test_a_step_starts_past_a_rank_that_ended_on_its_own_error_but_not_past_a_lost_one(store, monkeypatch, how):
+    # Between two iterations a known loss ends the next step before it starts -- unless the rank
+    # ended on its own exception: the step starts, so a survivor about to meet the same bug meets
+    # it and ends the job at once (the test above) instead of recovering first.
+    import types
+
+    from megatron_ext.ft import membership as ms
+    from megatron_ext.ft.core import FAILED_EXIT_CODE, FaultTolerance, FTConfig, RankLost
+    from megatron_ext.ft.preflight import LAUNCHER_ENV
+
+    base, addr = store
+    monkeypatch.setenv(LAUNCHER_ENV, "1")
+    if how == "own error":
+        ms.report_error(base, 0, ValueError("injected error"), "ValueError: injected error (iteration 10)")
+        ms.report_exit(base, 0, 0, code=FAILED_EXIT_CODE, reason="ValueError: injected error", by="self")
+    else:
+        ms.report_exit(base, 0, 0, code=-9, reason="killed by signal 9", by="launcher")
+    ft = FaultTolerance(FTConfig(on_stop="continue"), store_addr=addr, member=1)
+    ft.members = {0: 0, 1: 0}
+    trainer = types.SimpleNamespace(iteration=9, train_stream=types.SimpleNamespace(consumed_samples=72))
+    assert list(ft.lost()) == [0]
+    if how == "killed":
+        with pytest.raises(RankLost):
+            ft.start_step(trainer)
+    else:
+        step = ft.start_step(trainer)
+        assert (step.iteration, step.consumed_samples) == (10, 72)
+
+
 def test_the_launcher_stops_ranks_left_waiting_after_a_failure():
     from megatron_ext.ft.launch import job_exit_code, launch_ranks
 
