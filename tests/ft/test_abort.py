@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -117,26 +118,38 @@ def test_a_user_error_ends_the_job_with_2_not_as_a_lost_rank(store, monkeypatch,
                                                                "lost": []}
 
 
+def _rank_1_after_rank_0(how: str, store, monkeypatch):
+    """Rank 1's fault tolerance (members 0 and 1, ``continue``) once rank 0 is gone: ``how`` "own
+    error" -- it ended on a ValueError, reported as ``_end_this_rank`` does (the error counted,
+    then the exit) -- or "killed" (the launcher's report of SIGKILL)."""
+    from megatron_ext.ft import membership as ms
+    from megatron_ext.ft.core import FAILED_EXIT_CODE, FaultTolerance, FTConfig
+    from megatron_ext.ft.preflight import LAUNCHER_ENV
+
+    base, addr = store
+    monkeypatch.setenv(LAUNCHER_ENV, "1")  # no probe, no SIGTERM handler in the test process
+    if how == "own error":
+        ms.report_error(base, 0, ValueError("injected error"), "ValueError: injected error (iteration 10)")
+        ms.report_exit(base, 0, 0, code=FAILED_EXIT_CODE, reason="ValueError: injected error", by="self")
+    else:
+        ms.report_exit(base, 0, 0, code=-9, reason="killed by signal 9", by="launcher")
+    ft = FaultTolerance(FTConfig(on_stop="continue"), store_addr=addr, member=1)
+    ft.members = {0: 0, 1: 0}
+    return ft
+
+
 def test_an_error_a_lost_rank_ended_on_ends_the_job_when_met_again(store, monkeypatch):
     # Every rank raises the same ValueError in one iteration; rank 0's own exit report is already
     # in the store when rank 1's exception reaches the policy, so rank 1 sees rank 0 lost. It is
     # still the second rank on that error: the job ends at once with one line, instead of the
     # survivors recovering, redoing the iteration and meeting the bug again (tools/bench_relayout.py
     # `plain_error` ended 2-4 s late with two error lines in half its runs before this).
-    import types
-
     from megatron_ext.ft import membership as ms
-    from megatron_ext.ft.core import FAILED_EXIT_CODE, FaultTolerance, FTConfig, JobFailed
-    from megatron_ext.ft.preflight import LAUNCHER_ENV
+    from megatron_ext.ft.core import FAILED_EXIT_CODE, JobFailed
 
-    base, addr = store
-    monkeypatch.setenv(LAUNCHER_ENV, "1")
-    described = "ValueError: injected error"
-    ms.report_error(base, 0, ValueError("injected error"), f"{described} (iteration 10)")  # rank 0, in that order
-    ms.report_exit(base, 0, 0, code=FAILED_EXIT_CODE, reason=described, by="self")
-    ft = FaultTolerance(FTConfig(on_stop="continue"), store_addr=addr, member=1)
-    ft.members = {0: 0, 1: 0}
-    assert ft.lost() == {0: described}
+    base, _ = store
+    ft = _rank_1_after_rank_0("own error", store, monkeypatch)
+    assert ft.lost() == {0: "ValueError: injected error"}
     t0 = time.monotonic()
     with pytest.raises(JobFailed) as info:
         ft.on_failure(types.SimpleNamespace(iteration=9), ValueError("injected error"))
@@ -152,21 +165,9 @@ def test_a_step_starts_past_a_rank_that_ended_on_its_own_error_but_not_past_a_lo
     # Between two iterations a known loss ends the next step before it starts -- unless the rank
     # ended on its own exception: the step starts, so a survivor about to meet the same bug meets
     # it and ends the job at once (the test above) instead of recovering first.
-    import types
+    from megatron_ext.ft.core import RankLost
 
-    from megatron_ext.ft import membership as ms
-    from megatron_ext.ft.core import FAILED_EXIT_CODE, FaultTolerance, FTConfig, RankLost
-    from megatron_ext.ft.preflight import LAUNCHER_ENV
-
-    base, addr = store
-    monkeypatch.setenv(LAUNCHER_ENV, "1")
-    if how == "own error":
-        ms.report_error(base, 0, ValueError("injected error"), "ValueError: injected error (iteration 10)")
-        ms.report_exit(base, 0, 0, code=FAILED_EXIT_CODE, reason="ValueError: injected error", by="self")
-    else:
-        ms.report_exit(base, 0, 0, code=-9, reason="killed by signal 9", by="launcher")
-    ft = FaultTolerance(FTConfig(on_stop="continue"), store_addr=addr, member=1)
-    ft.members = {0: 0, 1: 0}
+    ft = _rank_1_after_rank_0(how, store, monkeypatch)
     trainer = types.SimpleNamespace(iteration=9, train_stream=types.SimpleNamespace(consumed_samples=72))
     assert list(ft.lost()) == [0]
     if how == "killed":
