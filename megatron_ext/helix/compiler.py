@@ -410,10 +410,6 @@ class HelixBackend:
                         summary.refused += [f"bucket {c}: {r}" for c, r in helix.bucketing.refused]
                 else:
                     summary.refused.insert(0, f"tiled schedule: {why}")
-        if chosen is base and summary.helix is not None:
-            # aot_autograd keeps per-compile state in the tracing context; the tiled trace came
-            # after the baseline's, so trace the baseline again to return a consistent function.
-            chosen = self._trace(gm, example_inputs, tiled=False)
         if chosen.compiled is None:
             raise RuntimeError(f"helix: compiling graph {summary.index} failed: {chosen.error}")
         chosen.emulate = self.emulating

@@ -185,6 +185,25 @@ def test_tiling_is_declined_when_it_does_not_pay_and_the_baseline_runs():
     assert all(tile_of(n) is None for n in s.graphs["fw"].graph.nodes)
 
 
+def test_a_declined_tiling_returns_the_untiled_trace_without_tracing_it_again(monkeypatch):
+    traced = []
+    trace = HelixBackend._trace
+    monkeypatch.setattr(HelixBackend, "_trace", lambda self, gm, ex, tiled: traced.append(tiled) or trace(self, gm, ex, tiled))
+    torch._dynamo.reset()
+    with fake_world(0) as g:
+        torch.manual_seed(0)
+        m = build_block("tpep", g)
+        ref = copy.deepcopy(m)
+        be = HelixBackend(tiles=2, interconnect="intra_node", min_gain=0.9)
+        x, gy = torch.randn(B, S, H, requires_grad=True), torch.randn(B, S, H)
+        xr = x.detach().clone().requires_grad_(True)
+        train_step(torch.compile(m, backend=be), x, gy, m.parameters())
+        train_step(ref, xr, gy, ref.parameters())
+    assert traced == [False, True] and not be.summaries[0].tiled
+    assert torch.equal(x.grad, xr.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
+
+
 def test_memory_budget_refuses_schedules_above_it():
     be, _ = _compile("tp", 0, memory_budget_bytes=1024, mode="helix")
     s = be.summaries[0]
