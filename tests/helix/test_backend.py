@@ -188,7 +188,11 @@ def test_tiling_is_declined_when_it_does_not_pay_and_the_baseline_runs():
 def test_a_declined_tiling_returns_the_untiled_trace_without_tracing_it_again(monkeypatch):
     traced = []
     trace = HelixBackend._trace
-    monkeypatch.setattr(HelixBackend, "_trace", lambda self, gm, ex, tiled: traced.append(tiled) or trace(self, gm, ex, tiled))
+    def counted(self, gm, example_inputs, tiled):
+        traced.append(tiled)
+        return trace(self, gm, example_inputs, tiled)
+
+    monkeypatch.setattr(HelixBackend, "_trace", counted)
     torch._dynamo.reset()
     with fake_world(0) as g:
         torch.manual_seed(0)
