@@ -188,6 +188,7 @@ def test_tiling_is_declined_when_it_does_not_pay_and_the_baseline_runs():
 def test_a_declined_tiling_returns_the_untiled_trace_without_tracing_it_again(monkeypatch):
     traced = []
     trace = HelixBackend._trace
+
     def counted(self, gm, example_inputs, tiled):
         traced.append(tiled)
         return trace(self, gm, example_inputs, tiled)
