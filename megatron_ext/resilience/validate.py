@@ -7,7 +7,9 @@ Three sets of recorded CPU runs, the first two recorded for other purposes:
   Calibrate on the healthy iterations before the onset (every rank's median forward and backward
   seconds per micro-batch, and the median of the recorded iteration time minus the simulated
   pipeline: the optimizer, the gradient reduce, the loop's overhead); then predict the iteration
-  time after the onset from the *nominal* factor alone (the slow rank's ops times the factor), and
+  time after the onset from the *nominal* factor alone (the slow rank's compute times the factor;
+  an MoE op's time in the token dispatcher's collectives, which the trace keeps apart, is not
+  stretched: the injection does not stretch it, nor does the simulator for a slow device), and
   compare with the median recorded one from two iterations after the onset to the end. A healthy
   trace predicts its second half from its first.
 * the three timelines of the live re-layout in ``docs/figures/resihp_relayout/`` (PP2 on 2 CPU
@@ -74,19 +76,24 @@ def _records(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _ops(rec: dict) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
-    """(ranks, m) forward and backward seconds, chunk 0; MoE dispatcher time added back."""
+def _ops(rec: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """(ranks, m) forward and backward compute seconds of chunk 0, then the seconds the same ops
+    spent in the MoE token dispatcher's collectives (zeros for a dense model), which the trace keeps
+    apart (docs/resihp_trace_format.md): compute plus dispatcher is an op's full span."""
     fwd = np.asarray(rec["fwd_s"], dtype=float)[:, 0, :]
     bwd = np.asarray(rec["bwd_s"], dtype=float)[:, 0, :]
+    comm = []
     for key, arr in (("moe_comm_fwd_s", fwd), ("moe_comm_bwd_s", bwd)):
-        if key in rec and rec[key] is not None:
-            extra = np.asarray(rec[key], dtype=float)
-            if extra.ndim == 3:
-                extra = extra[:, 0, :]
-            if extra.shape == arr.shape:
-                arr += extra
+        extra = np.zeros_like(arr)
+        if rec.get(key) is not None:
+            got = np.asarray(rec[key], dtype=float)
+            if got.ndim == 3:
+                got = got[:, 0, :]
+            if got.shape == arr.shape:
+                extra = got
+        comm.append(extra)
     where = [(int(s), int(d)) for s, d, _ in rec["layout"]["ranks"]]
-    return fwd, bwd, where
+    return fwd, bwd, comm[0], comm[1], where
 
 
 def _grid(fwd: np.ndarray, where: list[tuple[int, int]], pp: int, dp: int) -> np.ndarray:
@@ -118,32 +125,37 @@ def trace_case(path: str) -> dict | None:
     if len(calib) < 3 or len(target) < 3:
         return None
     ops = [_ops(r) for r in calib]
-    f_med = np.median([o[0] for o in ops], axis=0)
-    b_med = np.median([o[1] for o in ops], axis=0)
-    where = ops[0][2]
+    # Per rank and micro-batch: the median full span (compute plus dispatcher) and median compute.
+    f_med, b_med = (np.median([o[i] + o[i + 2] for o in ops], axis=0) for i in (0, 1))
+    fc_med, bc_med = (np.median([o[i] for o in ops], axis=0) for i in (0, 1))
+    where = ops[0][4]
+
+    def span(f: np.ndarray, b: np.ndarray) -> float:
+        return _pipeline_s(_grid(f, where, pp, dp), _grid(b, where, pp, dp))
+
     # The part of an iteration outside the pipeline (optimizer, gradient reduce, the loop): the
     # recorded time minus the simulation of that iteration's own recorded op times.
-    tails = [r["iteration_s"] - _pipeline_s(_grid(f, where, pp, dp), _grid(b, where, pp, dp))
-             for r, (f, b, _) in zip(calib, ops)]
-    tail = float(np.median(tails))
+    tail = float(np.median([r["iteration_s"] - span(o[0] + o[2], o[1] + o[3]) for r, o in zip(calib, ops)]))
+    # A slow device computes slower; its time in the MoE dispatcher's collectives is not stretched
+    # (as the injection does, Throttle.exclude_s, and as the simulator prices a slow device).
     f_pred, b_pred = f_med.copy(), b_med.copy()
     if rank is not None:
-        f_pred[rank] *= factor
-        b_pred[rank] *= factor
-    predicted = _pipeline_s(_grid(f_pred, where, pp, dp), _grid(b_pred, where, pp, dp)) + tail
+        f_pred[rank] += (factor - 1) * fc_med[rank]
+        b_pred[rank] += (factor - 1) * bc_med[rank]
+    predicted = span(f_pred, b_pred) + tail
     observed = float(np.median([r["iteration_s"] for r in target]))
     # The host's load in the predicted window against the calibration window, from the healthy
-    # ranks' own op times (the detector's common-mode factor): it scales every op and the tail.
+    # ranks' own compute times (the detector's common-mode factor; without the dispatcher time,
+    # where a healthy EP peer waits for the slow rank): it scales every op and the tail.
     later = [_ops(r) for r in target]
     healthy = [i for i in range(f_med.shape[0]) if i != rank]
     common = float(np.median(np.median([o[0][healthy] + o[1][healthy] for o in later], axis=0)
-                             / (f_med[healthy] + b_med[healthy])))
+                             / (fc_med[healthy] + bc_med[healthy])))
     own_core = os.path.dirname(os.path.abspath(path)) == os.path.dirname(CORE_TRACE_GLOB)
     # The simulator's composition alone: each predicted iteration's own recorded op times (every
     # rank's, the slow one's included) through the pipeline, plus the calibrated tail. No device
     # speed is predicted here: it tells the simulator's error from the error of its inputs.
-    composed = float(np.median([_pipeline_s(_grid(f, where, pp, dp), _grid(b, where, pp, dp)) for f, b, _ in later]))
-    composed += tail
+    composed = float(np.median([span(o[0] + o[2], o[1] + o[3]) for o in later])) + tail
     return {"case": os.path.basename(path).split(".trace")[0], "predicted_s": predicted, "observed_s": observed,
             "composed_s": composed, "rel_error_composition": (composed - observed) / observed,
             "set": "pp2-traces" if own_core else "resihp-traces", "one_rank_per_core": own_core,

@@ -162,6 +162,43 @@ def test_the_simulator_is_validated_against_recorded_runs():
     assert 0 <= err["composition"]["median"] <= err["composition"]["p95"]
 
 
+def _moe_record(it: int, slow: bool) -> dict:
+    # DP2, one stage, 2 micro-batches a replica. Rank 0 is the injected slow one (2x from iteration
+    # 10): its compute doubles, its dispatcher time does not; healthy rank 1 waits for it inside
+    # the dispatcher (its dispatcher time grows by what rank 0's compute grew), its compute does not.
+    fc, bc, fm, bm = [[0.1] * 2, [0.1] * 2], [[0.2] * 2, [0.2] * 2], [[0.3] * 2, [0.3] * 2], [[0.3] * 2, [0.3] * 2]
+    if slow:
+        fc[0], bc[0], fm[1], bm[1] = [0.2] * 2, [0.4] * 2, [0.4] * 2, [0.5] * 2
+    return {"iteration": it, "iteration_s": 1.8 + 0.1 + (0.6 if slow else 0.0),
+            "layout": {"tp": 1, "pp": 1, "dp": 2, "vp": 1, "schedule": "1f1b", "num_microbatches": 2,
+                       "ranks": [[0, 0, 0], [0, 1, 0]]},
+            "fwd_s": [[r] for r in fc], "bwd_s": [[r] for r in bc],
+            "moe_comm_fwd_s": [[r] for r in fm], "moe_comm_bwd_s": [[r] for r in bm]}
+
+
+def test_a_slow_moe_rank_is_predicted_with_its_compute_stretched_not_its_dispatcher_time(tmp_path):
+    # As the injection slows a rank (Throttle.exclude_s) and the simulator prices a slow device: the
+    # factor applies to the compute; the time an op spends in the token dispatcher's collectives is
+    # the peers' pace. The host's load is read from the healthy rank's compute alone: its dispatcher
+    # time grew only because it waited for the slow rank.
+    import gzip
+    import json
+
+    from megatron_ext.resilience.validate import trace_case
+
+    path = tmp_path / "moe-dp2-slow0x2@10-r0.trace.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        for it in range(1, 21):
+            fh.write(json.dumps(_moe_record(it, it >= 10)) + "\n")
+    case = trace_case(str(path))
+    # Healthy: 2 micro-batches x (0.1 + 0.3 forward + 0.2 + 0.3 backward) + a 0.1 s tail = 1.9 s.
+    # Rank 0 at 2x: 2 x (0.2 + 0.3 + 0.4 + 0.3) + 0.1 = 2.5 s (stretching the full spans gave 3.7 s).
+    assert case["predicted_s"] == pytest.approx(2.5)
+    assert case["observed_s"] == pytest.approx(2.5)
+    assert case["host_load_factor"] == pytest.approx(1.0)
+    assert case["rel_error_load_normalised"] == pytest.approx(0.0, abs=1e-12)
+
+
 def test_a_rollback_loses_exactly_the_work_since_the_last_checkpoint(ctx):
     from megatron_ext.resilience.run import Action
 
