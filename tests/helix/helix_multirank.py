@@ -56,12 +56,11 @@ def _bucketing(g) -> dict:
 
 
 def _emulation(g) -> dict:
-    from megatron_ext.helix.cost import Interconnect
     from megatron_ext.helix.interconnect import emulated_issue, emulated_wait, emulation_stats, reset_emulation
 
-    link = Interconnect("slow", latency_s=2e-3, bandwidth_Bps=100e6)
     x = torch.full((1 << 18,), float(g.rank + 1))  # 1 MiB
-    expected = 2e-3 + x.numel() * 4 / 100e6          # all-reduce on 2 ranks moves the payload once
+    # a slow link of 2 ms + 100 MB/s; an all-reduce on 2 ranks moves the payload once
+    expected = 2e-3 + x.numel() * 4 / 100e6
     reset_emulation()
     dist.barrier()
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ from torch import nn
 
 from megatron_ext.hydro.fuse import fuse_model
 from megatron_ext.hydro.models import GPT, GPTShape, SelfAttention, llama_shape
-from megatron_ext.hydro.nn import FusedGPT, FusedSelfAttention, expand_trials
+from megatron_ext.hydro.nn import FusedGPT, FusedSelfAttention
 from megatron_ext.hydro.parametrization import apply_mup, mup_multipliers, param_shapes
 from megatron_ext.hydro.shrink import shrink_model
 

@@ -28,7 +28,7 @@ def reference_times(order: ScheduleOrder, fwd, bwd, lat: float):
                 if (ps, pop.key) not in finish:
                     continue
                 k = order.stages[ps].index(next(o for o in order.stages[ps] if o.key == pop.key))
-                if pop_deferred := order.stages[ps][k].deferred_send and k + 1 < len(order.stages[ps]):
+                if order.stages[ps][k].deferred_send and k + 1 < len(order.stages[ps]):
                     nxt = order.stages[ps][k + 1]
                     if (ps, nxt.key) not in start:
                         continue

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import tracemalloc
 
@@ -11,7 +10,6 @@ import pytest
 
 from megatron_ext.pipeline.events import Call, EventRecorder, Phase, assign_p2p_microbatches
 from megatron_ext.pipeline.timeline import theoretical_bubble_fraction
-from megatron_ext.pipeline.trace import to_chrome_trace
 from tests.conftest import run_torchrun
 
 SCENARIOS = {"pp4_m4": (4, 4, 1, 1), "pp4_m8": (4, 8, 1, 1), "pp2dp2_m4": (2, 4, 1, 2), "pp2_vpp2_m4": (2, 4, 2, 2)}

@@ -34,7 +34,7 @@ class Layer(torch.nn.Module):
         self.fc2 = torch.nn.Linear(spec.ffn, h)
 
     def attention(self, x, docs):
-        s, a, g, d = self.spec, self.spec.num_attention_heads, self.spec.groups, self.spec.head_dim
+        a, g, d = self.spec.num_attention_heads, self.spec.groups, self.spec.head_dim
         q, k, v = self.qkv(self.norm1(x)).split([a * d, g * d, g * d], dim=-1)
         outs, offset = [], 0
         for n in docs:  # block-diagonal: each document attends only to itself
