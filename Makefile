@@ -70,11 +70,16 @@ bench: setup
 	$(PY) tools/bench_parallel.py
 
 # No `setup` prerequisite: inside the Docker image (or any CUDA environment) the system Python
-# already holds the CUDA build of torch, which a fresh venv would not see. The venv is used when
-# there is one.
-GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+# already holds the CUDA build of torch, which a fresh venv would not see. The first of the venv
+# and python3 whose torch is a CUDA build; else the venv if there is one (without CUDA the check
+# skips, or fails if an NVIDIA device is present); else python3. GPU_PY=... picks another.
+# Evaluated only here (`=`): other targets do not import torch to decide. The outer timeout is a
+# last resort past the script's own --hard-limit-s (540 s), which still prints the report.
+GPU_PY = $(shell for p in $(PY) python3; do $$p -c "import sys, torch; sys.exit(torch.version.cuda is None)" \
+	2>/dev/null && echo $$p && exit; done; test -x $(PY) && echo $(PY) || echo python3)
+GPU_TIMEOUT ?= 590
 gpu-check:
-	PYTHONWARNINGS=ignore $(GPU_PY) tools/gpu_check.py $(ARGS)
+	PYTHONWARNINGS=ignore timeout -k 10 $(GPU_TIMEOUT) $(GPU_PY) tools/gpu_check.py $(ARGS)
 
 clean-demo:
 	rm -rf runs/demo

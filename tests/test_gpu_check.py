@@ -29,6 +29,7 @@ def test_defaults_run_every_section():
     (["--iters", "7"], "--iters must be an even number >= 4 (the resume check restarts at half), got 7"),
     (["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
     (["--budget-s", "-1"], "--budget-s must be > 0, got -1.0"),
+    (["--hard-limit-s", "0"], "--hard-limit-s must be > 0, got 0.0"),
     (["--record", "--cpu-smoke"], "--record keeps GPU figures only: drop --cpu-smoke"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
@@ -48,6 +49,63 @@ def test_skips_cleanly_without_cuda(monkeypatch, capsys):
     report = json.loads(out[-1])
     assert report["skipped"].startswith("no CUDA device") and report["env"]["torch"] == torch.__version__
     assert report["env"]["device"] == "cpu"
+
+
+def test_an_nvidia_device_torch_cannot_use_fails_instead_of_skipping(monkeypatch, capsys):
+    # A CPU build of torch (or a driver older than its CUDA) on a GPU machine: the window must not
+    # pass as a skip.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_check, "gpu_visible", lambda: True)
+    assert gpu_check.main([]) == gpu_check.UNUSABLE_GPU_EXIT == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("gpu-check failed: an NVIDIA device is present but torch cannot use it (torch ")
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["error"].startswith("NVIDIA device present, CUDA unusable (torch ")
+
+
+def test_a_failed_distributed_setup_is_each_sections_error_and_the_others_run(monkeypatch, capsys):
+    # Nothing is lost when megatron's parallel state cannot be set up (an NCCL or entry-point
+    # error): the sections needing it report why, the others run, and every section's figures reach
+    # stderr as it ends.
+    import torch
+
+    def no_dist(seed):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_check, "_dist_context", no_dist)
+    monkeypatch.setitem(gpu_check.SECTION_FUNCS, "hydro", lambda ctx: {"fused_b8_speedup": 3.0})
+    assert gpu_check.main(["--cpu-smoke", "--sections", "env,gpt,hydro,helix"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out.strip().splitlines()[-1])
+    why = "distributed setup failed: RuntimeError: NCCL error: unhandled system error"
+    assert report["gpt"]["error"] == report["helix"]["error"] == why
+    assert report["hydro"]["fused_b8_speedup"] == 3.0
+    done = [line for line in err.splitlines() if line.startswith("gpu-check: ")]
+    assert [line.split()[1] for line in done] == ["env", "gpt", "hydro", "helix"]
+    assert json.loads(done[1].split(": ", 2)[2]) == {"error": why}
+
+
+def test_a_section_past_the_hard_limit_is_interrupted_and_the_report_still_printed(monkeypatch, capsys):
+    import time
+
+    import torch
+
+    def stuck(ctx):
+        time.sleep(30)
+        return {"fused_b8_speedup": 1.0}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(gpu_check.SECTION_FUNCS, "hydro", stuck)
+    t0 = time.perf_counter()
+    assert gpu_check.main(["--cpu-smoke", "--sections", "env,hydro,ft_nccl", "--hard-limit-s", "0.5"]) == 0
+    assert time.perf_counter() - t0 < 10
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["hydro"]["error"] == "SectionTimeout: interrupted at --hard-limit-s"
+    assert report["hydro"]["section_s"] < 5 and report["hydro"]["fused_b8_speedup"] is None
+    assert report["ft_nccl"]["skipped"].startswith("hard limit reached (")
 
 
 def test_report_has_the_issue_shape_even_when_sections_fail():

@@ -14,17 +14,23 @@ Sections (each reports its own error and the others go on):
                predicted from linear and attention FLOPs (the detector's Huber fit, calibrated on
                half the batches) against the measured CUDA-event times of the other half
   hydro        Hydro's fused bundle of B=8 trials against the same 8 trials one after another
-  helix        pretrain's --helix path compiles the runtime's GPT with Inductor on CUDA (cost model
-               calibrated from CUDA micro-benchmarks) and reproduces the uncompiled loss curve
+  helix        pretrain's --helix path compiles the runtime's GPT through Helix's backend on CUDA
+               (aot_autograd, Helix's passes, the FX graphs run as scheduled; cost model calibrated
+               from CUDA micro-benchmarks) and reproduces the loss curve of its untransformed graphs
   ft_nccl      --resihp-on-stop continue on NCCL: 2 ranks (one GPU each) under the project's
                launcher, rank 1 SIGKILLed at iteration 6; the survivor is freed by the process
                group's abort and trains to the end alone. Needs at least 2 CUDA devices; skipped
                with the reason otherwise (on --cpu-smoke it runs the same job on gloo)
 
-Prints a table, then one JSON line. Without CUDA it prints why and exits 0 (a skip, not a failure)
-unless ``--cpu-smoke`` runs every section on CPU with tiny sizes to exercise this script's code
-(those figures are not GPU figures; ``--record`` refuses them). ``--record`` writes the table and
-the JSON under docs/figures/gpu/.
+Prints a table, then one JSON line. Each section's figures also go to stderr, flushed, the
+moment it ends (``gpu-check: NAME done (N s so far): {json}``), so a run killed from outside keeps
+what it measured. ``--hard-limit-s`` interrupts a section still running at that time (recorded as
+its error; the rest are skipped) so the table and JSON are still printed. Without CUDA it prints
+why and exits 0 (a skip, not a failure) -- unless the machine shows an NVIDIA device
+(``/dev/nvidia0`` or ``nvidia-smi``) that torch cannot use (a CPU build of torch, a driver too old
+for its CUDA), which exits 1: a GPU window must not pass as a skip. ``--cpu-smoke`` runs every
+section on CPU with tiny sizes to exercise this script's code (those figures are not GPU figures;
+``--record`` refuses them). ``--record`` writes the table and the JSON under docs/figures/gpu/.
 """
 from __future__ import annotations
 
@@ -34,10 +40,13 @@ import dataclasses
 import datetime
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
 import re
+import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -66,6 +75,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12,
                    "A10G": 70e12, "L4": 121e12}
 SKIP_EXIT = 0
+UNUSABLE_GPU_EXIT = 1
 RECORD_DIR = os.path.join(ROOT, "docs", "figures", "gpu")
 
 
@@ -112,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=450.0,
                    help="start no section after this many seconds (default 450: the run stays under 8 "
                         "minutes; the rest are reported as skipped)")
+    p.add_argument("--hard-limit-s", type=float, default=540.0,
+                   help="interrupt a section still running this many seconds after the start, so the "
+                        "report is printed before the machine is taken back (default 540)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run every section on CPU with tiny sizes (exercises the code; not GPU figures)")
     args = p.parse_args(argv)
@@ -124,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--iters must be an even number >= 4 (the resume check restarts at half), got {args.iters}")
     if args.budget_s <= 0:
         p.error(f"--budget-s must be > 0, got {args.budget_s}")
+    if args.hard_limit_s <= 0:
+        p.error(f"--hard-limit-s must be > 0, got {args.hard_limit_s}")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if args.record and args.cpu_smoke:
@@ -199,7 +214,32 @@ def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
             importlib.import_module("transformer_engine.pytorch")
         except Exception as exc:  # noqa: BLE001 - any import failure is the figure
             env["transformer_engine_import_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    # megatron's local layer spec (what the runtime builds without TE) runs the masked softmax of
+    # apex's compiled kernels on a GPU, imported unguarded at the first forward: say up front.
+    env["apex_fused_softmax"] = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+    if cuda:
+        env["torch_compile_cuda"] = _compile_preflight()
     return env
+
+
+def te_usable(env: dict[str, Any]) -> bool:
+    """Transformer Engine installed and ``transformer_engine.pytorch`` importable."""
+    return env.get("transformer_engine") is not None and not env.get("transformer_engine_import_error")
+
+
+def _compile_preflight() -> str:
+    """``ok``, or why torch.compile cannot build and run a CUDA kernel here (Triton, a C compiler):
+    megatron's fused bias kernels and Helix compile through it on a GPU and would fail later, after
+    minutes of the window, for the same reason."""
+    import torch
+
+    try:
+        fn = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2.0)
+        fn(torch.ones(64, device="cuda"))
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the reason is the figure
+        return f"{type(exc).__name__}: {exc}"[:300]
 
 
 def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
@@ -292,9 +332,37 @@ def section_llama(ctx: dict[str, Any]) -> dict[str, Any]:
     return train_and_resume(ctx, {**LLAMA_FLAGS, "num_query_groups": max(heads // 4, 1)})
 
 
+@contextlib.contextmanager
+def deterministic(cuda: bool):
+    """Reproducible kernels where torch and TE offer a choice, for the resume check (a resumed run
+    against a straight one) only: elsewhere they would slow the timed sections' kernels."""
+    import torch
+
+    if not cuda:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    te_before = os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        if te_before is None:
+            os.environ.pop("NVTE_ALLOW_NONDETERMINISTIC_ALGO", None)
+        else:
+            os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = te_before
+
+
 def train_and_resume(ctx: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """Train ``iters`` iterations (bf16, megatron's optimizer; the TE spec where TE imports),
     saving at half; then resume from that checkpoint and compare the second half."""
+    with deterministic(ctx["cuda"]):
+        return _train_and_resume(ctx, extra)
+
+
+def _train_and_resume(ctx: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from megatron_ext.models.families import family_of
@@ -306,34 +374,39 @@ def train_and_resume(ctx: dict[str, Any], extra: dict[str, Any]) -> dict[str, An
               "seq_length": sz.seq, "micro_batch_size": sz.micro_batch, "global_batch_size": sz.global_batch,
               "train_iters": sz.iters, "bf16": True, "lr": 3e-4, "lr_decay_style": "constant",
               "eval_iters": 0, "progress": False, "log_interval": 1000, **extra}
+    cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as tmp:
         save = os.path.join(tmp, "ckpt")
+        if cuda:  # the straight run's own peak, not an earlier section's
+            torch.cuda.reset_peak_memory_stats()
         straight = _trainer({**values, "save": save, "save_interval": half}, ctx["dist"])
         spec_name = type(unwrap(straight.model.chunks[0]).decoder.layers[0].self_attention.linear_qkv).__name__
         straight.run()
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
         losses = _train_losses(straight)
         times = [h["iter_time_s"] for h in straight.history if h["kind"] == "train"][2:]  # 2 warm-up its
         masters = _masters(straight)
+        about = {"family": family_of(straight.cfg.model).name, "layer_impl": spec_name,
+                 "params": sum(p.numel() for p in straight.model.parameters()),
+                 "optimizer": type(getattr(straight.optimizer, "megatron_optimizer", straight.optimizer)).__name__,
+                 "dtype": str(next(straight.model.parameters()).dtype).replace("torch.", "")}
+        flops = model_iteration_flops(straight.cfg, straight.model.vocab_size)
+        del straight  # its model and optimizer state leave the device before the resumed run's arrive
         resumed = _trainer({**values, "load": os.path.join(save, f"iter_{half:07d}")}, ctx["dist"])
         resumed.run()
         r_losses = _train_losses(resumed)
         r_masters = _masters(resumed)
     iter_s = statistics.median(times)
-    flops = model_iteration_flops(straight.cfg, straight.model.vocab_size)
     peak = peak_flops(ctx["env"].get("device", ""), ctx["peak_tflops"])
     master_diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
                       for a, b in zip(r_masters, masters))
     return {
-        "family": family_of(straight.cfg.model).name, "layer_impl": spec_name, "params": sum(p.numel() for p in straight.model.parameters()),
-        "optimizer": type(getattr(straight.optimizer, "megatron_optimizer", straight.optimizer)).__name__,
-        "dtype": str(next(straight.model.parameters()).dtype).replace("torch.", ""),
-        "iters": sz.iters, "tokens_per_iter": sz.global_batch * sz.seq, "iter_s": iter_s,
+        **about, "iters": sz.iters, "tokens_per_iter": sz.global_batch * sz.seq, "iter_s": iter_s,
         "tokens_per_s": sz.global_batch * sz.seq / iter_s,
         "model_tflops_per_s": flops / iter_s / 1e12, "mfu": None if peak is None else flops / iter_s / peak,
         "loss_first": losses[0], "loss_last": losses[-1], "loss_falls": losses[-1] < losses[0],
         "resume_loss_max_rel_diff": max_rel_diff(r_losses, losses[half:]),
-        "resume_max_rel_diff": master_diff,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "resume_max_rel_diff": master_diff, "peak_mem_gib": peak_mem,
     }
 
 
@@ -419,8 +492,8 @@ def section_packed(ctx: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     sz: Sizes = ctx["sizes"]
-    if ctx["cuda"] and ctx["env"].get("transformer_engine") is None:
-        return {"skipped": "Transformer Engine is not installed: no THD attention"}
+    if ctx["cuda"] and not te_usable(ctx["env"]):
+        return {"skipped": "Transformer Engine is not installed or does not import: no THD attention"}
     torch.manual_seed(0)
     m = PackedGPT(sz, vocab=4096, cuda=ctx["cuda"])
     docs = [max(sz.packed_tokens) // 8, max(sz.packed_tokens) // 4, max(sz.packed_tokens) // 2]
@@ -483,8 +556,8 @@ def section_flops_model(ctx: dict[str, Any]) -> dict[str, Any]:
     from megatron_ext.resihp.flops import ModelSpec, microbatch_flops
 
     sz: Sizes = ctx["sizes"]
-    if ctx["cuda"] and ctx["env"].get("transformer_engine") is None:
-        return {"skipped": "Transformer Engine is not installed: no THD attention"}
+    if ctx["cuda"] and not te_usable(ctx["env"]):
+        return {"skipped": "Transformer Engine is not installed or does not import: no THD attention"}
     torch.manual_seed(0)
     m = PackedGPT(sz, vocab=4096, cuda=ctx["cuda"])
     spec = ModelSpec(num_layers=sz.layers, hidden_size=sz.hidden, num_attention_heads=sz.heads, vocab_size=4096,
@@ -584,8 +657,8 @@ def section_helix(ctx: dict[str, Any]) -> dict[str, Any]:
               "seq_length": min(sz.seq, 256), "micro_batch_size": 2, "global_batch_size": 4,
               "train_iters": sz.helix_iters, "lr": 1e-3, "lr_decay_style": "constant", "eval_iters": 0,
               "progress": False, "log_interval": 1000}
-    # References: the eager model, and the same local-spec model compiled by Inductor without
-    # Helix's passes (--helix-mode baseline); on a GPU the eager run uses the TE spec, --helix the
+    # References: the eager model, and the same local-spec model through Helix's backend without
+    # its passes (--helix-mode baseline); on a GPU the eager run uses the TE spec, --helix the
     # local spec, so only the baseline compares like with like.
     eager = _trainer(dict(values), ctx["dist"])
     eager.run()
@@ -649,16 +722,50 @@ SECTION_FUNCS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 # --- reporting (pure: tested on CPU) --------------------------------------------------------------
 
-def run_section(name: str, fn: Callable[[dict[str, Any]], dict[str, Any]], ctx: dict[str, Any]) -> dict[str, Any]:
-    """The section's figures, or ``{"error": ...}``: one broken section never loses the others."""
+class SectionTimeout(Exception):
+    """Raised inside a section still running at ``--hard-limit-s``."""
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise SectionTimeout("interrupted at --hard-limit-s")
+
+
+def run_section(name: str, fn: Callable[[dict[str, Any]], dict[str, Any]], ctx: dict[str, Any],
+                limit_s: float | None = None) -> dict[str, Any]:
+    """The section's figures, or ``{"error": ...}``: one broken section never loses the others.
+    With ``limit_s``, a section still running after that many seconds is interrupted (SIGALRM,
+    main thread only) and reports so as its error."""
     t0 = time.perf_counter()
+    armed = False
+    if limit_s is not None:
+        try:
+            previous = signal.signal(signal.SIGALRM, _on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, max(limit_s, 1e-3))
+            armed = True
+        except ValueError:  # not the main thread: no limit
+            pass
     try:
         out = dict(fn(ctx))
     except Exception as exc:  # noqa: BLE001 - reported in the JSON, the next section runs
         logger.error("section %s failed:\n%s", name, traceback.format_exc())
         out = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        if armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
     out["section_s"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+def gpu_visible() -> bool:
+    """An NVIDIA device on the machine, whether or not torch can use it."""
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+def announce(name: str, result: dict[str, Any], so_far_s: float) -> None:
+    """One section's figures on stderr the moment it ends (flushed): kept if the run is killed."""
+    print(f"gpu-check: {name} done ({so_far_s:.0f} s so far): {json.dumps(result, default=str)}",
+          file=sys.stderr, flush=True)
 
 
 def complete(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -711,36 +818,54 @@ def main(argv: list[str] | None = None) -> int:
 
     report = Report("gpu_check")  # provenance on the JSON line: a recorded figure names its commit
     cuda = torch.cuda.is_available()
+    started = time.perf_counter()
+    if cuda:  # before the first cuBLAS handle: the resume check's deterministic GEMMs need it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     env = section_env({})
     if not cuda and not args.cpu_smoke:
-        reason = (f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
-                  "the GPU check needs one GPU; --cpu-smoke runs its code on CPU")
+        where = f"torch {torch.__version__}, CUDA build {torch.version.cuda}"
+        if gpu_visible():
+            print(f"gpu-check failed: an NVIDIA device is present but torch cannot use it ({where}): a CPU "
+                  "build of torch, or a driver older than its CUDA. Run it with a CUDA build (the Docker "
+                  "image, or GPU_PY=python-with-cuda make gpu-check)", file=sys.stderr)
+            print(json.dumps({"error": f"NVIDIA device present, CUDA unusable ({where})", "env": env}))
+            return UNUSABLE_GPU_EXIT
+        reason = f"no CUDA device ({where}): the GPU check needs one GPU; --cpu-smoke runs its code on CPU"
         print(f"gpu-check skipped: {reason}")
         print(json.dumps({"skipped": reason, "env": env}))
         return SKIP_EXIT
     os.environ.setdefault("MEGATRON_EXT_CACHE", os.path.join(tempfile.gettempdir(), "megatron_ext_gpu_check"))
     if cuda:
-        # Reproducible kernels where torch and TE offer a choice: the resume check compares a
-        # resumed run with a straight one.
-        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Deterministic algorithms hold for the resume check only (``deterministic``); and they
+        # would fill every new tensor with NaN first, which no figure here needs.
+        torch.utils.deterministic.fill_uninitialized_memory = False
     sizes = Sizes.gpu(args.iters) if cuda else Sizes.cpu_smoke(args.iters)
     ctx: dict[str, Any] = {"cuda": cuda, "env": env, "sizes": sizes, "peak_tflops": args.peak_tflops}
     results: dict[str, dict[str, Any]] = {}
-    started = time.perf_counter()
-    # Megatron models need megatron's parallel state (one rank: TP = PP = DP = 1).
+    # Megatron models need megatron's parallel state (one rank: TP = PP = DP = 1). If it cannot be
+    # set up, the sections that need it say so and the others run.
     needs_dist = {"gpt", "llama", "packed", "flops_model", "helix"} & set(args.sections)
+    dist_error = None
     if needs_dist:
-        ctx["dist"] = _dist_context(seed=1234)
+        try:
+            ctx["dist"] = _dist_context(seed=1234)
+        except Exception as exc:  # noqa: BLE001 - reported per section
+            logger.error("distributed setup failed:\n%s", traceback.format_exc())
+            dist_error = f"distributed setup failed: {type(exc).__name__}: {exc}"[:500]
     for name in args.sections:
         spent = time.perf_counter() - started
-        if name != "env" and spent > args.budget_s:
+        if name == "env":
+            results[name] = env
+        elif spent > args.budget_s:
             results[name] = {"skipped": f"time budget spent ({spent:.0f} s > --budget-s {args.budget_s:g})"}
-            continue
-        results[name] = env if name == "env" else run_section(name, SECTION_FUNCS[name], ctx)
-        logger.warning("gpu-check: %s done (%.0f s so far)", name, time.perf_counter() - started)
-    if needs_dist:
+        elif spent >= args.hard_limit_s:
+            results[name] = {"skipped": f"hard limit reached ({spent:.0f} s >= --hard-limit-s {args.hard_limit_s:g})"}
+        elif dist_error is not None and name in needs_dist:
+            results[name] = {"error": dist_error}
+        else:
+            results[name] = run_section(name, SECTION_FUNCS[name], ctx, limit_s=args.hard_limit_s - spent)
+        announce(name, results[name], time.perf_counter() - started)
+    if needs_dist and dist_error is None:
         from megatron_ext.runtime import distributed
 
         distributed.teardown()
