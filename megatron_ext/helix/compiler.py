@@ -149,13 +149,16 @@ def agree_max(values: Sequence[float], groups: Sequence[str]) -> list[float]:
         return list(values)
     from torch.distributed.distributed_c10d import _resolve_process_group
 
+    from megatron_ext.helix.collectives import collective_device
+
     t = torch.tensor(list(values), dtype=torch.float64)
     pgs = [_resolve_process_group(g) for g in sorted(set(groups))]
     for _ in range(len(pgs)):
         for pg in pgs:
-            if pg.size() > 1:
+            if pg.size() > 1:  # on the group's device: an NCCL group cannot reduce a CPU tensor
+                t = t.to(collective_device(pg))
                 torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 class HelixBackend:

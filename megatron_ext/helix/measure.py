@@ -68,8 +68,10 @@ def all_ranks_agree(group=None) -> Callable[[bool], bool]:
     """``agree`` for ``step_peak_bytes`` on several ranks: True only where every rank said True."""
     import torch.distributed as dist
 
+    from megatron_ext.helix.collectives import collective_device
+
     def agree(ok: bool) -> bool:
-        flag = torch.tensor([int(ok)])
+        flag = torch.tensor([int(ok)], device=collective_device(group))
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return bool(flag.item())
 

@@ -53,3 +53,20 @@ def test_every_rank_re_runs_when_any_rank_did_not_close():
 
     step_peak_bytes(lin, x, gy, lin.parameters(), agree=agree)
     assert seen == [True, True]
+
+
+@pytest.mark.parametrize("backend, cuda, expected", [
+    ("gloo", False, "cpu"), ("gloo", True, "cpu"),
+    ("cpu:gloo,cuda:nccl", True, "cpu"),      # a mixed group reduces CPU tensors on its gloo side
+    ("nccl", True, "cuda:0"),                  # NCCL cannot reduce a CPU tensor
+])
+def test_rank_agreements_put_their_tensor_where_the_groups_backend_can_reduce_it(monkeypatch, backend, cuda,
+                                                                                 expected):
+    # agree_max (the ranks' cost figures, Helix's decisions) and all_ranks_agree run on the model's
+    # own process groups, which are NCCL on a GPU job.
+    from megatron_ext.helix.collectives import collective_device
+
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert collective_device() == torch.device(expected)
