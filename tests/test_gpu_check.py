@@ -93,18 +93,20 @@ def test_a_section_past_the_hard_limit_is_interrupted_and_the_report_still_print
 
     import torch
 
+    finished = []
+
     def stuck(ctx):
         time.sleep(30)
+        finished.append(True)  # reached only if nothing interrupted the sleep
         return {"fused_b8_speedup": 1.0}
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(gpu_check.SECTION_FUNCS, "hydro", stuck)
-    t0 = time.perf_counter()
     assert gpu_check.main(["--cpu-smoke", "--sections", "env,hydro,ft_nccl", "--hard-limit-s", "0.5"]) == 0
-    assert time.perf_counter() - t0 < 10
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not finished
     assert report["hydro"]["error"] == "SectionTimeout: interrupted at --hard-limit-s"
-    assert report["hydro"]["section_s"] < 5 and report["hydro"]["fused_b8_speedup"] is None
+    assert report["hydro"]["fused_b8_speedup"] is None
     assert report["ft_nccl"]["skipped"].startswith("hard limit reached (")
 
 

@@ -374,7 +374,7 @@ def _train_and_resume(ctx: dict[str, Any], extra: dict[str, Any]) -> dict[str, A
               "seq_length": sz.seq, "micro_batch_size": sz.micro_batch, "global_batch_size": sz.global_batch,
               "train_iters": sz.iters, "bf16": True, "lr": 3e-4, "lr_decay_style": "constant",
               "eval_iters": 0, "progress": False, "log_interval": 1000, **extra}
-    cuda = torch.cuda.is_available()
+    cuda = ctx["cuda"]
     with tempfile.TemporaryDirectory() as tmp:
         save = os.path.join(tmp, "ckpt")
         if cuda:  # the straight run's own peak, not an earlier section's
@@ -752,7 +752,7 @@ def run_section(name: str, fn: Callable[[dict[str, Any]], dict[str, Any]], ctx: 
     finally:
         if armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
+            signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
     out["section_s"] = round(time.perf_counter() - t0, 2)
     return out
 
