@@ -12,7 +12,7 @@ import pytest
 from helix_helpers import rank0_graphs
 from tests.conftest import run_torchrun
 
-pytestmark = [pytest.mark.multirank, pytest.mark.background]
+pytestmark = pytest.mark.multirank
 
 SCRIPT = "tests/helix/helix_family_scenarios.py"
 WORLD = 4

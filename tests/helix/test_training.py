@@ -9,7 +9,7 @@ import pytest
 from helix_helpers import rank0_graphs
 from tests.conftest import run_torchrun
 
-pytestmark = [pytest.mark.multirank, pytest.mark.background]
+pytestmark = pytest.mark.multirank
 
 
 @pytest.fixture(scope="module")

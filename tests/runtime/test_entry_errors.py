@@ -105,7 +105,6 @@ def test_truncate_metrics_keeps_rows_up_to_the_checkpoint(tmp_path):
 
 
 @pytest.mark.multirank  # four 2-rank launches
-@pytest.mark.background
 def test_runs_do_not_trample_and_a_bad_checkpoint_is_one_line(tmp_path):
     out = tmp_path / "run"
     common = ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "2",

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import run_python, run_torchrun
 
-pytestmark = [pytest.mark.multirank, pytest.mark.background]
+pytestmark = pytest.mark.multirank
 
 SCRIPT = "tests/runtime/family_scenarios.py"
 # Float reduction order differs between layouts (TP all-reduces, split GEMMs): the curves agree to

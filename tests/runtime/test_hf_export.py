@@ -99,7 +99,6 @@ def test_transformers_gives_our_logits(ctx, checkpoints, root, name):
 
 
 @pytest.mark.multirank
-@pytest.mark.background
 @pytest.mark.parametrize("name", ["qwen3_tp2", "moe_ep2"])
 def test_export_from_a_multirank_layout(ctx, multirank, root, name):
     meta = json.load(open(os.path.join(multirank[name], "iter_0000003", "meta.json")))

@@ -15,7 +15,7 @@ import torch
 from megatron_ext.runtime import checkpoint as ckpt
 from tests.conftest import run_torchrun
 
-pytestmark = [pytest.mark.multirank, pytest.mark.background]
+pytestmark = pytest.mark.multirank
 
 KINDS = ("tensor", "main", "exp_avg", "exp_avg_sq")
 

@@ -21,7 +21,6 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.multirank
-@pytest.mark.background
 @pytest.mark.parametrize("start,target", [("tp2pp2", "pp4"), ("pp2dp2", "tp2pp2"), ("tp2pp2", "tp2dp2"),
                                           ("pp2dp2", "pp2dp2_3+1"), ("pp2dp2_3+1", "tp2pp2_1+3"),
                                           ("pp2dp2", "pp2dp2_mb3+1")])
@@ -41,14 +40,12 @@ def test_relayout_at_iteration_10_continues_the_straight_run(result, start, targ
 
 
 @pytest.mark.multirank
-@pytest.mark.background
 def test_uneven_stages_train_the_same_model(result):
     # 3 + 1 layers on PP2 x DP2 from the start: the same curve as the even split.
     assert max_rel_diff(result["straight_pp2dp2_3+1"], result["straight_pp2dp2"]) < 1e-5
 
 
 @pytest.mark.multirank
-@pytest.mark.background
 def test_uneven_replica_work_keeps_the_global_batch_gradient(result):
     # Replica 0 takes 3 of the 4 micro-batches, replica 1 one; per-token loss weighting keeps the
     # global batch's gradient, so the curve is the even split's.
@@ -56,7 +53,6 @@ def test_uneven_replica_work_keeps_the_global_batch_gradient(result):
 
 
 @pytest.mark.multirank
-@pytest.mark.background
 def test_relayout_destroys_the_old_groups(result):
     # Every group of the old layout is destroyed before the new ones are built: a re-layout to a
     # layout with as many groups leaves as many live groups, not twice as many.
@@ -65,7 +61,6 @@ def test_relayout_destroys_the_old_groups(result):
 
 
 @pytest.mark.multirank
-@pytest.mark.background
 def test_pipeline_events_follow_the_relayout(result):
     tl = result["timeline"]
     assert max_rel_diff(tl["losses"], result["straight_pp2dp2"]) < 1e-5
@@ -75,7 +70,6 @@ def test_pipeline_events_follow_the_relayout(result):
 
 
 @pytest.mark.multirank
-@pytest.mark.background
 @pytest.mark.parametrize("key", ["tp2pp2->tp2pp2 [0, 3, 1, 2]", "tp2pp2->pp2dp2_3+1 [2, 0, 3, 1]"])
 def test_rank_permutation_at_iteration_10_continues_the_straight_run(result, key):
     # The processes take new places (renumbered on a new default group, every rank kept), the
@@ -101,7 +95,6 @@ def test_rank_permutation_at_iteration_10_continues_the_straight_run(result, key
 
 
 @pytest.mark.multirank
-@pytest.mark.background
 def test_a_bad_rank_order_is_refused_before_anything_changes(result):
     live = result["tp2pp2->tp2pp2 [0, 3, 1, 2]"]
     assert live["refused"] == ("relayout rank_order [0, 0, 1, 2]: expected each rank 0..3 once (every rank of the "

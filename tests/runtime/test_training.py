@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import run_python, run_torchrun
 
-pytestmark = [pytest.mark.multirank, pytest.mark.background]
+pytestmark = pytest.mark.multirank
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from megatron_ext.hydro.distinct import COUNTED, distinct_sets
 from squeezer_helpers import tiny_study
 from tests.conftest import run_torchrun
 
-pytestmark = [pytest.mark.multirank, pytest.mark.solo]  # its guests use the CPU the background would
+pytestmark = pytest.mark.multirank
 
 # Constant learning rate: the first iterations of a long run equal those of a short one.
 COMMON = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--log-interval", "100", "--eval-iters", "0",
