@@ -258,3 +258,27 @@ def test_gpu_check_correctness_on_cuda():
     assert gpt["resume_max_rel_diff"] < 1e-6
     assert report["packed"]["documents_isolated"]
     assert report["helix"]["compiled"] and report["helix"]["loss_max_rel_diff"] < 1e-3
+
+
+def test_a_section_that_catches_exception_itself_is_still_interrupted(monkeypatch, capsys):
+    # A section's own broad handler (a preflight, a retried step) must not swallow the hard limit.
+    import time
+
+    import torch
+
+    finished = []
+
+    def guarded(ctx):
+        try:
+            time.sleep(30)
+        except Exception:  # noqa: BLE001 - what a section may do around a step
+            pass
+        finished.append(True)
+        return {"fused_b8_speedup": 1.0}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(gpu_check.SECTION_FUNCS, "hydro", guarded)
+    assert gpu_check.main(["--cpu-smoke", "--sections", "env,hydro", "--hard-limit-s", "0.5"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not finished
+    assert report["hydro"]["error"] == "SectionTimeout: interrupted at --hard-limit-s"

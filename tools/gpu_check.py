@@ -722,8 +722,9 @@ SECTION_FUNCS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 # --- reporting (pure: tested on CPU) --------------------------------------------------------------
 
-class SectionTimeout(Exception):
-    """Raised inside a section still running at ``--hard-limit-s``."""
+class SectionTimeout(BaseException):
+    """Raised inside a section still running at ``--hard-limit-s``. Not an ``Exception``: a section's
+    own ``except Exception`` (a preflight, a retried step) must not swallow it and run on."""
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
@@ -746,7 +747,7 @@ def run_section(name: str, fn: Callable[[dict[str, Any]], dict[str, Any]], ctx: 
             pass
     try:
         out = dict(fn(ctx))
-    except Exception as exc:  # noqa: BLE001 - reported in the JSON, the next section runs
+    except (Exception, SectionTimeout) as exc:  # noqa: BLE001 - reported in the JSON, the next section runs
         logger.error("section %s failed:\n%s", name, traceback.format_exc())
         out = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     finally:
