@@ -219,6 +219,12 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     assert report["packed"]["documents_isolated"] is True
     assert report["hydro"]["param_max_rel_diff"] < 1e-4
     assert report["helix"]["compiled"] is True and report["helix"]["loss_max_rel_diff"] < 1e-4
+    # The DeepSpeed engine (with --timeline) trains the megatron engine's curve: the same model,
+    # data and seed; on CPU the two engines' losses agree.
+    ds = report["deepspeed"]
+    assert (ds["backend"], ds["ranks"], ds["trained"]) == ("gloo", 1, True)
+    assert ds["megatron_exit_codes"] == ds["deepspeed_exit_codes"] == [0]
+    assert ds["loss_max_rel_diff"] < 1e-5 and ds["loss_first"] > ds["loss_last"] > 0
     # The NCCL section's job on gloo: the survivor of a SIGKILLed rank trains to the end.
     ft = report["ft_nccl"]
     assert (ft["backend"], ft["continued"], ft["exit_codes"], ft["job_exit_code"]) == ("gloo", True, [0, -9], 0)
@@ -282,3 +288,30 @@ def test_a_section_that_catches_exception_itself_is_still_interrupted(monkeypatc
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert not finished
     assert report["hydro"]["error"] == "SectionTimeout: interrupted at --hard-limit-s"
+
+
+def test_an_engine_that_fails_on_the_gpu_path_is_the_sections_error(monkeypatch):
+    # What a GPU window must bring back when the DeepSpeed engine fails there (a CPU tensor handed
+    # to an NCCL collective, say): the rank's last line and how far it trained, not a traceback;
+    # and the megatron engine's arm still ran.
+    from megatron_ext.ft import launch
+
+    def fake_launch(argv, nproc, **kw):
+        engine = argv[argv.index("--engine") + 1]
+        if engine == "megatron":   # trains its four iterations
+            with open(argv[argv.index("--metrics-file") + 1], "w") as fh:
+                for i in range(1, 5):
+                    fh.write(json.dumps({"kind": "train", "iteration": i, "loss": 8.0 - i / 10,
+                                         "tokens_per_s": 100.0 * i}) + "\n")
+            return [launch.RankResult(rank=0, returncode=0, output="")]
+        return [launch.RankResult(rank=0, returncode=1,
+                                  output="Traceback ...\nRuntimeError: No backend type associated with device type cpu\n")]
+
+    monkeypatch.setattr(launch, "launch_ranks", fake_launch)
+    ctx = {"cuda": False, "sizes": gpu_check.Sizes.cpu_smoke(30)}
+    out = gpu_check.run_section("deepspeed", gpu_check.section_deepspeed, ctx)
+    assert out["trained"] is False and out["megatron_exit_codes"] == [0] and out["deepspeed_exit_codes"] == [1]
+    assert out["megatron_tokens_per_s"] == 300.0       # the median after the first iteration
+    assert out["error"] == ("--engine deepspeed trained 0 of 4 iterations: "
+                            "RuntimeError: No backend type associated with device type cpu")
+    assert "loss_max_rel_diff" not in out              # complete() fills it with None in the report

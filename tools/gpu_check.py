@@ -17,6 +17,9 @@ Sections (each reports its own error and the others go on):
   helix        pretrain's --helix path compiles the runtime's GPT through Helix's backend on CUDA
                (aot_autograd, Helix's passes, the FX graphs run as scheduled; cost model calibrated
                from CUDA micro-benchmarks) and reproduces the loss curve of its untransformed graphs
+  deepspeed    ``--engine deepspeed`` (with ``--timeline``) against the runtime's megatron engine:
+               the same model, data and seed under the project's launcher, on NCCL (PP2 on two
+               GPUs, else one rank); loss curves side by side, tokens/s of each
   ft_nccl      --resihp-on-stop continue on NCCL: 2 ranks (one GPU each) under the project's
                launcher, rank 1 SIGKILLed at iteration 6; the survivor is freed by the process
                group's abort and trains to the end alone. Needs at least 2 CUDA devices; skipped
@@ -61,7 +64,7 @@ sys.path.insert(0, ROOT)
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("env", "gpt", "llama", "packed", "flops_model", "hydro", "helix", "ft_nccl")
+SECTIONS = ("env", "gpt", "llama", "packed", "flops_model", "hydro", "helix", "deepspeed", "ft_nccl")
 # Keys every report carries (None when a section failed or was skipped): the issue's JSON shape.
 REQUIRED: dict[str, tuple[str, ...]] = {
     "env": ("torch", "cuda", "nccl", "transformer_engine", "apex", "device"),
@@ -69,6 +72,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "flops_model": ("median_abs_err", "p95_abs_err"),
     "hydro": ("fused_b8_speedup",),
     "helix": ("compiled", "loss_max_rel_diff"),
+    "deepspeed": ("trained", "loss_max_rel_diff"),
     "ft_nccl": ("continued", "exit_codes", "pause_s"),
 }
 # Dense bf16 tensor-core peak FLOP/s by device-name fragment (vendor data sheets, SXM parts).
@@ -682,6 +686,49 @@ def section_helix(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def section_deepspeed(ctx: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed engine on the GPU path (its own layers, its pipeline engine, the project's
+    patches, ``--timeline``'s recorder) against the megatron engine on the same model and data."""
+    import torch
+
+    from megatron_ext.ft.launch import job_exit_code, launch_ranks
+
+    sz: Sizes = ctx["sizes"]
+    gpus = torch.cuda.device_count() if ctx["cuda"] else 0
+    nproc = 2 if gpus >= 2 else 1
+    backend = ["--device", "cuda", "--distributed-backend", "nccl"] if ctx["cuda"] else ["--device", "cpu"]
+    iters = 10 if ctx["cuda"] else 4
+    model = ["--num-layers", "4", "--hidden-size", str(min(sz.hidden, 256)), "--num-attention-heads",
+             str(min(sz.heads, 4)), "--seq-length", str(min(sz.seq, 256)), "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--pipeline-model-parallel-size", str(nproc), "--train-iters", str(iters),
+             "--eval-iters", "0", "--lr-decay-style", "constant", "--progress", "false"]
+    out: dict[str, Any] = {"ranks": nproc, "backend": "nccl" if ctx["cuda"] else "gloo"}
+    curves: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for eng, extra in (("megatron", []), ("deepspeed", ["--timeline"])):
+            metrics = os.path.join(tmp, f"{eng}.jsonl")
+            argv = [os.path.join(ROOT, "pretrain_gpt.py"), *backend, *model, "--engine", eng, *extra,
+                    "--metrics-file", metrics]
+            ranks = launch_ranks(argv, nproc, cwd=ROOT, timeout_s=300)
+            rows = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+            train = [r for r in rows if r["kind"] == "train"]
+            curves[eng] = [r["loss"] for r in train]
+            out[f"{eng}_exit_codes"] = [r.returncode for r in ranks]
+            out[f"{eng}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in train[1:]) if len(train) > 1 \
+                else None
+            if job_exit_code(ranks) != 0 or len(train) != iters:  # the other engine still runs
+                errors[eng] = f"--engine {eng} trained {len(train)} of {iters} iterations: " + " | ".join(
+                    r.output.strip().splitlines()[-1][:200] for r in ranks if r.output.strip())
+    out["trained"] = "deepspeed" not in errors
+    if errors:
+        out["error"] = "; ".join(errors.values())
+        return out
+    out["loss_first"], out["loss_last"] = curves["deepspeed"][0], curves["deepspeed"][-1]
+    out["loss_max_rel_diff"] = max_rel_diff(curves["deepspeed"], curves["megatron"])
+    return out
+
+
 def section_ft_nccl(ctx: dict[str, Any]) -> dict[str, Any]:
     """A lost rank on NCCL: the survivor continues (what lifts the refusal of continue on NCCL)."""
     import torch
@@ -716,7 +763,8 @@ def section_ft_nccl(ctx: dict[str, Any]) -> dict[str, Any]:
 
 SECTION_FUNCS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "env": section_env, "gpt": section_gpt, "llama": section_llama, "packed": section_packed,
-    "flops_model": section_flops_model, "hydro": section_hydro, "helix": section_helix, "ft_nccl": section_ft_nccl,
+    "flops_model": section_flops_model, "hydro": section_hydro, "helix": section_helix, "deepspeed": section_deepspeed,
+    "ft_nccl": section_ft_nccl,
 }
 
 
