@@ -119,7 +119,8 @@ class ClippedAdamW(torch.optim.AdamW):
 
     def __init__(self, params: list[torch.nn.Parameter], *, norm_params: list[torch.nn.Parameter],
                  norm_group: Any, clip_grad: float, before_update: Any = None, after_update: Any = None,
-                 sequence_parallel: tuple[list[torch.nn.Parameter], Any] | None = None, **adamw: Any) -> None:
+                 sequence_parallel: tuple[list[torch.nn.Parameter], Any] | None = None,
+                 norm_device: torch.device | str = "cpu", **adamw: Any) -> None:
         super().__init__(_param_groups(params), **adamw)
         # (parameters, TP group): gradients of what sees only a sequence shard, summed before the norm
         self.sequence_parallel = sequence_parallel
@@ -127,16 +128,19 @@ class ClippedAdamW(torch.optim.AdamW):
         self.before_update, self.after_update = before_update, after_update
         self.norm_params = norm_params
         self.norm_group = norm_group
+        # where the norm's sum is accumulated and all-reduced: the job's device (NCCL, the GPU
+        # job's backend, cannot reduce a CPU tensor)
+        self.norm_device = torch.device(norm_device)
         self.clip_grad = clip_grad
         self.overflow = False
         self.last_grad_norm: float | None = None
         self._global_grad_norm: float | None = None
 
     def grad_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.norm_device)
         for p in self.norm_params:
             if p.grad is not None:
-                sq += p.grad.double().pow(2).sum()
+                sq += p.grad.double().pow(2).sum().to(self.norm_device)
         if dist.is_initialized() and self.norm_group is not None:
             dist.all_reduce(sq, group=self.norm_group)
         return float(sq.sqrt())
@@ -279,7 +283,7 @@ class DeepSpeedTrainer(Trainer):
                                       norm_group=grid.get_model_parallel_group() if tp > 1 else
                                       grid.get_pipe_parallel_group(),
                                       sequence_parallel=(sp, grid.get_slice_parallel_group()) if sp else None,
-                                      clip_grad=t.clip_grad,
+                                      norm_device=ctx.device, clip_grad=t.clip_grad,
                                       before_update=self.commit_update, after_update=self.update_applied, lr=t.lr,
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)

@@ -12,9 +12,10 @@ from megatron_ext.pipeline.events import EventRecorder
 from megatron_ext.pipeline.timeline import IterationRecord, RankEvents
 
 
-def clock_offsets(clock) -> float:
+def clock_offsets(clock, device: torch.device | str = "cpu") -> float:
     """This rank's clock minus rank 0's, estimated after barriers; 0 when every rank shares a host
-    (perf_counter is CLOCK_MONOTONIC, one clock per machine)."""
+    (perf_counter is CLOCK_MONOTONIC, one clock per machine). ``device``: the job's (where the
+    default group's backend takes tensors: a CUDA device for NCCL)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return 0.0
     hosts = [None] * dist.get_world_size()
@@ -24,7 +25,7 @@ def clock_offsets(clock) -> float:
     samples = []
     for _ in range(5):
         dist.barrier()
-        now = torch.tensor([clock()], dtype=torch.float64)
+        now = torch.tensor([clock()], dtype=torch.float64, device=device)
         ref = now.clone()
         dist.broadcast(ref, src=0)
         samples.append(float(now - ref))
@@ -61,15 +62,16 @@ def gather_record(recorder: EventRecorder, *, rank: int, stage: int, tp: int, dp
 
 
 def stage_bubble_fractions(recorder: EventRecorder, *, stage: int, num_stages: int, is_representative: bool,
-                           offset_s: float) -> list[float]:
-    """Per-stage bubble fraction of the last iteration from two tiny all-reduces (no event gather)."""
+                           offset_s: float, device: torch.device | str = "cpu") -> list[float]:
+    """Per-stage bubble fraction of the last iteration from two tiny all-reduces (no event gather)
+    of tensors on ``device``, the job's."""
     ev = recorder.events()
     comp = ev[ev["phase"] <= 1]
     first = float(ev["t0"].min()) - offset_s if len(ev) else float("inf")
     last = float(comp["t1"].max()) - offset_s if len(comp) else float("-inf")
     busy = busy_seconds(zip(comp["t0"] - offset_s, comp["t1"] - offset_s), first, last) if len(comp) else 0.0
-    bounds = torch.tensor([-first, last], dtype=torch.float64)
-    busy_per_stage = torch.zeros(num_stages, dtype=torch.float64)
+    bounds = torch.tensor([-first, last], dtype=torch.float64, device=device)
+    busy_per_stage = torch.zeros(num_stages, dtype=torch.float64, device=device)
     if is_representative:
         busy_per_stage[stage] = busy
     if dist.is_initialized() and dist.get_world_size() > 1:

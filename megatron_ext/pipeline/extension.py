@@ -78,7 +78,7 @@ class TimelineExtension(Extension):
 
         change = getattr(trainer, "layout_change", None)
         if change is None or change.generation is not None:
-            self.offset_s = clock_offsets(self.recorder.clock)
+            self.offset_s = clock_offsets(self.recorder.clock, trainer.ctx.device)
 
     def detach(self, trainer: "Trainer") -> None:
         self.teardown(trainer)
@@ -107,7 +107,8 @@ class TimelineExtension(Extension):
         if it % trainer.cfg.logging.log_interval == 0 or it == last:
             c = trainer.ctx.coord
             fractions = stage_bubble_fractions(self.recorder, stage=c.pp, num_stages=trainer.ctx.layout.pp,
-                                               is_representative=(c.tp == 0 and c.dp == 0), offset_s=self.offset_s)
+                                               is_representative=(c.tp == 0 and c.dp == 0), offset_s=self.offset_s,
+                                               device=trainer.ctx.device)
             metrics.extra.update({f"bubble_s{s}": round(f, 4) for s, f in enumerate(fractions)})
         if self.cfg.timeline_out and it in self.export:
             from megatron_ext.pipeline.trace import write_chrome_trace

@@ -198,8 +198,9 @@ class SqueezerExtension(Extension):
 
         from megatron_ext.hydro.squeezer.safety import level_settings
 
+        # on the job's device: the default group's backend (NCCL on a GPU) takes its tensors there
         mine = torch.tensor([float(ACTIONS.index(res.action)), res.slowdown, res.p_value, float(res.off)],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=trainer.ctx.device)
         rows = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -244,7 +245,7 @@ class SqueezerExtension(Extension):
 
         s = self.squeezer.stats()
         v = torch.tensor([s["busy_s"], s["window_s"], s["trial_steps"], s["trials_done"]],
-                         dtype=torch.float64)
+                         dtype=torch.float64, device=trainer.ctx.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(v)
         metrics.extra["squeeze_used"] = round(float(v[0] / v[1]), 3) if v[1] > 0 else 0.0
