@@ -88,10 +88,19 @@ def test_a_failed_distributed_setup_is_each_sections_error_and_the_others_run(mo
     assert json.loads(done[1].split(": ", 2)[2]) == {"error": why}
 
 
+def _with_hydro_stuck(monkeypatch, capsys, hydro, sections: str) -> dict:
+    """The report of ``--cpu-smoke --sections SECTIONS --hard-limit-s 0.5`` with ``hydro`` as the
+    hydro section."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(gpu_check.SECTION_FUNCS, "hydro", hydro)
+    assert gpu_check.main(["--cpu-smoke", "--sections", sections, "--hard-limit-s", "0.5"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
 def test_a_section_past_the_hard_limit_is_interrupted_and_the_report_still_printed(monkeypatch, capsys):
     import time
-
-    import torch
 
     finished = []
 
@@ -100,10 +109,7 @@ def test_a_section_past_the_hard_limit_is_interrupted_and_the_report_still_print
         finished.append(True)  # reached only if nothing interrupted the sleep
         return {"fused_b8_speedup": 1.0}
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setitem(gpu_check.SECTION_FUNCS, "hydro", stuck)
-    assert gpu_check.main(["--cpu-smoke", "--sections", "env,hydro,ft_nccl", "--hard-limit-s", "0.5"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    report = _with_hydro_stuck(monkeypatch, capsys, stuck, "env,hydro,ft_nccl")
     assert not finished
     assert report["hydro"]["error"] == "SectionTimeout: interrupted at --hard-limit-s"
     assert report["hydro"]["fused_b8_speedup"] is None
@@ -270,8 +276,6 @@ def test_a_section_that_catches_exception_itself_is_still_interrupted(monkeypatc
     # A section's own broad handler (a preflight, a retried step) must not swallow the hard limit.
     import time
 
-    import torch
-
     finished = []
 
     def guarded(ctx):
@@ -282,10 +286,7 @@ def test_a_section_that_catches_exception_itself_is_still_interrupted(monkeypatc
         finished.append(True)
         return {"fused_b8_speedup": 1.0}
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setitem(gpu_check.SECTION_FUNCS, "hydro", guarded)
-    assert gpu_check.main(["--cpu-smoke", "--sections", "env,hydro", "--hard-limit-s", "0.5"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    report = _with_hydro_stuck(monkeypatch, capsys, guarded, "env,hydro")
     assert not finished
     assert report["hydro"]["error"] == "SectionTimeout: interrupted at --hard-limit-s"
 
