@@ -686,6 +686,19 @@ def section_helix(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _metric_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a run's ``--metrics-file`` (none when the run never wrote it)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _last_lines(ranks: list[Any]) -> str:
+    """Each rank's last line of output (its error, where it failed), joined."""
+    return " | ".join(r.output.strip().splitlines()[-1][:200] for r in ranks if r.output.strip())
+
+
 def section_deepspeed(ctx: dict[str, Any]) -> dict[str, Any]:
     """The DeepSpeed engine on the GPU path (its own layers, its pipeline engine, the project's
     patches, ``--timeline``'s recorder) against the megatron engine on the same model and data."""
@@ -711,15 +724,13 @@ def section_deepspeed(ctx: dict[str, Any]) -> dict[str, Any]:
             argv = [os.path.join(ROOT, "pretrain_gpt.py"), *backend, *model, "--engine", eng, *extra,
                     "--metrics-file", metrics]
             ranks = launch_ranks(argv, nproc, cwd=ROOT, timeout_s=300)
-            rows = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
-            train = [r for r in rows if r["kind"] == "train"]
+            train = [r for r in _metric_rows(metrics) if r["kind"] == "train"]
             curves[eng] = [r["loss"] for r in train]
             out[f"{eng}_exit_codes"] = [r.returncode for r in ranks]
             out[f"{eng}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in train[1:]) if len(train) > 1 \
                 else None
             if job_exit_code(ranks) != 0 or len(train) != iters:  # the other engine still runs
-                errors[eng] = f"--engine {eng} trained {len(train)} of {iters} iterations: " + " | ".join(
-                    r.output.strip().splitlines()[-1][:200] for r in ranks if r.output.strip())
+                errors[eng] = f"--engine {eng} trained {len(train)} of {iters} iterations: " + _last_lines(ranks)
     out["trained"] = "deepspeed" not in errors
     if errors:
         out["error"] = "; ".join(errors.values())
@@ -749,15 +760,14 @@ def section_ft_nccl(ctx: dict[str, Any]) -> dict[str, Any]:
                 "0.5", "--resihp-heartbeat-timeout-s", "4", "--resihp-continue-timeout-s", "60", "--inject-stop",
                 "1:6", "--metrics-file", metrics]
         ranks = launch_ranks(argv, 2, cwd=ROOT, timeout_s=300)
-        rows = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+        rows = _metric_rows(metrics)
     change = next((r for r in rows if r["kind"] == "layout_change"), None)
     trained = max((r["iteration"] for r in rows if r["kind"] == "train"), default=0)
     out = {"backend": "nccl" if ctx["cuda"] else "gloo", "exit_codes": [r.returncode for r in ranks],
            "job_exit_code": job_exit_code(ranks), "continued": change is not None and trained == 20,
            "pause_s": round(change["pause_s"], 3) if change else None, "to": change["to"] if change else None}
     if not out["continued"]:
-        out["error"] = "the survivor did not train to the end: " + " | ".join(
-            r.output.strip().splitlines()[-1][:200] for r in ranks if r.output.strip())
+        out["error"] = "the survivor did not train to the end: " + _last_lines(ranks)
     return out
 
 
