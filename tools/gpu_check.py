@@ -218,9 +218,11 @@ def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
             importlib.import_module("transformer_engine.pytorch")
         except Exception as exc:  # noqa: BLE001 - any import failure is the figure
             env["transformer_engine_import_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    # megatron's local layer spec (what the runtime builds without TE) runs the masked softmax of
-    # apex's compiled kernels on a GPU, imported unguarded at the first forward: say up front.
-    env["apex_fused_softmax"] = importlib.util.find_spec("scaled_masked_softmax_cuda") is not None
+    # megatron's local layer spec (what the runtime builds without TE) fuses the masked softmax
+    # only where apex's compiled kernels import (compat/kernels.py): say which case this is.
+    from megatron_ext.compat.kernels import apex_fused_softmax_available
+
+    env["apex_fused_softmax"] = apex_fused_softmax_available()
     if cuda:
         env["torch_compile_cuda"] = _compile_preflight()
     return env
@@ -448,6 +450,7 @@ class PackedGPT:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.transformer_config import TransformerConfig
 
+        from megatron_ext.compat.kernels import apex_fused_softmax_available
         from megatron_ext.runtime.model import layer_spec
 
         self.cuda, self.vocab = cuda, vocab
@@ -457,7 +460,7 @@ class PackedGPT:
                                 params_dtype=dtype, bf16=cuda, hidden_dropout=0.0, attention_dropout=0.0,
                                 use_cpu_initialization=not cuda, batch_p2p_sync=cuda,
                                 gradient_accumulation_fusion=False, bias_activation_fusion=cuda,
-                                masked_softmax_fusion=cuda, bias_dropout_fusion=cuda, persist_layer_norm=False,
+                                masked_softmax_fusion=cuda and apex_fused_softmax_available(), bias_dropout_fusion=cuda, persist_layer_norm=False,
                                 apply_rope_fusion=False)
         self.max_len = max(sz.packed_tokens)
         self.model = GPTModel(config=cfg, transformer_layer_spec=layer_spec(cuda), vocab_size=vocab,

@@ -39,7 +39,8 @@ BENCH_FILES: dict[str, list[str]] = {
     # tools/gpu_check.py --record keeps its figures in docs/figures/gpu/
     "gpu_check": ["tools/gpu_check.py", "megatron_ext/runtime", "megatron_ext/models", "megatron_ext/helix",
                   "megatron_ext/hydro", "megatron_ext/ft", "megatron_ext/resihp/flops.py", "megatron_ext/data",
-                  "megatron_ext/bench/harness.py"],
+                  "megatron_ext/compat", "megatron_ext/config", "megatron_ext/pipeline", "deepspeed_patches",
+                  "megatron_ext/engines.py", "pretrain_gpt.py", "megatron_ext/bench/harness.py"],
     "bench_timeline": ["tools/bench_timeline.py", "megatron_ext/pipeline", "megatron_ext/runtime",
                        "deepspeed_patches", "megatron_ext/resihp/injection.py", "megatron_ext/bench/harness.py"],
 }

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron_ext.compat.kernels import apex_fused_softmax_available
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import RunConfig
 from megatron_ext.runtime import families
@@ -113,7 +114,8 @@ def _transformer_config(cfg: RunConfig, *, on_gpu: bool, vpp: int | None) -> Any
         batch_p2p_sync=on_gpu,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        # apex's compiled kernels, imported unguarded by megatron at the first forward (compat/kernels.py).
+        masked_softmax_fusion=on_gpu and apex_fused_softmax_available(),
         persist_layer_norm=False,
         apply_rope_fusion=False,
         bias_dropout_fusion=on_gpu,
