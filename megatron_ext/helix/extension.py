@@ -45,9 +45,13 @@ class HelixExtension(Extension):
         """Compile this layout's model chunks (a re-layout brings new chunks: new graphs)."""
         import torch
 
+        from megatron_ext.helix import rng
         from megatron_ext.helix.adapter import make_traceable, prefill_first_call_state
         from megatron_ext.runtime.model import unwrap
 
+        if trainer.ctx.device.type == "cuda" and rng.apply():  # the CUDA RNG setter's deadlock (helix/rng.py)
+            logger.info("helix: megatron's CUDA RNG-state setter runs outside Dynamo "
+                        "(torch.cuda._lazy_call re-enters its lock)")
         seq_length = getattr(getattr(trainer.cfg, "model", None), "seq_length", None)
         for chunk in trainer.model.chunks:
             model = unwrap(chunk)
@@ -66,12 +70,14 @@ class HelixExtension(Extension):
         self.teardown(trainer)
 
     def teardown(self, trainer: "Trainer") -> None:
+        from megatron_ext.helix import rng
         from megatron_ext.helix.adapter import restore
 
         for model in self.models:
             model.__dict__.pop("forward", None)
             restore(model)
         self.models.clear()
+        rng.remove()
 
 
 @register_extension("helix")
