@@ -56,7 +56,17 @@ _LISTED = re.compile(r"^\s*[-*]\s+`([^`]+)`\s*[:\u2014-]\s*(\S.*)$")
 def figure_provenance(path: str) -> dict | None:
     """The figure's ``bench`` and ``commit`` (with the rest of its JSON line), or None when it has
     none: a binary file, or text with no JSON object carrying both keys (a whole-file JSON document,
-    else the last line that is one)."""
+    else the last line that is one). A table kept beside its JSON line (``tools/gpu_check.py --record``
+    writes ``NAME.txt`` and ``NAME.json``) takes the provenance of its ``.json`` sibling."""
+    own = _provenance_in(path)
+    if own is None and not path.endswith(".json"):
+        sibling = os.path.splitext(path)[0] + ".json"
+        if os.path.isfile(sibling):
+            return _provenance_in(sibling)
+    return own
+
+
+def _provenance_in(path: str) -> dict | None:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()

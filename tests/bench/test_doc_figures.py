@@ -115,6 +115,25 @@ def test_a_figure_without_provenance_must_be_listed_and_the_list_must_be_true(re
         "docs/figures/UNVERSIONED.md lists gone.txt, which does not exist; remove the line"]
 
 
+def test_a_table_kept_beside_its_json_line_takes_its_provenance(repo):
+    # tools/gpu_check.py --record writes NAME.txt (the table) and NAME.json (the line).
+    measured = commit_all(repo, "measured here")
+    figs = repo / "docs" / "figures"
+    (figs / "gpu_run.txt").write_text("section  figure  value\n")
+    (figs / "gpu_run.json").write_text(json.dumps({"bench": "bench_toy", "commit": measured}) + "\n")
+    (figs / "lone.txt").write_text("section  figure  value\n")  # no sibling: still unversioned
+    commit_all(repo, "figures kept")
+    assert check_figures(str(repo), bench_files=FILES) == [
+        'docs/figures/lone.txt: no provenance (no JSON line with "bench" and "commit") and not listed in '
+        'docs/figures/UNVERSIONED.md; record it with a benchmark that uses megatron_ext.bench.harness.Report, '
+        'or list it there with the reason']
+    (repo / "src" / "engine.py").write_text("x = 2\n")
+    newer = commit_all(repo, "engine changed")
+    stale = [p for p in check_figures(str(repo), bench_files=FILES) if "gpu_run" in p]
+    assert [p.split(":")[0] for p in stale] == ["docs/figures/gpu_run.json", "docs/figures/gpu_run.txt"]
+    assert all(f"but commit {newer[:12]} changed its files since" in p for p in stale)
+
+
 def test_an_unknown_bench_or_commit_is_named(repo):
     commit_all(repo, "start")
     (repo / "docs" / "figures" / "a.txt").write_text(json.dumps({"bench": "bench_nope", "commit": "0" * 40}) + "\n")
