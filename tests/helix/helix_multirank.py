@@ -119,7 +119,7 @@ def _gpt(g) -> dict:
     ref_loss, ref_grads = _loss_and_grads(loss_of(model), ids, params)     # megatron's own modules
     ext = HelixExtension(HelixConfig(helix=True, helix_tiles=2, helix_cost_model="analytical",
                                      helix_mode="tiled"))
-    trainer = types.SimpleNamespace(model=types.SimpleNamespace(chunks=[model]), ctx=types.SimpleNamespace(rank=g.rank),
+    trainer = types.SimpleNamespace(model=types.SimpleNamespace(chunks=[model]), ctx=ctx,
                                     cfg=types.SimpleNamespace(training=types.SimpleNamespace(micro_batch_size=b)))
     ext.setup(trainer)
     # The traceable regions run eagerly (the class's forward, not the compiled instance attribute) ...

@@ -6,6 +6,7 @@ import importlib
 import pytest
 import torch
 
+from megatron_ext.compat import megatron_cpu
 from megatron_ext.helix import rng
 
 random = importlib.import_module(rng.RANDOM_MODULE)
@@ -13,12 +14,21 @@ random = importlib.import_module(rng.RANDOM_MODULE)
 
 @pytest.fixture
 def setter_calls(monkeypatch):
-    """megatron's setter hands its closure to ``_lazy_call``; record, for each call, whether Dynamo was
-    tracing it (the closure itself needs CUDA, so it is not run)."""
+    """megatron's own setter (a CPU run earlier in this process may have put the CPU shim's in its
+    place: taken out for the test, put back after). It hands its closure to ``_lazy_call``; record,
+    for each call, whether Dynamo was tracing it (the closure itself needs CUDA, so it is not run)."""
+    shimmed = megatron_cpu.applied()
+    if shimmed:
+        megatron_cpu.remove()
     seen: list[bool] = []
     monkeypatch.setattr(random, "_lazy_call", lambda cb: seen.append(torch.compiler.is_compiling()))
-    yield seen
-    rng.remove()
+    try:
+        yield seen
+    finally:
+        rng.remove()
+        monkeypatch.undo()
+        if shimmed:
+            megatron_cpu.apply()
 
 
 def _compiled_step():
