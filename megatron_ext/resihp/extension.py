@@ -457,10 +457,14 @@ class ResiHPExtension(Extension):
         hold = None
         if throttle is not None:
             hold = lambda nbytes, peer: throttle.hold(nbytes, trainer.ctx.members[peer])  # noqa: E731
-        mine = torch.tensor(ring_probe(1024 * self.cfg.resihp_nic_probe_kb, hold=hold), dtype=torch.float64)
-        every_rank = [torch.zeros(2, dtype=torch.float64) for _ in range(trainer.ctx.world_size)]
+        # The world group's collective device: NCCL sends no CPU tensor, gloo sends no CUDA one.
+        ctx = trainer.ctx
+        device = ctx.device if "nccl" in str(ctx.backend) else torch.device("cpu")
+        mine = torch.tensor(ring_probe(1024 * self.cfg.resihp_nic_probe_kb, hold=hold, device=device),
+                            dtype=torch.float64, device=device)
+        every_rank = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(trainer.ctx.world_size)]
         dist.all_gather(every_rank, mine)
-        return [tuple(float(x) for x in t) for t in every_rank]
+        return [tuple(float(x) for x in t.tolist()) for t in every_rank]
 
     def _detect(self, trainer: "Trainer", metrics: IterationMetrics, record: "IterationRecord",
                 moe: dict[int, dict[str, np.ndarray]] | None = None,

@@ -36,12 +36,17 @@ from megatron_ext.resihp.links import ExcessWatch
 from megatron_ext.resihp.verdicts import Verdict
 
 
-def ring_probe(nbytes: int, *, hold: Callable[[int, int], None] | None = None, group=None) -> tuple[float, float]:
+def ring_probe(nbytes: int, *, hold: Callable[[int, int], None] | None = None, group=None,
+               device=None) -> tuple[float, float]:
     """One probe on this rank (a collective: every rank of ``group`` calls it). Returns the seconds
     from a common start to the arrival of the message from the previous rank, and (a second round)
     from the next one. ``hold(nbytes, peer_rank)`` is called before each send (fault injection: a
     slow NIC). Two rounds of one message each, because a gloo receive says it is complete only once
-    waited on: each round has one receive to wait for, so its wait ends when the message is in."""
+    waited on: each round has one receive to wait for, so its wait ends when the message is in.
+    ``device``: where the messages live (the group's collective device: a CUDA device under NCCL,
+    which sends no CPU tensor; default the CPU). On CUDA a wait only orders the stream, so the
+    host synchronizes the device after the barrier and after the receive: the times are arrivals,
+    not enqueues."""
     import torch
     import torch.distributed as dist
 
@@ -49,17 +54,22 @@ def ring_probe(nbytes: int, *, hold: Callable[[int, int], None] | None = None, g
     if world < 2:
         return (0.0, 0.0)
     n = max(1, nbytes // 4)
-    out, buf = torch.ones(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    out = torch.ones(n, dtype=torch.float32, device=device)
+    buf = torch.empty(n, dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device=None: None)
     arrived = []
     for step in (1, -1):                                  # to the next rank, then to the previous one
         dst, src = (rank + step) % world, (rank - step) % world
         dist.barrier(group=group)
+        sync(device)
         t0 = time.perf_counter()
         recv = dist.irecv(buf, src=_global(src, group), group=group)
         if hold is not None:
             hold(nbytes, dst)
         send = dist.isend(out, dst=_global(dst, group), group=group)
         recv.wait()
+        sync(device)
         arrived.append(time.perf_counter() - t0)
         send.wait()
     return (float(arrived[0]), float(arrived[1]))

@@ -157,3 +157,35 @@ def test_the_gradient_ring_hold_is_the_ranks_ring_share_at_the_nics_bandwidth():
     theirs = config.finalize_model_grads_func = lambda *a, **k: None
     ring.remove()
     assert config.finalize_model_grads_func is theirs
+
+
+def test_the_ring_probe_sends_from_the_device_it_is_given(monkeypatch):
+    # NCCL sends no CPU tensor: the probe's two messages live on the device the caller names (the
+    # extension passes the world group's collective device), the CPU when it names none. A stand-in
+    # for torch.distributed (two ranks, this one rank 0) records what each call was handed.
+    import torch.distributed as dist
+
+    from megatron_ext.resihp import nic
+
+    seen = []
+
+    class Done:
+        def wait(self):
+            return True
+
+    def p2p(kind):
+        def call(tensor, **kwargs):
+            seen.append((kind, tensor.device.type, tensor.numel(), kwargs.get("src", kwargs.get("dst"))))
+            return Done()
+        return call
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(dist, "irecv", p2p("recv"))
+    monkeypatch.setattr(dist, "isend", p2p("send"))
+    for device, expected in (("meta", "meta"), (None, "cpu")):
+        seen.clear()
+        times = nic.ring_probe(4096, device=device)
+        assert len(times) == 2 and all(t >= 0 for t in times)
+        assert seen == [("recv", expected, 1024, 1), ("send", expected, 1024, 1)] * 2, seen
