@@ -29,6 +29,8 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
+from megatron_ext.compat.devices import resolve_device
+
 from .bundle import TrialBundle, TrialSpec
 from .config import HydroTuneConfig, default_hparams, hparams_dict, hparams_from
 from .data import TokenBatches, load_tokens
@@ -125,8 +127,7 @@ class HydroTuner:
         self.study: optuna.Study | None = None
         self.sampler_key: tuple[int, ...] = ()   # a worker's identity, when several share the study
         self._phase = "setup"     # setup, tuning, transfer, done: for status_line()
-        self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                                   else ("cpu" if cfg.device == "auto" else cfg.device))
+        self.device = torch.device(resolve_device(cfg.device))
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _setup_data(self) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_ext.compat import devices
 from megatron_ext.config.run import ParallelConfig
 from megatron_ext.ft import store as store_lib
 from megatron_ext.runtime.layout import Coord, Layout
@@ -78,15 +79,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_device(parallel: ParallelConfig) -> tuple[torch.device, str]:
-    want = parallel.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
+def device_and_backend(parallel: ParallelConfig) -> tuple[torch.device, str]:
+    """This process's device and the process group's backend (``auto`` as ``compat/devices.py``
+    resolves it for every check before launch); on CUDA, the device of ``LOCAL_RANK`` made current."""
+    want = devices.resolve_device(parallel.device)
     if want == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda requested but CUDA is not available")
-    backend = parallel.distributed_backend
-    if backend == "auto":
-        backend = "nccl" if want == "cuda" else "gloo"
+    backend = devices.resolve_backend(parallel.distributed_backend, want)
     if backend == "nccl" and want != "cuda":
         raise RuntimeError("--distributed-backend nccl needs --device cuda")
     if want == "cuda":
@@ -105,7 +104,7 @@ def world_from_env() -> tuple[int, int, int]:
 
 def init_process_group(parallel: ParallelConfig, *, timeout_s: float = 600.0) -> tuple[int, int, int, torch.device, str]:
     rank, world, local_rank = world_from_env()
-    device, backend = resolve_device(parallel)
+    device, backend = device_and_backend(parallel)
     addr = store_lib.address_from_env()
     if world == 1 and "MASTER_ADDR" not in os.environ and addr is None:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -181,7 +180,7 @@ def joining_context(parallel: ParallelConfig, *, timeout_s: float) -> DistContex
     layout change that takes it in forms one, ``ft/core.py``). ``member`` is its launch rank; the
     rest describes no layout until then."""
     rank, _, local_rank = world_from_env()
-    device, backend = resolve_device(parallel)
+    device, backend = device_and_backend(parallel)
     return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, backend=backend,
                        layout=Layout(1, 1, 1), member=rank, members=(rank,), generation=-1,
                        store_addr=store_lib.address_from_env(), timeout_s=timeout_s)
