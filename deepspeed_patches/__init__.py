@@ -11,7 +11,7 @@
 
 ``SYMBOLS`` lists every upstream name the patches replace or rely on, with a source fragment where
 the reliance is on how the name is used; ``missing_symbols()`` checks them and ``apply()`` refuses to
-run when one moved. ``tests/deepspeed/test_patches.py`` has one test per symbol.
+run when one moved. ``tests/deepspeed_patches/test_patches.py`` has one test per symbol.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ TIMELINES = {"pp2dp2_m4": (2, 4, 2), "pp4_m4": (4, 4, 1), "pp4_m8": (4, 8, 1)}  
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
-    run_torchrun("tests/deepspeed/ds_scenarios.py", str(out))
+    run_torchrun("tests/deepspeed_patches/ds_scenarios.py", str(out))
     results = json.loads((out / "results.json").read_text())
     single = out / "single.jsonl"
     # The megatron engine on one rank: the reference curve of tests/runtime.

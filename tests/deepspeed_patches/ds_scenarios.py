@@ -1,4 +1,4 @@
-"""DeepSpeed-engine scenarios for tests/deepspeed, run under ``torchrun --nproc_per_node 4``.
+"""DeepSpeed-engine scenarios for tests/deepspeed_patches, run under ``torchrun --nproc_per_node 4``.
 
 One launch (imports cost 10-20 s per rank on 2 cores) runs, in the same 4 processes:
 timelines (PP2xDP2 m4, PP4 m4, PP4 m8: the joined IterationRecord of the last iteration, pickled),
