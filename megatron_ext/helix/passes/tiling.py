@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
+import functools
 import logging
 import operator
 from typing import Any, Mapping
@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_leaves
 from megatron_ext.helix.ir import op_name, set_tile, value_of
 from megatron_ext.helix.passes import tiling_shape_rules  # noqa: F401  (registers the shape, indexing,
 #                                                                  collective and autograd.Function rules)
-from megatron_ext.helix.passes.tiling_rules import RULES, Plan, Refuse, RuleCtx, _elementwise, find_rule
+from megatron_ext.helix.passes.tiling_inplace import Aliases, Mutation, mutation_of, storage_key
+from megatron_ext.helix.passes.tiling_rules import Plan, Refuse, RuleCtx, _elementwise, find_rule
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class _Untileable(Exception):
 
 
 class _Tiled:
+    """A tensor split into ``tiles`` along ``dim``; ``full`` is its join, made at most once."""
+
     __slots__ = ("dim", "tiles", "full")
 
     def __init__(self, dim: int, tiles: list[fx.Node], full: fx.Node | None = None) -> None:
@@ -75,6 +78,9 @@ class _Tiled:
 
 
 class _TiledTuple:
+    """A tuple result computed per tile (``tiles[k]`` is tile k's tuple); item i is tiled along
+    ``dims[i]``, or the same in every tile when that is None."""
+
     __slots__ = ("dims", "tiles")
 
     def __init__(self, dims: tuple, tiles: list[fx.Node]) -> None:
@@ -95,123 +101,6 @@ def _is_model_state(ph: fx.Node) -> bool:
         if name and not name.startswith("L["):
             return True  # globals and other non-argument tensors are weights, not activations
     return isinstance(value_of(ph), torch.nn.Parameter)
-
-
-# -- in-place updates ------------------------------------------------------------------------------
-
-# operator.iadd(x, y) on tensors updates x; its out-of-place twin.
-_INPLACE_OPERATORS = {
-    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
-    operator.ipow: operator.pow, operator.iand: operator.and_, operator.ior: operator.or_,
-    operator.ixor: operator.xor,
-}
-
-
-def _inplace_flag(node: fx.Node) -> bool:
-    """``F.relu(x, inplace=True)`` and friends (keyword or positional)."""
-    if node.kwargs.get("inplace") is True:
-        return True
-    try:
-        params = list(inspect.signature(node.target).parameters)
-    except (TypeError, ValueError):
-        return False
-    if "inplace" not in params:
-        return False
-    i = params.index("inplace")
-    return len(node.args) > i and node.args[i] is True
-
-
-@dataclasses.dataclass(frozen=True)
-class Mutation:
-    """A call that writes into ``target`` (a node of the graph)."""
-
-    target: fx.Node
-    returns_target: bool        # the call's result is ``target`` itself (``x.add_(y)``; not setitem)
-    twin: tuple[str, Any] | None  # out-of-place (op, target) with the same arguments, if any
-
-
-def mutation_of(node: fx.Node) -> Mutation | None:
-    """What ``node`` updates in place, or None. By name: a tensor method or ``torch`` function whose
-    name ends in one ``_`` (not ``operator.and_``), the in-place operators, ``setitem``,
-    ``inplace=True``, ``out=`` and ATen overloads whose schema writes an argument."""
-    if node.op not in ("call_method", "call_function") or not node.args:
-        return None
-    first = node.args[0]
-    out = node.kwargs.get("out")
-    if isinstance(out, fx.Node):
-        return Mutation(out, True, None)
-    t = node.target
-    if node.op == "call_method":
-        if isinstance(t, str) and t.endswith("_") and not t.startswith("_") and isinstance(first, fx.Node):
-            twin = t[:-1]
-            ok = RULES.get(("method", twin)) is _elementwise
-            return Mutation(first, True, ("call_method", twin) if ok else None)
-        return None
-    if t is operator.setitem and isinstance(first, fx.Node):
-        return Mutation(first, False, None)
-    if t in _INPLACE_OPERATORS and isinstance(first, fx.Node):
-        if not isinstance(value_of(first), torch.Tensor):
-            return None  # Python numbers: a new value, not an update
-        return Mutation(first, True, ("call_function", _INPLACE_OPERATORS[t]))
-    if isinstance(t, torch._ops.OpOverload):
-        for i, a in enumerate(t._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                arg = node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None)
-                if isinstance(arg, fx.Node):
-                    return Mutation(arg, True, None)
-        return None
-    name = getattr(t, "__name__", "")
-    torch_fn = bool(name) and (getattr(torch, name, None) is t or getattr(torch.Tensor, name, None) is t)
-    if torch_fn and isinstance(first, fx.Node) and name.endswith("_") and not name.endswith("__"):
-        twin = getattr(torch, name[:-1], None)
-        ok = twin is not None and RULES.get(twin) is _elementwise
-        return Mutation(first, True, ("call_function", twin) if ok else None)
-    if isinstance(first, fx.Node) and callable(t) and _inplace_flag(node):
-        return Mutation(first, True, None)
-    return None
-
-
-def _storage_key(node: fx.Node) -> Any:
-    v = value_of(node)
-    if not isinstance(v, torch.Tensor):
-        return None
-    try:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        return StorageWeakRef(v.untyped_storage())
-    except Exception:  # noqa: BLE001 -- no storage (exotic subclass): treated as unknown
-        return None
-
-
-class _Aliases:
-    """Storage aliasing and positions in the original graph, to check in-place updates."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        self.pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-        self.last_use = {n: max((self.pos[u] for u in n.users), default=self.pos[n]) for n in gm.graph.nodes}
-        self.by_storage: dict[Any, list[fx.Node]] = collections.defaultdict(list)
-        for n in gm.graph.nodes:
-            key = _storage_key(n)
-            if key is not None:
-                self.by_storage[key].append(n)
-
-    def stale_reader(self, node: fx.Node, target: fx.Node, same: set[fx.Node]) -> tuple[str, fx.Node | None]:
-        """(problem, alias) when the update ``node`` of ``target`` cannot be rewritten per tile:
-        the storage is a graph input, unknown, or one of its other views taken before the update
-        is read after it."""
-        key = _storage_key(target)
-        if key is None:
-            return f"the storage of {target.name} is unknown", None
-        here = self.pos[node]
-        for m in self.by_storage[key]:
-            if m.op in ("placeholder", "get_attr"):
-                return f"updates the graph input {m.name} in place", m
-            if m in same or m is node:
-                continue
-            if self.pos[m] < here < self.last_use[m]:
-                return f"{m.name} views the updated storage and is read afterwards", m
-        return "", None
 
 
 def choose_input_dims(gm: fx.GraphModule, tiles: int, input_dims: Mapping[str, int] | None = None,
@@ -261,108 +150,293 @@ def choose_input_dims(gm: fx.GraphModule, tiles: int, input_dims: Mapping[str, i
 
 def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int] | None = None,
                seq_tiling: bool = False, batch_size: int | None = None) -> tuple[fx.GraphModule, TilingReport]:
-    """Return a tiled copy of ``gm`` (or ``gm`` itself when nothing can be tiled) and a report."""
+    """Return a tiled copy of ``gm`` (or ``gm`` itself when nothing can be tiled) and a report.
+
+    The steps, in order: refuse a graph that cannot be tiled at all (:func:`_refusal`); choose the
+    inputs to split and along which dim (:func:`choose_input_dims`); copy the graph node by node
+    into tile streams (:meth:`_TileStreams.copy`), which leaves the graph untiled when an in-place
+    update cannot be kept (:class:`_Untileable`); and wrap the copy as a module (:func:`_finish`).
+    """
     report = TilingReport(tiles=tiles)
-    if tiles < 2:
-        report.reason = "tiles < 2"
+    report.reason = _refusal(gm, tiles)
+    if report.reason:
         return gm, report
-    for n in gm.graph.nodes:
-        if any(isinstance(v, torch.SymInt) for v in tree_leaves(value_of(n))) or any(
-                isinstance(s, torch.SymInt) for v in tree_leaves(value_of(n)) if isinstance(v, torch.Tensor)
-                for s in v.shape):
-            report.reason = "dynamic shapes (compile with dynamic=False)"
-            return gm, report
     dims, why = choose_input_dims(gm, tiles, input_dims, seq_tiling, batch_size)
     if not dims:
         report.reason = why
         return gm, report
     report.tiled_inputs = dict(dims)
+    streams = _TileStreams(gm, tiles, report)
+    try:
+        for n in gm.graph.nodes:
+            streams.copy(n, dims)
+    except _Untileable as exc:
+        report.reason, report.tiled_calls, report.joins = str(exc), 0, []
+        logger.info("helix tiling: graph left untiled: %s", exc)
+        return gm, report
+    return _finish(gm, streams.graph, report), report
 
-    g = fx.Graph()
-    env: dict[fx.Node, Any] = {}
-    split_cache: dict[tuple[fx.Node, int], list[fx.Node]] = {}
 
-    def tag(node: fx.Node, src: fx.Node | None, k: int | None) -> fx.Node:
-        if src is not None:
-            for key in _COPY_META:
-                if key in src.meta:
-                    node.meta[key] = src.meta[key]
-        set_tile(node, k)
-        return node
+def _refusal(gm: fx.GraphModule, tiles: int) -> str:
+    """Why ``gm`` cannot be tiled whatever its inputs, or "". Symbolic sizes are refused because
+    a tile's size (``size // tiles``) must be a number the narrow calls can carry."""
+    if tiles < 2:
+        return "tiles < 2"
+    for n in gm.graph.nodes:
+        if any(isinstance(v, torch.SymInt) for v in tree_leaves(value_of(n))) or any(
+                isinstance(s, torch.SymInt) for v in tree_leaves(value_of(n)) if isinstance(v, torch.Tensor)
+                for s in v.shape):
+            return "dynamic shapes (compile with dynamic=False)"
+    return ""
 
-    def full(a: fx.Node) -> Any:
-        st = env[a]
+
+def _finish(gm: fx.GraphModule, g: fx.Graph, report: TilingReport) -> fx.GraphModule:
+    """The tiled graph as a module with ``gm``'s attributes and meta (the compiler reads both), and
+    the report's reason when every tiled value was joined before use: tiled in name only."""
+    if not report.applied and report.joins:
+        node, op, why = report.joins[0]
+        report.reason = f"every tiled value was joined before use (first before {node} ({op}): {why})"
+    g.lint()
+    new = fx.GraphModule(gm, g)
+    new.meta.update(getattr(gm, "meta", {}))
+    if report.joins:
+        logger.info("helix tiling: %d calls tiled into %d streams, %d joins", report.tiled_calls, report.tiles,
+                    len(report.joins))
+    return new
+
+
+def _tag(node: fx.Node, src: fx.Node | None, k: int | None) -> fx.Node:
+    """Mark ``node`` as tile ``k``'s (None: no stream) and give it ``src``'s source location, so
+    the streams and the user's lines survive into the AOT graphs."""
+    if src is not None:
+        for key in _COPY_META:
+            if key in src.meta:
+                node.meta[key] = src.meta[key]
+    set_tile(node, k)
+    return node
+
+
+class _TileStreams:
+    """The tiled copy under construction: ``graph``, and in ``env`` what stands there for each
+    node of the original already copied (a node, a :class:`_Tiled` or a :class:`_TiledTuple`).
+
+    Nodes are copied in the original's order, so every step reads only what earlier nodes left in
+    ``env``; joins and per-tile slices of a value are made once and shared by its later readers.
+    """
+
+    def __init__(self, gm: fx.GraphModule, tiles: int, report: TilingReport) -> None:
+        self.gm, self.tiles, self.report = gm, tiles, report
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self.split_cache: dict[tuple[fx.Node, int], list[fx.Node]] = {}
+        self.aliases: Aliases | None = None   # built at the first in-place update: most graphs have none
+        self.same_tensor: dict[fx.Node, set[fx.Node]] = {}  # node -> every node that *is* its tensor (update chains)
+
+    # -- one node ---------------------------------------------------------------------------------
+    def copy(self, n: fx.Node, dims: Mapping[str, int]) -> None:
+        """Copy ``n`` by the first rule that applies: inputs and the output; in-place updates (which
+        must stay visible to later readers); untiled calls as they are; items of tiled tuples per
+        tile; any other call per tile by its tiling rule, or on the joined tiles."""
+        if n.op == "placeholder":
+            self.copy_input(n, dims)
+            return
+        if n.op == "output":
+            self.graph.output(fx.node.map_arg(n.args[0], self.full))
+            return
+        if n.op == "call_function" and n.target is getattr and not n.users:
+            return  # a dead attribute read (Dynamo records ``x._base`` checks): nothing to join for
+        tiled = {a: self.env[a] for a in n.all_input_nodes if not isinstance(self.env[a], fx.Node)}
+        mut = mutation_of(n)
+        if mut is not None:
+            self.copy_update(n, mut, tiled)
+            return
+        if not tiled or n.op == "get_attr":
+            self.env[n] = self.graph.node_copy(n, self.full)
+            return
+        if n.op == "call_function" and n.target is operator.getitem \
+                and isinstance(self.env[n.args[0]], _TiledTuple) and isinstance(n.args[1], int):
+            self.pick_item(n)
+            return
+        plan = self.plan_for(n, tiled)
+        if plan is not None:
+            self.replicate(n, plan)
+
+    def copy_input(self, n: fx.Node, dims: Mapping[str, int]) -> None:
+        """Copy the placeholder ``n``; when ``dims`` names it, narrow it per tile along that dim. The
+        placeholder itself stands for the joined tiles, so joining a tiled input costs no concatenation."""
+        ph = self.graph.node_copy(n)
+        if hasattr(n, "_dynamo_source"):  # aot_autograd reads it to map inputs to their sources
+            ph._dynamo_source = n._dynamo_source
+        self.env[n] = ph
+        if n.name not in dims:
+            return
+        d = dims[n.name]
+        size = value_of(n).shape[d]
+        if size % self.tiles:
+            raise ValueError(f"helix tiling: input {n.name} has size {size} along dim {d}, "
+                             f"not divisible by {self.tiles} tiles")
+        step = size // self.tiles
+        self.env[n] = _Tiled(d, [_tag(self.graph.call_function(torch.narrow, (ph, d, k * step, step)), n, k)
+                                 for k in range(self.tiles)], full=ph)
+
+    def pick_item(self, n: fx.Node) -> None:
+        """``t[i]`` of a tiled tuple (chunk, max, autograd.Function outputs): item ``i`` of each tile;
+        an item that is the same in every tile (its dim None) is taken from tile 0."""
+        st = self.env[n.args[0]]
+        d = st.dims[n.args[1]]
+        items = [_tag(self.graph.call_function(operator.getitem, (t, n.args[1])), n, k) for k, t in enumerate(st.tiles)]
+        self.env[n] = items[0] if d is None else _Tiled(d, items)
+
+    def plan_for(self, n: fx.Node, tiled: Mapping[fx.Node, Any]) -> Plan | None:
+        """How to run ``n`` per tile, from its rule; None after joining the tiles in front of it
+        when it has no rule, takes a whole tiled tuple, or its rule refuses."""
+        fn = find_rule(n)
+        ctx_dims = {a: (st.dim if isinstance(st, _Tiled) else st.dims) for a, st in tiled.items()}
+        try:
+            if fn is None:
+                raise Refuse(f"no tiling rule for {op_name(n)}")
+            if any(isinstance(st, _TiledTuple) for st in tiled.values()):
+                raise Refuse("takes a whole tiled tuple")
+            return fn(RuleCtx(node=n, dims=ctx_dims, tiles=self.tiles))
+        except Refuse as exc:
+            self.join(n, str(exc))
+            return None
+
+    def join(self, n: fx.Node, reason: str) -> None:
+        """Copy ``n`` once on the joined tiles of its inputs, recording and logging ``reason``: the
+        region after it stays untiled unless a later input is tiled."""
+        self.report.joins.append((n.name, op_name(n), reason))
+        logger.info("helix tiling: joining %d tiles before %s (%s): %s", self.tiles, n.name, op_name(n), reason)
+        self.env[n] = self.graph.node_copy(n, self.full)
+
+    def replicate(self, n: fx.Node, plan: Plan) -> None:
+        """Copy ``n`` once per tile as ``plan`` says (once in all, untagged, for a ``single`` plan:
+        a result every tile shares, such as metadata)."""
+        outs = []
+        detached: dict[fx.Node, fx.Node] = {}
+        for k in range(1 if plan.single else self.tiles):
+            arg = functools.partial(self.arg_of_tile, plan=plan, k=k, detached=detached)
+            args, kwargs = fx.node.map_arg(n.args, arg), fx.node.map_arg(n.kwargs, arg)
+            if plan.rewrite is not None:
+                args, kwargs = plan.rewrite(k, tuple(args), dict(kwargs))
+            node = self.graph.create_node(plan.op or n.op, plan.target if plan.target is not None else n.target,
+                                          tuple(args), dict(kwargs))
+            outs.append(_tag(node, n, k))
+        if plan.single:
+            set_tile(outs[0], None)
+            self.env[n] = outs[0]
+            return
+        self.report.tiled_calls += 1
+        self.env[n] = (_TiledTuple(tuple(plan.out_dim), outs) if isinstance(plan.out_dim, tuple)
+                       else _Tiled(plan.out_dim, outs))
+
+    def arg_of_tile(self, a: fx.Node, plan: Plan, k: int, detached: dict[fx.Node, fx.Node]) -> Any:
+        """What tile ``k``'s copy of a call reads for its input ``a``: its own tile, a slice of an
+        untiled input the plan splits, a detached input whose gradient must count once (every tile
+        after the first; ``detached`` shares one detach per call), or the untiled input whole."""
+        st = self.env[a]
+        if isinstance(st, (_Tiled, _TiledTuple)):
+            return st.tiles[k]
+        if a in plan.split:
+            return self.split(a, plan.split[a], k)
+        if a in plan.once and k > 0:
+            if a not in detached:
+                detached[a] = _tag(self.graph.call_method("detach", (st,)), None, None)
+            return detached[a]
+        return st
+
+    # -- joins and slices -------------------------------------------------------------------------
+    def full(self, a: fx.Node) -> Any:
+        """``a`` whole in the new graph: its copy, or its tiles concatenated (once per tiled tensor;
+        a tiled tuple's items are joined each time it is asked for)."""
+        st = self.env[a]
         if isinstance(st, fx.Node):
             return st
         if isinstance(st, _Tiled):
             if st.full is None:
-                st.full = tag(g.call_function(torch.cat, (list(st.tiles), st.dim)), None, None)
+                st.full = _tag(self.graph.call_function(torch.cat, (list(st.tiles), st.dim)), None, None)
             return st.full
         items = []
         for i, d in enumerate(st.dims):
-            parts = [g.call_function(operator.getitem, (t, i)) for t in st.tiles]
-            items.append(parts[0] if d is None else g.call_function(torch.cat, (parts, d)))
+            parts = [self.graph.call_function(operator.getitem, (t, i)) for t in st.tiles]
+            items.append(parts[0] if d is None else self.graph.call_function(torch.cat, (parts, d)))
         return tuple(items)
 
-    def split(a: fx.Node, dim: int, k: int) -> fx.Node:
+    def split(self, a: fx.Node, dim: int, k: int) -> fx.Node:
+        """Tile ``k`` of the untiled ``a`` along ``dim``, narrowed once per (input, dim) and shared
+        by every call that splits it."""
         key = (a, dim)
-        if key not in split_cache:
-            src = full(a)
-            size = int(value_of(a).shape[dim]) // tiles
-            split_cache[key] = [tag(g.call_function(torch.narrow, (src, dim, j * size, size)), None, j)
-                                for j in range(tiles)]
-        return split_cache[key][k]
+        if key not in self.split_cache:
+            src = self.full(a)
+            size = int(value_of(a).shape[dim]) // self.tiles
+            self.split_cache[key] = [_tag(self.graph.call_function(torch.narrow, (src, dim, j * size, size)), None, j)
+                                     for j in range(self.tiles)]
+        return self.split_cache[key][k]
 
-    aliases: _Aliases | None = None
-    same_tensor: dict[fx.Node, set[fx.Node]] = {}  # node -> every node that *is* its tensor (update chains)
-
-    def update(n: fx.Node, mut: Mutation, tiled: dict[fx.Node, Any]) -> None:
+    # -- in-place updates (the module docstring) --------------------------------------------------
+    def copy_update(self, n: fx.Node, mut: Mutation, tiled: Mapping[fx.Node, Any]) -> None:
         """Copy the in-place call ``n`` so that every later reader of the updated tensor reads the
-        update (see the module docstring); raise :class:`_Untileable` when that cannot be kept."""
-        nonlocal aliases
+        update; raise :class:`_Untileable` when that cannot be kept."""
         x = mut.target
-        same = same_tensor.setdefault(x, {x})
-        if mut.returns_target:
-            same.add(n)
-            same_tensor[n] = same
-        if aliases is None:
-            aliases = _Aliases(gm)
-        key = _storage_key(x)
-        tiled_alias = any(not isinstance(env.get(m), fx.Node) for m in aliases.by_storage.get(key, ()) if m in env)
-        st = env[x]
-        if not tiled and not tiled_alias:
-            env[n] = g.node_copy(n, full)
+        same = self.same_tensor_of(n, mut)
+        if self.aliases is None:
+            self.aliases = Aliases(self.gm)
+        st = self.env[x]
+        if not tiled and not self.storage_is_tiled(x):
+            self.env[n] = self.graph.node_copy(n, self.full)
             return
-        problem, _ = aliases.stale_reader(n, x, same)
+        problem, _ = self.aliases.stale_reader(n, x, same)
         if problem:
             raise _Untileable(f"in-place {op_name(n)} at {n.name}: {problem}")
         if isinstance(st, _TiledTuple):
             raise _Untileable(f"in-place {op_name(n)} at {n.name} updates a tiled tuple")
         if not isinstance(st, _Tiled):
-            env[n] = g.node_copy(n, full)  # an untiled tensor updated with joined operands
+            self.env[n] = self.graph.node_copy(n, self.full)  # an untiled tensor updated with joined operands
             return
-        outs = per_tile_twin(n, mut, st) if mut.twin is not None and mut.returns_target else None
-        if outs is not None:
-            report.tiled_calls += 1
-            new: Any = _Tiled(st.dim, outs)
-            env[n] = new
-        else:
-            joined = full(x)  # the tiles joined once; the update writes into the join
-            why = "no out-of-place twin with an elementwise rule" if mut.twin is None else "twin not tileable"
-            report.joins.append((n.name, op_name(n), f"in-place update: {why}"))
-            logger.info("helix tiling: joining %d tiles before %s (%s): in-place update: %s", tiles, n.name,
-                        op_name(n), why)
-            env[n] = g.node_copy(n, full)
-            new = joined
+        new = self.update_tiles(n, mut, st)
         for m in same:
-            if m in env:
-                env[m] = new
+            if m in self.env:
+                self.env[m] = new
 
-    def per_tile_twin(n: fx.Node, mut: Mutation, st: _Tiled) -> list[fx.Node] | None:
+    def same_tensor_of(self, n: fx.Node, mut: Mutation) -> set[fx.Node]:
+        """Every node that is the tensor ``n`` updates (``x``, ``x.add_(1)``, ...), ``n`` joining
+        the set when it returns that tensor: after the update they must all read the result."""
+        x = mut.target
+        same = self.same_tensor.setdefault(x, {x})
+        if mut.returns_target:
+            same.add(n)
+            self.same_tensor[n] = same
+        return same
+
+    def storage_is_tiled(self, x: fx.Node) -> bool:
+        """Whether a node copied so far that shares ``x``'s storage is tiled: an update of an untiled
+        view of it must then be checked and rewritten like an update of the tiled value."""
+        key = storage_key(x)
+        return any(not isinstance(self.env.get(m), fx.Node) for m in self.aliases.by_storage.get(key, ())
+                   if m in self.env)
+
+    def update_tiles(self, n: fx.Node, mut: Mutation, st: _Tiled) -> Any:
+        """The tiled tensor ``st`` after the update ``n``: its twin run per tile when the twin's
+        elementwise rule keeps the tile dim, else the joined tiles with the update written into them."""
+        outs = self.per_tile_twin(n, mut, st) if mut.twin is not None and mut.returns_target else None
+        if outs is not None:
+            self.report.tiled_calls += 1
+            new = _Tiled(st.dim, outs)
+            self.env[n] = new
+            return new
+        joined = self.full(mut.target)  # the tiles joined once; the update writes into the join
+        why = "no out-of-place twin with an elementwise rule" if mut.twin is None else "twin not tileable"
+        self.join(n, f"in-place update: {why}")
+        return joined
+
+    def per_tile_twin(self, n: fx.Node, mut: Mutation, st: _Tiled) -> list[fx.Node] | None:
+        """The out-of-place twin of ``n`` per tile, cast back to the updated tensor's dtype where the
+        twin may promote; None when its elementwise rule refuses, moves the tile dim, or would
+        slice the updated tensor itself."""
         ctx_dims = {a: (v.dim if isinstance(v, _Tiled) else v.dims) for a in n.all_input_nodes
-                    if not isinstance((v := env[a]), fx.Node)}
+                    if not isinstance((v := self.env[a]), fx.Node)}
         try:
-            plan = _elementwise(RuleCtx(node=n, dims=ctx_dims, tiles=tiles))
+            plan = _elementwise(RuleCtx(node=n, dims=ctx_dims, tiles=self.tiles))
         except Refuse:
             return None
         if plan.out_dim != st.dim or mut.target in plan.split:
@@ -371,113 +445,13 @@ def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int]
         cast = dtype == torch.bool or any(
             value_of(a).dtype not in (dtype, torch.bool) for a in n.all_input_nodes
             if a is not mut.target and isinstance(value_of(a), torch.Tensor))
+        op, target = mut.twin
         outs = []
-        for k in range(tiles):
-            def arg_k(a: fx.Node, k: int = k) -> Any:
-                v = env[a]
-                if isinstance(v, _Tiled):
-                    return v.tiles[k]
-                return split(a, plan.split[a], k) if a in plan.split else v
-
-            op, target = mut.twin
-            node = tag(g.create_node(op, target, tuple(fx.node.map_arg(n.args, arg_k)),
-                                     dict(fx.node.map_arg(n.kwargs, arg_k))), n, k)
+        for k in range(self.tiles):
+            arg = functools.partial(self.arg_of_tile, plan=plan, k=k, detached={})
+            node = _tag(self.graph.create_node(op, target, tuple(fx.node.map_arg(n.args, arg)),
+                                               dict(fx.node.map_arg(n.kwargs, arg))), n, k)
             if cast:  # in-place keeps the dtype of the updated tensor; the twin may promote
-                node = tag(g.call_method("to", (node, dtype)), n, k)
+                node = _tag(self.graph.call_method("to", (node, dtype)), n, k)
             outs.append(node)
         return outs
-
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            ph = g.node_copy(n)
-            if hasattr(n, "_dynamo_source"):  # aot_autograd reads it to map inputs to their sources
-                ph._dynamo_source = n._dynamo_source
-            env[n] = ph
-            if n.name in dims:
-                d = dims[n.name]
-                size = value_of(n).shape[d]
-                if size % tiles:
-                    raise ValueError(f"helix tiling: input {n.name} has size {size} along dim {d}, "
-                                     f"not divisible by {tiles} tiles")
-                env[n] = _Tiled(d, [tag(g.call_function(torch.narrow, (ph, d, k * (size // tiles), size // tiles)),
-                                        n, k) for k in range(tiles)], full=ph)
-            continue
-        if n.op == "output":
-            g.output(fx.node.map_arg(n.args[0], full))
-            continue
-        if n.op == "call_function" and n.target is getattr and not n.users:
-            continue  # a dead attribute read (Dynamo records ``x._base`` checks): nothing to join for
-        tiled = {a: env[a] for a in n.all_input_nodes if not isinstance(env[a], fx.Node)}
-        mut = mutation_of(n)
-        if mut is not None:
-            try:
-                update(n, mut, tiled)
-            except _Untileable as exc:
-                report.reason, report.tiled_calls, report.joins = str(exc), 0, []
-                logger.info("helix tiling: graph left untiled: %s", exc)
-                return gm, report
-            continue
-        if not tiled or n.op == "get_attr":
-            env[n] = g.node_copy(n, full)
-            continue
-        # Items of a tiled tuple (chunk, max, autograd.Function outputs) are picked per tile.
-        if n.op == "call_function" and n.target is operator.getitem and isinstance(env[n.args[0]], _TiledTuple) \
-                and isinstance(n.args[1], int):
-            st = env[n.args[0]]
-            d = st.dims[n.args[1]]
-            items = [tag(g.call_function(operator.getitem, (t, n.args[1])), n, k) for k, t in enumerate(st.tiles)]
-            env[n] = items[0] if d is None else _Tiled(d, items)
-            continue
-        plan: Plan | None = None
-        fn = find_rule(n)
-        ctx_dims = {a: (st.dim if isinstance(st, _Tiled) else st.dims) for a, st in tiled.items()}
-        try:
-            if fn is None:
-                raise Refuse(f"no tiling rule for {op_name(n)}")
-            if any(isinstance(st, _TiledTuple) for st in tiled.values()):
-                raise Refuse("takes a whole tiled tuple")
-            plan = fn(RuleCtx(node=n, dims=ctx_dims, tiles=tiles))
-        except Refuse as exc:
-            report.joins.append((n.name, op_name(n), str(exc)))
-            logger.info("helix tiling: joining %d tiles before %s (%s): %s", tiles, n.name, op_name(n), exc)
-            env[n] = g.node_copy(n, full)
-            continue
-        outs = []
-        detached: dict[fx.Node, fx.Node] = {}
-        for k in range(1 if plan.single else tiles):
-            def arg_k(a: fx.Node, k: int = k) -> Any:
-                st = env[a]
-                if isinstance(st, (_Tiled, _TiledTuple)):
-                    return st.tiles[k]
-                if a in plan.split:
-                    return split(a, plan.split[a], k)
-                if a in plan.once and k > 0:
-                    if a not in detached:
-                        detached[a] = tag(g.call_method("detach", (st,)), None, None)
-                    return detached[a]
-                return st
-
-            args = fx.node.map_arg(n.args, arg_k)
-            kwargs = fx.node.map_arg(n.kwargs, arg_k)
-            if plan.rewrite is not None:
-                args, kwargs = plan.rewrite(k, tuple(args), dict(kwargs))
-            node = g.create_node(plan.op or n.op, plan.target if plan.target is not None else n.target,
-                                 tuple(args), dict(kwargs))
-            outs.append(tag(node, n, k))
-        if plan.single:
-            set_tile(outs[0], None)
-            env[n] = outs[0]
-            continue
-        report.tiled_calls += 1
-        env[n] = _TiledTuple(tuple(plan.out_dim), outs) if isinstance(plan.out_dim, tuple) else _Tiled(plan.out_dim, outs)
-
-    if not report.applied and report.joins:
-        node, op, why = report.joins[0]
-        report.reason = f"every tiled value was joined before use (first before {node} ({op}): {why})"
-    g.lint()
-    new = fx.GraphModule(gm, g)
-    new.meta.update(getattr(gm, "meta", {}))
-    if report.joins:
-        logger.info("helix tiling: %d calls tiled into %d streams, %d joins", report.tiled_calls, tiles,
-                    len(report.joins))
-    return new, report
