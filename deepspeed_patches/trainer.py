@@ -283,7 +283,7 @@ class DeepSpeedTrainer(Trainer):
                                       norm_group=grid.get_model_parallel_group() if tp > 1 else
                                       grid.get_pipe_parallel_group(),
                                       sequence_parallel=(sp, grid.get_slice_parallel_group()) if sp else None,
-                                      norm_device=ctx.device, clip_grad=t.clip_grad,
+                                      norm_device=distributed.collective_device(ctx), clip_grad=t.clip_grad,
                                       before_update=self.commit_update, after_update=self.update_applied, lr=t.lr,
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)

@@ -1,6 +1,8 @@
 """The job's own collectives over its NCCL groups hand over tensors on the job's device, since NCCL
 cannot reduce, gather or broadcast a CPU tensor: the DeepSpeed engine's gradient norm, the
-timeline's clock offsets and bubble fractions, the squeezer's verdicts and progress.
+timeline's clock offsets and bubble fractions, the squeezer's verdicts and progress, the loop's
+loss. One rule says where (``runtime/distributed.collective_device``): the job's device under NCCL,
+the CPU where the backend has a gloo side.
 
 The suite runs gloo on CPU only, so each collective is replaced by a spy that records where its
 tensor is and stops the call there, and the job's device is ``meta`` (a device other than the CPU
@@ -95,7 +97,7 @@ def _squeezer(stats=None):
 
 
 def test_the_squeezers_progress_and_verdicts_are_reduced_on_the_jobs_device(seen):
-    trainer = types.SimpleNamespace(ctx=types.SimpleNamespace(device=JOB_DEVICE, rank=0))
+    trainer = types.SimpleNamespace(ctx=types.SimpleNamespace(device=JOB_DEVICE, backend="nccl", rank=0))
     ext = _squeezer({"busy_s": 1.0, "window_s": 2.0, "trial_steps": 3, "trials_done": 1})
     with pytest.raises(AtCollective):
         ext._progress(trainer, types.SimpleNamespace(extra={}))
@@ -103,3 +105,26 @@ def test_the_squeezers_progress_and_verdicts_are_reduced_on_the_jobs_device(seen
     with pytest.raises(AtCollective):
         ext._agree(trainer, res)
     assert seen == [("all_reduce", JOB_DEVICE), ("all_gather", JOB_DEVICE), ("all_gather input", JOB_DEVICE)]
+
+
+def test_the_loops_loss_is_reduced_over_data_parallel_ranks_on_the_jobs_device(seen):
+    from megatron_ext.runtime.loop import Trainer
+
+    trainer = Trainer.__new__(Trainer)    # only what the loss reduction reads
+    trainer.cfg = types.SimpleNamespace(parallel=types.SimpleNamespace(data_parallel_microbatches=None))
+    trainer.ctx = types.SimpleNamespace(is_last_stage=True, layout=types.SimpleNamespace(dp=2),
+                                        pgs=types.SimpleNamespace(dp=None), device=JOB_DEVICE, backend="nccl")
+    with pytest.raises(AtCollective):
+        trainer._reduce_loss([{"lm loss": torch.tensor(2.0)}])
+    assert seen == [("all_reduce", JOB_DEVICE)]
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("nccl", JOB_DEVICE),                     # NCCL cannot reduce a CPU tensor
+    ("gloo", torch.device("cpu")),            # gloo on a CUDA job: the CPU, where gloo reduces everything
+    ("cpu:gloo,cuda:nccl", torch.device("cpu")),
+])
+def test_the_jobs_collective_device_follows_its_backend(backend, expected):
+    from megatron_ext.runtime.distributed import collective_device
+
+    assert collective_device(types.SimpleNamespace(backend=backend, device=JOB_DEVICE)) == expected

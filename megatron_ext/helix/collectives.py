@@ -43,18 +43,6 @@ class GroupRef:
         return cls(name=pg.group_name, rank=dist.get_rank(pg), size=dist.get_world_size(pg))
 
 
-def collective_device(group=None) -> torch.device:
-    """Where a tensor must be for a ``torch.distributed`` collective over ``group`` (default: the
-    world group): a CUDA device where the group has no CPU backend (NCCL, which cannot reduce a CPU
-    tensor), else the CPU (gloo, or a ``cpu:gloo,cuda:nccl`` group's CPU side)."""
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(group))
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 # -- raw collectives (no autograd): one issue node + one wait node each ---------------------------
 
 def all_reduce(x: torch.Tensor, group: GroupRef, op: str = "sum") -> torch.Tensor:

@@ -149,7 +149,7 @@ def agree_max(values: Sequence[float], groups: Sequence[str]) -> list[float]:
         return list(values)
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    from megatron_ext.helix.collectives import collective_device
+    from megatron_ext.runtime.distributed import collective_device
 
     t = torch.tensor(list(values), dtype=torch.float64)
     pgs = [_resolve_process_group(g) for g in sorted(set(groups))]

@@ -68,7 +68,7 @@ def all_ranks_agree(group=None) -> Callable[[bool], bool]:
     """``agree`` for ``step_peak_bytes`` on several ranks: True only where every rank said True."""
     import torch.distributed as dist
 
-    from megatron_ext.helix.collectives import collective_device
+    from megatron_ext.runtime.distributed import collective_device
 
     def agree(ok: bool) -> bool:
         flag = torch.tensor([int(ok)], device=collective_device(group))

@@ -75,10 +75,11 @@ class TimelineExtension(Extension):
         """Collective: the clock offsets, at the start and again over every new world (its hosts
         may differ; a process that joins sets up while the others attach, and both do it here)."""
         from megatron_ext.pipeline.collect import clock_offsets
+        from megatron_ext.runtime.distributed import collective_device
 
         change = getattr(trainer, "layout_change", None)
         if change is None or change.generation is not None:
-            self.offset_s = clock_offsets(self.recorder.clock, trainer.ctx.device)
+            self.offset_s = clock_offsets(self.recorder.clock, collective_device(trainer.ctx))
 
     def detach(self, trainer: "Trainer") -> None:
         self.teardown(trainer)
@@ -101,6 +102,7 @@ class TimelineExtension(Extension):
 
     def after_iteration(self, trainer: "Trainer", metrics: IterationMetrics) -> None:
         from megatron_ext.pipeline.collect import stage_bubble_fractions
+        from megatron_ext.runtime.distributed import collective_device
 
         it = metrics.iteration
         last = trainer.cfg.training.train_iters
@@ -108,7 +110,7 @@ class TimelineExtension(Extension):
             c = trainer.ctx.coord
             fractions = stage_bubble_fractions(self.recorder, stage=c.pp, num_stages=trainer.ctx.layout.pp,
                                                is_representative=(c.tp == 0 and c.dp == 0), offset_s=self.offset_s,
-                                               device=trainer.ctx.device)
+                                               device=collective_device(trainer.ctx))
             metrics.extra.update({f"bubble_s{s}": round(f, 4) for s, f in enumerate(fractions)})
         if self.cfg.timeline_out and it in self.export:
             from megatron_ext.pipeline.trace import write_chrome_trace

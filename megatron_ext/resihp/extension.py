@@ -452,14 +452,14 @@ class ResiHPExtension(Extension):
         import torch.distributed as dist
 
         from megatron_ext.resihp.nic import ring_probe
+        from megatron_ext.runtime.distributed import collective_device
 
         throttle = self.link_throttle
         hold = None
         if throttle is not None:
             hold = lambda nbytes, peer: throttle.hold(nbytes, trainer.ctx.members[peer])  # noqa: E731
         # The world group's collective device: NCCL sends no CPU tensor, gloo sends no CUDA one.
-        ctx = trainer.ctx
-        device = ctx.device if "nccl" in str(ctx.backend) else torch.device("cpu")
+        device = collective_device(trainer.ctx)
         mine = torch.tensor(ring_probe(1024 * self.cfg.resihp_nic_probe_kb, hold=hold, device=device),
                             dtype=torch.float64, device=device)
         every_rank = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(trainer.ctx.world_size)]

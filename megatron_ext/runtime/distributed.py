@@ -6,7 +6,7 @@ import datetime
 import logging
 import os
 import socket
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,30 @@ class DistContext:
         """The rank that prints and writes TensorBoard: last stage (it has the loss), tp 0, dp 0."""
         c = self.coord
         return c.pp == self.layout.pp - 1 and c.tp == 0 and c.dp == 0
+
+
+@runtime_checkable
+class OnBackend(Protocol):
+    """What the job's collectives need of its context (``DistContext``): the world group's backend
+    and this process's device."""
+
+    backend: str
+    device: torch.device
+
+
+def collective_device(of: OnBackend | dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must be for a ``torch.distributed`` collective: the one rule of the job.
+
+    The CPU where the backend has a gloo side (gloo, or a ``cpu:gloo,cuda:nccl`` group, which
+    reduces CPU tensors on its gloo side); else the GPU, since NCCL cannot reduce, gather or send
+    a CPU tensor. ``of``: the job's context (its world group's backend and its device; the job's
+    own groups share that backend), or a process group (default: the world group; its GPU is the
+    current CUDA device, the CPU where there is none)."""
+    if isinstance(of, OnBackend):
+        return torch.device("cpu") if "gloo" in str(of.backend) else of.device
+    if "gloo" in str(dist.get_backend(of)) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def free_port() -> int:

@@ -328,12 +328,12 @@ class Trainer:
         if self.cfg.parallel.data_parallel_microbatches is not None:  # [sum, count] per micro-batch
             sums = torch.stack([d["lm loss"].float().cpu() for d in losses]).sum(0) if losses else torch.zeros(2)
             if self.ctx.layout.dp > 1:
-                sums = sums.to(self.ctx.device)
+                sums = sums.to(distributed.collective_device(self.ctx))
                 dist.all_reduce(sums, group=self.ctx.pgs.dp)
             return float(sums[0] / sums[1].clamp(min=1.0))
         value = torch.stack([d["lm loss"].float().cpu() for d in losses]).mean() if losses else torch.tensor(0.0)
         if self.ctx.layout.dp > 1:
-            value = value.to(self.ctx.device)
+            value = value.to(distributed.collective_device(self.ctx))
             dist.all_reduce(value, group=self.ctx.pgs.dp)
             value = value / self.ctx.layout.dp
         return float(value)

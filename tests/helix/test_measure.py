@@ -64,7 +64,7 @@ def test_rank_agreements_put_their_tensor_where_the_groups_backend_can_reduce_it
                                                                                  expected):
     # agree_max (the ranks' cost figures, Helix's decisions) and all_ranks_agree run on the model's
     # own process groups, which are NCCL on a GPU job.
-    from megatron_ext.helix.collectives import collective_device
+    from megatron_ext.runtime.distributed import collective_device
 
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)

@@ -197,10 +197,11 @@ class SqueezerExtension(Extension):
         import torch.distributed as dist
 
         from megatron_ext.hydro.squeezer.safety import level_settings
+        from megatron_ext.runtime.distributed import collective_device
 
-        # on the job's device: the default group's backend (NCCL on a GPU) takes its tensors there
+        # on the default group's collective device: NCCL on a GPU takes no CPU tensor
         mine = torch.tensor([float(ACTIONS.index(res.action)), res.slowdown, res.p_value, float(res.off)],
-                            dtype=torch.float64, device=trainer.ctx.device)
+                            dtype=torch.float64, device=collective_device(trainer.ctx))
         rows = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -243,9 +244,11 @@ class SqueezerExtension(Extension):
         import torch
         import torch.distributed as dist
 
+        from megatron_ext.runtime.distributed import collective_device
+
         s = self.squeezer.stats()
         v = torch.tensor([s["busy_s"], s["window_s"], s["trial_steps"], s["trials_done"]],
-                         dtype=torch.float64, device=trainer.ctx.device)
+                         dtype=torch.float64, device=collective_device(trainer.ctx))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(v)
         metrics.extra["squeeze_used"] = round(float(v[0] / v[1]), 3) if v[1] > 0 else 0.0
