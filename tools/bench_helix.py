@@ -67,7 +67,6 @@ import copy
 import dataclasses
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
@@ -85,6 +84,7 @@ from megatron_ext.bench.harness import Report, aa_name, ratio_interval, rotated_
 from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
 from megatron_ext.helix.measure import (UnclosedAccounting, all_ranks_agree, step_peak_bytes, timed_step,  # noqa: E402
                                         train_step)
+from megatron_ext.runtime.distributed import free_port  # noqa: E402
 
 LINKS = {"intra": "intra_node", "xnode": "cross_node"}
 VARIANTS = ("baseline", "inductor", "helix")
@@ -344,7 +344,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, cases: li
 def _spawn(world: int, args: argparse.Namespace, cases: list[str]) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = mp.spawn(worker, args=(world, _free_port(), args, cases, queue), nprocs=world, join=False)
+    procs = mp.spawn(worker, args=(world, free_port(), args, cases, queue), nprocs=world, join=False)
     # Read before joining: rank 0 blocks in put() until the pipe is drained, and the results
     # (two blocks, simulated timelines) are larger than its buffer.
     results = None
@@ -358,12 +358,6 @@ def _spawn(world: int, args: argparse.Namespace, cases: list[str]) -> dict:
     while not procs.join():
         pass
     return results
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plot_timeline(tl: dict, path: str) -> None:

@@ -55,7 +55,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,12 +67,6 @@ sys.path.insert(0, ROOT)
 MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
          "--micro-batch-size", "4", "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--eval-iters", "0",
          "--log-interval", "1", "--progress", "false"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def study_for_bench(src: str, out_dir: str) -> str:
@@ -142,6 +135,8 @@ def exclusive_rate(study: str, seconds: float, cpu: int, log_dir: str, timeout_s
 def run_case(engine: str, m: int, study: str | None, work: str, iters: int, timeout_s: float,
              margin_ms: float | None = None) -> dict:
     """One PP2 run, ranks pinned one per core; ``study`` None: the plain run, without --squeeze."""
+    from megatron_ext.runtime.distributed import free_port
+
     os.makedirs(work, exist_ok=True)
     sq_dir = os.path.join(work, "squeeze")
     metrics = os.path.join(work, "metrics.jsonl")
@@ -152,7 +147,7 @@ def run_case(engine: str, m: int, study: str | None, work: str, iters: int, time
         args += ["--squeeze", study, "--squeeze-dir", sq_dir, "--squeeze-control-every", "2",
                  "--squeeze-check-every", "40", "--squeeze-max-slowdown", "0.99", "--squeeze-start-iter", "2"]
         args += [] if margin_ms is None else ["--squeeze-margin-ms", str(margin_ms)]
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",

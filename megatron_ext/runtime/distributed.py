@@ -98,6 +98,8 @@ def collective_device(of: OnBackend | dist.ProcessGroup | None = None) -> torch.
 
 
 def free_port() -> int:
+    """A TCP port on the loopback that nothing holds now (the OS picks it): a fixed MASTER_PORT
+    collides on a shared machine. The one helper of the job, the tests and the benchmarks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -2,28 +2,21 @@
 layers, bucketed graphs, the runtime's megatron-core GPTModel compiled as ``--helix`` does), measured
 vs simulated peak memory, and the emulated interconnect's timing contract. One launch for all
 scenarios."""
-import socket
-
 import pytest
 import torch.multiprocessing as mp
 
+from megatron_ext.runtime.distributed import free_port
 import helix_helpers  # noqa: F401  (makes the worker module importable in the children)
 from helix_multirank import SCENARIOS, worker
 
 pytestmark = pytest.mark.multirank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results():
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(worker, args=(2, _free_port(), list(SCENARIOS), queue), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, free_port(), list(SCENARIOS), queue), nprocs=2, join=True)
     merged = {}
     for _ in range(2):
         part = queue.get()
