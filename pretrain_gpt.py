@@ -8,11 +8,12 @@ Every flag is also a YAML key; flags override YAML. ``--help`` lists them all. B
 reported before any model is built: one line ``pretrain_gpt.py: error: ...``, exit code 2.
 ``--nproc-per-node N`` checks the configuration for N ranks first and then starts them (through
 torch's elastic launcher, as torchrun would), so a bad layout is reported before any rank starts.
-With ``--resihp`` (fail-stop ``abort`` or ``continue``) it starts them itself instead
+Where the fault-tolerance core runs (``--ft``, ``--resihp``, ``--ft-on-stop continue``: ``ft.config.launcher_for``)
+it starts them itself instead
 (``ft/launch.py``): this process hosts the rendezvous store, outlives every rank and reports a
 dead rank's exit into it, and a rank that dies does not stop the others: under ``abort`` the
 survivors end the job with exit 75 and one line naming the lost rank (resume with ``--load``),
-under ``continue`` they go on without it (and with ``--resihp-respawn N`` it starts a lost rank
+under ``continue`` they go on without it (and with ``--ft-respawn N`` it starts a lost rank
 again, which rejoins). What happens when a rank dies: docs/fault_tolerance.md.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 PROG = "pretrain_gpt.py"
 STOP_AFTER_FAILURE_S = 30.0
-"""Under --resihp-on-stop abort, how long the launcher leaves ranks running after one failed (torch's
+"""Under --ft-on-stop abort, how long the launcher leaves ranks running after one failed (torch's
 agent waits as long between its SIGTERM and SIGKILL)."""
 
 
@@ -47,19 +48,6 @@ def _split_launcher_args(argv: list[str]) -> tuple[int | None, list[str]]:
         rest.append(arg)
         i += 1
     return nproc, rest
-
-
-def _continues(cfg) -> bool:
-    resihp = cfg.ext("resihp")
-    return resihp is not None and resihp.resihp_on_stop == "continue"
-
-
-def _own_launcher(cfg) -> bool:
-    """Whether ``--nproc-per-node`` starts the ranks itself (``ft/launch.py``) rather than through
-    torch's agent: wherever the survivors of a lost rank act on it (``abort``: exit 75 with the
-    line that names it; ``continue``), since the agent would stop them first."""
-    resihp = cfg.ext("resihp")
-    return _continues(cfg) or (resihp is not None and resihp.resihp and resihp.resihp_on_stop == "abort")
 
 
 def _check(cfg, world: int, *, launcher: bool = False) -> None:
@@ -114,7 +102,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
 
 
 def _launch_own(nproc: int, argv: list[str], respawn: int = 0, abort: bool = False) -> int:
-    """``--resihp``: start the ranks without torch's agent (which stops every rank when one dies),
+    """The fault-tolerance core's launcher (``ft.config.launcher_for``): start the ranks without torch's agent (which stops every rank when one dies),
     with the store in this process. ``abort``: the survivors of a lost rank end the job themselves
     (exit 75); ranks still running 30 s after one failed (it died before the fault-tolerance core
     watched: the others wait in a collective) are stopped, as torch's agent would."""
@@ -150,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     from megatron_ext.config.run import parse_run_config
     from megatron_ext.errors import UserError, exit_quietly_after_reporter, report
+    from megatron_ext.ft.config import launcher_for
     from megatron_ext.runtime.distributed import world_from_env
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -171,12 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         nproc, argv = _split_launcher_args(argv)
         cfg = parse_run_config(argv)
         if nproc is not None and "LOCAL_RANK" not in os.environ:
-            _check(cfg, nproc, launcher=_own_launcher(cfg))
-            if _own_launcher(cfg):
-                return _launch_own(nproc, argv, respawn=cfg.ext("resihp").resihp_respawn,
-                                   abort=not _continues(cfg))
+            launcher = launcher_for(cfg)
+            _check(cfg, nproc, launcher=launcher.own)
+            if launcher.own:
+                return _launch_own(nproc, argv, respawn=launcher.respawn, abort=launcher.abort)
             return _launch(nproc, argv)
         _check(cfg, world)
+        if rank == 0:
+            for note in cfg.notes:
+                print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
     except UserError as exc:
         return fail(exc)
 
@@ -218,14 +210,13 @@ def _build_trainer(cfg, extensions):
     """The engine's trainer, set up (or, in a process the launcher started again, waiting to join),
     with the fault-tolerance core where the run has one."""
     from megatron_ext.engines import engine
+    from megatron_ext.ft import config as ft_config
     from megatron_ext.ft.core import FaultTolerance, FTConfig
     from megatron_ext.runtime import distributed
 
-    # With continue, nothing may wait for a lost rank longer than the continue timeout.
-    resihp = cfg.ext("resihp")
-    timeout_s = resihp.resihp_continue_timeout_s if _continues(cfg) else 600.0
+    timeout_s = ft_config.process_group_timeout_s(cfg)
     incarnation = int(os.environ.get("MEGATRON_EXT_INCARNATION", "0"))
-    if _continues(cfg):
+    if ft_config.continues(cfg):
         # NCCL: an error in a collective must reach the survivor as an exception it can recover
         # from, not end its process (torch's default tears the process down).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
@@ -235,7 +226,7 @@ def _build_trainer(cfg, extensions):
     ft = None
     store_addr = distributed.rendezvous_address(ctx)
     launch_world = distributed.world_from_env()[1]
-    if resihp is not None and resihp.resihp and launch_world > 1 and store_addr is not None:
+    if ft_config.enabled(cfg) and launch_world > 1 and store_addr is not None:
         ft = FaultTolerance(FTConfig.from_run(cfg), store_addr=store_addr, member=ctx.member, incarnation=incarnation)
         ft.backend = ctx.backend
     trainer = trainer_cls(cfg, ctx, extensions, ft=ft)

@@ -40,6 +40,7 @@ setup(
     # Training-loop extensions: importing the module registers its config section and factory.
     entry_points={"megatron_ext.extensions": [
         "timeline = megatron_ext.pipeline.extension",
+        "ft = megatron_ext.ft.config",
         "resihp = megatron_ext.resihp.extension",
         "helix = megatron_ext.helix.extension",
         "squeeze = megatron_ext.hydro.squeezer.extension",

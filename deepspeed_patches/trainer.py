@@ -124,7 +124,7 @@ class ClippedAdamW(torch.optim.AdamW):
         super().__init__(_param_groups(params), **adamw)
         # (parameters, TP group): gradients of what sees only a sequence shard, summed before the norm
         self.sequence_parallel = sequence_parallel
-        # The trainer's commit vote (--resihp-on-stop continue) sits between the norm and the update.
+        # The trainer's commit vote (--ft-on-stop continue) sits between the norm and the update.
         self.before_update, self.after_update = before_update, after_update
         self.norm_params = norm_params
         self.norm_group = norm_group

@@ -469,7 +469,7 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
         slow = [json.loads(x) for x in open(slow_file)] if os.path.exists(slow_file) else []
         stop_file = os.path.join(tmp, "stop.jsonl")
         launch_ranks(common + ["--train-iters", "200", "--inject-stop", f"3:{stop_at}",
-                               "--resihp-heartbeat-interval-s", "0.5", "--resihp-heartbeat-timeout-s", "3",
+                               "--ft-heartbeat-interval-s", "0.5", "--ft-heartbeat-timeout-s", "3",
                                "--resihp-verdicts-out", stop_file], 4, cwd=root, report_exits=False)
         stop = [json.loads(x) for x in open(stop_file)] if os.path.exists(stop_file) else []
         # A slow pipeline link (links.py): 2 MB/s between ranks 0 and 2 (a 64 KB message: +33 ms).

@@ -17,7 +17,7 @@
     (healthy x the mean of the ranks' measured speeds relative to the fastest rank); the pause; the loss curve against a straight run. ``pp2``: PP2 on
     2 ranks, one core each (layer repartition). ``pp2dp2`` (skipped on fewer than 4 cores: no two ranks of a case share a core): PP2 x DP2 on 4 ranks, one core per
     replica, the slow rank in replica 0 (layers and micro-batches between replicas: DP work
-    migration). ``fail_stop``: ``pretrain_gpt.py --nproc-per-node 4 --resihp-on-stop continue``
+    migration). ``fail_stop``: ``pretrain_gpt.py --nproc-per-node 4 --ft-on-stop continue``
     (PP2 x DP2) with rank 3 SIGKILLed in its optimizer step: whether the survivors trained to the
     end, iterations lost, the pause, the curve against a straight run; ``fail_stop_dp1``: the same
     on PP2 over 2 ranks (no replica: the lost stage comes from the last checkpoint).
@@ -214,14 +214,14 @@ def _max_rel(train: dict[int, dict], straight: dict[int, float]) -> float | None
 
 def _live_fail_stop(root: str, tmp: str, name: str, *, nproc: int, layout: list[str], stop: list[str], iters: int,
                     save_interval: int | None) -> dict:
-    """One ``pretrain_gpt.py --resihp-on-stop continue`` job through the project's launcher with
+    """One ``pretrain_gpt.py --ft-on-stop continue`` job through the project's launcher with
     ranks SIGKILLed, and a straight single-rank run of the same model and data for the curve."""
     from megatron_ext.ft.launch import job_exit_code
 
     d = os.path.join(tmp, name)
     metrics = os.path.join(d, "metrics.jsonl")
     argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, *layout, "--train-iters", str(iters),
-            "--resihp", "--resihp-on-stop", "continue", "--inject-stop", *stop, "--metrics-file", metrics]
+            "--resihp", "--ft-on-stop", "continue", "--inject-stop", *stop, "--metrics-file", metrics]
     if save_interval:
         argv += ["--save", os.path.join(d, "ck"), "--save-interval", str(save_interval)]
     ranks, wall, _ = _launch_watched(argv, nproc, root, metrics)
@@ -258,7 +258,7 @@ def _regrow_round(root: str, d: str, base: list[str], stop_at: int, first: str) 
             _launch_watched([*base, "--metrics-file", metrics], 4, root, metrics)
             out["healthy"] = {r["iteration"]: r for r in _rows(metrics, "train")}
         else:
-            argv = [*base, "--resihp", "--resihp-on-stop", "continue", "--resihp-respawn", "1",
+            argv = [*base, "--resihp", "--ft-on-stop", "continue", "--ft-respawn", "1",
                     "--inject-stop", f"3:{stop_at}:step", "--metrics-file", metrics]
             ranks, wall, _ = _launch_watched(argv, 4, root, metrics, respawn=1)
             out.update(fault={r["iteration"]: r for r in _rows(metrics, "train")}, ranks=ranks, wall_s=wall,
@@ -267,7 +267,7 @@ def _regrow_round(root: str, d: str, base: list[str], stop_at: int, first: str) 
 
 
 def _live_regrow(root: str, tmp: str, *, iters: int = 100, stop_at: int = 10, rounds: int = 2) -> dict:
-    """PP2 x DP2, rank 3 SIGKILLed in its step at ``stop_at`` with ``--resihp-respawn 1``: the
+    """PP2 x DP2, rank 3 SIGKILLed in its step at ``stop_at`` with ``--ft-respawn 1``: the
     survivors shrink, the launcher starts rank 3 again, it rejoins. Beside it, the same job with no
     fault, the two interleaved over ``rounds`` rounds with the order rotated: tokens/s after the
     rejoin (from 5 iterations after it to the end) against the healthy job's over the same
@@ -328,7 +328,7 @@ def _live_error_exit(root: str, tmp: str, name: str, errors: list[str], *, at: i
     d = os.path.join(tmp, name)
     metrics = os.path.join(d, "metrics.jsonl")
     argv = [os.path.join(root, "pretrain_gpt.py"), *LIVE_MODEL, "--pipeline-model-parallel-size", "2",
-            "--train-iters", str(at + 10), "--resihp", "--resihp-on-stop", "continue", "--inject-error", *errors,
+            "--train-iters", str(at + 10), "--resihp", "--ft-on-stop", "continue", "--inject-error", *errors,
             "--metrics-file", metrics]
     ranks, wall, exit_s = _launch_watched(argv, 4, root, metrics, mark_iteration=at - 1)
     lines = [line for r in ranks for line in r.output.splitlines() if line.startswith("pretrain_gpt.py:")]

@@ -20,7 +20,7 @@ Sections (each reports its own error and the others go on):
   deepspeed    ``--engine deepspeed`` (with ``--timeline``) against the runtime's megatron engine:
                the same model, data and seed under the project's launcher, on NCCL (PP2 on two
                GPUs, else one rank); loss curves side by side, tokens/s of each
-  ft_nccl      --resihp-on-stop continue on NCCL: 2 ranks (one GPU each) under the project's
+  ft_nccl      --ft-on-stop continue on NCCL: 2 ranks (one GPU each) under the project's
                launcher, rank 1 SIGKILLed at iteration 6; the survivor is freed by the process
                group's abort and trains to the end alone. Needs at least 2 CUDA devices; skipped
                with the reason otherwise (on --cpu-smoke it runs the same job on gloo)
@@ -752,15 +752,15 @@ def section_ft_nccl(ctx: dict[str, Any]) -> dict[str, Any]:
     gpus = torch.cuda.device_count() if ctx["cuda"] else 0
     if ctx["cuda"] and gpus < 2:
         return {"skipped": f"needs at least 2 CUDA devices (one per NCCL rank), found {gpus}: continue on NCCL stays "
-                           "behind --resihp-continue-experimental-nccl"}
+                           "behind --ft-continue-experimental-nccl"}
     backend = ["--device", "cuda", "--distributed-backend", "nccl"] if ctx["cuda"] else ["--device", "cpu"]
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         argv = [os.path.join(ROOT, "pretrain_gpt.py"), *backend, "--num-layers", "2", "--hidden-size", "64",
                 "--num-attention-heads", "4", "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size",
                 "2", "--train-iters", "20", "--eval-iters", "0", "--log-interval", "5", "--resihp",
-                "--resihp-on-stop", "continue", "--resihp-continue-experimental-nccl", "--resihp-heartbeat-interval-s",
-                "0.5", "--resihp-heartbeat-timeout-s", "4", "--resihp-continue-timeout-s", "60", "--inject-stop",
+                "--ft-on-stop", "continue", "--ft-continue-experimental-nccl", "--ft-heartbeat-interval-s",
+                "0.5", "--ft-heartbeat-timeout-s", "4", "--ft-continue-timeout-s", "60", "--inject-stop",
                 "1:6", "--metrics-file", metrics]
         ranks = launch_ranks(argv, 2, cwd=ROOT, timeout_s=300)
         rows = _metric_rows(metrics)

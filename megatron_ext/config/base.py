@@ -64,15 +64,18 @@ def suggest_flag(message: str, known: Iterable[str]) -> str:
 
 
 def doc(help: str, default: Any = dataclasses.MISSING, *, choices: Iterable[Any] | None = None,
-        default_factory: Any = dataclasses.MISSING, aliases: Iterable[str] = ()) -> Any:
+        default_factory: Any = dataclasses.MISSING, aliases: Iterable[str] = (), renamed_from: str = "") -> Any:
     """A dataclass field with a help text (shown by ``--help`` and in docs/). ``aliases``: other
     spellings of its flag (Megatron-LM's, e.g. ``--override-opt_param-scheduler``); the YAML key
-    is the field's name."""
+    is the field's name. ``renamed_from``: the field's former name, still taken as a flag and a
+    YAML key; a run that uses it is told once which name replaced it (``renamed_keys``)."""
     meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = tuple(choices)
     if aliases:
         meta["aliases"] = tuple(aliases)
+    if renamed_from:
+        meta["renamed_from"] = renamed_from
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -121,16 +124,48 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         names = (flag_name(f.name), *f.metadata.get("aliases", ()))
-        if base is bool:
-            # --flag, --flag true/false, and --no-flag all work.
-            group.add_argument(*names, nargs="?", const=True, type=_parse_bool, **kwargs)
-            group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const",
-                               const=False, default=None, help=argparse.SUPPRESS)
-        elif typing.get_origin(base) in (list, tuple):
-            (elem,) = set(typing.get_args(base)) - {Ellipsis} or {str}
-            group.add_argument(*names, nargs="+", type=elem, **kwargs)
-        else:
-            group.add_argument(*names, type=base if base in (int, float, str) else str, **kwargs)
+        _add_flag(group, names, f.name, base, kwargs)
+        old = f.metadata.get("renamed_from")
+        if old:
+            # The former spelling lands in its own destination, so that the parse can tell which
+            # name the user wrote (``renamed_keys``) and refuse both at once.
+            _add_flag(group, (flag_name(old),), old, base, {**kwargs, "dest": old, "help": argparse.SUPPRESS})
+
+
+def _add_flag(group: Any, names: tuple[str, ...], field: str, base: Any, kwargs: dict[str, Any]) -> None:
+    if base is bool:
+        # --flag, --flag true/false, and --no-flag all work.
+        group.add_argument(*names, nargs="?", const=True, type=_parse_bool, **kwargs)
+        group.add_argument("--no-" + field.replace("_", "-"), dest=kwargs["dest"], action="store_const",
+                           const=False, default=None, help=argparse.SUPPRESS)
+    elif typing.get_origin(base) in (list, tuple):
+        (elem,) = set(typing.get_args(base)) - {Ellipsis} or {str}
+        group.add_argument(*names, nargs="+", type=elem, **kwargs)
+    else:
+        group.add_argument(*names, type=base if base in (int, float, str) else str, **kwargs)
+
+
+def renames(classes: Iterable[type]) -> dict[str, str]:
+    """Former field name -> the field that replaced it, over ``classes``."""
+    return {f.metadata["renamed_from"]: f.name for cls in classes for f, _ in _resolved_fields(cls)
+            if f.metadata.get("renamed_from")}
+
+
+def renamed_keys(values: Mapping[str, Any], renamed: Mapping[str, str], where: str) -> tuple[dict[str, Any], list[str]]:
+    """``values`` with former names written as the new ones, and one note per former name used
+    (``--resihp-on-stop is now --ft-on-stop``). Both names given at once is an error naming both."""
+    out = dict(values)
+    notes = []
+    for old, new in renamed.items():
+        if out.get(old) is None:
+            out.pop(old, None)
+            continue
+        if out.get(new) is not None:
+            raise ConfigError(f"{where}: {flag_name(old)} and {flag_name(new)} are one setting "
+                              f"({flag_name(old)} is its former name): give {flag_name(new)} only")
+        out[new] = out.pop(old)
+        notes.append(f"{flag_name(old)} is now {flag_name(new)} (the former name still works)")
+    return out, notes
 
 
 def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:

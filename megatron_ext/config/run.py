@@ -12,7 +12,7 @@ import os
 from typing import Any, Sequence
 
 from megatron_ext.config.base import (ArgumentParser, ConfigError, add_flags, build, check_unknown, doc,
-                                      field_names, load_yaml)
+                                      field_names, load_yaml, renamed_keys, renames)
 from megatron_ext.engines import engine
 from megatron_ext.models.families import swiglu_ffn_hidden_size
 
@@ -367,9 +367,26 @@ class RunConfig:
     checkpoint: CheckpointConfig
     extensions: dict[str, Any] = dataclasses.field(default_factory=dict)
     source: str = "defaults"
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """Said once at start-up (rank 0): e.g. a former flag name that was used."""
 
     def ext(self, name: str) -> Any:
+        """The section registered as ``name``: read only inside the package that registers it
+        (tests/config/test_sections.py); other packages ask ``capability``."""
         return self.extensions.get(name)
+
+    def capability(self, name: str) -> str | None:
+        """What asks for capability ``name``, or None when no section does. A section declares
+        what the rest of the job must know of it through a ``capabilities()`` method returning
+        ``{capability: why}`` (e.g. Helix: ``"local_layer_spec"``), so the model layer and the
+        fault-tolerance core never read another package's section. The first declaring section
+        (in registration order) is the one named."""
+        for sec in self.extensions.values():
+            declared = getattr(sec, "capabilities", None)
+            why = declared().get(name) if callable(declared) else None
+            if why:
+                return why
+        return None
 
     def flat(self) -> dict[str, Any]:
         """All keys as one flat mapping (what a YAML file holds)."""
@@ -467,23 +484,31 @@ def parse_run_config(argv: Sequence[str] | None = None, *, defaults: dict[str, A
     """Flags over YAML over ``defaults`` over dataclass defaults. Raises ConfigError on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    renamed = renames(sections().values())
     values: dict[str, Any] = dict(defaults or {})
+    notes: list[str] = []
     source = "defaults"
     where = "command line"
     if args.config:
-        yaml_values = load_yaml(args.config)
+        # Each source is renamed on its own: a former key in the YAML and the new flag on the
+        # command line are an override, not a clash.
+        yaml_values, notes = renamed_keys(load_yaml(args.config), renamed, args.config)
         check_unknown(yaml_values, all_keys(), args.config)
         values.update(yaml_values)
         source = args.config
         where = f"{args.config} / command line"
-    cli = {k: v for k, v in vars(args).items() if k not in ("config", "nproc_per_node") and v is not None}
-    values.update(cli)
-    return config_from_values(values, where=where, source=source)
+    cli, cli_notes = renamed_keys({k: v for k, v in vars(args).items() if k not in ("config", "nproc_per_node")},
+                                  renamed, "command line")
+    values.update({k: v for k, v in cli.items() if v is not None})
+    cfg = config_from_values(values, where=where, source=source)
+    cfg.notes[:0] = [n for n in dict.fromkeys(notes + cli_notes) if n not in cfg.notes]
+    return cfg
 
 
 def config_from_values(values: dict[str, Any], *, where: str = "config", source: str = "values") -> RunConfig:
+    values, notes = renamed_keys(values, renames(sections().values()), where)
     check_unknown(values, all_keys(), where)
     secs = sections()
     built = {name: build(cls, values, where) for name, cls in secs.items()}
     core = {name: built.pop(name) for name in _CORE}
-    return RunConfig(**core, extensions=built, source=source)
+    return RunConfig(**core, extensions=built, source=source, notes=notes)

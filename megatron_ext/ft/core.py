@@ -13,10 +13,11 @@ points:
 Planned changes (a fail-slow re-layout, a permutation by hand) come through ``change_layout``.
 Every change -- planned, after a loss, or to take a replacement in -- is one ``LayoutTarget``
 applied by the one transaction (``ft/transaction.py``); which target is not the core's business:
-a ``chooser`` decides (ResiHP's planner, ``resihp/choose.py``). The core reaches the trainer only
+a ``chooser`` decides (ResiHP's planner, ``resihp/choose.py``, where ResiHP runs; else the core's own,
+``ft/choose.py``: the same shape over the survivors). The core reaches the trainer only
 through ``ft/protocol.py``.
 
-**The exception policy** (under ``--resihp-on-stop continue``), decided before anything is torn
+**The exception policy** (under ``--ft-on-stop continue``), decided before anything is torn
 down:
 
 1. An exception of this rank's own (not a failed collective) while no rank is known lost ends this
@@ -39,7 +40,7 @@ survivor, and an exception of a rank's own ends it with exit 1; ``report`` only 
 launcher reports exits (torchrun, srun), a survivor finds a lost peer on its own host at once
 (``membership.ProcessProbe``), also when torchrun's agent stops it (SIGTERM) for that loss; a peer
 on another host is named by the heartbeat. The rank that declares the job's end writes it to
-``--resihp-exit-file`` (torchrun exits 1 whatever its workers' codes).
+``--ft-exit-file`` (torchrun exits 1 whatever its workers' codes).
 
 **Recovery** (``recover``): settle the interrupted iteration through the ledger (committed: keep
 it; else roll it back), take what this rank holds (``HeldState``, every replica), then rounds:
@@ -72,6 +73,7 @@ from megatron_ext.ft.errors import (FAILED_EXIT_CODE, RESTART_EXIT_CODE, JobFail
 from megatron_ext.ft.ledger import CommitLedger
 from megatron_ext.ft.liveness import Heartbeat, Silence
 from megatron_ext.ft.preflight import LAUNCHER_ENV
+from megatron_ext.ft.choose import keep_shape
 from megatron_ext.ft.target import LayoutTarget, check
 from megatron_ext.ft.transaction import Change, HeldState, apply
 from megatron_ext.ft.unblock import is_communication_error, unblock
@@ -112,12 +114,14 @@ class FTConfig:
 
     @classmethod
     def from_run(cls, cfg: Any) -> "FTConfig":
-        r = cfg.ext("resihp")
-        return cls(on_stop=r.resihp_on_stop, heartbeat_interval_s=r.resihp_heartbeat_interval_s,
-                   heartbeat_timeout_s=r.resihp_heartbeat_timeout_s, timeout_s=r.resihp_continue_timeout_s,
-                   keep_newer=r.resihp_keep_newer_stages,
+        from megatron_ext.ft.config import section_of
+
+        s = section_of(cfg)
+        return cls(on_stop=s.ft_on_stop, heartbeat_interval_s=s.ft_heartbeat_interval_s,
+                   heartbeat_timeout_s=s.ft_heartbeat_timeout_s, timeout_s=s.ft_continue_timeout_s,
+                   keep_newer=s.ft_keep_newer_stages,
                    checkpoint=cfg.checkpoint.save or cfg.checkpoint.load or None,
-                   exit_file=r.resihp_exit_file or None)
+                   exit_file=s.ft_exit_file or None)
 
 
 @dataclasses.dataclass
@@ -329,7 +333,7 @@ class FaultTolerance:
         return JobFailed(end["message"], report=False, code=end["code"])
 
     def _abort(self, lost: dict[int, str], *, store: Any) -> None:
-        """``--resihp-on-stop abort``: the job ends on every survivor with exit 75 (restart from the
+        """``--ft-on-stop abort``: the job ends on every survivor with exit 75 (restart from the
         last checkpoint), one line naming the lost rank(s)."""
         with self._lock:
             if self._aborting:  # the monitor thread and the main thread may both get here
@@ -351,7 +355,7 @@ class FaultTolerance:
     def _declare_end(self, store: Any, *, code: int, message: str, by: int | None = None,
                      lost: dict | None = None) -> dict[str, Any]:
         """``membership.declare_end``; the process that declared the end also writes it to
-        ``--resihp-exit-file``, for launchers whose own exit code does not carry it."""
+        ``--ft-exit-file``, for launchers whose own exit code does not carry it."""
         end = ms.declare_end(store, code=code, message=message, by=self.member if by is None else by, lost=lost)
         if end["by"] == self.member and self.cfg.exit_file:
             write_exit_file(self.cfg.exit_file, end)
@@ -634,8 +638,7 @@ class FaultTolerance:
         lost = sorted(set(self.stable) - set(survivors))
         devices = survivors + sorted(spares)
         try:
-            choice = self.chooser(trainer, devices, lost, cause) if self.chooser is not None else \
-                "no layout planner (--resihp) to choose the survivors' layout"
+            choice = (self.chooser or keep_shape)(trainer, devices, lost, cause)
         except Exception as exc:  # the planner failing is a bug, but the survivors must learn it
             logger.exception("the layout planner failed")
             choice = f"the layout planner failed: {one_line(exc)[:200]}"

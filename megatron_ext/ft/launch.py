@@ -9,7 +9,7 @@ rank's exit code is its own, and the moment one ends without finishing, its exit
 the store (``membership.report_exit``), so the survivors know at once instead of after the
 heartbeat timeout.
 
-With ``respawn`` (``--resihp-respawn N``) a rank that was lost is started again, up to N times per
+With ``respawn`` (``--ft-respawn N``) a rank that was lost is started again, up to N times per
 rank, as a new incarnation (``MEGATRON_EXT_INCARNATION=k``): the new process waits as a spare until
 the survivors take it in at an iteration boundary (``ft/core.py``, "grow"). Nothing is started
 again once the job has ended (``job/end``) or finished training (``job/done``).

@@ -19,7 +19,7 @@ rank that was lost, replaced and lost again is reported twice, each report about
   every rank and spare that reads it ends the same way. ``mark_done``: training finished.
 * **Spares** (``register_spare``, ``waiting_spares``, ``invite``, ``wait_for_invite``): a process
   with no place in the current layout -- left out by a shrink, or started again by the launcher
-  (``--resihp-respawn``) -- waits to be invited into a round.
+  (``--ft-respawn``) -- waits to be invited into a round.
 * **Rounds** (``join``, ``publish``, ``wait_decision``, ``barrier``): for round ``r`` the ranks
   write ``gen<r>/join/<member>``, wait until every expected member joined or is known lost, and
   the lowest joined member (the leader) publishes the decision every one of them follows.

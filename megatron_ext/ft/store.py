@@ -1,7 +1,7 @@
 """The job's rendezvous store, hosted where no rank can take it down.
 
 torchrun's and ``init_process_group``'s default store lives in rank 0, so when rank 0 dies the
-survivors lose the one channel they could agree on a new world through. For ``--resihp-on-stop
+survivors lose the one channel they could agree on a new world through. For ``--ft-on-stop
 continue`` the launcher process hosts a ``TCPStore`` (``host``), every rank connects to it as a
 client (``connect``), and each layout generation keeps its keys under its own prefix
 (``generation``): a new default process group after a fail-stop rendezvouses on fresh keys, as

@@ -15,7 +15,7 @@ on all of them.
   ends their pending kernels and communicators). ``torch.distributed.shrink_group(...,
   SHRINK_ABORT)`` would keep the surviving communicators instead of forming new ones; the core
   forms a new default group per generation on both backends, which needs only the abort. This path
-  has not run on a machine with two GPUs yet (``--resihp-continue-experimental-nccl``).
+  has not run on a machine with two GPUs yet (``--ft-continue-experimental-nccl``).
 """
 from __future__ import annotations
 

@@ -59,6 +59,16 @@ class HelixConfig:
             raise ConfigError(f"--helix-cost-model must be one of {', '.join(COST_MODELS)}, "
                               f"got {self.helix_cost_model!r}")
 
+    def capabilities(self) -> dict[str, str]:
+        """What the model layer must know of Helix (``RunConfig.capability``): its backend traces
+        megatron's local layer spec (not Transformer Engine's), and its traceable MoE dispatch has
+        no shared experts."""
+        if not self.helix:
+            return {}
+        return {"local_layer_spec": "--helix",
+                "no_shared_experts": "--helix: Helix's traceable MoE dispatch (helix/adapter_moe.py) does not "
+                                     "implement shared experts"}
+
     @property
     def memory_budget_bytes(self) -> int | None:
         if self.helix_memory_budget_gb is None:

@@ -141,10 +141,9 @@ def validate(cfg: Any, world_size: int) -> None:
     if shared is not None and shared % tp:
         raise ConfigError(f"--moe-shared-expert-intermediate-size ({shared}) is not divisible by "
                           f"--tensor-model-parallel-size ({tp})")
-    helix = cfg.ext("helix")
-    if shared is not None and helix is not None and helix.helix:
-        raise ConfigError("--moe-shared-expert-intermediate-size with --helix: Helix's traceable MoE dispatch "
-                          "(helix/adapter_moe.py) does not implement shared experts; drop one of them")
+    refused_by = cfg.capability("no_shared_experts")
+    if shared is not None and refused_by:
+        raise ConfigError(f"--moe-shared-expert-intermediate-size with {refused_by}; drop one of them")
     if tp > 1 and not p.sequence_parallel:
         # megatron-core's MoELayer refuses to train this: with TP, the router and experts take the
         # sequence-parallel shard of the tokens (otherwise every TP rank routes every token).
@@ -164,9 +163,8 @@ def validate(cfg: Any, world_size: int) -> None:
                               "(Transformer Engine); this run is on CPU: leave it off")
         import importlib.util
 
-        helix = cfg.ext("helix")
-        local = [f for f, on in (("--helix", bool(helix is not None and helix.helix)),
-                                 ("--doc-length-dist", bool(cfg.data.doc_length_dist))) if on]
+        local = [f for f in (cfg.capability("local_layer_spec"),
+                             "--doc-length-dist" if cfg.data.doc_length_dist else None) if f]
         if local or importlib.util.find_spec("transformer_engine") is None:
             why = (f"{' and '.join(local)} build{'s' if len(local) == 1 else ''} on megatron's local layer spec"
                    if local else "transformer_engine is not installed")

@@ -9,7 +9,7 @@ stage the planner chose) and, with ``--resihp-act-reshape``, other TP x PP x DP 
 ranks, as far as the engine's ``relayout_knobs`` go. Fewer ranks are not asked of the planner
 under ``relayout`` (every rank keeps a place); under ``plan`` every knob is searched and the plan
 only logged. A plan becomes a target by the one rule (``choose.target_from_plan``) and is checked by the core's
-one set of rules (``ft.target.check``). After a fail-stop (``--resihp-on-stop continue``) the
+one set of rules (``ft.target.check``). After a fail-stop (``--ft-on-stop continue``) the
 survivors regroup anyway, and ``choose.choose_layout`` uses every knob.
 
 Devices are named by their launch rank (``DistContext.members``), which stays with the process

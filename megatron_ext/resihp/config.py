@@ -1,4 +1,8 @@
-"""ResiHP detector configuration: flags ``--resihp*`` and the YAML keys of the same names."""
+"""ResiHP detector configuration: flags ``--resihp*`` and the YAML keys of the same names.
+
+What a lost rank leads to (heartbeats, on-stop action, respawn, exit file) is the fault-tolerance
+core's: ``--ft-*`` (``ft/config.py``).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -49,33 +53,9 @@ class ResiHPConfig:
                                          "ring neighbours (nic.py) and name a device whose sends are slow (slow_nic); "
                                          "0: off. A collective of all ranks per probe.", 0)
     resihp_nic_probe_kb: int = doc("Size of each ring-probe message, in KiB.", 64)
-    resihp_heartbeat_interval_s: float = doc("How often each rank publishes a heartbeat.", 1.0)
-    resihp_heartbeat_timeout_s: float = doc("Fail-stop when a rank's heartbeat is older than this.", 10.0)
     resihp_trace_out: str = doc("Write the detector's input, one JSON record per iteration, to this "
                                 "file (trace format v1, docs/resihp_trace_format.md).", "")
     resihp_verdicts_out: str = doc("Append verdicts as JSON lines to this file.", "")
-    resihp_on_stop: str = doc("On a lost rank: 'abort' the job at once (exit 75, naming the rank; the last "
-                              "checkpoint stays), only 'report' it, or 'continue' on the survivors without a "
-                              "restart (needs the project's launcher, pretrain_gpt.py --nproc-per-node N, or a "
-                              "store from python -m megatron_ext.ft.store).", "abort",
-                              choices=("abort", "report", "continue"))
-    resihp_exit_file: str = doc("When a lost rank or an error ends the job, the rank that ends it writes "
-                                "{\"code\": 75|1|2, \"message\": ..., \"lost\": [...]} here (75: resume with "
-                                "--load). For launchers whose own exit code does not carry it: torchrun exits 1 "
-                                "whatever its workers' codes. Remove it before each launch.", "")
-    resihp_respawn: int = doc("With --resihp-on-stop continue under the project's launcher: start a lost rank's "
-                              "process again, up to N times per rank; the new process joins at the next iteration "
-                              "boundary and the planner re-expands the layout to use it.", 0)
-    resihp_keep_newer_stages: bool = doc("With --resihp-on-stop continue, when a lost rank's state has no copy "
-                                         "in memory: take only its shards from the last checkpoint and keep the "
-                                         "other stages' newer state (stages from different iterations), instead "
-                                         "of rolling every stage back to the checkpoint (the default).", False)
-    resihp_continue_experimental_nccl: bool = doc("Allow --resihp-on-stop continue on NCCL, whose abort path has "
-                                                  "not run on a machine with two GPUs yet.", False)
-    resihp_continue_timeout_s: float = doc("With --resihp-on-stop continue: the timeout of every collective and "
-                                           "of each step of a regroup, so that nothing waits for a lost rank "
-                                           "longer (it must exceed the longest wait of a healthy run, e.g. a "
-                                           "checkpoint save).", 120.0)
     resihp_act: str = doc("What a verdict leads to: 'off' (nothing), 'plan' (the re-layout planner's plan is "
                           "logged only), 'relayout' (the plan is applied live, as far as the engine's "
                           "re-layout knobs go: layers per stage, micro-batches per replica, a rank "
@@ -131,20 +111,15 @@ class ResiHPConfig:
         if self.resihp_links and self.resihp_window < 2:
             raise ConfigError("--resihp-window must be >= 2 while --resihp-links is on (a link's verdict needs "
                               f"all but one of its last N iterations flagged), got {self.resihp_window}")
-        if self.resihp_heartbeat_interval_s <= 0:
-            raise ConfigError(f"--resihp-heartbeat-interval-s must be > 0, got {self.resihp_heartbeat_interval_s}")
         if not 0 <= self.resihp_act_min_gain < 1:
             raise ConfigError(f"--resihp-act-min-gain must be in [0, 1), got {self.resihp_act_min_gain}")
-        if self.resihp_respawn < 0:
-            raise ConfigError(f"--resihp-respawn must be >= 0, got {self.resihp_respawn}")
         if self.resihp_act_horizon < 1:
             raise ConfigError(f"--resihp-act-horizon must be >= 1, got {self.resihp_act_horizon}")
-        if self.resihp_continue_timeout_s <= self.resihp_heartbeat_timeout_s:
-            raise ConfigError(f"--resihp-continue-timeout-s ({self.resihp_continue_timeout_s}) must exceed "
-                              f"--resihp-heartbeat-timeout-s ({self.resihp_heartbeat_timeout_s})")
-        if self.resihp_heartbeat_timeout_s <= self.resihp_heartbeat_interval_s:
-            raise ConfigError(f"--resihp-heartbeat-timeout-s ({self.resihp_heartbeat_timeout_s}) must exceed "
-                              f"--resihp-heartbeat-interval-s ({self.resihp_heartbeat_interval_s})")
+
+    def capabilities(self) -> dict[str, str]:
+        """What the rest of the job must know of this section (``RunConfig.capability``): the
+        detector's fail-stop verdicts come from the fault-tolerance core, so ``--resihp`` runs it."""
+        return {"fault_tolerance": "--resihp"} if self.resihp else {}
 
     @property
     def nic_probe_warmup(self) -> int:

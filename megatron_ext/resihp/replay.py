@@ -6,7 +6,7 @@ trace carries fault labels, precision / recall / F1 / detection delay / false al
 
 Detector settings are the training flags (``--resihp-*``). Fail-stop is replayed from the
 records' ``time_s``: a rank beats whenever it reports durations, and a rank silent for
-``--resihp-heartbeat-timeout-s`` of trace time is declared stopped.
+``--ft-heartbeat-timeout-s`` of trace time is declared stopped.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 
 from megatron_ext.config.base import ArgumentParser, add_flags, build
 from megatron_ext.errors import UserError, report
+from megatron_ext.ft.config import FaultToleranceConfig
 from megatron_ext.ft.liveness import HeartbeatTracker
 from megatron_ext.resihp.config import ResiHPConfig
 from megatron_ext.resihp.detector import IterationReport, make_detector
@@ -29,6 +30,7 @@ from megatron_ext.resihp.trace import TraceRecord, read_trace
 from megatron_ext.resihp.verdicts import Verdict, VerdictLog
 
 PROG = "python -m megatron_ext.resihp.replay"
+HEARTBEAT_TIMEOUT_S = FaultToleranceConfig().ft_heartbeat_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +44,8 @@ class ReplayResult:
 
 
 def replay(records: Sequence[TraceRecord], config: ResiHPConfig, detector: str,
-           keep_reports: bool = False) -> ReplayResult:
-    """Run one detector (and the heartbeat tracker) over records."""
+           keep_reports: bool = False, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> ReplayResult:
+    """Run one detector (and the heartbeat tracker, ``--ft-heartbeat-timeout-s``) over records."""
     det = make_detector(config, detector)
     verdicts: list[Verdict] = []
     reports: list[IterationReport] = []
@@ -58,7 +60,7 @@ def replay(records: Sequence[TraceRecord], config: ResiHPConfig, detector: str,
             continue
         if tracker is None or set(tracker.last_seen) != set(range(rec.layout.world_size)):
             stage_of = {r: rec.layout.coords(r)[0] for r in range(rec.layout.world_size)}
-            tracker = HeartbeatTracker(range(rec.layout.world_size), config.resihp_heartbeat_timeout_s,
+            tracker = HeartbeatTracker(range(rec.layout.world_size), heartbeat_timeout_s,
                                        start_s=rec.time_s - rec.iteration_s)
         tracker.set_iteration(rec.iteration)
         for r in [int(x) for x in rec.present.nonzero()[0]]:
@@ -133,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", default="", help="write observed vs expected iteration time to this PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON line of the results last")
     add_flags(parser, ResiHPConfig)
+    parser.add_argument("--ft-heartbeat-timeout-s", "--resihp-heartbeat-timeout-s", type=float,
+                        default=HEARTBEAT_TIMEOUT_S, help="A rank whose beats stop for this long (trace time) is "
+                        f"declared stopped, as the job's fault-tolerance core would (default: {HEARTBEAT_TIMEOUT_S})")
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: warning: %(message)s")
     try:
         args = parser.parse_args(argv)
@@ -143,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not records:
         return report(PROG, f"{args.trace}: no records")
     names = ["resihp", "raw"] if args.detector == "both" else [args.detector]
-    results = [replay(records, config, n, keep_reports=bool(args.plot) and n == "resihp") for n in names]
+    results = [replay(records, config, n, keep_reports=bool(args.plot) and n == "resihp",
+                      heartbeat_timeout_s=args.ft_heartbeat_timeout_s) for n in names]
     print(f"{args.trace}: {len(records)} iterations ({records[0].iteration}..{records[-1].iteration})")
     log = VerdictLog(config.resihp_verdicts_out) if config.resihp_verdicts_out else None
     for res in results:

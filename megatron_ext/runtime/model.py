@@ -218,10 +218,9 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
     from megatron.core.models.gpt import GPTModel
 
     tconfig = transformer_config(cfg, ctx)
-    helix = cfg.ext("helix")
     spec = families.layer_spec(cfg.model, ctx.device.type == "cuda",
                                per_document_attention=bool(cfg.data.doc_length_dist),
-                               local=bool(helix is not None and helix.helix))
+                               local=cfg.capability("local_layer_spec") is not None)
     vocab = padded_vocab_size(vocab_size, ctx.layout.tp)
     chunks = []
     n_chunks = ctx.vpp or 1

@@ -1,7 +1,7 @@
-"""The default fail-stop action, ``--resihp-on-stop abort``: a lost rank ends the job with exit 75
+"""The default fail-stop action, ``--ft-on-stop abort``: a lost rank ends the job with exit 75
 (resume with ``--load``) and one ResiHP line naming it, under each launcher a user has here -- the
 project's own (``pretrain_gpt.py --nproc-per-node``) and torchrun (whose own exit code is 1 whatever
-its workers' codes: the survivors exit 75, and ``--resihp-exit-file`` carries the job's end). The
+its workers' codes: the survivors exit 75, and ``--ft-exit-file`` carries the job's end). The
 Slurm case is tests/slurm/test_sbatch.py. Then the pieces that make it so, without a launch: the
 probe for a lost peer on the same host, a stopped (not lost) peer, the launcher stopping ranks left
 waiting after a failure, a user error ending the job with 2."""
@@ -46,7 +46,7 @@ def test_abort_under_torchrun_survivors_exit_75_and_the_exit_file_says_so(tmp_pa
     # survivor still finds rank 1 gone on its host, says so once and exits 75.
     ck, end_file = tmp_path / "ck", tmp_path / "job_end.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "pretrain_gpt.py", *TINY, "--save", str(ck), "--resihp-exit-file", str(end_file)],
+                           "pretrain_gpt.py", *TINY, "--save", str(ck), "--ft-exit-file", str(end_file)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     out = proc.stdout + proc.stderr

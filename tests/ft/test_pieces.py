@@ -212,15 +212,14 @@ from megatron_ext.ft.preflight import NCCL_UNTRIED  # noqa: E402
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"resihp_on_stop": "continue"}, "--resihp-on-stop continue needs --resihp (its heartbeat names the lost rank)"),
-    ({"resihp": True, "resihp_on_stop": "continue", "use_distributed_optimizer": True},
-     "--resihp-on-stop continue cannot be used with --use-distributed-optimizer: its optimizer state is sharded "
+    ({"ft_on_stop": "continue", "use_distributed_optimizer": True},
+     "--ft-on-stop continue cannot be used with --use-distributed-optimizer: its optimizer state is sharded "
      "over the data-parallel ranks, so a lost rank's part has no copy in memory; drop the flag, or use "
-     "--resihp-on-stop abort and resume with --load"),
-    ({"resihp": True, "resihp_on_stop": "continue", "device": "cuda"},
+     "--ft-on-stop abort and resume with --load"),
+    ({"resihp": True, "ft_on_stop": "continue", "device": "cuda"},
      NCCL_UNTRIED),
-    ({"resihp": True, "resihp_respawn": 1}, "--resihp-respawn needs --resihp-on-stop continue (a replacement joins a "
-                                            "job that went on without the lost rank)"),
+    ({"resihp": True, "ft_respawn": 1}, "--ft-respawn needs --ft-on-stop continue (a replacement joins a "
+                                        "job that went on without the lost rank)"),
 ])
 def test_continue_is_refused_where_it_cannot_work(values, message):
     from megatron_ext.config.base import ConfigError
@@ -232,7 +231,7 @@ def test_continue_is_refused_where_it_cannot_work(values, message):
     assert str(err.value) == message
     # The NCCL path is there behind an explicit flag until it has run on two GPUs.
     if values.get("device") == "cuda":
-        check(config_from_values({**values, "resihp_continue_experimental_nccl": True}), 4, launcher=True)
+        check(config_from_values({**values, "ft_continue_experimental_nccl": True}), 4, launcher=True)
 
 
 def test_continue_under_a_launcher_without_an_outside_store_is_one_line(monkeypatch):
@@ -242,7 +241,7 @@ def test_continue_under_a_launcher_without_an_outside_store_is_one_line(monkeypa
     from megatron_ext.ft.preflight import STORE_NEEDED, check
 
     monkeypatch.delenv("MEGATRON_EXT_STORE", raising=False)
-    cfg = config_from_values({"resihp": True, "resihp_on_stop": "continue"})
+    cfg = config_from_values({"ft_on_stop": "continue"})
     with pytest.raises(ConfigError) as err:
         check(cfg, 4, launcher=False)
     assert str(err.value) == STORE_NEEDED
@@ -250,7 +249,7 @@ def test_continue_under_a_launcher_without_an_outside_store_is_one_line(monkeypa
     check(cfg, 1, launcher=False)  # a lone process has nobody to lose
     monkeypatch.setenv("MEGATRON_EXT_STORE", "127.0.0.1:1")
     check(cfg, 4, launcher=False)
-    respawn = config_from_values({"resihp": True, "resihp_on_stop": "continue", "resihp_respawn": 2})
-    with pytest.raises(ConfigError, match="--resihp-respawn needs the project's launcher"):
+    respawn = config_from_values({"ft_on_stop": "continue", "ft_respawn": 2})
+    with pytest.raises(ConfigError, match="--ft-respawn needs the project's launcher"):
         check(respawn, 4, launcher=False)  # under srun nothing starts a process again
     check(respawn, 4, launcher=True)

@@ -1,5 +1,5 @@
 """What happens when a rank dies, errs or comes back, live: jobs launched through the project's
-launcher (the store in the launcher, no torchrun agent) under ``--resihp-on-stop continue``, with
+launcher (the store in the launcher, no torchrun agent) under ``--ft-on-stop continue``, with
 injected faults, and single-rank straight runs as the reference curves.
 
 * "dp" (PP2 x DP2): rank 3 is SIGKILLed in its optimizer step of iteration 3 -- the survivors roll
@@ -11,6 +11,9 @@ injected faults, and single-rank straight runs as the reference curves.
   model stays one iteration's model). Then rank 3 dies at the start of iteration 7, and rank 1
   while the survivors change their layout for that: a second fault during a regroup, absorbed by the
   next round; rank 0 trains alone to the end.
+* "plain" (PP2 x DP2, no ``--resihp``): the core alone -- rank 3 dies in its optimizer step, and
+  the core's own chooser keeps the shape: one replica over two survivors, the third a spare; the
+  curve stays the straight run's.
 * "ds" (``--engine deepspeed`` PP2 x DP2): rank 3 dies in its optimizer step: DP shrink on
   DeepSpeed's engine, the curve within 1e-5.
 * "ds_tp" (``--engine deepspeed`` TP2 x DP2): rank 3 dies in its optimizer step: its replica has lost
@@ -23,12 +26,12 @@ injected faults, and single-rank straight runs as the reference curves.
   lost device -- the job ends on every rank with that one line and exit 1.
 * "collective" (DP2 on 2 ranks): a collective fails on rank 1 while no rank is lost: re-raised as
   itself, every rank exits 1 within seconds.
-* "regrow" (PP2 x DP2, ``--resihp-respawn 1``): rank 3 dies, the survivors shrink, the launcher
+* "regrow" (PP2 x DP2, ``--ft-respawn 1``): rank 3 dies, the survivors shrink, the launcher
   starts rank 3 again, it rejoins at an iteration boundary with its state from its holders, and the
   planner re-expands the layout to use it; the curve through shrink and regrow is the straight run's.
 * "no_copy" (PP2 on 2 ranks, no checkpoint): the lost stage has no copy anywhere: exit 75 with one
   line, the only case a restart remains for.
-* "keep_newer" (PP2 on 2 ranks, ``--resihp-keep-newer-stages``): the lost stage alone comes from
+* "keep_newer" (PP2 on 2 ranks, ``--ft-keep-newer-stages``): the lost stage alone comes from
   the checkpoint and the other keeps its newer state, as that option promises.
 """
 from __future__ import annotations
@@ -44,11 +47,14 @@ from tests.conftest import ROOT, run_python
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
          "--global-batch-size", "8", "--micro-batch-size", "1", "--eval-iters", "0", "--log-interval", "1"]
-CONTINUE = ["--resihp", "--resihp-on-stop", "continue", "--resihp-heartbeat-interval-s", "0.5",
-            "--resihp-heartbeat-timeout-s", "4", "--resihp-continue-timeout-s", "60"]
+FT_CONTINUE = ["--ft-on-stop", "continue", "--ft-heartbeat-interval-s", "0.5", "--ft-heartbeat-timeout-s", "4",
+               "--ft-continue-timeout-s", "60"]
+CONTINUE = ["--resihp", *FT_CONTINUE]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 SCENARIOS = {
     "dp": (4, [*PP2, "--train-iters", "8", "--save-interval", "2", "--inject-stop", "3:3:step", "0:4"], None),
+    # No --resihp: the core alone, its own chooser (the same shape over the survivors).
+    "plain": (4, [*PP2, "--train-iters", "8", "--save-interval", "100", "--inject-stop", "3:3:step"], None),
     "pp": (4, ["--pipeline-model-parallel-size", "4", "--train-iters", "10", "--save-interval", "2",
                "--inject-stop", "2:4:save", "3:7", "1:7:relayout"], None),
     "ds": (4, ["--engine", "deepspeed", *PP2, "--train-iters", "5", "--lr-decay-iters", "8", "--save-interval", "100",
@@ -63,12 +69,12 @@ SCENARIOS = {
     "same_error": (2, ["--train-iters", "8", "--inject-error", "1:5", "0:7"], None),
     "collective": (2, ["--train-iters", "8", "--inject-error", "1:5:collective"], None),
     "regrow": (4, [*PP2, "--train-iters", "150", "--log-interval", "10", "--inject-stop", "3:3:step",
-                   "--resihp-respawn", "1"], None),
+                   "--ft-respawn", "1"], None),
     # PP2 on 2 ranks, no replica and no checkpoint: what truly cannot continue (exit 75).
     "no_copy": (2, [*PP2, "--train-iters", "8", "--inject-stop", "1:4"], None),
     # PP2 on 2 ranks (no replica), the explicit option: only the lost stage from the checkpoint.
     "keep_newer": (2, [*PP2, "--train-iters", "8", "--save-interval", "2", "--inject-stop", "1:6",
-                       "--resihp-keep-newer-stages"], None),
+                       "--ft-keep-newer-stages"], None),
 }
 
 
@@ -84,8 +90,8 @@ def curve(path) -> dict[int, float]:
 # imports, a survivor's continue timeout), and each launch has its own store, port and directory.
 # The longest first, so that the short ones fill in beside it.
 CONCURRENT = 2
-LONGEST_FIRST = ("regrow", "pp", "dp", "ds", "ds_tp", "perm", "error", "keep_newer", "same_error", "collective",
-                 "no_copy")
+LONGEST_FIRST = ("regrow", "pp", "dp", "ds", "ds_tp", "perm", "plain", "error", "keep_newer", "same_error",
+                 "collective", "no_copy")
 assert sorted(LONGEST_FIRST) == sorted(SCENARIOS)
 STRAIGHT = (("straight150", 150, 150), ("straight10", 10, 10), ("straight8", 8, 8))
 
@@ -97,11 +103,11 @@ def _launch(out, name: str) -> dict:
     d = out / name
     script = "tests/runtime/permute_scenario.py" if name == "perm" else "pretrain_gpt.py"
     save = [] if name == "no_copy" else ["--save", str(d / "ck")]
-    argv = [script, *MODEL, *CONTINUE, *args, *save,
+    argv = [script, *MODEL, *(FT_CONTINUE if name == "plain" else CONTINUE), *args, *save,
             "--metrics-file", str(d / "metrics.jsonl"), "--resihp-verdicts-out", str(d / "verdicts.jsonl")]
     t0 = time.monotonic()
     ranks = launch_ranks(argv, nproc, cwd=ROOT, timeout_s=600, env=env, respawn=int(args[-1]) if
-                         "--resihp-respawn" in args else 0)
+                         "--ft-respawn" in args else 0)
     return {"dir": d, "codes": [r.returncode for r in ranks], "logs": [r.output for r in ranks],
             "incarnations": [r.incarnations for r in ranks], "job": job_exit_code(ranks),
             "wall_s": time.monotonic() - t0, "metrics": d / "metrics.jsonl"}
@@ -162,6 +168,22 @@ def test_two_ranks_lost_one_iteration_apart_cost_no_iteration(launches):
     log = "".join(run["logs"])
     assert ("layout change (lost rank(s) 3 (killed by signal 9)): tp1pp2dp2 -> " in log and
             "at iteration 2; iteration 3 rolled back; 0 iteration(s) lost" in log), tail(run)
+    assert not any(n in log for n in CONNECTION_NOISE), tail(run)
+
+
+@pytest.mark.multirank
+def test_a_plain_job_without_resihp_survives_a_lost_rank_with_the_cores_own_chooser(launches):
+    run = launches["plain"]
+    assert run["codes"] == [0, 0, 0, -9] and run["job"] == 0, tail(run)
+    (change,) = changes(run)
+    # The whole replica (ranks 0 and 2) trains on; rank 1, whose stage-1 partner is gone, is a spare.
+    assert (change["cause"], change["lost_ranks"], change["from"], change["iteration"], change["rolled_back"],
+            change["members"]) == ("fail_stop", [3], "tp1pp2dp2", 2, 3, [0, 2])
+    assert [r["iteration"] for r in rows(run["metrics"], "train")] == list(range(1, 9))
+    assert max_rel(curve(run["metrics"]), launches["straight8"]) < 1e-5
+    log = "".join(run["logs"])
+    assert "tp1pp2dp2 -> tp1pp2dp1 on rank(s) 0,2 at iteration 2; iteration 3 rolled back" in log, tail(run)
+    assert "ft: rank 1 has no place in the next layout (tp1pp2dp1 on rank(s) 0,2); it waits as a spare" in log
     assert not any(n in log for n in CONNECTION_NOISE), tail(run)
 
 

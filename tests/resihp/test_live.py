@@ -134,8 +134,8 @@ def test_fail_stop_is_named_by_heartbeat(tmp_path):
 
     args = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
             "--num-attention-heads", "2", "--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size",
-            "1", "--train-iters", "200", "--eval-iters", "0", "--resihp", "--resihp-heartbeat-interval-s", "0.5",
-            "--resihp-heartbeat-timeout-s", "3", "--inject-stop", fail_at(3, 6),
+            "1", "--train-iters", "200", "--eval-iters", "0", "--resihp", "--ft-heartbeat-interval-s", "0.5",
+            "--ft-heartbeat-timeout-s", "3", "--inject-stop", fail_at(3, 6),
             "--resihp-verdicts-out", str(verdict_file)]
     results = launch_ranks(args, 4, cwd=ROOT, timeout_s=600, report_exits=False)
     codes = [r.returncode for r in results]

@@ -82,7 +82,7 @@ def trace(tmp_path_factory):
 
 def test_replay_cli_prints_verdicts_and_scores(trace, capsys, tmp_path):
     out_v = tmp_path / "verdicts.jsonl"
-    rc = replay.main([str(trace), "--resihp-heartbeat-timeout-s", "5", "--resihp-verdicts-out", str(out_v),
+    rc = replay.main([str(trace), "--ft-heartbeat-timeout-s", "5", "--resihp-verdicts-out", str(out_v),
                       "--json"])
     out = capsys.readouterr().out
     assert rc == 0

@@ -100,8 +100,8 @@ def test_continue_across_two_nodes_survives_a_lost_node(tmp_path):
          "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
          "--global-batch-size", "8", "--micro-batch-size", "1", "--train-iters", "40", "--eval-iters", "0",
          "--log-interval", "5", "--metrics-file", str(metrics), "--save", str(tmp_path / "ckpt"),
-         "--resihp", "--resihp-on-stop", "continue", "--resihp-heartbeat-interval-s", "0.5",
-         "--resihp-heartbeat-timeout-s", "4", "--resihp-continue-timeout-s", "60"],
+         "--resihp", "--ft-on-stop", "continue", "--ft-heartbeat-interval-s", "0.5",
+         "--ft-heartbeat-timeout-s", "4", "--ft-continue-timeout-s", "60"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     deadline = time.time() + 600
     killed: list[int] = []
