@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron_ext.compat.devices import resolve_backend, resolve_device
 from megatron_ext.config.base import ConfigError
 from megatron_ext.ft.store import STORE_ENV
 
@@ -45,8 +46,7 @@ def check(cfg: Any, world_size: int, *, launcher: bool) -> None:
                           "state is sharded over the data-parallel ranks, so a lost rank's part has no copy in "
                           "memory; drop the flag, or use --ft-on-stop abort and resume with --load")
     par = cfg.parallel
-    on_gpu = par.device == "cuda" or (par.device == "auto" and _cuda_available())
-    nccl = par.distributed_backend == "nccl" or (on_gpu and par.distributed_backend == "auto")
+    nccl = resolve_backend(par.distributed_backend, resolve_device(par.device)) == "nccl"
     if nccl and not ft.ft_continue_experimental_nccl:
         raise ConfigError(NCCL_UNTRIED)
     if world_size > 1 and not launcher and not os.environ.get(STORE_ENV):
@@ -54,9 +54,3 @@ def check(cfg: Any, world_size: int, *, launcher: bool) -> None:
     if ft.ft_respawn and not launcher:
         raise ConfigError("--ft-respawn needs the project's launcher (python pretrain_gpt.py --nproc-per-node N): "
                           "under srun or torchrun nothing starts a lost rank's process again")
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from megatron_ext.compat.devices import resolve_backend, resolve_device
 from megatron_ext.errors import ConfigError
 from megatron_ext.engines import engine
 
@@ -148,9 +149,8 @@ def validate(cfg: Any, world_size: int) -> None:
         # megatron-core's MoELayer refuses to train this: with TP, the router and experts take the
         # sequence-parallel shard of the tokens (otherwise every TP rank routes every token).
         raise ConfigError(f"--num-experts with --tensor-model-parallel-size > 1 ({tp}) needs --sequence-parallel")
-    want = p.device
-    on_gpu = want == "cuda" or (want == "auto" and _cuda_available())
-    gloo = p.distributed_backend == "gloo" or (p.distributed_backend == "auto" and not on_gpu)
+    on_gpu = resolve_device(p.device) == "cuda"
+    gloo = resolve_backend(p.distributed_backend, "cuda" if on_gpu else "cpu") == "gloo"
     if gloo and tp > 1 and ep > 1 and m.moe_token_dispatcher_type == "alltoall":
         # With expert TP > 1 the all-to-all dispatcher gathers a different token count from each TP
         # rank (all_gather with uneven sizes), which NCCL does and gloo refuses.
@@ -169,9 +169,3 @@ def validate(cfg: Any, world_size: int) -> None:
             why = (f"{' and '.join(local)} build{'s' if len(local) == 1 else ''} on megatron's local layer spec"
                    if local else "transformer_engine is not installed")
             raise ConfigError(f"--moe-grouped-gemm needs Transformer Engine's layer spec, but {why}: leave it off")
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron_ext.compat.devices import resolve_device
 from megatron_ext.compat.kernels import apex_fused_softmax_available
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import RunConfig
@@ -141,8 +142,7 @@ def check_config(cfg: RunConfig) -> None:
 
 
 def _on_gpu(cfg: RunConfig) -> bool:
-    device = cfg.parallel.device
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return resolve_device(cfg.parallel.device) == "cuda"
 
 
 def _vpp(cfg: RunConfig) -> int | None:
