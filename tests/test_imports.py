@@ -3,91 +3,17 @@ an import circle with another, ``config/`` imports nothing from ``runtime/``, an
 the layers docs/architecture.md draws (a package imports from its own layer and the ones below only;
 the extensions never import one another).
 
-The graph is built from the source with ``ast``: every ``import`` and ``from ... import`` anywhere in
-a module counts, those under ``if TYPE_CHECKING:`` and inside functions included (a circle that only
-type checkers or late imports close is still a circle a reader has to hold in mind).
+The graph is built from the source with ``ast`` (``megatron_ext/bench/import_graph.py``, which the
+figures check uses too): every ``import`` and ``from ... import`` anywhere in a module counts, those
+under ``if TYPE_CHECKING:`` and inside functions included (a circle that only type checkers or late
+imports close is still a circle a reader has to hold in mind).
 """
 from __future__ import annotations
 
-import ast
 import os
-from collections import defaultdict
 
+from megatron_ext.bench.import_graph import PACKAGES, cycles, import_graph, modules
 from tests.conftest import ROOT
-
-PACKAGES = ("megatron_ext", "deepspeed_patches")
-
-
-def modules() -> dict[str, str]:
-    out = {}
-    for pkg in PACKAGES:
-        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
-            for f in files:
-                if f.endswith(".py"):
-                    path = os.path.join(dirpath, f)
-                    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                    out[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
-    return out
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports (the longest existing prefix of each name)."""
-    mods = modules()
-    edges: dict[str, set[str]] = defaultdict(set)
-    for mod, path in mods.items():
-        package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
-            else:
-                continue
-            for name in names:
-                while name and name not in mods:
-                    name = name.rpartition(".")[0]
-                if name and name != mod:
-                    edges[mod].add(name)
-    return edges
-
-
-def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(set(edges) | {w for ws in edges.values() for w in ws}):
-        if v not in index:
-            visit(v)
-    return out
 
 
 def test_the_cycle_finder_finds_a_circle_and_only_a_circle():
