@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator
+from typing import Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +104,19 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
 
 
-def megatron_1f1b(num_stages: int, num_microbatches: int) -> ScheduleOrder:
+def megatron_1f1b(num_stages: int, num_microbatches: int, extra_warmup: Sequence[int] = ()) -> ScheduleOrder:
     """Megatron's non-interleaved 1F1B: ``p - s - 1`` warm-up forwards, then one forward and one
-    backward alternately, then the cool-down backwards."""
+    backward alternately, then the cool-down backwards.
+
+    ``extra_warmup[s]``: forwards stage ``s`` runs ahead beyond megatron's warm-up (ADAPTRA's
+    adapted schedule, which the resilience simulator scores; none: megatron's own)."""
     _check_sizes(num_stages, num_microbatches)
+    extra = list(extra_warmup) or [0] * num_stages
+    if len(extra) != num_stages:
+        raise ValueError(f"extra_warmup: one count per stage ({num_stages}), got {extra}")
     stages = []
     for s in range(num_stages):
-        warmup = min(num_stages - s - 1, num_microbatches)
+        warmup = min(num_stages - s - 1 + extra[s], num_microbatches)
         ops = [Op(FORWARD, i) for i in range(warmup)]
         for i in range(num_microbatches - warmup):
             ops += [Op(FORWARD, warmup + i), Op(BACKWARD, i)]

@@ -9,9 +9,9 @@ dispatch and combine all-to-alls over the TP group (experts sharded over it). Be
 activation (forward) or its gradient (backward), each TP rank sending its sequence shard over its
 own path, which carries one transfer at a time (FIFO). Megatron's sends hold the sending stage
 until they complete (``Pipeline.async_sends`` lifts that). The pipeline schedule is megatron's 1F1B
-compiled by ``pipeline.pipesim`` (``extra_warmup`` runs more forwards ahead); the dataflow is this
-module's own loop over pipesim's topological levels, because it adds per-link transfer times and
-link queues that pipesim's scalar latency does not have.
+(``pipeline.schedule_orders.megatron_1f1b``; ``extra_warmup`` runs more forwards ahead) compiled by
+``pipeline.pipesim``; the dataflow is this module's own loop over pipesim's topological levels,
+because it adds per-link transfer times and link queues that pipesim's scalar latency does not have.
 
 After the slowest pipeline's last op: the data-parallel gradient reduce (reduce-scatter +
 all-gather of bf16 gradients over a ring through the pipelines, at the ring's slowest link; not
@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_ext.pipeline.pipesim import compile_plan
-from megatron_ext.pipeline.schedule_orders import BACKWARD, FORWARD, Op, ScheduleOrder
+from megatron_ext.pipeline.schedule_orders import megatron_1f1b
 from megatron_ext.resilience.faults import ClusterState
 from megatron_ext.resilience.hardware import Hardware
 from megatron_ext.resilience.job import Job, Pipeline, stage_params
@@ -83,23 +83,6 @@ def packed_documents(num_microbatches: int, *, seq_length: int = 4096, micro_bat
 
 # ---- the schedule ---------------------------------------------------------------------------
 
-def one_f_one_b(num_stages: int, num_microbatches: int, extra_warmup: Sequence[int] = ()) -> ScheduleOrder:
-    """Megatron's 1F1B; stage ``k`` runs ``p - k - 1 + extra_warmup[k]`` forwards before its first
-    backward (ADAPTRA's adapted schedule; zero extra: megatron's own)."""
-    extra = list(extra_warmup) or [0] * num_stages
-    if len(extra) != num_stages:
-        raise ValueError(f"extra_warmup: one count per stage ({num_stages}), got {extra}")
-    stages = []
-    for s in range(num_stages):
-        warm = min(num_stages - s - 1 + extra[s], num_microbatches)
-        ops = [Op(FORWARD, i) for i in range(warm)]
-        for i in range(num_microbatches - warm):
-            ops += [Op(FORWARD, warm + i), Op(BACKWARD, i)]
-        ops += [Op(BACKWARD, i) for i in range(num_microbatches - warm, num_microbatches)]
-        stages.append(tuple(ops))
-    return ScheduleOrder("1f1b", num_stages, num_microbatches, 1, tuple(stages))
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Compiled:
     n: int
@@ -116,7 +99,7 @@ class _Compiled:
 
 @functools.lru_cache(maxsize=128)
 def compiled(num_stages: int, num_microbatches: int, extra_warmup: tuple[int, ...] = ()) -> _Compiled:
-    plan = compile_plan(one_f_one_b(num_stages, num_microbatches, extra_warmup))
+    plan = compile_plan(megatron_1f1b(num_stages, num_microbatches, extra_warmup))
     n = plan.num_ops
     p = num_stages
     send_dir = np.zeros(n, dtype=np.int64)

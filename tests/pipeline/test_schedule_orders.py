@@ -206,6 +206,16 @@ def test_producer_chain_through_chunks():
     assert order.producer(0, Op(FORWARD, 0, 0)) is None
 
 
+def test_extra_warmup_runs_forwards_ahead_of_megatrons_1f1b():
+    # ADAPTRA's adapted schedule, scored by the resilience simulator; no extra is megatron's own.
+    assert megatron_1f1b(4, 8, (0, 0, 0, 0)) == megatron_1f1b(4, 8)
+    adapted = megatron_1f1b(4, 8, (2, 1, 0, 0))
+    first_backward = [next(i for i, op in enumerate(ops) if op.phase == BACKWARD) for ops in adapted.stages]
+    assert first_backward == [6, 4, 2, 1]   # warm-up forwards, then one more before the first backward
+    # the same ops on every stage, in another order
+    assert [sorted(_keys(ops)) for ops in adapted.stages] == [sorted(_keys(ops)) for ops in megatron_1f1b(4, 8).stages]
+
+
 def test_schedule_order_errors():
     with pytest.raises(ValueError, match="unknown schedule 'gpipe'; expected one of 1f1b, interleaved, deepspeed"):
         schedule_order("gpipe", 2, 2)
@@ -213,3 +223,5 @@ def test_schedule_order_errors():
         schedule_order("1f1b", 2, 2, 2)
     with pytest.raises(ValueError, match="num_microbatches must be >= 1, got 0"):
         megatron_1f1b(2, 0)
+    with pytest.raises(ValueError, match=r"extra_warmup: one count per stage \(2\), got \[1\]"):
+        megatron_1f1b(2, 4, (1,))

@@ -14,7 +14,7 @@ from megatron_ext.resilience.hardware import Hardware
 from megatron_ext.resilience.job import Job, Pipeline, balanced_layers, node_aligned_job
 from megatron_ext.resilience.resihp_policy import model_spec
 from megatron_ext.resilience.shapes import SHAPES, ModelShape, shape
-from megatron_ext.resilience.sim import Simulator, compiled, one_f_one_b, packed_documents, ring_s, run_pipelines
+from megatron_ext.resilience.sim import Simulator, compiled, packed_documents, ring_s, run_pipelines
 
 HW = Hardware()
 SMALL = ModelShape(name="small", source="test", num_layers=8, hidden_size=1024, num_attention_heads=8,
@@ -52,11 +52,11 @@ def test_dataflow_matches_pipesim_on_a_healthy_pipeline():
     np.testing.assert_allclose(ms0, ref0.makespan_s, rtol=1e-12)
 
 
-def test_its_1f1b_is_megatrons_and_extra_warmup_runs_forwards_ahead():
-    assert one_f_one_b(4, 8) == megatron_1f1b(4, 8)
-    adapted = one_f_one_b(4, 8, (2, 1, 0, 0))
-    first_backward = [next(i for i, op in enumerate(ops) if op.phase == "B") for ops in adapted.stages]
-    assert first_backward == [6, 4, 2, 1]   # warm-up forwards, then one more before the first backward
+def test_it_runs_megatrons_1f1b_with_the_pipelines_extra_warmup():
+    for extra in ((), (2, 1, 0, 0)):
+        ours, megatrons = compiled(4, 8, extra), compile_plan(megatron_1f1b(4, 8, extra))
+        for field in ("stage", "microbatch", "is_forward", "prev", "prod"):
+            np.testing.assert_array_equal(getattr(ours, field), getattr(megatrons, field))
 
 
 def test_a_slow_device_slows_exactly_its_stage():
