@@ -110,6 +110,25 @@ def _make_pruner(cfg: HydroTuneConfig) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
+@dataclasses.dataclass
+class _Progress:
+    """Where one run of the study stands: what the steps of ``HydroTuner.run`` read and update."""
+
+    t0: float                   # the run's start (perf_counter): log lines and history count from it
+    lengths: list[int]          # steps of the finished trials: the ETA's model of how long a trial runs
+    n_finished: int             # counted locally: the storage is not queried on every step
+    best: float                 # the best complete trial's value so far
+    pending: list[optuna.trial.FrozenTrial] = dataclasses.field(default_factory=list)  # interrupted, to retrain
+    judged: dict[int, int] = dataclasses.field(default_factory=dict)  # trial -> last step the pruner saw
+    active: dict[int, optuna.Trial] = dataclasses.field(default_factory=dict)  # the bundle's trials
+    bundle: TrialBundle | None = None
+    leaving: list[int] = dataclasses.field(default_factory=list)  # told finished: leave at the next refill
+    history: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (s since t0, best so far)
+    finished_here: int = 0      # trials this run finished (``crash_after`` counts these)
+    t_loop: float = 0.0         # when training started: the ETA's rate is trial-steps since then
+    trial_steps_here: int = 0
+
+
 class HydroTuner:
     def __init__(self, cfg: HydroTuneConfig, space: dict[str, Param], defaults: TrialHParams | None = None,
                  default_dropout: float = 0.0, *, data: TokenBatches | None = None, vocab_size: int | None = None,
@@ -280,94 +299,84 @@ class HydroTuner:
         return line + "; run the same command to resume"
 
     def run(self) -> TuneResult:
+        """Run the study to ``n_trials`` finished trials and transfer its best config.
+
+        The steps: set up data, models and the study (:meth:`_prepare`); settle the trials a killed
+        run left running (:meth:`_settle_interrupted`); size the bundle (:meth:`_fusion`); train
+        bundles until no trial is left (:meth:`_tune`); transfer and write the results
+        (:meth:`_finish`). A study already finished goes straight to the last step.
+        """
         c = self.cfg
         t0 = time.perf_counter()
+        study, stale = self._prepare()
+        val = self.data.val_batches(c.eval_iters)
+        p = self._settle_interrupted(study, stale, t0)
+        if p.n_finished >= c.n_trials and not p.pending:
+            fusion = int(study.user_attrs.get("hydro_fusion", c.fusion))
+            self.log(f"study '{c.study_name}' is finished ({p.n_finished}/{c.n_trials} trials done): no trial to train")
+            return self._finish(study, fusion, t0, time.perf_counter() - t0, [])
+        fusion = self._fusion()
+        if c.resolved_storage() != "memory":
+            study.set_user_attr("hydro_fusion", fusion)
+        self._tune(study, fusion, val, p)
+        tuning_s = time.perf_counter() - t0
+        return self._finish(study, fusion, t0, tuning_s, p.history)
+
+    def _prepare(self) -> tuple[optuna.Study, list[optuna.trial.FrozenTrial]]:
+        """Data, proxy and target models, then the study (with the trials a killed run left
+        running): the study last, so that a bad data path or model shape leaves no storage behind."""
         self._phase = "setup"
-        if c.threads:
-            torch.set_num_threads(c.threads)
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
         self._setup_data()
         self._setup_models()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study, stale = self._study()
         self._phase = "tuning"
-        val = self.data.val_batches(c.eval_iters)
+        return study, stale
 
+    def _settle_interrupted(self, study: optuna.Study, stale: list[optuna.trial.FrozenTrial],
+                            t0: float) -> _Progress:
+        """The study's progress before this run trains anything. Of the interrupted trials (``stale``),
+        one whose last report was already final is told so, and one that had diverged is pruned:
+        they count as finished. The others wait to be retrained under their own numbers, and
+        ``judged[n]`` keeps the last step the pruner saw for trial n."""
+        c = self.cfg
         prior = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-        # Lengths (steps) of finished trials: the ETA's model of how long a trial runs.
-        lengths = [t.last_step for t in prior if t.last_step is not None]
-        n_finished = len(prior)   # counted locally: the storage is not queried on every step
-        best = min((t.value for t in prior if t.state == TrialState.COMPLETE), default=math.inf)
-        # Interrupted trials: one whose last report was already final is told so, and one that had
-        # diverged is pruned; the others are retrained under their own number, and `judged[n]` is the
-        # last step the pruner had seen for trial n.
-        pending: list[optuna.trial.FrozenTrial] = []
+        p = _Progress(t0=t0, lengths=[t.last_step for t in prior if t.last_step is not None],
+                      n_finished=len(prior),
+                      best=min((t.value for t in prior if t.state == TrialState.COMPLETE), default=math.inf))
         for t in stale:
             last = t.intermediate_values.get(t.last_step) if t.last_step is not None else None
             if last is not None and not math.isfinite(last):
                 study.tell(t.number, state=TrialState.PRUNED)
             elif last is not None and t.last_step >= c.trial_steps:
                 study.tell(t.number, last)
-                best = min(best, last)
+                p.best = min(p.best, last)
             else:
-                pending.append(t)
+                p.pending.append(t)
                 continue
-            n_finished += 1
-            lengths.append(t.last_step)
-        judged: dict[int, int] = {t.number: t.last_step for t in pending if t.last_step is not None}
+            p.n_finished += 1
+            p.lengths.append(t.last_step)
+        p.judged = {t.number: t.last_step for t in p.pending if t.last_step is not None}
+        return p
 
-        if n_finished >= c.n_trials and not pending:
-            fusion = int(study.user_attrs.get("hydro_fusion", c.fusion))
-            self.log(f"study '{c.study_name}' is finished ({n_finished}/{c.n_trials} trials done): no trial to train")
-            return self._finish(study, fusion, t0, time.perf_counter() - t0, [])
-        fusion = self._fusion()
-        if c.resolved_storage() != "memory":
-            study.set_user_attr("hydro_fusion", fusion)
-
-        active: dict[int, optuna.Trial] = {}
-        bundle: TrialBundle | None = None
-        history: list[tuple[float, float]] = []
-        finished_here = 0
-        leaving: list[int] = []
-        t_loop, trial_steps_here = time.perf_counter(), 0
+    def _tune(self, study: optuna.Study, fusion: int, val: list, p: _Progress) -> None:
+        """Train the bundle a step at a time until no trial is left: refill its free slots, train,
+        and at each trial's evaluation steps let the pruner judge it (finished and pruned trials
+        leave at the next refill)."""
+        c = self.cfg
+        p.t_loop, p.trial_steps_here = time.perf_counter(), 0
         while True:
-            # Refill free slots: interrupted trials first, then new ones, never more than the trials
-            # still to finish. Leavers and newcomers change the bundle in one resize (one copy of the
-            # survivors' state).
-            free = self._fusion_now(fusion) - len(active)
-            new_specs = []
-            while pending and free > 0:
-                trial = optuna.trial.Trial(study, pending.pop(0)._trial_id)   # params come back from storage
-                active[trial.number] = trial
-                new_specs.append(self._spec(trial))
-                free -= 1
-            for _ in range(self._askable(free, n_finished, len(active) + len(pending))):
-                asked = self._new_trial(study)
-                if asked is None:
-                    break
-                trial, spec = asked
-                active[trial.number] = trial
-                new_specs.append(spec)
-            if bundle is not None and (leaving or new_specs):
-                keep = [t for t in bundle.trial_ids if t not in leaving]
-                if keep or new_specs:
-                    bundle.resize(keep, new_specs)
-                else:
-                    bundle = None  # every slot emptied and nothing left to ask: done
-            elif new_specs:
-                bundle = self._bundle(self.proxy_factory, new_specs, self.proxy_multipliers)
-            leaving = []
-            if new_specs:
-                self.log(f"[{time.perf_counter() - t0:7.1f}s] start " + ", ".join(
-                    f"#{s.trial_id} " + _fmt_params(s, self.space) +
-                    (" resumed" if s.trial_id in judged else "")
-                    for s in new_specs))
-            if not active:
+            self._refill(study, fusion, p)
+            if not p.active:
                 break
-            if self.crash_after is not None and finished_here >= self.crash_after:
-                raise SimulatedCrash(f"simulated crash after {finished_here} finished trials")
+            if self.crash_after is not None and p.finished_here >= self.crash_after:
+                raise SimulatedCrash(f"simulated crash after {p.finished_here} finished trials")
+            bundle = p.bundle
             x, y = self.data.train_batch()
             losses = bundle.train_step(x, y)
-            trial_steps_here += bundle.num_trials
+            p.trial_steps_here += bundle.num_trials
             due = [tid for tid in bundle.trial_ids
                    if bundle.steps_of(tid) % c.eval_interval == 0 or bundle.steps_of(tid) >= c.trial_steps
                    or not math.isfinite(losses[bundle.trial_ids.index(tid)])]
@@ -376,43 +385,90 @@ class HydroTuner:
             vals = dict(zip(bundle.trial_ids, bundle.evaluate(val)))
             notes = []
             for tid in due:
-                trial, step, v = active[tid], bundle.steps_of(tid), vals[tid]
-                if not math.isfinite(v):
-                    study.tell(trial, state=TrialState.PRUNED)
-                    notes.append(f"#{tid} diverged")
-                    leaving.append(tid)
-                    continue
-                if step < judged.get(tid, 0):
-                    continue       # a resumed trial retraining steps the pruner has already judged
-                if step != judged.get(tid):
-                    # At the last judged step the stored value is kept. Asking the pruner again there
-                    # repeats a verdict it gave, or gives the one a kill may have cut off.
-                    trial.report(v, step)
-                if step >= c.trial_steps:
-                    study.tell(trial, v)
-                    notes.append(f"#{tid} done {v:.4f}")
-                    leaving.append(tid)
-                    if v < best:
-                        best = v
-                        history.append((time.perf_counter() - t0, best))
-                elif trial.should_prune():
-                    study.tell(trial, state=TrialState.PRUNED)
-                    notes.append(f"#{tid} pruned at {step} ({v:.4f})")
-                    leaving.append(tid)
-            for tid in leaving:
-                del active[tid]
-                judged.pop(tid, None)
-                lengths.append(bundle.steps_of(tid))
-                finished_here += 1
-                n_finished += 1
-            per_step = (time.perf_counter() - t_loop) / max(1, trial_steps_here)
-            eta = per_step * _remaining_trial_steps(
-                [bundle.steps_of(t) for t in active], c.n_trials - n_finished - len(active), lengths, c.trial_steps)
-            self.log(f"[{time.perf_counter() - t0:7.1f}s] {n_finished}/{c.n_trials} trials done, eta {_fmt_dur(eta)} | "
-                     + " ".join(f"#{t}@{bundle.steps_of(t)}={vals[t]:.3f}" for t in bundle.trial_ids) +
-                     (" | " + "; ".join(notes) if notes else ""))
-        tuning_s = time.perf_counter() - t0
-        return self._finish(study, fusion, t0, tuning_s, history)
+                note = self._judge(study, p, tid, vals[tid])
+                if note is not None:
+                    notes.append(note)
+            self._retire(p)
+            self._log_progress(p, vals, notes)
+
+    def _refill(self, study: optuna.Study, fusion: int, p: _Progress) -> None:
+        """Fill the bundle's free slots: interrupted trials first, then new ones, never more than
+        the trials still to finish. Leavers and newcomers change the bundle in one resize (one copy
+        of the survivors' state)."""
+        free = self._fusion_now(fusion) - len(p.active)
+        new_specs = []
+        while p.pending and free > 0:
+            trial = optuna.trial.Trial(study, p.pending.pop(0)._trial_id)   # params come back from storage
+            p.active[trial.number] = trial
+            new_specs.append(self._spec(trial))
+            free -= 1
+        for _ in range(self._askable(free, p.n_finished, len(p.active) + len(p.pending))):
+            asked = self._new_trial(study)
+            if asked is None:
+                break
+            trial, spec = asked
+            p.active[trial.number] = trial
+            new_specs.append(spec)
+        if p.bundle is not None and (p.leaving or new_specs):
+            keep = [t for t in p.bundle.trial_ids if t not in p.leaving]
+            if keep or new_specs:
+                p.bundle.resize(keep, new_specs)
+            else:
+                p.bundle = None  # every slot emptied and nothing left to ask: done
+        elif new_specs:
+            p.bundle = self._bundle(self.proxy_factory, new_specs, self.proxy_multipliers)
+        p.leaving = []
+        if new_specs:
+            self.log(f"[{time.perf_counter() - p.t0:7.1f}s] start " + ", ".join(
+                f"#{s.trial_id} " + _fmt_params(s, self.space) + (" resumed" if s.trial_id in p.judged else "")
+                for s in new_specs))
+
+    def _judge(self, study: optuna.Study, p: _Progress, tid: int, v: float) -> str | None:
+        """Report trial ``tid``'s validation loss ``v`` at its current step and tell the study when
+        it diverged, finished or is pruned (it then leaves the bundle); the progress note, if any."""
+        trial, step = p.active[tid], p.bundle.steps_of(tid)
+        if not math.isfinite(v):
+            study.tell(trial, state=TrialState.PRUNED)
+            p.leaving.append(tid)
+            return f"#{tid} diverged"
+        if step < p.judged.get(tid, 0):
+            return None       # a resumed trial retraining steps the pruner has already judged
+        if step != p.judged.get(tid):
+            # At the last judged step the stored value is kept. Asking the pruner again there
+            # repeats a verdict it gave, or gives the one a kill may have cut off.
+            trial.report(v, step)
+        if step >= self.cfg.trial_steps:
+            study.tell(trial, v)
+            p.leaving.append(tid)
+            if v < p.best:
+                p.best = v
+                p.history.append((time.perf_counter() - p.t0, p.best))
+            return f"#{tid} done {v:.4f}"
+        if trial.should_prune():
+            study.tell(trial, state=TrialState.PRUNED)
+            p.leaving.append(tid)
+            return f"#{tid} pruned at {step} ({v:.4f})"
+        return None
+
+    def _retire(self, p: _Progress) -> None:
+        """Count the trials told finished this step; their lengths feed the ETA."""
+        for tid in p.leaving:
+            del p.active[tid]
+            p.judged.pop(tid, None)
+            p.lengths.append(p.bundle.steps_of(tid))
+            p.finished_here += 1
+            p.n_finished += 1
+
+    def _log_progress(self, p: _Progress, vals: dict[int, float], notes: list[str]) -> None:
+        """One line per evaluation step: trials done, the ETA, each trial's step and loss, verdicts."""
+        c = self.cfg
+        bundle = p.bundle
+        per_step = (time.perf_counter() - p.t_loop) / max(1, p.trial_steps_here)
+        eta = per_step * _remaining_trial_steps(
+            [bundle.steps_of(t) for t in p.active], c.n_trials - p.n_finished - len(p.active), p.lengths, c.trial_steps)
+        self.log(f"[{time.perf_counter() - p.t0:7.1f}s] {p.n_finished}/{c.n_trials} trials done, eta {_fmt_dur(eta)} | "
+                 + " ".join(f"#{t}@{bundle.steps_of(t)}={vals[t]:.3f}" for t in bundle.trial_ids) +
+                 (" | " + "; ".join(notes) if notes else ""))
 
     # ---- transfer and results -----------------------------------------------------------------------
     def _transfer_key(self, best_t: optuna.trial.FrozenTrial) -> dict[str, Any]:
