@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-
-import gpu_check  # noqa: E402
-
-from tests.conftest import run_python  # noqa: E402
+from tests.conftest import run_python
+from tools import gpu_check
 
 
 def test_defaults_run_every_section():

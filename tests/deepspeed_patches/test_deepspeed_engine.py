@@ -10,7 +10,7 @@ import pytest
 
 from megatron_ext.pipeline.events import COMPUTE, Phase, assign_p2p_microbatches
 from megatron_ext.pipeline.schedule_orders import deepspeed_train
-from tests.conftest import ROOT, run_python, run_torchrun
+from tests.conftest import run_python, run_torchrun
 
 pytestmark = pytest.mark.multirank
 
@@ -203,12 +203,8 @@ def test_checkpoint_moves_between_engines(runs):
 
 
 def test_plot_timeline_renders_a_gantt_png(runs, tmp_path):
-    import importlib.util
-    import os
+    from tools import plot_timeline as tool
 
-    spec = importlib.util.spec_from_file_location("plot_timeline", os.path.join(ROOT, "tools", "plot_timeline.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     out = tmp_path / "gantt.png"
     assert tool.main([str(runs["dir"] / "pp4_m8" / "timeline_iter0000003.json"), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-# pytest runs with --import-mode=importlib (no test dir on sys.path): make helix_helpers importable.
+# test_tiling.py and test_tiling_families.py still import helix_helpers by module name; every other
+# module imports it as tests.helix.helix_helpers. This goes when they do too.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -13,7 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from helix_helpers import B, H, S, build_block, parity
+from tests.helix.helix_helpers import B, H, S, build_block, parity
 
 
 def _blocks(g) -> dict:

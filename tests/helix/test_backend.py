@@ -5,13 +5,13 @@ import re
 import pytest
 import torch
 import torch.fx as fx
-from helix_helpers import B, H, S, build_block, fake_world
 
 from megatron_ext.helix import HelixBackend, backend
 from megatron_ext.helix.ir import collective_kind, is_wait, op_name, tile_of
 from megatron_ext.helix.measure import step_peak_bytes, train_step
 from megatron_ext.helix.passes.checks import DependencyError, check_dependencies
 from megatron_ext.helix.passes.reorder import reorder_graph
+from tests.helix.helix_helpers import B, H, S, build_block, fake_world
 
 
 def _compile(kind: str, rank: int, **kw):

@@ -2,12 +2,12 @@
 import pytest
 import torch
 import torch.fx as fx
-from helix_helpers import B, H, S, build_block, fake_world
 
 from megatron_ext.helix.cost import AnalyticalCostModel, DeviceSpec, Interconnect
 from megatron_ext.helix.ir import CollectiveInfo, Kind, collective_kind, is_wait
 from megatron_ext.helix.passes.bucketing import BucketingReport, Candidate, choose_merges, merged_ops
 from megatron_ext.helix.simulator import SimOp, simulate
+from tests.helix.helix_helpers import B, H, S, build_block, fake_world
 
 MB = 1 << 20
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from helix_helpers import rank0_graphs
 from tests.conftest import run_torchrun
+from tests.helix.helix_helpers import rank0_graphs
 
 pytestmark = pytest.mark.multirank
 

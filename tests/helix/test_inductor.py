@@ -7,11 +7,11 @@ The full ``backend="inductor"`` compile is the GPU test below.
 """
 import pytest
 import torch
-from helix_helpers import fake_world, parity
 
 from megatron_ext.helix.collectives import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from megatron_ext.helix.inductor import HelixPostGradPass, HelixPreGradPass, register_inductor_passes
 from megatron_ext.helix.ir import tile_of
+from tests.helix.helix_helpers import fake_world, parity
 
 
 class MLP(torch.nn.Module):

@@ -1,11 +1,11 @@
 """Graph IR: node classes, collective metadata, lifetimes -- on Dynamo and AOT graphs."""
 import pytest
 import torch
-from helix_helpers import fake_world
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from megatron_ext.helix.collectives import all_gather_dim0, all_reduce, all_to_all_dim0, reduce_scatter_dim0
 from megatron_ext.helix.ir import GraphIR, Kind, collective_signature
+from tests.helix.helix_helpers import fake_world
 
 
 def _aten_graph(g):

@@ -6,8 +6,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from megatron_ext.runtime.distributed import free_port
-import helix_helpers  # noqa: F401  (makes the worker module importable in the children)
-from helix_multirank import SCENARIOS, worker
+from tests.helix.helix_multirank import SCENARIOS, worker
 
 pytestmark = pytest.mark.multirank
 

@@ -88,12 +88,12 @@ def test_invariants_of_random_programs(spec):
 ])
 def test_a_collective_holds_its_input_until_the_wait_unless_it_reduces_a_clone(kind, live_floats):
     import torch
-    from helix_helpers import fake_world
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from megatron_ext.helix.cost import DEFAULT_CPU, AnalyticalCostModel, resolve_interconnect
     from megatron_ext.helix.ir import GraphIR
     from megatron_ext.helix.simulator import graph_ops
+    from tests.helix.helix_helpers import fake_world
 
     ops = torch.ops._c10d_functional
     with fake_world(0) as g:

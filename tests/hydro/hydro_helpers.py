@@ -1,4 +1,4 @@
-"""Shared helpers of the hydro tests (imported by module name; pytest puts this folder on sys.path)."""
+"""Shared helpers of the hydro tests."""
 import torch
 
 from megatron_ext.hydro.models import GPT, GPTShape

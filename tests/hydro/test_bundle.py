@@ -9,7 +9,7 @@ from megatron_ext.hydro.memory import LinearMemoryModel, fusion_count, probe_mem
 from megatron_ext.hydro.nn import fused_cross_entropy
 from megatron_ext.hydro.optim import TrialHParams
 
-from hydro_helpers import gpt_factory, token_batch
+from tests.hydro.hydro_helpers import gpt_factory, token_batch
 
 
 def make_bundle(n=3, d=16):

@@ -7,7 +7,7 @@ from megatron_ext.hydro.memory import available_bytes
 from megatron_ext.hydro.nn import fused_cross_entropy
 from megatron_ext.hydro.optim import TrialHParams
 
-from hydro_helpers import gpt_factory, token_batch
+from tests.hydro.hydro_helpers import gpt_factory, token_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -9,7 +9,7 @@ from megatron_ext.hydro.nn import FusedGPT, FusedSelfAttention
 from megatron_ext.hydro.parametrization import apply_mup, mup_multipliers, param_shapes
 from megatron_ext.hydro.shrink import shrink_model
 
-from hydro_helpers import import_transformers
+from tests.hydro.hydro_helpers import import_transformers
 
 V, T = 37, 12
 

@@ -10,7 +10,7 @@ from megatron_ext.hydro.optim import TrialHParams
 from megatron_ext.hydro.parametrization import mup_multipliers
 from megatron_ext.hydro.schedule import LRSchedule
 
-from hydro_helpers import LLAMA_KW, gpt_factory, token_batch
+from tests.hydro.hydro_helpers import LLAMA_KW, gpt_factory, token_batch
 
 FAMILIES = {"gpt": {}, "llama": LLAMA_KW}   # GPTShape flags per block
 

@@ -6,7 +6,7 @@ import pytest
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import parse_run_config
 from megatron_ext.runtime.extension import build_extensions
-from squeezer_helpers import tiny_study
+from tests.hydro.squeezer.squeezer_helpers import tiny_study
 
 
 def test_off_by_default_and_on_with_a_study(tmp_path):

@@ -18,7 +18,7 @@ from megatron_ext.hydro.squeezer.controller import GuestProcess, Squeezer
 from megatron_ext.hydro.squeezer.guest import study_summary
 from megatron_ext.hydro.squeezer.replay import read_oplog, replay
 from megatron_ext.hydro.tuner import GIVEN_BACK_ATTR
-from squeezer_helpers import WindowDriver, tiny_study, wait_for
+from tests.hydro.squeezer.squeezer_helpers import WindowDriver, tiny_study, wait_for
 
 
 def _cpu_s(pid: int) -> float:

@@ -13,7 +13,7 @@ from megatron_ext.hydro.config import load_config
 from megatron_ext.hydro.distinct import COUNTED, distinct_sets
 from megatron_ext.hydro.squeezer.guest import study_summary
 from megatron_ext.hydro.tuner import GIVEN_BACK_ATTR, _make_sampler, sampler_seed
-from squeezer_helpers import LR_SPACE, ask_until_full, guest_tuner, tiny_study
+from tests.hydro.squeezer.squeezer_helpers import LR_SPACE, ask_until_full, guest_tuner, tiny_study
 
 # 3 x 5 x 2 = 30 points: guests drawing on their own would meet on some.
 DISCRETE = """\

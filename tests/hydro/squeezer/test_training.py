@@ -10,8 +10,8 @@ import pytest
 from optuna.trial import TrialState
 
 from megatron_ext.hydro.distinct import COUNTED, distinct_sets
-from squeezer_helpers import tiny_study
 from tests.conftest import run_torchrun
+from tests.hydro.squeezer.squeezer_helpers import tiny_study
 
 pytestmark = pytest.mark.multirank
 
