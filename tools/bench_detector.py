@@ -62,6 +62,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -447,41 +448,74 @@ def run_live_traces(paths: list[str], label: str, directory: str = LIVE_TRACES, 
     return out
 
 
+LIVE_RANKS = 4
+
+
+def live_runs(slow_at: int = 30, stop_at: int = 8) -> dict[str, tuple[list[str], Any]]:
+    """Part (b)'s runs by name: pretrain_gpt.py's arguments, and the fault they inject as the
+    project's own parser reads the flag (``resihp/injection.py``), so a figure derived from the
+    fault is what the run was given."""
+    from megatron_ext.resihp.injection import parse_slow, parse_slow_link, parse_slow_nic, parse_stop
+
+    common = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
+              "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "1",
+              "--global-batch-size", "8", "--eval-iters", "0", "--lr-decay-style", "constant",
+              "--doc-length-dist", "lognormal:3.5,1", "--resihp", "--resihp-warmup", "15", "--log-interval", "10"]
+    # The ring probe every iteration, its messages of the default size (ResiHPConfig).
+    probe = ["--resihp-nic-probe-interval", "1"]
+    short = ["--train-iters", str(slow_at + 30)]
+    runs = {
+        # Rank 2 computes 2x slower from slow_at (throttled).
+        "slow": (common + probe + short, "--inject-slow", f"2:{slow_at}:2.0", parse_slow),
+        # Rank 3 dies; only the heartbeat names it.
+        "stop": (common + ["--train-iters", "200", "--ft-heartbeat-interval-s", "0.5", "--ft-heartbeat-timeout-s",
+                           "3"], "--inject-stop", f"3:{stop_at}", parse_stop),
+        # A slow pipeline link (links.py) between ranks 0 and 2.
+        "link": (common + probe + short, "--inject-slow-link", f"0:2:{slow_at}:2", parse_slow_link),
+        # A slow NIC (nic.py): every send of rank 1.
+        "nic": (common + probe + short, "--inject-slow-nic", f"1:{slow_at}:4", parse_slow_nic),
+    }
+    return {name: (argv + [flag, spec], parse(spec)) for name, (argv, flag, spec, parse) in runs.items()}
+
+
+def pipeline_message_bytes(cfg) -> int:
+    """One pipeline message of a run: a micro-batch's activations (sequence x micro-batch x hidden;
+    a TP rank's sequence shard under --sequence-parallel) in the run's parameter dtype."""
+    import torch
+
+    tp = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
+    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+    return cfg.model.seq_length // tp * cfg.training.micro_batch_size * cfg.model.hidden_size * dtype.itemsize
+
+
+def injected_s(runs: dict[str, tuple[list[str], Any]]) -> tuple[float, float]:
+    """Seconds the slow link adds to each pipeline message of its run, and the slow NIC to each
+    ring-probe message (ResiHPConfig's default size) of its run: from the runs' own flags."""
+    from megatron_ext.config.run import parse_run_config
+
+    (link_argv, link), (_, nic) = runs["link"], runs["nic"]
+    probe_bytes = ResiHPConfig().resihp_nic_probe_kb * 1024
+    return pipeline_message_bytes(parse_run_config(link_argv[1:])) / (link.mbps * 1e6), probe_bytes / (nic.mbps * 1e6)
+
+
 def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
     import tempfile
 
     from megatron_ext.ft.launch import launch_ranks
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    hidden, seq, mbs, link_mbps, nic_mbps, probe_kb = 64, 256, 1, 2, 4, 64
-    # one pipeline message: a micro-batch's fp32 activations (seq x micro-batch x hidden)
-    link_injected_s = seq * mbs * hidden * 4 / (link_mbps * 1e6)
-    nic_injected_s = probe_kb * 1024 / (nic_mbps * 1e6)         # per ring-probe message
-    probe = ["--resihp-nic-probe-interval", "1", "--resihp-nic-probe-kb", str(probe_kb)]
-    common = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", str(hidden),
-              "--num-attention-heads", "4", "--seq-length", str(seq), "--micro-batch-size", str(mbs),
-              "--global-batch-size", "8", "--eval-iters", "0", "--lr-decay-style", "constant",
-              "--doc-length-dist", "lognormal:3.5,1", "--resihp", "--resihp-warmup", "15", "--log-interval", "10"]
+    runs = live_runs(slow_at, stop_at)
+    slow_fault, stop_fault, link_fault, nic_fault = (runs[name][1] for name in ("slow", "stop", "link", "nic"))
+    link_injected_s, nic_injected_s = injected_s(runs)
+    probe_kb = ResiHPConfig().resihp_nic_probe_kb
+    verdicts = {}
     with tempfile.TemporaryDirectory() as tmp:
-        slow_file = os.path.join(tmp, "slow.jsonl")
-        launch_ranks(common + probe + ["--train-iters", str(slow_at + 30), "--inject-slow", f"2:{slow_at}:2.0",
-                                       "--resihp-verdicts-out", slow_file], 4, cwd=root)
-        slow = [json.loads(x) for x in open(slow_file)] if os.path.exists(slow_file) else []
-        stop_file = os.path.join(tmp, "stop.jsonl")
-        launch_ranks(common + ["--train-iters", "200", "--inject-stop", f"3:{stop_at}",
-                               "--ft-heartbeat-interval-s", "0.5", "--ft-heartbeat-timeout-s", "3",
-                               "--resihp-verdicts-out", stop_file], 4, cwd=root, report_exits=False)
-        stop = [json.loads(x) for x in open(stop_file)] if os.path.exists(stop_file) else []
-        # A slow pipeline link (links.py): 2 MB/s between ranks 0 and 2 (a 64 KB message: +33 ms).
-        link_file = os.path.join(tmp, "link.jsonl")
-        launch_ranks(common + probe + ["--train-iters", str(slow_at + 30), "--inject-slow-link",
-                                       f"0:2:{slow_at}:{link_mbps}", "--resihp-verdicts-out", link_file], 4, cwd=root)
-        link = [json.loads(x) for x in open(link_file)] if os.path.exists(link_file) else []
-        # A slow NIC (nic.py): every send of rank 1 at 4 MB/s, the ring probe every iteration.
-        nic_file = os.path.join(tmp, "nic.jsonl")
-        launch_ranks(common + probe + ["--train-iters", str(slow_at + 30), "--inject-slow-nic",
-                                       f"1:{slow_at}:{nic_mbps}", "--resihp-verdicts-out", nic_file], 4, cwd=root)
-        nic = [json.loads(x) for x in open(nic_file)] if os.path.exists(nic_file) else []
+        for name, (argv, _) in runs.items():
+            out = os.path.join(tmp, f"{name}.jsonl")
+            # The stop run: nothing reports the dead rank's exit (as under srun), only the heartbeat names it.
+            launch_ranks(argv + ["--resihp-verdicts-out", out], LIVE_RANKS, cwd=root, report_exits=name != "stop")
+            verdicts[name] = [json.loads(x) for x in open(out)] if os.path.exists(out) else []
+    slow, stop, link, nic = verdicts["slow"], verdicts["stop"], verdicts["link"], verdicts["nic"]
     slow_v = [v for v in slow if v["kind"] == "fail_slow"]
     link_v = [v for v in link if v["kind"] == "slow_link"]
     lfirst = link_v[0] if link_v else None
@@ -491,39 +525,43 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
     first = slow_v[0] if slow_v else None
     live = {
         "slow_detected": bool(slow_v),
-        "slow_rank_ok": bool(first and first["rank"] == 2 and all(v["rank"] == 2 for v in slow_v)),
-        "slow_delay_iters": (first["iteration"] - slow_at) if first else None,
+        "slow_rank_ok": bool(first and first["rank"] == slow_fault.rank and all(v["rank"] == slow_fault.rank
+                                                                                for v in slow_v)),
+        "slow_delay_iters": (first["iteration"] - slow_fault.since) if first else None,
         "stop_detected": bool(stop_v),
-        "stop_rank_ok": bool(stop_v and stop_v[0]["rank"] == 3),
+        "stop_rank_ok": bool(stop_v and stop_v[0]["rank"] == stop_fault.rank),
         "stop_delay_s": round(stop_v[0]["detail"]["silent_s"], 3) if stop_v else None,
         "link_detected": bool(link_v),
-        "link_pair_ok": bool(lfirst and {lfirst["detail"]["launch_rank"], lfirst["detail"]["peer_launch_rank"]} == {0, 2}),
-        "link_delay_iters": (lfirst["iteration"] - slow_at) if lfirst else None,
+        "link_pair_ok": bool(lfirst and {lfirst["detail"]["launch_rank"], lfirst["detail"]["peer_launch_rank"]} ==
+                             set(link_fault.pair)),
+        "link_delay_iters": (lfirst["iteration"] - link_fault.since) if lfirst else None,
         "link_extra_ms_per_message": round(1e3 * lfirst["detail"]["extra_s_per_message"], 2) if lfirst else None,
         "link_injected_ms_per_message": round(1e3 * link_injected_s, 2),
         # the wrong kind: a slow device taken for a link, a slow link for a device
         "slow_link_verdicts_in_device_run": sum(v["kind"] == "slow_link" for v in slow),
         "fail_slow_verdicts_in_link_run": sum(v["kind"] == "fail_slow" for v in link),
         "nic_detected": bool(nic_v),
-        "nic_rank_ok": bool(nfirst and all(v["detail"]["launch_rank"] == 1 for v in nic_v)),
-        "nic_delay_iters": (nfirst["iteration"] - slow_at) if nfirst else None,
+        "nic_rank_ok": bool(nfirst and all(v["detail"]["launch_rank"] == nic_fault.rank for v in nic_v)),
+        "nic_delay_iters": (nfirst["iteration"] - nic_fault.since) if nfirst else None,
         "nic_extra_ms_per_message": round(1e3 * nfirst["detail"]["extra_s_per_message"], 2) if nfirst else None,
         "nic_injected_ms_per_message": round(1e3 * nic_injected_s, 2),
         "slow_nic_verdicts_in_device_run": sum(v["kind"] == "slow_nic" for v in slow),
         "slow_nic_verdicts_in_link_run": sum(v["kind"] == "slow_nic" for v in link),
         "fail_slow_verdicts_in_nic_run": sum(v["kind"] == "fail_slow" for v in nic),
     }
-    print("\nlive (4 CPU ranks, PP2 x DP2): fail-slow x2.0 on rank 2 from iteration "
-          f"{slow_at}: detected {live['slow_detected']}, right rank {live['slow_rank_ok']}, delay "
-          f"{live['slow_delay_iters']} iterations; fail-stop of rank 3: detected {live['stop_detected']}, "
-          f"right rank {live['stop_rank_ok']}, {live['stop_delay_s']} s after its last heartbeat; slow link 0-2 "
-          f"(2 MB/s, +{live['link_injected_ms_per_message']} ms per message) from iteration {slow_at}: detected "
+    print(f"\nlive ({LIVE_RANKS} CPU ranks, PP2 x DP2): fail-slow x{slow_fault.factor} on rank {slow_fault.rank} "
+          f"from iteration {slow_fault.since}: detected {live['slow_detected']}, right rank {live['slow_rank_ok']}, "
+          f"delay {live['slow_delay_iters']} iterations; fail-stop of rank {stop_fault.rank}: detected "
+          f"{live['stop_detected']}, right rank {live['stop_rank_ok']}, {live['stop_delay_s']} s after its last "
+          f"heartbeat; slow link {link_fault.a}-{link_fault.b} ({link_fault.mbps:g} MB/s, "
+          f"+{live['link_injected_ms_per_message']} ms per message) from iteration {link_fault.since}: detected "
           f"{live['link_detected']}, right pair {live['link_pair_ok']}, delay {live['link_delay_iters']} iterations, "
           f"estimated +{live['link_extra_ms_per_message']} ms per message; wrong kind: "
           f"{live['slow_link_verdicts_in_device_run']} link verdict(s) in the slow-device run, "
           f"{live['fail_slow_verdicts_in_link_run']} fail-slow verdict(s) in the slow-link run")
-    print(f"live, ring probe every iteration in these three runs: slow NIC of rank 1 ({nic_mbps} MB/s, "
-          f"+{live['nic_injected_ms_per_message']} ms per {probe_kb} KB probe message) from iteration {slow_at}: "
+    print(f"live, ring probe every iteration in these three runs: slow NIC of rank {nic_fault.rank} "
+          f"({nic_fault.mbps:g} MB/s, +{live['nic_injected_ms_per_message']} ms per {probe_kb} KB probe message) "
+          f"from iteration {nic_fault.since}: "
           f"detected {live['nic_detected']}, right device {live['nic_rank_ok']}, delay {live['nic_delay_iters']} "
           f"iterations, estimated +{live['nic_extra_ms_per_message']} ms per message; wrong kind: "
           f"{live['slow_nic_verdicts_in_device_run']} NIC verdict(s) in the slow-device run, "
