@@ -1,4 +1,5 @@
-"""A DeepSpeed ``PipelineEngine`` that records pipeline events (FEASIBILITY.md, DeepSpeed section).
+"""A DeepSpeed ``PipelineEngine`` that records pipeline events (what it relies on in DeepSpeed 0.19.8:
+docs/pipeline.md, "What the recorders rely on").
 
 DeepSpeed runs a pipeline iteration as data: ``TrainSchedule`` yields, step by step, instructions
 that ``_exec_schedule`` dispatches through ``self._INSTRUCTION_MAP``. ``EventPipelineEngine`` extends

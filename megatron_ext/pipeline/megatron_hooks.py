@@ -1,10 +1,11 @@
 """Pipeline events from megatron-core's schedules, by wrapping from outside (no copied schedule).
 
 megatron-core 0.16.1 looks up ``schedules.forward_step``, ``schedules.backward_step`` and the
-``P2PCommunicator`` methods at call time (FEASIBILITY.md), so replacing them on the module and the
-class sees every forward, backward, send and receive of the 1F1B and interleaved schedules. Time
-spent inside a p2p call is time the stage waits for its peer. ``install`` is explicit and checks the
-version and the symbols; ``tests/pipeline`` fails when they move.
+``P2PCommunicator`` methods at call time (docs/pipeline.md, "What the recorders rely on"), so
+replacing them on the module and the class sees every forward, backward, send and receive of the
+1F1B and interleaved schedules. Time spent inside a p2p call is time the stage waits for its peer.
+``install`` is explicit and checks the version and the symbols; ``tests/pipeline`` fails when they
+move.
 """
 from __future__ import annotations
 

@@ -111,7 +111,8 @@ def _transformer_config(cfg: RunConfig, *, on_gpu: bool, vpp: int | None) -> Any
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
-        # CPU: no fused CUDA kernels, no cuda.synchronize after batched p2p (FEASIBILITY.md).
+        # CPU: no fused CUDA kernels, no cuda.synchronize after batched p2p (docs/runtime.md, "Set in the
+        # TransformerConfig instead").
         batch_p2p_sync=on_gpu,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=on_gpu,
