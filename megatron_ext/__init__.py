@@ -1,8 +1,22 @@
 """megatron-ext: extension layer over megatron-core and DeepSpeed.
 
-Subpackages: config (typed configs), compat (version-guarded shims), runtime (layout, model, data,
-optimizer, checkpoint, loop), pipeline (events and bubble timelines), helix (graph scheduling),
-resihp (resilience), hydro (fused tuning trials), cluster (scheduler simulator).
+What it holds, bottom layer first (docs/architecture.md; ``tests/test_imports.py`` keeps the layers):
+
+- ``errors.py``: the user-error types and how every entry point reports one.
+- ``engines.py``: one ``EngineSpec`` per training engine (megatron-core, DeepSpeed).
+- ``layout.py``: the one layout value (TP x PP x DP sizes, stage layers, per-replica micro-batches,
+  members).
+- ``models/``: the model's one description (families); ``data/``: corpus, tokenizer, packing;
+  ``compat/``: megatron-core's CPU shims, its optional kernels, what ``auto`` device means.
+- ``config/``: typed configs, flags + YAML -> ``RunConfig``.
+- ``runtime/``: the megatron-core job (process groups, model, optimizer, checkpoint, the loop);
+  ``ft/``: fault tolerance (store, membership, liveness, the layout transaction, recovery);
+  ``pipeline/``: pipeline events, timelines, bubbles, schedule orders and their simulator.
+- extensions, which never import one another: ``helix/`` (graph scheduling of collectives),
+  ``resihp/`` (fail-slow detection and re-planning), ``hydro/`` (fused tuning trials; ``squeezer/``
+  runs them in the bubbles), ``cluster/`` (scheduler simulator), ``convert/`` (Hugging Face export
+  and import); the DeepSpeed engine is the top-level package ``deepspeed_patches``.
+- ``bench/``: how the benchmarks measure and report; ``resilience/``: the resilience simulator.
 """
 __version__ = "0.1.0"
 
