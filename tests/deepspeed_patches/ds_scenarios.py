@@ -17,6 +17,8 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import torch.distributed as dist  # noqa: E402
 
@@ -25,12 +27,8 @@ from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.extension import build_extensions  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
+from tests.scenario_helpers import CURVE, LLAMA_STYLE, TIMELINE, TINY, curve, from_logging_rank  # noqa: E402
 
-# The curve settings of tests/runtime (the single-rank megatron reference uses them too).
-BASE = {"train_iters": 10, "eval_iters": 0, "progress": False, "global_batch_size": 8, "micro_batch_size": 2,
-        "lr_decay_style": "constant", "lr": 2e-3}
-TIMELINE = {"train_iters": 3, "eval_iters": 0, "progress": False, "micro_batch_size": 1, "num_layers": 8,
-            "hidden_size": 64, "seq_length": 64, "timeline": True}
 TIMELINES = {
     "pp2dp2_m4": {"pipeline_model_parallel_size": 2, "global_batch_size": 8},
     "pp4_m4": {"pipeline_model_parallel_size": 4, "global_batch_size": 4},
@@ -39,23 +37,13 @@ TIMELINES = {
 PP2DP2 = {"pipeline_model_parallel_size": 2}
 # ResiHP live on this engine: rank 2 (stage 1, dp 0) computes 3x slower from iteration 20 (a clear fault:
 # the delay and small-factor recall are benchmark figures, tools/bench_detector.py).
-RESIHP = {"train_iters": 60, "eval_iters": 0, "progress": False, "num_layers": 4, "hidden_size": 64,
-          "seq_length": 128, "micro_batch_size": 1, "global_batch_size": 8, "lr_decay_style": "constant",
+RESIHP = {**TINY, "train_iters": 60, "seq_length": 128, "micro_batch_size": 1, "lr_decay_style": "constant",
           "pipeline_model_parallel_size": 2, "resihp": True, "resihp_warmup": 12, "inject_slow": ["2:20:3.0"]}
 PP4 = {"pipeline_model_parallel_size": 4}
 # TP x PP x DP: the LLaMA-style family (RMSNorm, SwiGLU, rotary, grouped-query attention, no biases,
 # untied head), fp32, no dropout, so that the engines must agree to rounding.
-LLAMA = {**BASE, "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "group_query_attention": True,
-         "num_query_groups": 2, "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
-         "disable_bias_linear": True, "untie_embeddings_and_output_weights": True, "save_interval": 5}
+LLAMA = {**CURVE, **LLAMA_STYLE, "untie_embeddings_and_output_weights": True, "save_interval": 5}
 TP2PP2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
-
-
-def curve(trainer: Trainer) -> list[float]:
-    mine = [h["loss"] for h in trainer.history if h["kind"] == "train"] if trainer.ctx.is_logging_rank else None
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return next(c for c in out if c is not None)
 
 
 def run_deepspeed(base: dict, values: dict, *, load: str | None = None) -> tuple[Trainer, list]:
@@ -139,16 +127,13 @@ def live_relayout() -> dict:
     then the targets it refuses."""
     from megatron_ext.config.base import ConfigError
 
-    cfg = config_from_values({**BASE, **PP2DP2, "train_iters": 20, "engine": "deepspeed", "timeline": True})
+    cfg = config_from_values({**CURVE, **PP2DP2, "train_iters": 20, "engine": "deepspeed", "timeline": True})
     trainer = ds.DeepSpeedTrainer(cfg, ds.setup_distributed(cfg.parallel, seed=cfg.training.seed),
                                   build_extensions(cfg)).setup()
     losses, layouts = [], []
 
     def train(n: int) -> None:
-        mine = [trainer.train_step().loss for _ in range(n)]
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, mine if trainer.ctx.is_logging_rank else None)
-        losses.extend(next(c for c in out if c is not None))
+        losses.extend(from_logging_rank(trainer.ctx, [trainer.train_step().loss for _ in range(n)]))
         layouts.append(trainer.layout_name())
 
     train(7)
@@ -189,18 +174,18 @@ def main() -> None:
             with open(os.path.join(out_dir, f"{name}.pkl"), "wb") as fh:
                 pickle.dump(record, fh)
 
-    results["pp2dp2"] = curve(run_deepspeed(BASE, PP2DP2)[0])
-    results["pp4"] = curve(run_deepspeed(BASE, PP4)[0])
+    results["pp2dp2"] = curve(run_deepspeed(CURVE, PP2DP2)[0])
+    results["pp4"] = curve(run_deepspeed(CURVE, PP4)[0])
 
     ckpt = os.path.join(out_dir, "ckpt_ds_pp2dp2")
-    results["straight20"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 20})[0])
-    results["first10"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 10, "save": ckpt})[0])
-    results["resumed10"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 20}, load=ckpt)[0])
+    results["straight20"] = curve(run_deepspeed(CURVE, {**PP2DP2, "train_iters": 20})[0])
+    results["first10"] = curve(run_deepspeed(CURVE, {**PP2DP2, "train_iters": 10, "save": ckpt})[0])
+    results["resumed10"] = curve(run_deepspeed(CURVE, {**PP2DP2, "train_iters": 20}, load=ckpt)[0])
     results["relayout"] = live_relayout()
 
     # Checkpoints move between engines (same layout, PP2 x DP2): DeepSpeed's continued by megatron,
     # and megatron's continued by DeepSpeed.
-    cfg = config_from_values({**BASE, **PP2DP2, "train_iters": 20, "load": ckpt})
+    cfg = config_from_values({**CURVE, **PP2DP2, "train_iters": 20, "load": ckpt})
     cfg.validate(int(os.environ["WORLD_SIZE"]))
     ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
     trainer = Trainer(cfg, ctx).setup()
@@ -208,11 +193,11 @@ def main() -> None:
     results["megatron_from_ds10"] = curve(trainer)
     results["init"] = same_initial_weights(cfg, ctx, trainer.splits.tokenizer.vocab_size)
     megatron_ckpt = os.path.join(out_dir, "ckpt_megatron_pp2dp2")
-    cfg = config_from_values({**BASE, **PP2DP2, "train_iters": 10, "save": megatron_ckpt})
+    cfg = config_from_values({**CURVE, **PP2DP2, "train_iters": 10, "save": megatron_ckpt})
     trainer = Trainer(cfg, ctx).setup()
     trainer.run()
     results["megatron_first10"] = curve(trainer)
-    results["ds_from_megatron10"] = curve(run_deepspeed(BASE, {**PP2DP2, "train_iters": 20}, load=megatron_ckpt)[0])
+    results["ds_from_megatron10"] = curve(run_deepspeed(CURVE, {**PP2DP2, "train_iters": 20}, load=megatron_ckpt)[0])
 
     distributed.destroy_parallel_state(ctx.pgs)   # megatron's PP2 x DP2 state: three_d sets up its own
     results["three_d"] = three_d(out_dir)

@@ -23,15 +23,17 @@ import types
 import warnings
 
 warnings.filterwarnings("ignore")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-TINY = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "group_query_attention": True,
-        "num_query_groups": 2, "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
-        "rotary_base": 500000, "disable_bias_linear": True, "qk_layernorm": True}
-MOE = {**TINY, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.1}
+from tests.scenario_helpers import LLAMA_STYLE  # noqa: E402
+
+LLAMA = {**LLAMA_STYLE, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "rotary_base": 500000,
+         "qk_layernorm": True}
+MOE = {**LLAMA, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.1}
 TP2SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 
 # name -> (config values, reference config values or None (the same), expert capacity factor or None)
@@ -39,8 +41,8 @@ TP2SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 # (calibrated costs, the simulator decides) over the emulated cross-node link -- its TP groups
 # {0, 1} and {2, 3} measure their own collectives, and all four ranks must still decide alike.
 CASES = {
-    "llama/tp2": ({**TINY, "tensor_model_parallel_size": 2}, None, None),
-    "llama/tp2sp": ({**TINY, **TP2SP}, None, None),
+    "llama/tp2": ({**LLAMA, "tensor_model_parallel_size": 2}, None, None),
+    "llama/tp2sp": ({**LLAMA, **TP2SP}, None, None),
     "moe/ep2": ({**MOE, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"}, None, None),
     "moe/tp2ep2sp": ({**MOE, **TP2SP, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
                      None, None),

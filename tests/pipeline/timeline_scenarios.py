@@ -10,14 +10,15 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.extension import build_extensions  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
+from tests.scenario_helpers import TIMELINE  # noqa: E402
 
-BASE = {"train_iters": 3, "eval_iters": 0, "progress": False, "micro_batch_size": 1, "num_layers": 8,
-        "hidden_size": 64, "seq_length": 64, "timeline": True}
 SCENARIOS = {
     "pp4_m4": {"pipeline_model_parallel_size": 4, "global_batch_size": 4},
     "pp4_m8": {"pipeline_model_parallel_size": 4, "global_batch_size": 8},
@@ -29,10 +30,10 @@ SCENARIOS = {
 
 def main() -> None:
     out_dir = sys.argv[1]
-    cfg = config_from_values(dict(BASE))
+    cfg = config_from_values(dict(TIMELINE))
     ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
     for name, values in SCENARIOS.items():
-        cfg = config_from_values({**BASE, **values, "timeline_out": os.path.join(out_dir, name)})
+        cfg = config_from_values({**TIMELINE, **values, "timeline_out": os.path.join(out_dir, name)})
         cfg.validate(ctx.world_size)
         ctx = distributed.relayout(ctx, tp=1, pp=cfg.parallel.pipeline_model_parallel_size,
                                    vpp=cfg.parallel.virtual_pipeline_model_parallel_size, seed=cfg.training.seed)

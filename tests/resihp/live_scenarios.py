@@ -18,16 +18,16 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")
-
-import torch.distributed as dist  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.extension import build_extensions  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
+from tests.scenario_helpers import TINY, from_logging_rank  # noqa: E402
 
-BASE = {"pipeline_model_parallel_size": 2, "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-        "seq_length": 256, "micro_batch_size": 1, "global_batch_size": 8, "eval_iters": 0, "progress": False,
+BASE = {**TINY, "pipeline_model_parallel_size": 2, "seq_length": 256, "micro_batch_size": 1,
         "doc_length_dist": "lognormal:3.5,1", "resihp": True, "resihp_warmup": 12, "lr_decay_style": "constant"}
 SCENARIOS = {
     "healthy": {"train_iters": 45, "resihp_nic_probe_interval": 1},
@@ -57,16 +57,14 @@ def main() -> None:
         trainer = Trainer(cfg, ctx, build_extensions(cfg)).setup()
         trainer.run()
         ctx = trainer.ctx  # a re-layout rebuilt it
-        rows = [None] * dist.get_world_size()  # the logging rank's rows, wherever it is now
-        dist.all_gather_object(rows, (sum(h["kind"] == "train" for h in trainer.history),
-                                      [h for h in trainer.history if h["kind"] == "layout_recovery"])
-                               if ctx.is_logging_rank else None)
+        # the logging rank's rows, wherever it is now
+        train_rows, recovery = from_logging_rank(ctx, (sum(h["kind"] == "train" for h in trainer.history),
+                                                       [h for h in trainer.history if h["kind"] == "layout_recovery"]))
         if trainer.ctx.rank == 0:
             with open(os.path.join(out, f"{name}.relayouts.json"), "w", encoding="utf-8") as fh:
                 json.dump({"relayouts": trainer.relayouts, "iterations": trainer.iteration,
                            "stage_layers": trainer.cfg.parallel.pipeline_stage_layers,
-                           "train_rows": next(r for r in rows if r is not None)[0],
-                           "recovery": next(r for r in rows if r is not None)[1]}, fh)
+                           "train_rows": train_rows, "recovery": recovery}, fh)
     distributed.teardown()
 
 

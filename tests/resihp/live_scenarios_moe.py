@@ -20,6 +20,8 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
@@ -28,14 +30,12 @@ from megatron_ext.resihp.moe_probe import moe_layers  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.extension import build_extensions  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
+from tests.scenario_helpers import LLAMA_STYLE, TINY  # noqa: E402
 
-BASE = {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2, "num_layers": 4, "hidden_size": 64,
-        "num_attention_heads": 4, "group_query_attention": True, "num_query_groups": 2, "normalization": "RMSNorm",
-        "swiglu": True, "position_embedding_type": "rope", "disable_bias_linear": True, "num_experts": 4,
+BASE = {**TINY, **LLAMA_STYLE, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2, "num_experts": 4,
         "moe_router_topk": 2, "moe_ffn_hidden_size": 512, "moe_token_dispatcher_type": "alltoall",
-        "moe_aux_loss_coeff": 0.001, "seq_length": 128, "micro_batch_size": 1, "global_batch_size": 8,
-        "eval_iters": 0, "progress": False, "doc_length_dist": "lognormal:3.5,1", "resihp": True,
-        "resihp_warmup": 12, "lr_decay_style": "constant"}
+        "moe_aux_loss_coeff": 0.001, "seq_length": 128, "micro_batch_size": 1, "doc_length_dist": "lognormal:3.5,1",
+        "resihp": True, "resihp_warmup": 12, "lr_decay_style": "constant"}
 SCENARIOS = {
     "slow": {"train_iters": 40, "inject_slow": ["2:20:3.0"]},
     # No load-balancing loss: it would train the router against the bias.

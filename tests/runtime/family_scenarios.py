@@ -12,37 +12,23 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")
-
-import torch.distributed as dist  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.extension import build_extensions  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
+from tests.scenario_helpers import CURVE, LLAMA_STYLE, curve  # noqa: E402
 
-BASE = {"train_iters": 10, "eval_iters": 0, "progress": False, "global_batch_size": 8, "micro_batch_size": 2,
-        "lr_decay_style": "constant", "lr": 2e-3}
-LLAMA = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "group_query_attention": True,
-         "num_query_groups": 2, "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
-         "rotary_base": 500000, "disable_bias_linear": True, "qk_layernorm": True}
+LLAMA = {**LLAMA_STYLE, "rotary_base": 500000, "qk_layernorm": True}
 MOE = {**LLAMA, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64, "moe_aux_loss_coeff": 0.01,
        "moe_token_dispatcher_type": "alltoall"}
 AUX = "moe_load_balancing_loss"
 
 
-def gathered(trainer: Trainer, key: str) -> list[float] | None:
-    """A per-iteration value of the logging rank's history, on every rank."""
-    mine = ([h.get(key) for h in trainer.history if h["kind"] == "train"] if trainer.ctx.is_logging_rank
-            else None)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return next(c for c in out if c is not None)
-
-
 def run(ctx, values: dict, results: dict, name: str, *, load: str | None = None):
-    cfg = config_from_values({**BASE, **values})
+    cfg = config_from_values({**CURVE, **values})
     cfg.validate(ctx.world_size)
     p = cfg.parallel
     ctx = distributed.relayout(ctx, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
@@ -52,9 +38,9 @@ def run(ctx, values: dict, results: dict, name: str, *, load: str | None = None)
         cfg.checkpoint.load = load
     trainer = Trainer(cfg, ctx, build_extensions(cfg)).setup()
     trainer.run()
-    results[name] = gathered(trainer, "loss")
+    results[name] = curve(trainer)
     if cfg.model.num_experts is not None:
-        results[name + "/aux"] = gathered(trainer, AUX)
+        results[name + "/aux"] = curve(trainer, AUX)
     return ctx
 
 
@@ -62,18 +48,18 @@ def run_deepspeed(values: dict, world: int) -> list[float] | None:
     """The LLaMA-style model on DeepSpeed's PipelineEngine (deepspeed_patches/gpt.py)."""
     from deepspeed_patches import trainer as ds
 
-    cfg = config_from_values({**BASE, **values, "engine": "deepspeed"})
+    cfg = config_from_values({**CURVE, **values, "engine": "deepspeed"})
     cfg.validate(world)
     ds.check_config(cfg)
     ctx = ds.setup_distributed(cfg.parallel, seed=cfg.training.seed)
     trainer = ds.DeepSpeedTrainer(cfg, ctx, build_extensions(cfg)).setup()
     trainer.run()
-    return gathered(trainer, "loss")
+    return curve(trainer)
 
 
 def main() -> None:
     out_path, ckpt_root = sys.argv[1], sys.argv[2]
-    ctx = distributed.setup(config_from_values(dict(BASE)).parallel, seed=1234)
+    ctx = distributed.setup(config_from_values(dict(CURVE)).parallel, seed=1234)
     results: dict[str, list[float] | None] = {}
     if ctx.world_size == 1:
         ctx = run(ctx, LLAMA, results, "llama")

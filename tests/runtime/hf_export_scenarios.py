@@ -9,21 +9,21 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
+from tests.scenario_helpers import LLAMA_STYLE, TINY  # noqa: E402
 
 # Tiny models, a few iterations at a high learning rate: norm gains and biases move away from their
 # initial ones and zeros, so a mapping that dropped or misplaced one would show in the logits. The
 # initialisation is 10x wider than megatron's default so that activations reach the range where
 # exact and tanh GELU, or two norm epsilons, differ by more than the test's tolerance.
-BASE = {"train_iters": 3, "eval_iters": 0, "progress": False, "global_batch_size": 4, "micro_batch_size": 2,
-        "seq_length": 32, "lr": 1e-2, "lr_decay_style": "constant", "num_layers": 2, "hidden_size": 64,
-        "num_attention_heads": 4, "init_method_std": 0.2}
-LLAMA = {"normalization": "RMSNorm", "swiglu": True, "group_query_attention": True, "num_query_groups": 2,
-         "position_embedding_type": "rope", "rotary_base": 500000, "disable_bias_linear": True,
-         "untie_embeddings_and_output_weights": True}
+BASE = {**TINY, "train_iters": 3, "global_batch_size": 4, "seq_length": 32, "lr": 1e-2, "lr_decay_style": "constant",
+        "num_layers": 2, "init_method_std": 0.2}
+LLAMA = {**LLAMA_STYLE, "rotary_base": 500000, "untie_embeddings_and_output_weights": True}
 MODELS = {
     "gpt": {},
     "llama": LLAMA,

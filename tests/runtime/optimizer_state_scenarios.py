@@ -13,25 +13,17 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")
-
-import torch.distributed as dist  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.runtime import distributed, optimizer  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
+from tests.scenario_helpers import CURVE, curve  # noqa: E402
 
-BASE = {"train_iters": 10, "eval_iters": 0, "progress": False, "global_batch_size": 8, "micro_batch_size": 2,
-        "lr_decay_style": "constant", "lr": 2e-3, "num_layers": 2, "hidden_size": 32,
-        "num_attention_heads": 2, "seq_length": 32}
+BASE = {**CURVE, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 32}
 DP2_DO = {"tensor_model_parallel_size": 1, "use_distributed_optimizer": True}
 TP2 = {"tensor_model_parallel_size": 2}
-
-
-def curve(trainer: Trainer) -> list[float]:
-    mine = [h["loss"] for h in trainer.history if h["kind"] == "train"] if trainer.ctx.is_logging_rank else None
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return next(c for c in out if c is not None)
 
 
 def build(ctx, values: dict) -> tuple[Trainer, distributed.DistContext]:

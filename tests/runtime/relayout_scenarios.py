@@ -7,10 +7,13 @@ is compared with a straight 20-iteration run. Results go to one JSON file.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 
 warnings.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import torch.distributed as dist  # noqa: E402
 
@@ -19,10 +22,10 @@ from megatron_ext.errors import UserError  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.extension import build_extensions  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
+from tests.scenario_helpers import TINY, from_logging_rank  # noqa: E402
 
 # Warm-up then cosine decay: the LR schedule's position must carry over too.
-BASE = {"train_iters": 20, "eval_iters": 0, "progress": False, "global_batch_size": 8, "micro_batch_size": 2,
-        "lr": 2e-3, "min_lr": 2e-4, "lr_warmup_iters": 3, "lr_decay_style": "cosine"}
+BASE = {**TINY, "train_iters": 20, "lr": 2e-3, "min_lr": 2e-4, "lr_warmup_iters": 3, "lr_decay_style": "cosine"}
 LAYOUTS = {"tp2pp2": (2, 2), "pp4": (1, 4), "pp2dp2": (1, 2), "tp2dp2": (2, 1), "pp2dp2_3+1": (1, 2, [3, 1]),
            "tp2pp2_1+3": (2, 2, [1, 3]), "pp2dp2_mb3+1": (1, 2, None, [3, 1])}
 
@@ -34,9 +37,7 @@ def losses(trainer: Trainer, iterations: int, extra_keys: list | None = None) ->
         mine.append(m.loss)
         if extra_keys is not None:
             extra_keys.append(sorted(m.extra))
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine if trainer.ctx.is_logging_rank else None)
-    return next(c for c in out if c is not None)
+    return from_logging_rank(trainer.ctx, mine)
 
 
 def trainer_for(ctx, layout: str, values: dict | None = None) -> tuple[Trainer, distributed.DistContext]:

@@ -11,27 +11,17 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")
-
-import torch.distributed as dist  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
-
-BASE = {"train_iters": 10, "eval_iters": 0, "progress": False, "global_batch_size": 8, "micro_batch_size": 2,
-        "lr_decay_style": "constant", "lr": 2e-3}
-
-
-def curve(trainer: Trainer) -> list[float]:
-    """Train losses of the run, gathered from the logging rank to every rank."""
-    mine = [h["loss"] for h in trainer.history if h["kind"] == "train"] if trainer.ctx.is_logging_rank else None
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return next(c for c in out if c is not None)
+from tests.scenario_helpers import CURVE, curve  # noqa: E402
 
 
 def run(ctx, values: dict, *, load: str | None = None) -> tuple[Trainer, list[float], distributed.DistContext]:
-    cfg = config_from_values({**BASE, **values})
+    cfg = config_from_values({**CURVE, **values})
     cfg.validate(ctx.world_size)
     ctx = distributed.relayout(ctx, tp=cfg.parallel.tensor_model_parallel_size,
                                pp=cfg.parallel.pipeline_model_parallel_size,
@@ -45,7 +35,7 @@ def run(ctx, values: dict, *, load: str | None = None) -> tuple[Trainer, list[fl
 
 def main() -> None:
     out_path, ckpt_root = sys.argv[1], sys.argv[2]
-    cfg = config_from_values(dict(BASE))
+    cfg = config_from_values(dict(CURVE))
     ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
     results: dict[str, list[float]] = {}
     tp2pp2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
