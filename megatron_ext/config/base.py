@@ -204,16 +204,27 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """Read a flat YAML mapping; keys normalised to underscores. Errors name the file."""
+    return load_yaml_node(path)[0]
+
+
+def load_yaml_node(path: str | os.PathLike) -> tuple[dict[str, Any], yaml.Node | None]:
+    """:func:`load_yaml`'s mapping and the node tree it was built from, from one read of the file:
+    the nodes keep each key's line (``start_mark``) for errors that name it."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist")
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            loader = yaml.SafeLoader(fh)   # what yaml.safe_load does, keeping the node
+            try:
+                root = loader.get_single_node()
+                data = None if root is None else loader.construct_document(root)
+            finally:
+                loader.dispose()
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if data is None:
-        return {}
+        return {}, root
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: top level must be a mapping of key: value, got {type(data).__name__}")
     out: dict[str, Any] = {}
@@ -222,7 +233,7 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
         if norm in out:
             raise ConfigError(f"{path}: key '{key}' given twice")
         out[norm] = value
-    return out
+    return out, root
 
 
 def build(cls: type, values: Mapping[str, Any], where: str) -> Any:

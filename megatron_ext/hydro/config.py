@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import yaml
 
-from megatron_ext.config.base import ConfigError, build, check_unknown, doc, field_names, load_yaml
+from megatron_ext.config.base import ConfigError, build, check_unknown, doc, field_names, load_yaml_node
 
 from .optim import OPTIMIZERS, TrialHParams
 from .schedule import LRSchedule
@@ -160,13 +160,9 @@ class HydroTuneConfig:
 _FIELD_INDEX = {f.name: i for i, f in enumerate(dataclasses.fields(HydroTuneConfig))}
 
 
-def key_lines(path: str) -> dict[str, int]:
-    """Line of each top-level key, and of each ``search_space`` / ``defaults`` entry (``name``)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            root = yaml.compose(fh)
-    except (OSError, yaml.YAMLError):
-        return {}
+def key_lines(root: yaml.Node | None) -> dict[str, int]:
+    """Line of each top-level key, and of each ``search_space`` / ``defaults`` entry (``name``), in
+    the node tree of the tune YAML (read once, by ``load_yaml_node``)."""
     out: dict[str, int] = {}
     if isinstance(root, yaml.MappingNode):
         for k, v in root.value:
@@ -189,9 +185,9 @@ def _with_line(exc: ConfigError, lines: Mapping[str, int], path: str) -> ConfigE
 def load_config(path: str | None, overrides: Mapping[str, Any] | None = None
                 ) -> tuple[HydroTuneConfig, dict[str, Param], TrialHParams, float]:
     """(config, search space, default hyperparameters, default dropout) from YAML + flag overrides."""
-    values: dict[str, Any] = load_yaml(path) if path else {}
+    values, root = load_yaml_node(path) if path else ({}, None)
     where = path or "flags"
-    lines = key_lines(path) if path else {}
+    lines = key_lines(root)
     check_unknown(values, field_names(HydroTuneConfig), where)
     for k, v in (overrides or {}).items():
         if v is not None:

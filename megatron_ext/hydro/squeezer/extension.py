@@ -23,6 +23,7 @@ from megatron_ext.config.run import section
 from megatron_ext.runtime.extension import Extension, IterationMetrics, register_extension
 
 if TYPE_CHECKING:  # pragma: no cover
+    from megatron_ext.hydro.config import HydroTuneConfig
     from megatron_ext.runtime.loop import Trainer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class SqueezeConfig:
                                   "YAML>/squeeze.", None)
 
     def __post_init__(self) -> None:
+        # The tune YAML, read once, here: the extension's setup takes it from this config.
+        self.tune: HydroTuneConfig | None = None
         if self.squeeze is None:
             return
         if not os.path.isfile(self.squeeze):
@@ -63,7 +66,7 @@ class SqueezeConfig:
                               "configs/tune_tiny.yaml)")
         from megatron_ext.hydro.config import load_config
 
-        tune = load_config(self.squeeze)[0]   # a bad tune YAML is reported now, with its file and line
+        self.tune = tune = load_config(self.squeeze)[0]   # a bad tune YAML is reported now, with its file and line
         if tune.resolved_storage() == "memory":
             raise ConfigError(f"--squeeze: {self.squeeze}: storage 'memory' cannot be shared by the guests of "
                               "several ranks; leave storage empty (SQLite in output_dir) or give a database URL")
@@ -110,13 +113,12 @@ class SqueezerExtension(Extension):
 
     # --- set-up ---------------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
-        from megatron_ext.hydro.config import load_config
         from megatron_ext.hydro.squeezer.safety import SlowdownMonitor
         from megatron_ext.pipeline.windows import BubbleWindows, WindowForecaster
 
         c = self.cfg
         self.tune_path = os.path.abspath(c.squeeze)
-        tune = load_config(self.tune_path)[0]
+        tune = c.tune
         self.study_name, self.storage = tune.study_name, tune.resolved_storage()
         self.dir = os.path.abspath(c.squeeze_dir or os.path.join(tune.output_dir, "squeeze"))
         self.timeline = self.deps["timeline"]
