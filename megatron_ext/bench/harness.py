@@ -230,7 +230,8 @@ class Report:
     and the CPU count (what a load average is measured against)."""
 
     bench: str
-    """the benchmark's name, the key of ``figures.BENCH_FILES`` (``bench_parallel``)."""
+    """the benchmark's name, its script's (``bench_parallel`` for tools/bench_parallel.py): the figures
+    check derives the files a kept figure depends on from it (``figures.derive_bench_files``)."""
     argv: Sequence[str] | None = None
     """the command line to record (default ``sys.argv``)."""
     load_before: list[float] | None = field(default=None, init=False)

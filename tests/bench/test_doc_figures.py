@@ -1,34 +1,107 @@
-"""Every figure kept in docs/figures/ names the commit it was measured on, and that commit has the
-last change to the files its benchmark exercises (megatron_ext/bench/figures.py BENCH_FILES); a
-figure without provenance is listed in docs/figures/UNVERSIONED.md with the reason."""
+"""Every figure kept in docs/figures/ names the commit it was measured on; one measured before a later
+change to the files its benchmark loads is stale, which the report lists and a doc quoting it says
+next to the quote (a generated mark); a figure without provenance is listed in
+docs/figures/UNVERSIONED.md with the reason."""
 from __future__ import annotations
 
 import glob
 import json
 import os
 import subprocess
+import textwrap
 
 import pytest
 
-from megatron_ext.bench.figures import BENCH_FILES, check_figures, has_history, last_change
+from megatron_ext.bench import figure_marks
+from megatron_ext.bench.figures import (LAUNCHED, READS, check_figures, derive_bench_files, has_history,
+                                        kept_figures, last_change, status_report, write_marks)
+from megatron_ext.bench.import_graph import entry_points, loaded_files, modules
 from tests.conftest import ROOT
 
 
-def test_every_kept_figure_is_current_or_listed_as_unversioned():
+def test_every_quote_of_a_stale_figure_in_the_docs_is_marked_and_the_report_prints():
     if not has_history(ROOT):
         pytest.skip(f"{ROOT} has no full git history (a tarball or a shallow clone): figure commits cannot be ordered")
-    problems = check_figures(ROOT)
-    assert not problems, "figures in docs/figures:\n" + "\n".join(problems)
+    report, problems = status_report(ROOT)
+    print(report)   # the stale figures and who quotes them: pytest -s shows it
+    assert not problems, "figures in docs/figures and their quotes (make figures-marks):\n" + "\n".join(problems)
 
 
-def test_every_benchmark_lists_the_files_it_exercises_and_they_exist():
+def test_every_benchmark_has_a_derived_file_list_and_every_path_exists():
     benches = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "tools", "bench_*.py")))
-    assert sorted(BENCH_FILES) == sorted([*benches, "gpu_check"])   # gpu_check --record keeps figures too
-    for bench, paths in BENCH_FILES.items():
+    files = derive_bench_files(ROOT)
+    assert sorted(files) == sorted([*benches, "gpu_check"])   # gpu_check --record keeps figures too
+    for bench, paths in files.items():
         assert f"tools/{bench}.py" in paths
         for p in paths:
-            if not p.startswith(":("):
-                assert os.path.exists(os.path.join(ROOT, p)), f"BENCH_FILES[{bench!r}] names {p}, which does not exist"
+            assert os.path.exists(os.path.join(ROOT, p)), f"{bench}'s files name {p}, which does not exist"
+
+
+def test_the_derived_lists_hold_what_the_hand_kept_one_missed():
+    files = derive_bench_files(ROOT)
+
+    def under(bench: str, prefix: str) -> bool:
+        return any(p == prefix or p.startswith(prefix + "/") for p in files[bench])
+
+    for prefix in ("megatron_ext/compat", "megatron_ext/data", "megatron_ext/engines.py", "megatron_ext/ft",
+                   "megatron_ext/helix", "megatron_ext/bench/harness.py", "megatron_ext/__init__.py"):
+        assert under("bench_helix", prefix), prefix
+    for prefix in ("megatron_ext/config", "megatron_ext/pipeline", "megatron_ext/cluster/data"):
+        assert under("bench_cluster", prefix), prefix
+    # a bench that launches pretrain_gpt.py runs every extension setup.py registers
+    extensions = [m.replace(".", "/") for m in entry_points(ROOT)["megatron_ext.extensions"]]
+    for bench in ("bench_parallel", "bench_relayout", "bench_squeezer", "bench_detector", "gpu_check"):
+        assert "pretrain_gpt.py" in files[bench]
+        for ext in extensions:
+            assert under(bench, ext + ".py") or under(bench, ext + "/__init__.py"), (bench, ext)
+        assert "deepspeed_patches/trainer.py" in files[bench]   # engines.py names it: --engine deepspeed
+    assert {"tools/relayout_live_worker.py", "megatron_ext/resihp/injection.py"} <= set(files["bench_relayout"])
+    assert {"tests/resihp/data", "tests/resilience/data", "docs/figures/resihp_relayout"} <= set(
+        files["bench_resilience"])
+
+
+def test_the_hand_kept_launches_and_reads_are_named_where_they_happen():
+    mods = {os.path.relpath(p, ROOT).replace(os.sep, "/") for p in modules(ROOT).values()}
+    for bench, paths in LAUNCHED.items():
+        source = open(os.path.join(ROOT, "tools", f"{bench}.py"), encoding="utf-8").read()
+        for p in paths:
+            assert os.path.exists(os.path.join(ROOT, p)), p
+            if p.endswith(".py"):
+                assert f'"{os.path.basename(p)}"' in source, f"tools/{bench}.py does not name {p}"
+    for module, paths in READS.items():
+        assert module in mods, module
+        assert all(os.path.exists(os.path.join(ROOT, p)) for p in paths), paths
+
+
+def test_the_figures_bookkeeping_is_on_no_benchmark_path():
+    # A change to how figures are checked changes no figure: megatron_ext.bench imports the harness only.
+    ours = {f"megatron_ext/bench/{m}.py" for m in ("figures", "figure_marks", "figure_reruns", "import_graph")}
+    for bench, paths in derive_bench_files(ROOT).items():
+        assert not ours & set(paths), bench
+
+
+def write(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_loaded_files_follows_imports_packages_names_and_entry_points(tmp_path):
+    write(tmp_path / "setup.py", 'setup(entry_points={"megatron_ext.plugins": ["p = megatron_ext.plug.one:X"]})\n')
+    write(tmp_path / "megatron_ext" / "__init__.py", "")
+    write(tmp_path / "megatron_ext" / "a" / "__init__.py", "from . import b\n")
+    write(tmp_path / "megatron_ext" / "a" / "b.py", "")
+    write(tmp_path / "megatron_ext" / "a" / "c.py", 'def f():\n    from megatron_ext.late import x\n')
+    write(tmp_path / "megatron_ext" / "a" / "unused.py", "")
+    write(tmp_path / "megatron_ext" / "late.py", 'TARGET = "megatron_ext.named:run"\n')
+    write(tmp_path / "megatron_ext" / "named.py", 'GROUP = "megatron_ext.plugins"\n')
+    write(tmp_path / "megatron_ext" / "plug" / "__init__.py", "")
+    write(tmp_path / "megatron_ext" / "plug" / "one.py", "")
+    write(tmp_path / "megatron_ext" / "plug" / "two.py", "")
+    write(tmp_path / "tools" / "bench_x.py", "import os\nfrom megatron_ext.a.c import f\n")
+    assert loaded_files(["tools/bench_x.py"], str(tmp_path)) == [
+        "megatron_ext/__init__.py", "megatron_ext/a/__init__.py", "megatron_ext/a/b.py", "megatron_ext/a/c.py",
+        "megatron_ext/late.py", "megatron_ext/named.py", "megatron_ext/plug/__init__.py",
+        "megatron_ext/plug/one.py", "tools/bench_x.py"]
 
 
 def git(repo, *args: str) -> str:
@@ -57,44 +130,69 @@ def repo(tmp_path):
 FILES = {"bench_toy": ["src", "tools_toy.py"]}
 
 
-def figure(repo, name: str, commit: str) -> None:
-    line = json.dumps({"speedup": 1.5, "bench": "bench_toy", "commit": commit, "dirty": False})
-    (repo / "docs" / "figures" / name).write_text("table row\n" + line + "\n")
+def figure(repo, name: str, commit: str, **extra) -> None:
+    line = json.dumps({"speedup": 1.5, "bench": "bench_toy", "commit": commit, "dirty": False, **extra})
+    write(repo / "docs" / "figures" / name, "table row\n" + line + "\n")
 
 
-def test_a_figure_older_than_a_change_to_its_files_fails_with_both_commits(repo):
+def stale_of(repo) -> dict[str, tuple[str, ...]]:
+    figures, problems = kept_figures(str(repo), bench_files=FILES)
+    assert problems == []
+    return {f.rel: f.changed_since for f in figures}
+
+
+def test_a_figure_older_than_a_change_to_its_files_is_stale_and_reported_not_a_problem(repo):
     measured = commit_all(repo, "measured here")
     figure(repo, "toy.txt", measured)
     commit_all(repo, "figure kept")
     (repo / "other.py").write_text("y = 2\n")  # not a file of bench_toy: the figure stays current
     commit_all(repo, "unrelated change")
-    assert check_figures(str(repo), bench_files=FILES) == []
+    assert stale_of(repo) == {"toy.txt": ()}
     (repo / "src" / "engine.py").write_text("x = 2\n")
     newer = commit_all(repo, "engine changed")
-    assert last_change(str(repo), FILES["bench_toy"]) == newer
-    assert check_figures(str(repo), bench_files=FILES) == [
-        f"docs/figures/toy.txt: bench_toy figure measured on commit {measured[:12]}, but commit {newer[:12]} "
-        f"changed its files since (src tools_toy.py); rerun tools/bench_toy.py and record it again"]
+    (repo / "src" / "engine.py").write_text("x = 3\n")
+    newest = commit_all(repo, "engine changed again")
+    assert last_change(str(repo), FILES["bench_toy"]) == newest
+    assert stale_of(repo) == {"toy.txt": (newer, newest)}
+    assert check_figures(str(repo), bench_files=FILES) == []   # quoted nowhere: nothing to mark
+    report, problems = status_report(str(repo), bench_files=FILES)
+    assert problems == []
+    assert report.splitlines()[:6] == [
+        "1 kept figures with provenance in docs/figures: 1 stale, 0 current.",
+        "Stale (a commit since the figure's changed its bench's files; a refactor leaves the figure true, a change "
+        "of behaviour needs `make figures`):",
+        f"  docs/figures/toy.txt  bench_toy, measured on {measured[:12]}",
+        f"    changed since in 2 commits: {newer[:12]}, {newest[:12]}",
+        "    files that differ now: src/engine.py",
+        "    quoted in: no doc"]
 
 
-def test_a_superseded_run_stays_on_file_without_failing_but_only_under_superseded(repo):
+def test_a_superseded_run_stays_on_file_unchecked_but_only_under_superseded(repo):
     measured = commit_all(repo, "measured here")
-    (repo / "docs" / "figures" / "superseded").mkdir()
     figure(repo, "superseded/toy_run1.txt", measured)
     figure(repo, "toy_run1.txt", measured)
     commit_all(repo, "figures kept")
     (repo / "src" / "engine.py").write_text("x = 2\n")
-    commit_all(repo, "engine changed")
-    problems = check_figures(str(repo), bench_files=FILES)
-    assert len(problems) == 1 and problems[0].startswith("docs/figures/toy_run1.txt: bench_toy figure measured"), problems
+    newer = commit_all(repo, "engine changed")
+    assert stale_of(repo) == {"toy_run1.txt": (newer,)}
 
 
-def test_a_figure_measured_on_the_newest_change_passes(repo):
+def test_a_figure_measured_on_the_newest_change_is_current(repo):
     (repo / "src" / "engine.py").write_text("x = 3\n")
     newest = commit_all(repo, "engine changed")
     figure(repo, "toy.txt", newest)
     commit_all(repo, "figure kept")  # a later commit that only adds the figure keeps it current
+    assert stale_of(repo) == {"toy.txt": ()}
     assert check_figures(str(repo), bench_files=FILES) == []
+
+
+def test_a_figure_measured_on_uncommitted_code_is_refused(repo):
+    measured = commit_all(repo, "measured here")
+    figure(repo, "toy.txt", measured, dirty=True)
+    assert check_figures(str(repo), bench_files=FILES) == [
+        f'docs/figures/toy.txt: bench_toy figure measured on commit {measured[:12]} with uncommitted changes '
+        f'("dirty": true): no commit holds the code it measured; rerun it from a clean clone (make figures) or '
+        f'move it under superseded/']
 
 
 def test_a_figure_without_provenance_must_be_listed_and_the_list_must_be_true(repo):
@@ -127,11 +225,10 @@ def test_a_table_kept_beside_its_json_line_takes_its_provenance(repo):
         'docs/figures/lone.txt: no provenance (no JSON line with "bench" and "commit") and not listed in '
         'docs/figures/UNVERSIONED.md; record it with a benchmark that uses megatron_ext.bench.harness.Report, '
         'or list it there with the reason']
+    (figs / "lone.txt").unlink()
     (repo / "src" / "engine.py").write_text("x = 2\n")
     newer = commit_all(repo, "engine changed")
-    stale = [p for p in check_figures(str(repo), bench_files=FILES) if "gpu_run" in p]
-    assert [p.split(":")[0] for p in stale] == ["docs/figures/gpu_run.json", "docs/figures/gpu_run.txt"]
-    assert all(f"but commit {newer[:12]} changed its files since" in p for p in stale)
+    assert stale_of(repo) == {"gpu_run.json": (newer,), "gpu_run.txt": (newer,)}
 
 
 def test_an_unknown_bench_or_commit_is_named(repo):
@@ -139,8 +236,8 @@ def test_an_unknown_bench_or_commit_is_named(repo):
     (repo / "docs" / "figures" / "a.txt").write_text(json.dumps({"bench": "bench_nope", "commit": "0" * 40}) + "\n")
     (repo / "docs" / "figures" / "b.txt").write_text(json.dumps({"bench": "bench_toy", "commit": "1" * 40}) + "\n")
     problems = check_figures(str(repo), bench_files=FILES)
-    assert problems[0] == ("docs/figures/a.txt: bench 'bench_nope' has no entry in megatron_ext/bench/figures.py "
-                           "BENCH_FILES (known: bench_toy)")
+    assert problems[0] == ("docs/figures/a.txt: bench 'bench_nope' is not a benchmark of this repository (known: "
+                           "bench_toy); a figure's \"bench\" names the tools/<bench>.py that measured it")
     assert problems[1].startswith("docs/figures/b.txt: bench_toy figure's commit 111111111111 is not in this "
                                   "repository's history")
     assert len(problems) == 2
@@ -148,3 +245,128 @@ def test_an_unknown_bench_or_commit_is_named(repo):
 
 def test_no_history_is_detected(tmp_path):
     assert not has_history(str(tmp_path))
+
+
+DOC = """\
+# Toy
+
+The run is kept in [figures/toy.txt](figures/toy.txt): speedup 1.5,
+measured on a quiet host.
+
+Next paragraph.
+"""
+
+
+def stale_toy(repo) -> tuple[str, str]:
+    """A figure toy.txt measured on one commit, and a later commit that changed its bench's files."""
+    measured = commit_all(repo, "measured here")
+    figure(repo, "toy.txt", measured)
+    write(repo / "docs" / "toy.md", DOC)
+    commit_all(repo, "figure kept, quoted")
+    (repo / "src" / "engine.py").write_text("x = 2\n")
+    return measured, commit_all(repo, "engine changed")
+
+
+def test_a_quoted_stale_figure_without_its_mark_fails_and_marks_are_written_once(repo):
+    measured, newer = stale_toy(repo)
+    assert check_figures(str(repo), bench_files=FILES) == [
+        f"docs/toy.md:3: quotes docs/figures/toy.txt, a stale figure (measured on {measured[:12]}; 1 commit(s) "
+        f"changed its bench's files since, the first {newer[:12]}), without a stale mark after the block; run "
+        f"make figures-marks, or measure it again: make figures"]
+    assert write_marks(str(repo), bench_files=FILES) == ["docs/toy.md"]
+    assert (repo / "docs" / "toy.md").read_text() == DOC.replace("measured on a quiet host.\n", (
+        f"measured on a quiet host.\n"
+        f"<!-- stale-figure toy.txt {measured[:12]} -->\n"
+        f"_Stale figure: `toy.txt` was measured on {measured[:12]}; code on its path changed since "
+        f"({newer[:12]}). `make figures` measures it again._\n"))
+    assert check_figures(str(repo), bench_files=FILES) == []
+    assert write_marks(str(repo), bench_files=FILES) == []      # idempotent
+    report, _ = status_report(str(repo), bench_files=FILES)
+    assert "    quoted in: docs/toy.md:3" in report.splitlines()
+
+
+def test_the_mark_lists_the_commits_since_and_a_new_one_updates_it_without_failing(repo):
+    measured, newer = stale_toy(repo)
+    write_marks(str(repo), bench_files=FILES)
+    commit_all(repo, "marks")
+    later = []
+    for x in range(3, 6):
+        (repo / "src" / "engine.py").write_text(f"x = {x}\n")
+        later.append(commit_all(repo, f"engine changed to {x}"))
+    assert check_figures(str(repo), bench_files=FILES) == []   # the mark is still true
+    assert write_marks(str(repo), bench_files=FILES) == ["docs/toy.md"]
+    assert (f"code on its path changed since ({newer[:12]}, {later[0][:12]}, {later[1][:12]} and 1 more)"
+            in (repo / "docs" / "toy.md").read_text())
+
+
+def test_a_mark_next_to_a_current_figure_fails_and_is_removed(repo):
+    measured, newer = stale_toy(repo)
+    write_marks(str(repo), bench_files=FILES)
+    figure(repo, "toy.txt", newer)      # measured again on the newest change: current
+    commit_all(repo, "measured again")
+    assert check_figures(str(repo), bench_files=FILES) == [
+        "docs/toy.md:5: a stale mark for toy.txt, but the figure is current (measured after the last change to its "
+        "bench's files); run make figures-marks"]
+    assert write_marks(str(repo), bench_files=FILES) == ["docs/toy.md"]
+    assert (repo / "docs" / "toy.md").read_text() == DOC
+
+
+def test_a_mark_must_name_the_figures_commit_and_sit_after_a_quote(repo):
+    measured, newer = stale_toy(repo)
+    write_marks(str(repo), bench_files=FILES)
+    doc = repo / "docs" / "toy.md"
+    marked = doc.read_text()
+    doc.write_text(marked.replace(f"toy.txt {measured[:12]}", "toy.txt 0123456789ab"))
+    assert check_figures(str(repo), bench_files=FILES) == [
+        f"docs/toy.md:5: the stale mark of toy.txt says measured on 0123456789ab, but the figure was measured on "
+        f"{measured[:12]}; run make figures-marks"]
+    mark = marked.split("\n")[4:6]
+    doc.write_text(marked + "\n".join(mark) + "\n")     # a second copy after "Next paragraph."
+    assert check_figures(str(repo), bench_files=FILES) == [
+        "docs/toy.md:9: a stale mark for toy.txt, but no block before it quotes that figure; run make figures-marks"]
+    write_marks(str(repo), bench_files=FILES)
+    assert doc.read_text() == marked
+
+
+def test_a_quoted_path_that_does_not_exist_fails(repo):
+    commit_all(repo, "start")
+    write(repo / "docs" / "toy.md", "See `docs/figures/gone.txt` and [this](figures/bench_x/).\n")
+    (repo / "docs" / "figures" / "bench_x").mkdir()
+    assert check_figures(str(repo), bench_files=FILES) == [
+        "docs/toy.md:1: quotes docs/figures/gone.txt, which does not exist"]
+
+
+def test_marks_go_after_the_block_that_quotes_in_lists_tables_and_code():
+    class Stale:
+        def __init__(self, commit: str) -> None:
+            self.commit, self.changed_since = commit, ["c" * 40]
+
+    text = textwrap.dedent("""\
+        1. First item quotes [a](figures/a.txt)
+           and goes on.
+        2. Second item.
+
+        | run | record |
+        |---|---|
+        | 1 | [b](figures/b.txt) |
+        | 2 | [a](figures/superseded/a.txt) |
+
+        ```
+        cat docs/figures/b.txt
+        ```
+        Both: figures/b.txt, figures/a.txt, and a current one: figures/c.txt.
+        """)
+
+    def mark(indent: str, rel: str, commit: str) -> str:
+        return (f"{indent}<!-- stale-figure {rel} {commit * 12} -->\n{indent}_Stale figure: `{rel}` was measured on "
+                f"{commit * 12}; code on its path changed since ({'c' * 12}). `make figures` measures it again._\n")
+
+    marked = figure_marks.marked_text(text, "docs/figures", {"a.txt": Stale("a" * 40), "b.txt": Stale("b" * 40)})
+    assert marked == (
+        "1. First item quotes [a](figures/a.txt)\n   and goes on.\n" + mark("   ", "a.txt", "a") +
+        "2. Second item.\n\n| run | record |\n|---|---|\n| 1 | [b](figures/b.txt) |\n"
+        "| 2 | [a](figures/superseded/a.txt) |\n" + mark("", "b.txt", "b") +
+        "\n```\ncat docs/figures/b.txt\n```\n" + mark("", "b.txt", "b") +
+        "Both: figures/b.txt, figures/a.txt, and a current one: figures/c.txt.\n" + mark("", "a.txt", "a") +
+        mark("", "b.txt", "b"))
+    assert figure_marks.marked_text(marked, "docs/figures", {}) == text
