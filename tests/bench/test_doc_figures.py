@@ -1,19 +1,21 @@
 """Every figure kept in docs/figures/ names the commit it was measured on; one measured before a later
 change to the files its benchmark loads is stale, which the report lists and a doc quoting it says
 next to the quote (a generated mark); a figure without provenance is listed in
-docs/figures/UNVERSIONED.md with the reason."""
+docs/figures/UNVERSIONED.md with the reason; ``make figures`` measures the stale ones again."""
 from __future__ import annotations
 
 import glob
 import json
 import os
 import subprocess
+import sys
 import textwrap
 
 import pytest
 
 from megatron_ext.bench import figure_marks
-from megatron_ext.bench.figures import (LAUNCHED, READS, check_figures, derive_bench_files, has_history,
+from megatron_ext.bench.figure_reruns import MANUAL, Rerun, format_plan, new_names, plan_reruns, rerun
+from megatron_ext.bench.figures import (LAUNCHED, READS, Figure, check_figures, derive_bench_files, has_history,
                                         kept_figures, last_change, status_report, write_marks)
 from megatron_ext.bench.import_graph import entry_points, loaded_files, modules
 from tests.conftest import ROOT
@@ -370,3 +372,150 @@ def test_marks_go_after_the_block_that_quotes_in_lists_tables_and_code():
         "Both: figures/b.txt, figures/a.txt, and a current one: figures/c.txt.\n" + mark("", "a.txt", "a") +
         mark("", "b.txt", "b"))
     assert figure_marks.marked_text(marked, "docs/figures", {}) == text
+
+
+def fig(bench: str, path: str, command: str, stale: bool = True) -> Figure:
+    return Figure(path=f"docs/figures/{path}", rel=path, bench=bench, commit="a" * 40, command=command,
+                  changed_since=("b" * 40,) if stale else ())
+
+
+def test_the_plan_is_one_run_per_recorded_command_benches_in_order_default_first():
+    figures = [
+        fig("bench_relayout", "bench_relayout/run_1_pp2.txt", "python tools/bench_relayout.py --live-parts pp2"),
+        fig("bench_relayout", "bench_relayout/run_1.txt", "python tools/bench_relayout.py"),
+        fig("bench_cluster", "bench_cluster/run_1.txt", "python tools/bench_cluster.py", stale=False),
+        fig("bench_parallel", "bench_parallel/run_1c.txt", "python tools/bench_parallel.py"),
+        fig("bench_parallel", "bench_parallel/run_1b.txt", "python tools/bench_parallel.py"),
+        fig("gpu_check", "gpu/g.json", "python tools/gpu_check.py --record"),
+        fig("gpu_check", "gpu/g.txt", "python tools/gpu_check.py --record"),
+        fig("bench_helix", "bench_helix/run_1.txt", "torchrun tools/bench_helix.py"),
+    ]
+    assert plan_reruns(figures) == [
+        Rerun("bench_helix", "torchrun tools/bench_helix.py", ("docs/figures/bench_helix/run_1.txt",),
+              "the recorded command 'torchrun tools/bench_helix.py' does not start with `python "
+              "tools/bench_helix.py`"),
+        Rerun("bench_parallel", "python tools/bench_parallel.py",
+              ("docs/figures/bench_parallel/run_1b.txt", "docs/figures/bench_parallel/run_1c.txt")),
+        Rerun("bench_relayout", "python tools/bench_relayout.py", ("docs/figures/bench_relayout/run_1.txt",)),
+        Rerun("bench_relayout", "python tools/bench_relayout.py --live-parts pp2",
+              ("docs/figures/bench_relayout/run_1_pp2.txt",)),
+        Rerun("gpu_check", "python tools/gpu_check.py --record", ("docs/figures/gpu/g.json", "docs/figures/gpu/g.txt"),
+              MANUAL["gpu_check"]),
+    ]
+    assert Rerun("b", "python tools/b.py --x 'a b'", ()).argv("/py") == ["/py", "tools/b.py", "--x", "a b"]
+    assert format_plan(plan_reruns(figures[1:2])) == (
+        "1 run, one after another, each from a clean clone of HEAD:\n"
+        "  1. python tools/bench_relayout.py\n"
+        "       replaces docs/figures/bench_relayout/run_1.txt")
+
+
+def test_a_new_run_is_named_by_the_day_with_the_old_suffix_and_one_free_letter_per_bench(tmp_path):
+    for name in ("run_20261204b.txt", "run_20261204b_tuned.txt", "superseded/run_20261210_tuned.txt",
+                 "bench_live_run1.txt", "run_20261204.txt"):
+        write(tmp_path / "docs" / "figures" / "b" / name, "")
+    default = Rerun("b", "python tools/b.py", ("docs/figures/b/run_20261204b.txt",))
+    tuned = Rerun("b", "python tools/b.py --tuned", ("docs/figures/b/run_20261204b_tuned.txt",))
+    live = Rerun("c", "python tools/c.py", ("docs/figures/c/bench_live_run1.txt",))
+    # run_20261210_tuned.txt is an old run's name (superseded): both of b's runs take the letter b
+    assert new_names([default, tuned, live], str(tmp_path), "20261210") == {
+        default: "docs/figures/b/run_20261210b.txt", tuned: "docs/figures/b/run_20261210b_tuned.txt",
+        live: "docs/figures/c/run_20261210_bench_live_run1.txt"}
+    # measured again on a day that has runs: the next free letter
+    assert new_names([default], str(tmp_path), "20261204") == {default: "docs/figures/b/run_20261204c.txt"}
+
+
+BENCH = '''\
+import json, os, subprocess, sys
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True).stdout.strip()
+sys.path.insert(0, root)
+from src.engine import x
+print("toy table: x =", x)
+print(json.dumps({"x": x, "bench": "bench_toy", "commit": git("rev-parse", "HEAD"),
+                  "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+                  "command": " ".join(["python", "tools/bench_toy.py", *sys.argv[1:]])}))
+'''
+
+
+def test_make_figures_reruns_a_stale_bench_in_a_clean_clone_and_supersedes_the_old_run(repo):
+    files = {"bench_toy": ["tools/bench_toy.py", "src"]}
+    write(repo / "tools" / "bench_toy.py", BENCH)
+    measured = commit_all(repo, "bench")
+    figure(repo, "bench_toy/run_20261201.txt", measured)
+    write(repo / "docs" / "toy.md", "Kept in [figures/bench_toy/run_20261201.txt](figures/bench_toy/"
+                                    "run_20261201.txt): x = 1.\n\nNext.\n")
+    commit_all(repo, "figure kept")
+    (repo / "src" / "engine.py").write_text("x = 2\n")
+    head = commit_all(repo, "engine changed")
+    write_marks(str(repo), bench_files=files)
+    (repo / "other.py").write_text("uncommitted\n")           # the clone does not see it
+    figures, _ = kept_figures(str(repo), bench_files=files)
+    plan = plan_reruns(figures)
+    assert plan == [Rerun("bench_toy", "python tools/bench_toy.py", ("docs/figures/bench_toy/run_20261201.txt",))]
+    logged = []
+    assert rerun(str(repo), plan, python=sys.executable, today="20261210", bench_files=files,
+                 log=logged.append) == []
+    new = (repo / "docs" / "figures" / "bench_toy" / "run_20261210.txt").read_text()
+    assert new.splitlines()[0] == "toy table: x = 2"
+    assert json.loads(new.splitlines()[-1])["commit"] == head
+    assert (repo / "docs" / "figures" / "bench_toy" / "superseded" / "run_20261201.txt").exists()
+    assert not (repo / "docs" / "figures" / "bench_toy" / "run_20261201.txt").exists()
+    assert (repo / "docs" / "toy.md").read_text() == (
+        "Kept in [figures/bench_toy/superseded/run_20261201.txt](figures/bench_toy/superseded/run_20261201.txt): "
+        "x = 1.\n"
+        f"<!-- figure-rerun bench_toy/superseded/run_20261201.txt bench_toy/run_20261210.txt {head[:12]} -->\n"
+        f"_Rerun: `bench_toy/run_20261210.txt` (measured on {head[:12]}) replaces "
+        f"`bench_toy/superseded/run_20261201.txt`; the figures quoted above are the earlier run's until this text "
+        f"quotes the new one (then delete this mark)._\n\nNext.\n")
+    assert logged[0] == f"running python tools/bench_toy.py in a clone of {head[:12]}"
+    assert check_figures(str(repo), bench_files=files) == []
+    assert stale_of_files(repo, files) == {"bench_toy/run_20261210.txt": ()}
+    # the person updating the text quotes the new run and deletes the mark: a mark left behind fails
+    doc = repo / "docs" / "toy.md"
+    doc.write_text(doc.read_text().replace("figures/bench_toy/superseded/run_20261201.txt",
+                                           "figures/bench_toy/run_20261210.txt"))
+    assert check_figures(str(repo), bench_files=files) == [
+        "docs/toy.md:2: the rerun mark of bench_toy/superseded/run_20261201.txt: the doc no longer quotes it; "
+        "delete the mark"]
+
+
+def stale_of_files(repo, files) -> dict[str, tuple[str, ...]]:
+    figures, problems = kept_figures(str(repo), bench_files=files)
+    assert problems == []
+    return {f.rel: f.changed_since for f in figures}
+
+
+def test_a_failed_rerun_keeps_the_old_figure_and_says_why(repo):
+    files = {"bench_toy": ["tools/bench_toy.py", "src"]}
+    write(repo / "tools" / "bench_toy.py", "import sys\nprint('half a table')\nsys.exit('toy bench broke')\n")
+    measured = commit_all(repo, "bench")
+    figure(repo, "bench_toy/run_20261201.txt", measured)
+    (repo / "src" / "engine.py").write_text("x = 2\n")
+    head = commit_all(repo, "engine changed")
+    plan = [Rerun("bench_toy", "python tools/bench_toy.py", ("docs/figures/bench_toy/run_20261201.txt",))]
+    assert rerun(str(repo), plan, today="20261210", bench_files=files, log=lambda _: None) == [
+        f"python tools/bench_toy.py: exit 1 in a clone of {head[:12]}; the old figures stay. Its stderr ended:\n"
+        f"toy bench broke"]
+    assert sorted(os.listdir(repo / "docs" / "figures" / "bench_toy")) == ["run_20261201.txt"]
+
+
+def test_the_command_line_reports_writes_the_marks_and_plans(repo, capsys):
+    from tools import figures as cli
+
+    write(repo / "tools" / "bench_toy.py", "print('v1')\n")
+    measured = commit_all(repo, "bench")
+    figure(repo, "bench_toy/run_20261201.txt", measured)
+    write(repo / "docs" / "toy.md", "See figures/bench_toy/run_20261201.txt.\n")
+    commit_all(repo, "figure kept")
+    write(repo / "tools" / "bench_toy.py", "print('v2')\n")    # the bench's files derived: the script itself
+    commit_all(repo, "bench changed")
+    assert cli.main(["--root", str(repo), "status"]) == 1
+    assert "    quoted in: docs/toy.md:1 (NOT MARKED)" in capsys.readouterr().out.splitlines()
+    assert cli.main(["--root", str(repo), "marks"]) == 0
+    assert capsys.readouterr().out == "marks rewritten: docs/toy.md\nevery quote of a stale figure is marked\n"
+    assert cli.main(["--root", str(repo), "status"]) == 0
+    capsys.readouterr()
+    assert cli.main(["--root", str(repo), "rerun", "--dry-run"]) == 0
+    assert capsys.readouterr().out == ("1 run, one after another, each from a clean clone of HEAD:\n"
+                                       "  1. python tools/bench_toy.py\n"
+                                       "       replaces docs/figures/bench_toy/run_20261201.txt\n")
