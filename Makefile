@@ -2,6 +2,9 @@
 # make test  - install into .venv if needed, then run the test suite (what CI runs)
 # make test-fast  - the inner loop: every test but the multi-rank and Slurm ones (~2 min on 2 cores)
 # make gpu-check [ARGS=--record]  - the prepared GPU check (tools/gpu_check.py); skips without CUDA
+# make figures-status  - which kept figures in docs/figures are stale, and the docs quoting them
+# make figures-marks  - write the stale marks next to the docs' quotes of stale figures
+# make figures [ARGS=--dry-run]  - rerun the stale benches one after another from clean clones of HEAD (an hour+)
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +12,7 @@ STAMP  := $(VENV)/.installed
 NPROC  ?= 4
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast bench clean-demo gpu-check
+.PHONY: setup demo test test-fast bench clean-demo gpu-check figures-status figures-marks figures
 
 setup: $(STAMP)
 
@@ -72,6 +75,21 @@ test-fast: setup
 
 bench: setup
 	$(PY) tools/bench_parallel.py
+
+# docs/benchmarks.md, "Figures kept in docs/figures". A stale figure is one measured before a
+# later commit changed a file its bench loads; a doc quoting one carries a generated mark, which
+# figures-marks adds, updates and removes (the figures test fails where one is missing or untrue).
+# `figures` measures the stale ones again, each bench with the command its figure recorded, one
+# after another (they share the cores), then moves the old runs under superseded/ and rewrites the
+# marks; the benches' ranks take one intra-op thread each, as in the tests.
+figures-status: setup
+	@$(PY) tools/figures.py status
+
+figures-marks: setup
+	@$(PY) tools/figures.py marks
+
+figures: setup
+	$(TEST_ENV) $(PY) tools/figures.py rerun $(ARGS)
 
 # No `setup` prerequisite: inside the Docker image (or any CUDA environment) the system Python
 # already holds the CUDA build of torch, which a fresh venv would not see. The first of the venv

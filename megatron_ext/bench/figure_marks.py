@@ -76,12 +76,14 @@ def _read(root: str, doc: str) -> str:
 
 
 def _split(text: str) -> _Doc:
-    """The doc's lines with the stale marks taken out, and the marks."""
+    """The doc's lines with the stale marks taken out, and the marks (a mark shown inside a code
+    block, as docs/benchmarks.md shows one, is text)."""
     raw = text.split("\n")
+    fenced = _fences(raw)
     out = _Doc([], [], [])
     i = 0
     while i < len(raw):
-        m = STALE.match(raw[i])
+        m = None if i in fenced else STALE.match(raw[i])
         if m:
             visible = i + 1 < len(raw) and bool(STALE_LINE.match(raw[i + 1]))
             out.marks.append(_Mark(len(out.lines) - 1, m["rel"], m["commit"], i + 1, visible))
@@ -262,8 +264,9 @@ def check_doc(root: str, doc: str, figures_dir: str, stale: Mapping[str, StaleFi
 def _check_reruns(root: str, doc: str, figures_dir: str, d: _Doc) -> list[str]:
     problems = []
     quotes = {rel for line in d.lines for rel in quoted(line, figures_dir)}
+    fenced = _fences(d.lines)
     for i, line in enumerate(d.lines):
-        m = RERUN.match(line)
+        m = None if i in fenced else RERUN.match(line)
         if not m:
             continue
         where = f"{doc}:{d.line_no[i]}: the rerun mark of {m['old']}"

@@ -372,6 +372,8 @@ def test_marks_go_after_the_block_that_quotes_in_lists_tables_and_code():
         "Both: figures/b.txt, figures/a.txt, and a current one: figures/c.txt.\n" + mark("", "a.txt", "a") +
         mark("", "b.txt", "b"))
     assert figure_marks.marked_text(marked, "docs/figures", {}) == text
+    shown = "```\n" + mark("", "a.txt", "a") + "```\n"       # a mark shown in a code block is text
+    assert figure_marks.marked_text(shown, "docs/figures", {}) == shown
 
 
 def fig(bench: str, path: str, command: str, stale: bool = True) -> Figure:
