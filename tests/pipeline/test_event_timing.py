@@ -117,7 +117,8 @@ def test_timeline_extension_picks_the_recorder_timing_of_its_device(device, timi
 
     monkeypatch.setattr(events_mod, "EventRecorder", Spy)
     trainer = types.SimpleNamespace(
-        ctx=types.SimpleNamespace(device=device, vpp=None), schedule_name="1f1b", layout_change=None,
+        ctx=types.SimpleNamespace(device=device, backend="nccl" if device.type == "cuda" else "gloo", vpp=None),
+        schedule_name="1f1b", layout_change=None,
         install_recorder=lambda recorder: RecorderHooks(new_iteration=lambda: None, uninstall=lambda: None),
         cfg=types.SimpleNamespace(training=types.SimpleNamespace(train_iters=1)))
     ext = TimelineExtension(TimelineConfig(timeline=True))
