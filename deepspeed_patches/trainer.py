@@ -29,7 +29,7 @@ from megatron_ext.runtime import distributed
 from megatron_ext.ft import store as store_lib
 from megatron_ext.ft.target import LayoutTarget
 from megatron_ext.runtime.distributed import DistContext
-from megatron_ext.runtime.layout import Layout
+from megatron_ext.layout import Layout
 from megatron_ext.runtime.loop import RecorderHooks, Trainer
 from megatron_ext.runtime.model import padded_vocab_size
 from megatron_ext.runtime.optimizer import _param_groups, build_scheduler
@@ -100,9 +100,9 @@ def setup_distributed(parallel: ParallelConfig, *, seed: int, timeout_s: float =
     ds_logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     torch.manual_seed(seed)
-    layout = Layout.from_world(world, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
-                       layout=layout, vpp=None, store_addr=store_lib.address_from_env(), timeout_s=timeout_s)
+                       layout=parallel.launch_layout(world), store_addr=store_lib.address_from_env(),
+                       timeout_s=timeout_s)
 
 
 def teardown() -> None:
@@ -249,11 +249,8 @@ class DeepSpeedTrainer(Trainer):
         self.check_target(target)
         self._drop_engine()
         if generation is None:
-            return dataclasses.replace(self.ctx, layout=Layout.from_world(self.ctx.world_size, target.tp, target.pp),
-                                       vpp=None)
-        ctx = distributed.new_world(self.ctx, members=list(target.members), tp=target.tp, pp=target.pp,
-                                    store_addr=store_addr,
-                                    generation=generation)
+            return dataclasses.replace(self.ctx, layout=target)
+        ctx = distributed.new_world(self.ctx, layout=target, store_addr=store_addr, generation=generation)
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=ctx.backend, verbose=False)
@@ -271,7 +268,7 @@ class DeepSpeedTrainer(Trainer):
         vocab = padded_vocab_size(self.splits.tokenizer.vocab_size, tp)
         before = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
         self.model = build_gpt_pipeline(cfg.model, vocab_size=vocab, num_stages=ctx.layout.pp, seed=t.seed,
-                                        std=cfg.model.init_method_std, stage_layers=cfg.parallel.pipeline_stage_layers,
+                                        std=cfg.model.init_method_std, stage_layers=ctx.layout.stage_layers,
                                         tensor_parallel=tp, sequence_parallel=cfg.parallel.sequence_parallel)
         grid = self.model._grid
         got = (grid.get_stage_id(), grid.get_data_parallel_rank(), grid.get_slice_parallel_rank())

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_ext.layout import Layout
+
 JOB_DEVICE = torch.device("meta")
 
 
@@ -111,8 +113,7 @@ def test_the_loops_loss_is_reduced_over_data_parallel_ranks_on_the_jobs_device(s
     from megatron_ext.runtime.loop import Trainer
 
     trainer = Trainer.__new__(Trainer)    # only what the loss reduction reads
-    trainer.cfg = types.SimpleNamespace(parallel=types.SimpleNamespace(data_parallel_microbatches=None))
-    trainer.ctx = types.SimpleNamespace(is_last_stage=True, layout=types.SimpleNamespace(dp=2),
+    trainer.ctx = types.SimpleNamespace(is_last_stage=True, layout=Layout(1, 1, 2),
                                         pgs=types.SimpleNamespace(dp=None), device=JOB_DEVICE, backend="nccl")
     with pytest.raises(AtCollective):
         trainer._reduce_loss([{"lm loss": torch.tensor(2.0)}])

@@ -41,7 +41,7 @@ def test_config_imports_nothing_from_runtime():
 # Bottom to top; docs/architecture.md draws the same picture.
 LAYERS = (
     ("errors",),                                    # the user-error types every layer raises
-    ("engines", "models", "data", "compat"),        # pure descriptions, the data pipeline, CPU shims
+    ("engines", "models", "layout", "data", "compat"),  # pure descriptions, the data pipeline, CPU shims
     ("config",),                                    # flags + YAML -> RunConfig
     ("runtime", "ft", "pipeline"),                  # the training job: parts, fault tolerance, events
     ("helix", "resihp", "hydro", "cluster", "convert", "deepspeed_patches"),  # extensions, engines, tools

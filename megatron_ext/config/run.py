@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from megatron_ext.config.base import (ArgumentParser, ConfigError, add_flags, build, check_unknown, doc,
                                       field_names, load_yaml, renamed_keys, renames)
 from megatron_ext.engines import engine
+from megatron_ext.layout import Layout, check_divides
 from megatron_ext.models.families import swiglu_ffn_hidden_size
 
 _SECTIONS: dict[str, type] = {}
@@ -244,6 +245,20 @@ class ParallelConfig:
         if (vpp or 1) > 1:
             spec.refuse("virtual_pipeline")
 
+    def launch_layout(self, world_size: int) -> Layout:
+        """The layout this launch request asks for over ``world_size`` ranks (members
+        ``0..world-1``); ``ConfigError`` where TP x PP does not divide the world. The request is
+        never rewritten: after launch the job reads its context's layout (``DistContext.layout``),
+        which a live re-layout replaces."""
+        stages, mbs = self.pipeline_stage_layers, self.data_parallel_microbatches
+        try:
+            return Layout.from_world(world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                                     vp=self.virtual_pipeline_model_parallel_size or 1,
+                                     stage_layers=tuple(stages) if stages else None,
+                                     replica_microbatches=tuple(mbs) if mbs else None)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
 
 @section("training")
 @dataclasses.dataclass(kw_only=True)
@@ -401,10 +416,10 @@ class RunConfig:
         """Checks that need the world size; raise before any model is built."""
         tp = self.parallel.tensor_model_parallel_size
         pp = self.parallel.pipeline_model_parallel_size
-        if world_size % (tp * pp):
-            raise ConfigError(
-                f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-                f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
+        try:
+            check_divides(world_size, tp, pp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         dp = world_size // (tp * pp)
         vpp = self.parallel.virtual_pipeline_model_parallel_size or 1
         stages = self.parallel.pipeline_stage_layers

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from megatron_ext.errors import UserError
 from megatron_ext.ft.target import LayoutTarget, check
-from megatron_ext.runtime.layout import Layout
+from megatron_ext.layout import Layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_ext.ft.protocol import TrainerLike
@@ -22,7 +22,7 @@ def keep_shape(trainer: "TrainerLike", devices: list[int], lost: list[int], caus
                ) -> tuple[LayoutTarget, str] | str:
     """The core's ``Chooser``: a target over ``devices`` (launch ranks: survivors, then invited
     spares) and its one-line reason, or why the job cannot continue."""
-    current = LayoutTarget.current(trainer.cfg.parallel, trainer.ctx.members)
+    current = trainer.ctx.layout
     launch = trainer.ft.launch_target() if cause == "grow" and getattr(trainer, "ft", None) is not None else None
     shapes = ([("the launch layout", launch)] if launch is not None else []) + [("the current shape", current)]
     refusals = []

@@ -208,7 +208,7 @@ class FaultTolerance:
         if not self.stable:
             self.stable = dict(self.members)
         if ctx.generation == 0:  # the layout the job was launched with (a rejoin may go back to it)
-            launch = LayoutTarget.current(trainer.cfg.parallel, ctx.members)
+            launch = ctx.layout
             store_lib.job_keys(self.base, "job").compare_set("launch", "", json.dumps(launch.to_dict()))
         self.round = max(self.round, ctx.generation)
         self.ledger = CommitLedger(store_lib.generation(self.base, ctx.generation, "commit"),
@@ -646,7 +646,7 @@ class FaultTolerance:
             return {"restart": choice, "lost": lost, "leader": self.member}
         target, plan = choice
         if cause == "grow" and tuple(target.members) == tuple(self.members) and \
-                target.normalised() == LayoutTarget.current(trainer.cfg.parallel, self.members).normalised():
+                target.normalised() == trainer.ctx.layout.normalised():
             return {"unchanged": True, "arrivals_seen": arrivals, "plan": "the replacement does not improve the layout"}
         try:
             trainer.check_target(target)
@@ -656,10 +656,10 @@ class FaultTolerance:
             return {"restart": f"the planned layout cannot run: {exc}", "lost": lost, "leader": self.member}
         incarnations = {**{m: expected.get(m, 0) for m in survivors}, **spares}
         rolled = [i.get("rolled_back") for m, i in joined.items() if m in survivors and i.get("rolled_back")]
-        par = trainer.cfg.parallel
+        lay = trainer.ctx.layout
         return {"target": target.to_dict(), "cause": cause, "plan": plan,
-                "old_members": list(self.members), "old_tp": par.tensor_model_parallel_size,
-                "old_pp": par.pipeline_model_parallel_size, "old_name": trainer.layout_name(),
+                "old_members": list(self.members), "old_tp": lay.tp, "old_pp": lay.pp,
+                "old_name": trainer.layout_name(),
                 "iteration": base["iteration"], "consumed_samples": base["consumed_samples"],
                 "scheduler": base["scheduler"], "incarnations": {str(k): v for k, v in incarnations.items()},
                 "lost": lost, "lost_why": {str(m): w for m, w in {**self.lost(self.stable), **self.lost()}.items()
@@ -791,10 +791,9 @@ class FaultTolerance:
 def planned_change(trainer: "TrainerLike", target: LayoutTarget, *, reason: str, held: HeldState,
                    generation: int | None, store_addr: str | None) -> Change:
     """A planned re-layout of every rank (nobody lost or joining), from the layout in force."""
-    par = trainer.cfg.parallel
+    lay = trainer.ctx.layout
     return Change(target=target, cause="relayout", reason=reason, generation=generation, store_addr=store_addr,
-                  old_members=tuple(trainer.ctx.members), old_name=trainer.layout_name(),
-                  old_tp=par.tensor_model_parallel_size, old_pp=par.pipeline_model_parallel_size,
+                  old_members=tuple(trainer.ctx.members), old_name=trainer.layout_name(), old_tp=lay.tp, old_pp=lay.pp,
                   iteration=held.iteration, consumed_samples=held.consumed_samples, scheduler=held.scheduler)
 
 

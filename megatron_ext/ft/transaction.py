@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_ext.ft.target import LayoutTarget
 from megatron_ext.runtime import reshard
 from megatron_ext.runtime import transport
-from megatron_ext.runtime.layout import Coord
+from megatron_ext.layout import Coord
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_ext.ft.protocol import TrainerLike
@@ -118,7 +118,7 @@ class Liveness(Protocol):
 
 def _logging_member(members: tuple[int, ...], tp: int, pp: int) -> int:
     """Launch rank of the logging rank (last stage, TP 0, DP 0) of a layout over ``members``."""
-    from megatron_ext.runtime.layout import Layout
+    from megatron_ext.layout import Layout
 
     lay = Layout.from_world(len(members), tp, pp)
     return members[lay.rank(Coord(tp=0, pp=lay.pp - 1, dp=0))]
@@ -141,7 +141,6 @@ def apply(trainer: "TrainerLike", change: Change, held: HeldState | None, *,
         liveness.stop_liveness()
     # 3. process groups
     trainer.ctx = trainer.layout_context(target, generation=change.generation, store_addr=change.store_addr)
-    trainer.cfg = dataclasses.replace(trainer.cfg, parallel=target.parallel(trainer.cfg.parallel))
     trainer.fault_point("relayout", change.iteration + 1)
     # 4. model, optimizer, scheduler
     trainer.build_model()

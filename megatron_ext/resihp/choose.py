@@ -57,13 +57,13 @@ def plan_layout(trainer: "TrainerLike") -> PlanLayout:
     them)."""
     ctx, cfg = trainer.ctx, trainer.cfg
     lay, vp = ctx.layout, ctx.vpp or 1
-    stages = cfg.parallel.pipeline_stage_layers
+    stages = lay.stage_layers
     if stages is None:
         per_chunk = cfg.model.num_layers // (lay.pp * vp)
         layers = tuple(tuple([per_chunk] * vp) for _ in range(lay.pp))
     else:
         layers = tuple((int(n),) for n in stages)
-    split = cfg.parallel.data_parallel_microbatches
+    split = lay.replica_microbatches
     m = trainer.train_stream.num_microbatches
     return PlanLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=vp, schedule="interleaved" if vp > 1 else "1f1b",
                       layers=layers, microbatches=tuple(split) if split else (m,) * lay.dp,
@@ -103,8 +103,7 @@ def make_planner(trainer: "TrainerLike", *, executable_only: bool, min_gain: flo
 
 def target_from_plan(new: PlanLayout) -> LayoutTarget:
     """The one rule from the planner's layout to a target."""
-    return LayoutTarget(tp=new.tp, pp=new.pp, members=tuple(new.devices), vp=new.vp,
-                        stage_layers=tuple(new.stage_layers), replica_microbatches=tuple(new.microbatches)).normalised()
+    return new.as_layout()
 
 
 def not_applicable(trainer: "TrainerLike", target: LayoutTarget) -> str | None:

@@ -471,7 +471,7 @@ class ResiHPExtension(Extension):
                 probe: list[tuple[float, float]] | None = None) -> list["Verdict"]:
         trace = to_trace_record(record, model=self.spec, iteration_s=metrics.iter_time_s,
                                 faults=self._active_faults(metrics.iteration), time_s=time.time(),
-                                stage_layers=getattr(trainer.cfg.parallel, "pipeline_stage_layers", None), moe=moe,
+                                stage_layers=trainer.ctx.layout.stage_layers, moe=moe,
                                 devices=tuple(trainer.ctx.members))
         if self.trace_writer is not None:
             self.trace_writer.write(trace)

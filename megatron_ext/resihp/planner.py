@@ -37,11 +37,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from megatron_ext.layout import split_even
+from megatron_ext.pipeline.pipesim import compile_plan, simulate
 from megatron_ext.pipeline.schedule_orders import schedule_order
 from megatron_ext.resihp.flops import ModelSpec, stage_cost
-from megatron_ext.pipeline.pipesim import compile_plan, simulate
 from megatron_ext.resihp.planner_types import (HEALTHY_EPS, Cluster, MemoryModel, Plan, PlanLayout, PlannerConfig,
-                                               PlanningError, Workload, _short, _split_even)
+                                               PlanningError, Workload, _short)
 
 __all__ = ["Cluster", "MemoryModel", "Plan", "PlanLayout", "Planner", "PlannerConfig", "PlanningError", "Workload",
            "capacity_optimum_s", "default_memory_model", "layer_params", "link_seconds", "node_local_groups",
@@ -448,6 +449,16 @@ def _allocate_microbatches(a: np.ndarray, b: np.ndarray, total: int, unit: int) 
     return (k * unit).tolist()
 
 
+@dataclasses.dataclass(frozen=True)
+class _SlowPaths:
+    """The slow pipeline links ((device, device) -> extra seconds per message) and slow NICs
+    (device -> bytes/s) one search plans around: handed to each of its steps, never kept on the
+    planner (a planner is reused across searches with other faults)."""
+
+    links: dict[tuple[int, int], float]
+    nics: dict[int, float]
+
+
 @dataclasses.dataclass
 class _Candidate:
     layout: PlanLayout
@@ -469,8 +480,6 @@ class Planner:
         self.config = config or PlannerConfig()
         self.memory_model = memory_model or default_memory_model
         self.costs = _costs(spec, workload, cluster)
-        self._links: dict[tuple[int, int], float] = {}   # the slow links of the search under way
-        self._nics: dict[int, float] = {}                  # and its slow NICs (device -> bytes/s)
 
     # ---- scoring ----
 
@@ -484,11 +493,11 @@ class Planner:
         need = self.memory_model(self.spec, self.workload, layout.tp, layout.pp, layout.stage_layers, layout.dp)
         return bool((need[:, None, None] <= memory[layout.grid()] * (1 + 1e-9)).all())
 
-    def _closed_s(self, layout: PlanLayout, stage_speed: np.ndarray) -> float:
+    def _closed_s(self, layout: PlanLayout, stage_speed: np.ndarray, slow: _SlowPaths) -> float:
         fwd, bwd = _chunk_seconds(self.costs, layout.layers, layout.tp)
         a, b = _closed_form(fwd, bwd, stage_speed, layout.vp, self.cluster.p2p_latency_s)
         tail = _tail_seconds(self.spec, self.workload, self.cluster, layout.tp, layout.dp, layout.stage_layers,
-                             ring_factors(layout, self._nics, self.cluster.link_bytes_per_s))
+                             ring_factors(layout, slow.nics, self.cluster.link_bytes_per_s))
         m = np.asarray(layout.microbatches, dtype=float)
         return float((a + (m - 1) * b).max() + tail.max())
 
@@ -501,7 +510,7 @@ class Planner:
         per message) and slow ``nics`` (device -> bytes/s), or None when none gains more than
         ``min_gain``. Raises ``PlanningError`` when the layout has a dead device and no layout runs
         on the rest."""
-        best, current_s, speeds_arr = self._search(layout, speeds, links=links, nics=nics)
+        best, current_s, speeds_arr, slow = self._search(layout, speeds, links=links, nics=nics)
         if best is None:
             return None
         horizon = self.config.horizon_iterations
@@ -510,20 +519,21 @@ class Planner:
             logger.debug("resihp planner: best %s gains %.1f %%, under the threshold", best.actions,
                          100 * (1 - after / current_s))
             return None
-        return self._to_plan(layout, best, current_s, speeds_arr)
+        return self._to_plan(layout, best, current_s, speeds_arr, slow)
 
     def best_layout(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None,
                     nics: Nics | None = None) -> tuple[PlanLayout, float]:
         """The best layout the allowed knobs reach (no threshold, no amortization) and its
         predicted iteration seconds; ``layout`` itself when nothing is better."""
-        best, current_s, _ = self._search(layout, speeds, amortize=False, links=links, nics=nics)
+        best, current_s, _, _ = self._search(layout, speeds, amortize=False, links=links, nics=nics)
         if best is None or best.sim_s >= current_s:
             return layout, current_s
         return best.layout, best.sim_s
 
-    def _to_plan(self, layout: PlanLayout, best: _Candidate, current_s: float, sp: np.ndarray) -> Plan:
+    def _to_plan(self, layout: PlanLayout, best: _Candidate, current_s: float, sp: np.ndarray,
+                 slow: _SlowPaths) -> Plan:
         n_dev = sp.shape[0]
-        healthy_s = self._healthy_s(layout)
+        healthy_s = self._healthy_s(layout, slow)
         members = set(layout.devices)
         return Plan(old=layout, new=best.layout, actions=best.actions, iteration_s_before=current_s,
                     iteration_s_after=float(best.sim_s), bytes_to_move=best.bytes_total,
@@ -531,39 +541,41 @@ class Planner:
                     horizon_iterations=self.config.horizon_iterations,
                     optimum_s=capacity_optimum_s(healthy_s, sp[list(layout.devices)], layout.world_size),
                     speeds={int(r): float(sp[r]) for r in range(n_dev) if abs(sp[r] - 1.0) > HEALTHY_EPS
-                            and (r in members or sp[r] < 1.0)}, links=dict(self._links), nics=dict(self._nics))
+                            and (r in members or sp[r] < 1.0)}, links=dict(slow.links), nics=dict(slow.nics))
 
-    def _healthy_s(self, layout: PlanLayout) -> float:
+    def _healthy_s(self, layout: PlanLayout, slow: _SlowPaths) -> float:
         ones = np.ones(max(layout.devices) + 1)
         even = PlanLayout.even(num_layers=self.spec.num_layers, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                                num_microbatches=layout.num_microbatches, vp=layout.vp, schedule=layout.schedule,
                                devices=layout.devices)
-        return min(self.iteration_s(layout, ones, self._links, self._nics),
-                   self.iteration_s(even, ones, self._links, self._nics))
+        return min(self.iteration_s(layout, ones, slow.links, slow.nics),
+                   self.iteration_s(even, ones, slow.links, slow.nics))
 
     def _search(self, layout: PlanLayout, speeds: Sequence[float], amortize: bool = True, links: Links | None = None,
-                nics: Nics | None = None) -> tuple[_Candidate | None, float, np.ndarray]:
+                nics: Nics | None = None) -> tuple[_Candidate | None, float, np.ndarray, _SlowPaths]:
+        """The best candidate (None: none runs), the current layout's seconds, the speeds checked,
+        and the slow paths this search planned around (threaded through its steps, not kept)."""
         sp = _check_speeds(speeds, layout)
-        self._links = {_pair(*k): float(v) for k, v in (links or {}).items() if v > 0}
+        slow_links = {_pair(*k): float(v) for k, v in (links or {}).items() if v > 0}
         for d, bw in (nics or {}).items():
             if not (math.isfinite(float(bw)) and float(bw) > 0) or not 0 <= int(d) < sp.shape[0]:
                 raise PlanningError(f"slow NIC of device {d} at {bw!r} bytes/s: need a device of the "
                                     f"{sp.shape[0]} known and a finite bandwidth > 0")
-        self._nics = {int(d): float(bw) for d, bw in (nics or {}).items()
-                      if float(bw) < self.cluster.link_bytes_per_s}
+        slow = _SlowPaths(slow_links, {int(d): float(bw) for d, bw in (nics or {}).items()
+                                       if float(bw) < self.cluster.link_bytes_per_s})
         if layout.num_layers != self.spec.num_layers:
             raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {self.spec.num_layers}")
         n_dev = sp.shape[0]
         memory = self.cluster.memory_of(n_dev)
-        current_s = self.iteration_s(layout, sp, self._links, self._nics)
-        cands = self._candidates(layout, sp, memory)
+        current_s = self.iteration_s(layout, sp, slow.links, slow.nics)
+        cands = self._candidates(layout, sp, memory, slow)
         if not cands:
             if math.isinf(current_s):
                 dead = [r for r in layout.devices if sp[r] <= 0]
                 raise PlanningError(f"no layout runs without rank(s) {_short(dead)}: the {int((sp > 0).sum())} "
                                     f"usable devices cannot hold {self.spec.num_layers} layers in memory under the "
                                     "allowed knobs; restart from a checkpoint on more devices")
-            return None, current_s, sp
+            return None, current_s, sp, slow
         horizon = self.config.horizon_iterations if amortize else math.inf
         old_holdings = _holdings(layout, n_dev)
         for c in cands:
@@ -579,12 +591,13 @@ class Planner:
         for c in cands[:self.config.simulate_top]:
             # The closed form ranks well; only near-ties are worth a simulation each.
             if c is cands[0] or c.closed_s + c.move_s / horizon <= first * (1 + self.config.simulate_margin):
-                c.sim_s = self.iteration_s(c.layout, sp, self._links, self._nics)
+                c.sim_s = self.iteration_s(c.layout, sp, slow.links, slow.nics)
         scored = [c for c in cands if c.sim_s is not None]
         best = min(scored, key=lambda c: c.sim_s + c.move_s / horizon)
-        return best, current_s, sp
+        return best, current_s, sp, slow
 
-    def _candidates(self, layout: PlanLayout, sp: np.ndarray, memory: np.ndarray) -> list[_Candidate]:
+    def _candidates(self, layout: PlanLayout, sp: np.ndarray, memory: np.ndarray, slow: _SlowPaths
+                    ) -> list[_Candidate]:
         cfg = self.config
         out: list[_Candidate] = []
         seen: set[PlanLayout] = set()
@@ -598,11 +611,11 @@ class Planner:
                 return
             if not cfg.uneven_microbatches and len(set(lay.microbatches)) > 1:
                 return
-            stage_speed = stage_speeds(lay, sp, self.costs, g, self._links, self._nics)
+            stage_speed = stage_speeds(lay, sp, self.costs, g, slow.links, slow.nics)
             if (stage_speed <= 0).any() or not self.fits(lay, memory):
                 return
             seen.add(lay)
-            out.append(_Candidate(lay, actions, self._closed_s(lay, stage_speed)))
+            out.append(_Candidate(lay, actions, self._closed_s(lay, stage_speed, slow)))
 
         # Same (tp, pp): every replica count from all of them down to the ones with only healthy
         # devices; each with or without the TP permutation, then layers and micro-batches.
@@ -613,50 +626,50 @@ class Planner:
             # so a few replicas fewer than the ones hit can already be enough.
             dps += [layout.dp - k for k in range(1, min(layout.dp, len(dead_reps) + 3))]
         for dp in dps:
-            base = self._keep_replicas(layout, sp, dp)
+            base = self._keep_replicas(layout, sp, dp, slow)
             if base is None:
                 continue
             tag = ("dp_shrink",) if dp < layout.dp else ("replace",) if base != layout else ()
             placements = [(base, tag)]
             if cfg.tp_regroup:
                 placements += [(p, tag + ("tp_regroup",)) for p in self._packings(base, sp)]
-            if cfg.link_avoid and self._links:
-                placements += [(p, tag + ("link_avoid",)) for p in self._avoid_links(base)]
+            if cfg.link_avoid and slow.links:
+                placements += [(p, tag + ("link_avoid",)) for p in self._avoid_links(base, slow)]
             for lay, acts in placements:
-                for lay2, acts2 in self._fill(lay, layout, sp, memory, acts, same_shape=True):
+                for lay2, acts2 in self._fill(lay, layout, sp, memory, acts, slow, same_shape=True):
                     add(lay2, acts2)
 
         if cfg.grow_replicas:
             # Replicas added on healthy idle devices (after a shrink, once devices recovered or came
             # back): the same (tp, pp) with more replicas, which no reshape offers.
-            base = self._keep_replicas(layout, sp, layout.dp) or layout
-            for lay in self._grow_replicas(base, sp):
-                for lay2, acts2 in self._fill(lay, layout, sp, memory, ("dp_grow",), same_shape=True):
+            base = self._keep_replicas(layout, sp, layout.dp, slow) or layout
+            for lay in self._grow_replicas(base, sp, slow):
+                for lay2, acts2 in self._fill(lay, layout, sp, memory, ("dp_grow",), slow, same_shape=True):
                     add(lay2, acts2)
 
         if cfg.reshape:
-            for lay in self._reshapes(layout, sp, memory):
+            for lay in self._reshapes(layout, sp, memory, slow):
                 placements = [lay] + (self._packings(lay, sp) if cfg.tp_regroup else [])
                 for pl in placements:
-                    for lay2, acts2 in self._fill(pl, layout, sp, memory, ("reshape",), same_shape=False):
+                    for lay2, acts2 in self._fill(pl, layout, sp, memory, ("reshape",), slow, same_shape=False):
                         add(lay2, acts2)
         return out
 
-    def _nic_share(self, n_dev: int) -> np.ndarray:
+    def _nic_share(self, n_dev: int, slow: _SlowPaths) -> np.ndarray:
         """(n_dev,) each device's NIC bandwidth as a share of healthy (1 for a healthy NIC)."""
         out = np.ones(n_dev)
-        for d, bw in self._nics.items():
+        for d, bw in slow.nics.items():
             if d < n_dev:
                 out[d] = bw / self.cluster.link_bytes_per_s
         return out
 
-    def _keep_replicas(self, layout: PlanLayout, sp: np.ndarray, dp: int) -> PlanLayout | None:
+    def _keep_replicas(self, layout: PlanLayout, sp: np.ndarray, dp: int, slow: _SlowPaths) -> PlanLayout | None:
         """Keep the ``dp`` best replicas in place (fewest dead, then fastest), replacing dead or slow
         devices in them by faster spares (devices of the dropped replicas, or idle ones); a device
         behind a slow NIC counts as worse than an equally fast one behind a healthy NIC. The
         micro-batches of a shrunk job spread evenly over the survivors."""
         grid = layout.grid()
-        nic = self._nic_share(sp.shape[0])
+        nic = self._nic_share(sp.shape[0], slow)
         idle = np.setdiff1d(np.flatnonzero(sp > 0), np.asarray(layout.devices))
         worst_kept = min((sp[r], nic[r]) for r in layout.devices)
         if dp == layout.dp and (idle.size == 0 or worst_kept >= max((sp[r], nic[r]) for r in idle)):
@@ -677,14 +690,14 @@ class Planner:
             flat[i] = spares.pop(0)
         if (sp[flat] <= 0).any() or layout.num_microbatches < dp:
             return None
-        mbs = layout.microbatches if dp == layout.dp else tuple(_split_even(layout.num_microbatches, dp))
+        mbs = layout.microbatches if dp == layout.dp else tuple(split_even(layout.num_microbatches, dp))
         return dataclasses.replace(layout, dp=dp, devices=tuple(new.reshape(-1).tolist()), microbatches=mbs)
 
-    def _grow_replicas(self, layout: PlanLayout, sp: np.ndarray) -> list[PlanLayout]:
+    def _grow_replicas(self, layout: PlanLayout, sp: np.ndarray, slow: _SlowPaths) -> list[PlanLayout]:
         """The layout with 1, 2, ... more replicas of its (tp, pp), on the healthy idle devices
         behind healthy NICs (in rank order), as many as they and the micro-batches allow; the
         micro-batches spread evenly over all replicas."""
-        nic = self._nic_share(sp.shape[0])
+        nic = self._nic_share(sp.shape[0], slow)
         used = set(layout.devices)
         idle = [r for r in range(sp.shape[0]) if r not in used and sp[r] >= 1 - HEALTHY_EPS and nic[r] >= 1]
         per = layout.tp * layout.pp
@@ -697,10 +710,10 @@ class Planner:
             extra = np.asarray(idle[:k * per]).reshape(layout.pp, k, layout.tp)
             new = np.concatenate([grid, extra], axis=1)
             out.append(dataclasses.replace(layout, dp=dp, devices=tuple(int(x) for x in new.reshape(-1)),
-                                           microbatches=tuple(_split_even(layout.num_microbatches, dp))))
+                                           microbatches=tuple(split_even(layout.num_microbatches, dp))))
         return out
 
-    def _avoid_links(self, layout: PlanLayout) -> list[PlanLayout]:
+    def _avoid_links(self, layout: PlanLayout, slow: _SlowPaths) -> list[PlanLayout]:
         """For each slow link the layout uses as a pipeline hop: the layouts with one end's TP group
         swapped with the same stage's group of another replica (the downstream end, or the
         upstream one), so that the link carries no message; and all links moved that way at once."""
@@ -709,7 +722,7 @@ class Planner:
         cur = grid.copy()
         for s, t, _ in _hops(layout):
             for d in range(layout.dp):
-                if not any(_pair(a, b) in self._links for a, b in zip(grid[s, d], grid[t, d])):
+                if not any(_pair(a, b) in slow.links for a, b in zip(grid[s, d], grid[t, d])):
                     continue
                 for end in (t, s):
                     for other in range(layout.dp):
@@ -779,13 +792,13 @@ class Planner:
         return dataclasses.replace(layout, devices=tuple(flat.tolist()))
 
     def _fill(self, placed: PlanLayout, original: PlanLayout, sp: np.ndarray, memory: np.ndarray,
-              actions: tuple[str, ...], *, same_shape: bool):
+              actions: tuple[str, ...], slow: _SlowPaths, *, same_shape: bool):
         """Layer partitions x micro-batch splits for a placement."""
         cfg = self.config
         if self.cluster.devices_per_node is not None:
             placed = node_local_groups(placed, self.cluster.devices_per_node, sp)
-        stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node, self._links,
-                                   self._nics)   # (pp, dp)
+        stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node, slow.links,
+                                   slow.nics)   # (pp, dp)
         if (stage_speed <= 0).any():
             return
         layer_opts: list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]] = []
@@ -797,7 +810,7 @@ class Planner:
             layer_opts.append((even, ("pp_repartition",) if same_shape else ()))
         if cfg.pp_repartition or not same_shape:
             cap = self._layer_cap(placed, memory)
-            ring = ring_factors(placed, self._nics, self.cluster.link_bytes_per_s)
+            ring = ring_factors(placed, slow.nics, self.cluster.link_bytes_per_s)
             for agg in (stage_speed.min(axis=1), stage_speed.mean(axis=1)):
                 for r in ((None, ring) if (ring > 1).any() else (None,)):
                     per = self._partition(agg, placed, cap, r)
@@ -846,15 +859,15 @@ class Planner:
         per = _greedy_layers(unit, fixed, self.spec.num_layers, np.minimum(cap, self.spec.num_layers))
         if per is None or any(n < vp for n in per):
             return None
-        return tuple(tuple(_split_even(n, vp)) for n in per)
+        return tuple(tuple(split_even(n, vp)) for n in per)
 
-    def _reshapes(self, layout: PlanLayout, sp: np.ndarray, memory: np.ndarray) -> list[PlanLayout]:
+    def _reshapes(self, layout: PlanLayout, sp: np.ndarray, memory: np.ndarray, slow: _SlowPaths) -> list[PlanLayout]:
         """Other (tp, pp) shapes over the fastest usable devices, best closed-form bound first.
         Hundreds of shapes at 4,096 devices: the bound and the memory check use prefix sums over
         the devices in speed order (a slow NIC among them charged to the gradient all-reduce), and only
         the best ``max_reshapes`` become layouts."""
         spec, m_total = self.spec, layout.num_microbatches
-        nic = self._nic_share(sp.shape[0])
+        nic = self._nic_share(sp.shape[0], slow)
         alive = sorted((r for r in range(sp.shape[0]) if sp[r] > 0), key=lambda r: (-sp[r], -nic[r], r))
         keep = self.config.reshape_keeps_devices
         if keep:
@@ -872,7 +885,7 @@ class Planner:
         for tp in tps:
             for pp in range(1, min(spec.num_layers, len(alive) // tp) + 1):
                 vp = layout.vp if pp > 1 and spec.num_layers >= pp * layout.vp else 1
-                even = _split_even(spec.num_layers, pp)
+                even = split_even(spec.num_layers, pp)
                 per_mb = np.asarray(even, dtype=float) * sum(c.layer(tp))
                 per_mb[-1] += (c.head_fwd + c.head_bwd) / tp
                 a = per_mb.sum() / vp + per_mb.max() * (vp - 1) / vp + 2.0 * (pp - 1) * self.cluster.p2p_latency_s

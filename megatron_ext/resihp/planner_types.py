@@ -2,7 +2,7 @@
 planner's knobs, and the ``Plan`` it proposes (one log line, JSON for the broadcast to ranks and
 the verdicts log). Pure: numpy only.
 
-Slots follow ``runtime.layout.Layout``'s rank order (``slot = tp_rank + tp * (dp_rank + dp *
+Slots follow ``megatron_ext.layout.Layout``'s rank order (``slot = tp_rank + tp * (dp_rank + dp *
 stage)``); a layout names the device (global rank) in each slot, so a TP regrouping is a
 permutation of ``devices`` and a fail-stop shrink is a shorter one.
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from megatron_ext.pipeline.schedule_orders import SCHEDULES
 from megatron_ext.resihp.flops import ModelSpec
-from megatron_ext.runtime.layout import Layout
+from megatron_ext.layout import Layout, split_even
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +34,18 @@ class PlanningError(ValueError):
 # Layout and inputs
 
 
+DERIVED = frozenset({"members", "replica_microbatches", "stage_layers"})
+"""The base layout's fields a ``PlanLayout`` derives from its own (never given, never written)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanLayout(Layout):
-    """The runtime's ``Layout`` as the planner needs it: plus layers per [stage][chunk],
-    micro-batches per DP replica and which device (global rank) sits in each slot. Slots follow the
-    ``Layout``'s rank order: ``slot = tp_rank + tp * (dp_rank + dp * stage)``. Devices not listed
-    are spares."""
+    """The project's ``Layout`` as the planner needs it: plus layers per [stage][chunk] and the
+    schedule. ``devices`` and ``microbatches`` are the planner's names of the layout's ``members``
+    and ``replica_microbatches`` (the layout's fields are set from them, ``stage_layers`` from
+    ``layers``, always explicit: ``as_layout`` gives the normalised value a live job takes). Slots
+    follow the ``Layout``'s rank order: ``slot = tp_rank + tp * (dp_rank + dp * stage)``. Devices not
+    listed are spares."""
 
     vp: int = 1
     schedule: str = "1f1b"
@@ -82,6 +88,10 @@ class PlanLayout(Layout):
         if (counts > 1).any() or (arr < 0).any():
             bad = sorted(set(uniq[counts > 1].tolist()) | set(arr[arr < 0].tolist()))
             raise PlanningError(f"layout.devices must be distinct non-negative ranks; repeated or negative: {bad[:8]}")
+        # The base layout's fields, derived: one value, the planner's names for it.
+        object.__setattr__(self, "members", self.devices)
+        object.__setattr__(self, "replica_microbatches", self.microbatches)
+        object.__setattr__(self, "stage_layers", tuple(sum(row) for row in layers))
 
     @classmethod
     def even(cls, *, num_layers: int, tp: int, pp: int, dp: int, num_microbatches: int, vp: int = 1,
@@ -93,11 +103,11 @@ class PlanLayout(Layout):
             raise PlanningError(f"num_layers {num_layers} is fewer than pp * vp = {pp * vp} virtual stages")
         if num_microbatches < dp:
             raise PlanningError(f"num_microbatches {num_microbatches} is fewer than dp = {dp} replicas")
-        per = _split_even(num_layers, pp * vp)
+        per = split_even(num_layers, pp * vp)
         layers = tuple(tuple(per[v * pp + s] for v in range(vp)) for s in range(pp))
         devs = tuple(range(tp * pp * dp)) if devices is None else tuple(devices)
         return cls(tp=tp, pp=pp, dp=dp, vp=vp, schedule=schedule, layers=layers,
-                   microbatches=tuple(_split_even(num_microbatches, dp)), devices=devs)
+                   microbatches=tuple(split_even(num_microbatches, dp)), devices=devs)
 
     @property
     def num_layers(self) -> int:
@@ -108,12 +118,14 @@ class PlanLayout(Layout):
         return sum(self.microbatches)
 
     @property
-    def stage_layers(self) -> tuple[int, ...]:
-        return tuple(sum(row) for row in self.layers)
-
-    @property
     def shape(self) -> str:
-        return f"tp{self.tp}pp{self.pp}dp{self.dp}" + (f"vp{self.vp}" if self.vp > 1 else "")
+        return self.name
+
+    def as_layout(self) -> Layout:
+        """The plain layout value (what the fault-tolerance core applies): even stages and an even
+        split written as None."""
+        return Layout(self.tp, self.pp, self.dp, vp=self.vp, members=self.devices, stage_layers=self.stage_layers,
+                      replica_microbatches=self.microbatches).normalised()
 
     def grid(self) -> np.ndarray:
         """Devices as a (pp, dp, tp) array."""
@@ -126,7 +138,7 @@ class PlanLayout(Layout):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "layout") -> "PlanLayout":
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - DERIVED
         unknown = sorted(set(data) - known)
         if unknown:
             raise PlanningError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
@@ -427,7 +439,3 @@ def _moved_devices(old: PlanLayout, new: PlanLayout) -> list[int]:
     a, b = where(old), where(new)
     return sorted(r for r, c in b.items() if a.get(r) != c)
 
-
-def _split_even(total: int, parts: int) -> list[int]:
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]

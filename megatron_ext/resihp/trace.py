@@ -24,7 +24,7 @@ from megatron_ext.errors import UserError
 from megatron_ext.pipeline.schedule_orders import SCHEDULES
 from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.resihp.jsonl import JsonLinesWriter
-from megatron_ext.runtime.layout import Coord, Layout
+from megatron_ext.layout import Coord, Layout
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +37,14 @@ class TraceError(UserError, ValueError):
     """A trace record is malformed; the message starts with ``file:line``."""
 
 
+UNRECORDED = ("members", "stage_layers", "replica_microbatches")
+"""Fields of the base layout a trace does not record: ``ranks`` is its rank order, and a record
+carries its stages' layers itself (format v1, docs/resihp_trace_format.md)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TraceLayout(Layout):
-    """The runtime's ``Layout`` as a trace records it: plus virtual stages, the schedule, the
+    """The project's ``Layout`` as a trace records it: plus virtual stages, the schedule, the
     micro-batches of the iteration and, where a re-layout permuted them, the ranks' coordinates
     (``ranks[r] = (stage, dp, tp)``; when absent, megatron's default order: tensor-parallel rank
     fastest, then data-parallel, pipeline stage slowest)."""
@@ -83,7 +88,7 @@ class TraceLayout(Layout):
         return np.array([self.coords(r) for r in range(self.world_size)], dtype=np.int64).reshape(-1, 3)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in UNRECORDED}
         if self.ranks is None:
             del out["ranks"]
         else:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron_ext.compat import devices
 from megatron_ext.config.run import ParallelConfig
 from megatron_ext.ft import store as store_lib
-from megatron_ext.runtime.layout import Coord, Layout
+from megatron_ext.layout import Coord, Layout
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +29,12 @@ class DistContext:
     device: torch.device
     backend: str
     layout: Layout
-    vpp: int | None = None
+    """The layout in force: sizes, stages, the replicas' micro-batches and the launch rank in each
+    rank's place (``layout.members``). Built from the launch request at set-up and replaced by
+    every layout change; nothing after launch reads the config's ``parallel`` section for it."""
     member: int = -1
     """This process's rank at launch: its name for fault injection and logs. Stays the same when a
     fail-stop renumbers the ranks of a smaller world (default: ``rank``)."""
-    members: tuple[int, ...] = ()
-    """Launch rank of each rank of the current world, in rank order (default: 0..world-1)."""
     generation: int = 0
     """The default process group's generation: 0 at launch, then the number of the round in which a
     layout change formed it anew (a loss, a rejoin, a permutation; ``ft/core.py``)."""
@@ -51,8 +51,16 @@ class DistContext:
     def __post_init__(self) -> None:
         if self.member < 0:
             self.member = self.rank
-        if not self.members:
-            self.members = tuple(range(self.world_size))
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Launch rank of each rank of the current world, in rank order (``layout.members``)."""
+        return self.layout.members
+
+    @property
+    def vpp(self) -> int | None:
+        """Model chunks per rank under interleaved 1F1B; None for plain 1F1B."""
+        return self.layout.vp if self.layout.vp > 1 else None
 
     @property
     def coord(self) -> Coord:
@@ -208,7 +216,7 @@ def joining_context(parallel: ParallelConfig, *, timeout_s: float) -> DistContex
     rank, _, local_rank = world_from_env()
     device, backend = device_and_backend(parallel)
     return DistContext(rank=0, world_size=1, local_rank=local_rank, device=device, backend=backend,
-                       layout=Layout(1, 1, 1), member=rank, members=(rank,), generation=-1,
+                       layout=Layout(1, 1, 1, members=(rank,)), member=rank, generation=-1,
                        store_addr=store_lib.address_from_env(), timeout_s=timeout_s)
 
 
@@ -227,13 +235,11 @@ def setup(parallel: ParallelConfig, *, seed: int, timeout_s: float = 600.0, join
         from megatron_ext.compat import megatron_cpu
 
         megatron_cpu.apply()
-    layout = Layout.from_world(world, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
-    vpp = parallel.virtual_pipeline_model_parallel_size
-    pgs = build_parallel_state(layout, rank, vpp=vpp, seed=seed, ep=parallel.expert_model_parallel_size,
-                               timeout_s=timeout_s)
+    layout = parallel.launch_layout(world)
+    pgs = build_parallel_state(layout, rank, vpp=parallel.virtual_pipeline_model_parallel_size, seed=seed,
+                               ep=parallel.expert_model_parallel_size, timeout_s=timeout_s)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend,
-                       layout=layout, vpp=vpp if vpp and vpp > 1 else None, member=rank,
-                       members=tuple(range(world)), store_addr=store_lib.address_from_env(), timeout_s=timeout_s,
+                       layout=layout, member=rank, store_addr=store_lib.address_from_env(), timeout_s=timeout_s,
                        pgs=pgs)
 
 
@@ -268,16 +274,20 @@ def destroy_parallel_state(pgs: Any) -> int:
     return destroyed
 
 
-def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1) -> DistContext:
-    """Rebuild megatron's parallel state for a new layout over the same processes.
+def relayout(ctx: DistContext, *, tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1,
+             layout: Layout | None = None) -> DistContext:
+    """Rebuild megatron's parallel state for a new layout over the same processes: ``layout`` (its
+    stages, split and members included), or TP x PP x ``vpp`` over the ranks in their order.
 
     The default process group stays; every group of the old layout is destroyed and megatron's
-    groups are rebuilt from ``Layout``. Collective: every rank of the default group calls it.
+    groups are rebuilt from the layout. Collective: every rank of the default group calls it.
     """
-    layout = Layout.from_world(ctx.world_size, tp, pp)
+    if layout is None:
+        layout = Layout.from_world(ctx.world_size, tp, pp, vp=vpp or 1, members=ctx.members)
     destroy_parallel_state(ctx.pgs)
-    pgs = build_parallel_state(layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
-    return dataclasses.replace(ctx, layout=layout, vpp=vpp if vpp and vpp > 1 else None, pgs=pgs)
+    pgs = build_parallel_state(layout, ctx.rank, vpp=layout.vp if layout.vp > 1 else None, seed=seed, ep=ep,
+                               timeout_s=ctx.timeout_s)
+    return dataclasses.replace(ctx, layout=layout, pgs=pgs)
 
 
 def rendezvous_address(ctx: DistContext) -> str | None:
@@ -292,20 +302,20 @@ def rendezvous_address(ctx: DistContext) -> str | None:
     return None
 
 
-def regroup(ctx: DistContext, *, members: list[int], tp: int, pp: int, vpp: int | None, seed: int,
-            ep: int = 1, store_addr: str | None = None, generation: int | None = None) -> DistContext:
-    """A new default process group over ``members`` (launch ranks, in their new rank order; this
-    process among them) on the store keys of ``generation`` (default: the next one), and
-    megatron's parallel state for ``tp`` x ``pp`` over it: the survivors of a fail-stop, a rank
-    that rejoins, or every rank in another order (a live rank permutation).
+def regroup(ctx: DistContext, *, layout: Layout, seed: int, ep: int = 1, store_addr: str | None = None,
+            generation: int | None = None) -> DistContext:
+    """A new default process group over ``layout.members`` (launch ranks, in their new rank order;
+    this process among them) on the store keys of ``generation`` (default: the next one), and
+    megatron's parallel state for ``layout`` over it: the survivors of a fail-stop, a rank that
+    rejoins, or every rank in another order (a live rank permutation).
 
     gloo cannot shrink or renumber a group, so the old default group and every group built on it
     are destroyed and a new one rendezvouses on fresh keys (torchft's pattern). Collective over
     ``members``; bounded by ``ctx.timeout_s``. ``store_addr``: where to meet (default
     ``ctx.store_addr``)."""
-    ctx = new_world(ctx, members=members, tp=tp, pp=pp, store_addr=store_addr, generation=generation)
-    pgs = build_parallel_state(ctx.layout, ctx.rank, vpp=vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
-    return dataclasses.replace(ctx, vpp=vpp if vpp and vpp > 1 else None, pgs=pgs)
+    ctx = new_world(ctx, layout=layout, store_addr=store_addr, generation=generation)
+    pgs = build_parallel_state(layout, ctx.rank, vpp=ctx.vpp, seed=seed, ep=ep, timeout_s=ctx.timeout_s)
+    return dataclasses.replace(ctx, pgs=pgs)
 
 
 def leave(ctx: DistContext) -> None:
@@ -324,9 +334,9 @@ def leave(ctx: DistContext) -> None:
             logger.debug("destroying the old default group: %s", exc)
 
 
-def new_world(ctx: DistContext, *, members: list[int], tp: int, pp: int, store_addr: str | None = None,
+def new_world(ctx: DistContext, *, layout: Layout, store_addr: str | None = None,
               generation: int | None = None) -> DistContext:
-    """The default process group of ``generation`` (default: the next one) over ``members``
+    """The default process group of ``generation`` (default: the next one) over ``layout.members``
     (launch ranks in their new rank order), every old group destroyed; no megatron state (the
     DeepSpeed engine builds its own groups). Collective over ``members``; bounded by
     ``ctx.timeout_s``. ``store_addr``: where to meet (default ``ctx.store_addr``;
@@ -335,10 +345,10 @@ def new_world(ctx: DistContext, *, members: list[int], tp: int, pp: int, store_a
     if addr is None:
         raise RuntimeError("a new world needs a store outside the ranks (ft/store.py)")
     gen = ctx.generation + 1 if generation is None else generation
+    members = list(layout.members)
     rank, world = members.index(ctx.member), len(members)
     leave(ctx)
     base = store_lib.connect(addr, timeout_s=ctx.timeout_s)
     dist.init_process_group(backend=ctx.backend, store=store_lib.generation(base, gen, "pg"), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=ctx.timeout_s))
-    return dataclasses.replace(ctx, rank=rank, world_size=world, layout=Layout.from_world(world, tp, pp),
-                               members=tuple(members), generation=gen)
+    return dataclasses.replace(ctx, rank=rank, world_size=world, layout=layout, generation=gen)

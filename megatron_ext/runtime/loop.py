@@ -120,12 +120,12 @@ class Trainer:
         stream = dict(global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, dp_rank=ctx.coord.dp,
                       dp_size=ctx.layout.dp, eod=self.splits.tokenizer.eod, packing=packing, seed=t.seed)
         self.train_stream = MicroBatchStream(self.splits.train, **stream,
-                                             replica_microbatches=cfg.parallel.data_parallel_microbatches)
+                                             replica_microbatches=ctx.layout.replica_microbatches)
         self.train_stream.consumed_samples = consumed_samples
         self.valid_stream = None
         if self.splits.valid is not None and len(self.splits.valid) > 0 and lg.eval_iters > 0:
             self.valid_stream = MicroBatchStream(self.splits.valid, **stream,
-                                                 replica_microbatches=cfg.parallel.data_parallel_microbatches)
+                                                 replica_microbatches=ctx.layout.replica_microbatches)
 
     # --- the run's outputs (runtime/runlog.py) -------------------------------------------------
     @property
@@ -185,9 +185,12 @@ class Trainer:
                 raise UserError(f"relayout rank_order {order}: expected each rank 0..{len(members) - 1} once (every "
                                 "rank of the job keeps a place; only a fail-stop leaves ranks out)")
             members = [members[r] for r in order]
-        target = LayoutTarget(tp=tp, pp=pp, members=tuple(members), vp=vpp or 1,
-                              stage_layers=tuple(stage_layers) if stage_layers else None,
-                              replica_microbatches=tuple(replica_microbatches) if replica_microbatches else None)
+        try:
+            target = LayoutTarget(tp=tp, pp=pp, members=tuple(members), vp=vpp or 1,
+                                  stage_layers=tuple(stage_layers) if stage_layers else None,
+                                  replica_microbatches=tuple(replica_microbatches) if replica_microbatches else None)
+        except ValueError as exc:  # the layout value refuses a shape the ranks cannot form
+            raise UserError(f"relayout: {exc}") from None
         return self.change_layout(target, reason="")
 
     def change_layout(self, target: LayoutTarget, *, reason: str = "") -> dict[str, Any]:
@@ -224,12 +227,11 @@ class Trainer:
         """Process groups of ``target``, the old ones destroyed: on the same default group, or (a
         ``generation``) a new default group over ``target.members`` meeting at ``store_addr``."""
         ep = self.cfg.parallel.expert_model_parallel_size
-        vpp = target.vp if target.vp > 1 else None
         if generation is None:
-            return distributed.relayout(self.ctx, tp=target.tp, pp=target.pp, vpp=vpp, seed=self.cfg.training.seed,
-                                        ep=ep)
-        return distributed.regroup(self.ctx, members=list(target.members), tp=target.tp, pp=target.pp, vpp=vpp,
-                                   seed=self.cfg.training.seed, ep=ep, store_addr=store_addr, generation=generation)
+            return distributed.relayout(self.ctx, tp=target.tp, pp=target.pp, vpp=self.ctx.vpp, layout=target,
+                                        seed=self.cfg.training.seed, ep=ep)
+        return distributed.regroup(self.ctx, layout=target, seed=self.cfg.training.seed, ep=ep, store_addr=store_addr,
+                                   generation=generation)
 
     def drop_gradients(self) -> None:
         """Forget the gradients of an iteration that is rolled back."""
@@ -299,7 +301,7 @@ class Trainer:
         position_ids = batch["position_ids"].to(dev, non_blocking=True)
         mask = batch.get("attention_mask")
         output = model(tokens, position_ids, None if mask is None else mask.to(dev), labels=labels)
-        per_token = self.cfg.parallel.data_parallel_microbatches is not None
+        per_token = self.ctx.layout.replica_microbatches is not None
         return output, stage_loss_func(batch["loss_mask"].to(dev), per_token=per_token)
 
     def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool) -> list[dict[str, Any]]:
@@ -325,7 +327,7 @@ class Trainer:
         """Mean lm loss over micro-batches and data-parallel ranks; None off the last stage."""
         if not self.ctx.is_last_stage:
             return None
-        if self.cfg.parallel.data_parallel_microbatches is not None:  # [sum, count] per micro-batch
+        if self.ctx.layout.replica_microbatches is not None:  # [sum, count] per micro-batch
             sums = torch.stack([d["lm loss"].float().cpu() for d in losses]).sum(0) if losses else torch.zeros(2)
             if self.ctx.layout.dp > 1:
                 sums = sums.to(distributed.collective_device(self.ctx))

@@ -18,6 +18,7 @@ from megatron_ext.compat.devices import resolve_device
 from megatron_ext.compat.kernels import apex_fused_softmax_available
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import RunConfig
+from megatron_ext.layout import Layout
 from megatron_ext.runtime import families
 from megatron_ext.runtime.distributed import DistContext
 
@@ -81,17 +82,18 @@ def stage_layout(stage_layers: list[int] | None) -> list[list[str]] | None:
 def transformer_config(cfg: RunConfig, ctx: DistContext) -> Any:
     """megatron-core's TransformerConfig of this run on this rank's device; a configuration megatron-core
     refuses is a ``ConfigError`` naming the flags (``check_config`` runs the same before any rank starts)."""
-    return build_transformer_config(cfg, on_gpu=ctx.device.type == "cuda", vpp=ctx.vpp)
+    return build_transformer_config(cfg, on_gpu=ctx.device.type == "cuda", layout=ctx.layout)
 
 
-def build_transformer_config(cfg: RunConfig, *, on_gpu: bool, vpp: int | None) -> Any:
+def build_transformer_config(cfg: RunConfig, *, on_gpu: bool, layout: Layout | None = None) -> Any:
+    """``layout``: the layout in force (default: the launch request's)."""
     try:
-        return _transformer_config(cfg, on_gpu=on_gpu, vpp=vpp)
+        return _transformer_config(cfg, on_gpu=on_gpu, layout=layout or _requested(cfg))
     except MEGATRON_REFUSALS as exc:
         raise ConfigError(refusal_line(cfg, exc, on_gpu=on_gpu)) from None
 
 
-def _transformer_config(cfg: RunConfig, *, on_gpu: bool, vpp: int | None) -> Any:
+def _transformer_config(cfg: RunConfig, *, on_gpu: bool, layout: Layout) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -100,12 +102,12 @@ def _transformer_config(cfg: RunConfig, *, on_gpu: bool, vpp: int | None) -> Any
     dtype = torch.bfloat16 if t.bf16 else torch.float32
     return TransformerConfig(
         **families.transformer_config_kwargs(m),
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        tensor_model_parallel_size=layout.tp,
         expert_model_parallel_size=p.expert_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp,
-        pipeline_model_parallel_layout=stage_layout(p.pipeline_stage_layers),
-        calculate_per_token_loss=p.data_parallel_microbatches is not None,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vp if layout.vp > 1 else None,
+        pipeline_model_parallel_layout=stage_layout(layout.stage_layers),
+        calculate_per_token_loss=layout.replica_microbatches is not None,
         sequence_parallel=p.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -139,17 +141,17 @@ def check_config(cfg: RunConfig) -> None:
     """The megatron engine's check before any rank starts (``engines.py``): build megatron-core's
     TransformerConfig of the run as a rank would (device and virtual stages resolved the same way),
     so that what megatron-core refuses is one line here instead of a traceback from every rank."""
-    build_transformer_config(cfg, on_gpu=_on_gpu(cfg), vpp=_vpp(cfg))
+    build_transformer_config(cfg, on_gpu=_on_gpu(cfg))
 
 
 def _on_gpu(cfg: RunConfig) -> bool:
     return resolve_device(cfg.parallel.device) == "cuda"
 
 
-def _vpp(cfg: RunConfig) -> int | None:
-    """The virtual stages a rank's context holds (``DistContext.vpp``): None for plain 1F1B."""
-    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
-    return vpp if vpp and vpp > 1 else None
+def _requested(cfg: RunConfig) -> Layout:
+    """The launch request's layout over one replica (TransformerConfig does not depend on DP)."""
+    p = cfg.parallel
+    return p.launch_layout(p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
 def _message(exc: BaseException) -> str:
@@ -183,7 +185,7 @@ def refusal_line(cfg: RunConfig, exc: BaseException, *, on_gpu: bool) -> str:
         except ConfigError:
             continue  # this flag alone cannot go back to its default
         try:
-            _transformer_config(trial, on_gpu=on_gpu if key != "device" else _on_gpu(trial), vpp=_vpp(trial))
+            _transformer_config(trial, on_gpu=on_gpu if key != "device" else _on_gpu(trial), layout=_requested(trial))
         except MEGATRON_REFUSALS as other:
             if _message(other) == message:
                 continue

@@ -29,10 +29,10 @@ def test_softmax_fusion_follows_the_kernels(monkeypatch, present, fused_on_gpu):
     monkeypatch.setattr(importlib.util, "find_spec", _find_spec_with(present))
     assert kernels.apex_fused_softmax_available() is fused_on_gpu
     cfg = parse_run_config([])
-    assert build_transformer_config(cfg, on_gpu=True, vpp=None).masked_softmax_fusion is fused_on_gpu
+    assert build_transformer_config(cfg, on_gpu=True).masked_softmax_fusion is fused_on_gpu
     # Never on CPU, kernels or not; the other GPU fusions do not depend on apex.
-    assert build_transformer_config(cfg, on_gpu=False, vpp=None).masked_softmax_fusion is False
-    assert build_transformer_config(cfg, on_gpu=True, vpp=None).bias_dropout_fusion is True
+    assert build_transformer_config(cfg, on_gpu=False).masked_softmax_fusion is False
+    assert build_transformer_config(cfg, on_gpu=True).bias_dropout_fusion is True
 
 
 def test_this_machine_has_no_apex_kernels():

@@ -69,10 +69,11 @@ def trainer(world: int, tp: int = 1, pp: int = 2, gbs: int = 8, members=None, la
     cfg = config_from_values({"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                               "global_batch_size": gbs, "micro_batch_size": 1, "num_layers": 4,
                               "num_attention_heads": 4})
-    members = tuple(range(world)) if members is None else tuple(members)
+    layout = cfg.parallel.launch_layout(world if members is None else len(members))
+    layout = layout if members is None else layout.with_members(members)
     ft = types.SimpleNamespace(launch_target=lambda: launch)
-    return types.SimpleNamespace(cfg=cfg, ctx=types.SimpleNamespace(members=members), relayout_knobs=KNOBS,
-                                 check_target=lambda target: None, ft=ft)
+    return types.SimpleNamespace(cfg=cfg, ctx=types.SimpleNamespace(layout=layout, members=layout.members),
+                                 relayout_knobs=KNOBS, check_target=lambda target: None, ft=ft)
 
 
 def test_the_core_chooser_keeps_the_shape_and_drops_a_replica_after_a_loss():

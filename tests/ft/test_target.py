@@ -38,7 +38,8 @@ def test_after_a_loss_or_a_rejoin_the_members_may_change():
 def test_shapes_stages_and_splits_are_checked_with_the_run_config():
     assert refused(LayoutTarget(tp=1, pp=2, members=(0, 0, 1, 3))) == (
         "relayout to tp1pp2dp2: members [0, 0, 1, 3] name a rank twice")
-    assert refused(LayoutTarget(tp=1, pp=3, members=MEMBERS)) == "relayout: 4 rank(s) cannot form TP 1 x PP 3"
+    with pytest.raises(ValueError, match=r"^4 rank\(s\) cannot form TP 1 x PP 3$"):  # the value itself refuses
+        LayoutTarget(tp=1, pp=3, members=MEMBERS)
     assert refused(LayoutTarget(tp=1, pp=2, members=MEMBERS, replica_microbatches=(5, 3)),
                    knobs=KNOBS - {"microbatches"}) == (
         "relayout to tp1pp2dp2: uneven micro-batches per replica [5, 3] are not built for this engine "
@@ -58,4 +59,4 @@ def test_a_target_round_trips_and_writes_even_splits_as_none():
     u = LayoutTarget(tp=1, pp=2, members=MEMBERS, stage_layers=(3, 1), replica_microbatches=(5, 3))
     assert LayoutTarget.from_dict(u.to_dict()) == u
     assert u.describe() == "tp1pp2dp2 (layers 3/1) (micro-batches 5/3) on rank(s) 0,2,1,3"
-    assert LayoutTarget.current(CFG.parallel, MEMBERS) == LayoutTarget(tp=1, pp=2, members=MEMBERS)
+    assert CFG.parallel.launch_layout(4).with_members(MEMBERS) == LayoutTarget(tp=1, pp=2, members=MEMBERS)

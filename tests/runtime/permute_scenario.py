@@ -24,11 +24,8 @@ class ForcedPermutation(Extension):
 
     def after_iteration(self, trainer, metrics) -> None:
         if metrics.iteration == self.at:
-            from megatron_ext.ft.target import LayoutTarget
-
-            current = LayoutTarget.current(trainer.cfg.parallel, trainer.ctx.members)
             members = tuple(trainer.ctx.members[r] for r in self.order)
-            trainer.request_layout(LayoutTarget(**{**current.to_dict(), "members": members}), reason="forced by the test")
+            trainer.request_layout(trainer.ctx.layout.with_members(members), reason="forced by the test")
 
 
 @register_extension("forced_permutation")

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ext.runtime.layout import Coord, Layout, layers_per_stage, stage_layer_range
+from megatron_ext.layout import Coord, Layout, even_stage_layers
 
 sizes = st.sampled_from([1, 2, 3, 4, 8])
 
@@ -35,16 +35,18 @@ def test_rank_order_is_tp_fastest_then_dp_then_pp():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tensor-model-parallel-size \(2\) x "
-                                         r"pipeline-model-parallel-size \(2\) = 4"):
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by --tensor-model-parallel-size \(2\) x "
+                                         r"--pipeline-model-parallel-size \(2\) = 4"):
         Layout.from_world(6, 2, 2)
     with pytest.raises(ValueError, match="Layout.tp must be a positive integer"):
         Layout(0, 1, 1)
     with pytest.raises(ValueError, match="rank 8 is outside tp2pp2dp2"):
         Layout(2, 2, 2).coord(8)
-    with pytest.raises(ValueError, match=r"num-layers \(6\) is not divisible by pipeline-model-parallel-size \(4\)"):
-        layers_per_stage(6, 4)
-    assert list(stage_layer_range(8, 4, 2)) == [4, 5]
+    with pytest.raises(ValueError, match=r"--num-layers \(6\) is not divisible by --pipeline-model-parallel-size \(4\)"):
+        even_stage_layers(6, 4)
+    assert even_stage_layers(8, 4) == (2, 2, 2, 2)
+    assert Layout(1, 4, 1).layers_of_stages(8) == (2, 2, 2, 2)
+    assert Layout(1, 2, 1, stage_layers=(3, 1)).layers_of_stages(4) == (3, 1)
 
 
 def _megatron_groups(world: int, rank: int, tp: int, pp: int):

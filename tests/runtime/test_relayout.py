@@ -106,8 +106,8 @@ def test_a_rank_permutation_meets_in_a_store_outside_the_old_group(monkeypatch):
     # a store that lives in the old default group (plain env:// with rank 0 hosting) is none.
     import torch
 
+    from megatron_ext.layout import Layout
     from megatron_ext.runtime.distributed import DistContext, rendezvous_address
-    from megatron_ext.runtime.layout import Layout
 
     ctx = DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo",
                       layout=Layout(tp=1, pp=2, dp=1))
