@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_ext.layout import even_stage_layers
 from megatron_ext.models.families import (FINAL_NORM_BIAS, FINAL_NORM_WEIGHT, OUTPUT_LAYER, POSITION_EMBEDDINGS,
                                           WORD_EMBEDDINGS, layer_key)
 from megatron_ext.runtime.reshard import ShardEntry
@@ -354,10 +355,7 @@ def stage_parts(num_layers: int, num_stages: int, stage_layers: list[int] | None
     ``stage_layers[s]`` layers, ``--pipeline-stage-layers``), the first stage also the embedding,
     the last also the final norm and the head."""
     if stage_layers is None:
-        if num_layers % num_stages:
-            raise ValueError(f"num-layers ({num_layers}) is not divisible by pipeline-model-parallel-size "
-                             f"({num_stages})")
-        stage_layers = [num_layers // num_stages] * num_stages
+        stage_layers = list(even_stage_layers(num_layers, num_stages))
     if len(stage_layers) != num_stages or sum(stage_layers) != num_layers or min(stage_layers) < 1:
         raise ValueError(f"stage layers {stage_layers}: need {num_stages} counts >= 1 summing to {num_layers}")
     bounds, total = [0], 0

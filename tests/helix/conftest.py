@@ -1,11 +1,4 @@
-import os
-import sys
-
 import pytest
-
-# test_tiling.py and test_tiling_families.py still import helix_helpers by module name; every other
-# module imports it as tests.helix.helix_helpers. This goes when they do too.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)

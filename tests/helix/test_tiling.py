@@ -4,10 +4,10 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from helix_helpers import parity, tiling_backend
 
 from megatron_ext.helix.passes.tiling_rules import Refuse
 from megatron_ext.helix.passes.tiling_shape_rules import reshape_tile_dim
+from tests.helix.helix_helpers import parity, tiling_backend
 
 
 @pytest.mark.parametrize("src, dst, d, want", [

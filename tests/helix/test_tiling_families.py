@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from helix_helpers import fake_world, parity, tiling_backend
 
 from megatron_ext.helix import HelixBackend
 from megatron_ext.helix.collectives import reduce_from_tensor_parallel_region
+from tests.helix.helix_helpers import fake_world, parity, tiling_backend
 
 S, B, H, HEADS, GROUPS = 8, 4, 32, 4, 2
 
