@@ -44,8 +44,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench.harness import Report, aa_name, compare, format_comparison  # noqa: E402
+from megatron_ext.models.flops import ModelSpec  # noqa: E402
 from megatron_ext.resihp import planner as planner_mod  # noqa: E402
-from megatron_ext.resihp.flops import ModelSpec  # noqa: E402
 from megatron_ext.resihp.planner import Cluster, PlanLayout, Planner, PlannerConfig, Workload  # noqa: E402
 
 logger = logging.getLogger("bench_relayout")

@@ -257,34 +257,16 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
     return None
 
 
-def iteration_flops(spec: Any, seq: int, global_batch: int) -> float:
-    """Model FLOPs of one iteration (forward + backward) of ``spec`` (``resihp.flops.ModelSpec``) by
-    ResiHP's FLOPs model: full sequences as single documents, attention counted over the whole score
-    matrix (the usual MFU convention), experts at top-k per token."""
-    from megatron_ext.resihp.flops import microbatch_flops
-
-    fwd, bwd = microbatch_flops(spec, [seq] * global_batch, spec.num_layers, first_stage=True, last_stage=True)
-    return fwd.total + bwd.total
-
-
 def gpt_iteration_flops(layers: int, hidden: int, heads: int, vocab: int, seq: int, global_batch: int, *,
                         ffn_hidden_size: int | None = None, num_query_groups: int | None = None,
                         gated_linear_unit: bool = False) -> float:
-    """``iteration_flops`` of a dense model given by its sizes."""
-    from megatron_ext.resihp.flops import ModelSpec
+    """The FLOPs model's ``iteration_flops`` (``models/flops.py``) of a dense model given by its sizes."""
+    from megatron_ext.models.flops import ModelSpec, iteration_flops
 
     return iteration_flops(ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                      vocab_size=vocab, ffn_hidden_size=ffn_hidden_size,
                                      num_query_groups=num_query_groups, gated_linear_unit=gated_linear_unit),
                            seq, global_batch)
-
-
-def model_iteration_flops(cfg: Any, vocab: int) -> float:
-    """``iteration_flops`` of a run config's model, whatever its family (the model families'
-    registry gives its FLOPs shape: GQA, SwiGLU and experts included)."""
-    from megatron_ext.resihp.flops import spec_of_model
-
-    return iteration_flops(spec_of_model(cfg.model, vocab), cfg.model.seq_length, cfg.training.global_batch_size)
 
 
 def _trainer(values: dict[str, Any], dctx: Any):
@@ -372,6 +354,7 @@ def _train_and_resume(ctx: dict[str, Any], extra: dict[str, Any]) -> dict[str, A
     import torch
 
     from megatron_ext.models.families import family_of
+    from megatron_ext.models.flops import model_iteration_flops
     from megatron_ext.runtime.model import unwrap
 
     sz: Sizes = ctx["sizes"]
@@ -560,7 +543,7 @@ def error_summary(err: np.ndarray) -> dict[str, float]:
 def section_flops_model(ctx: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from megatron_ext.resihp.flops import ModelSpec, microbatch_flops
+    from megatron_ext.models.flops import ModelSpec, microbatch_flops
 
     sz: Sizes = ctx["sizes"]
     if ctx["cuda"] and not te_usable(ctx["env"]):

@@ -14,8 +14,9 @@ importing the config, which imports it): which family a config is (``family_of``
 that need the world size (``validate``), the widths every consumer must agree on
 (``swiglu_ffn_hidden_size``), and each family's Hugging Face adapters. Derived from it: megatron's TransformerConfig fields and layer specs
 (``runtime/families.py``), the DeepSpeed PipelineModule's blocks (``deepspeed_patches/gpt.py``),
-Hydro's small models (``hydro/models.py``), the Hugging Face tables (``convert/hf.py``) and ResiHP's
-FLOPs shape (``resihp/flops.spec_of_model``, which the GPU check counts too).
+Hydro's small models (``hydro/models.py``), the Hugging Face tables (``convert/hf.py``) and the
+FLOPs shape (``models/flops.spec_of_model``: ResiHP's detector and planner, the GPU check's MFU and
+the runtime's ``--log-throughput`` count it).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_ext.ft.target import LayoutTarget
-from megatron_ext.resihp.flops import spec_of_model
+from megatron_ext.models.flops import spec_of_model
 from megatron_ext.resihp.planner_types import Cluster, PlanLayout, PlannerConfig, Workload
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -32,9 +32,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from megatron_ext.models.flops import stage_costs
 from megatron_ext.pipeline.schedule_orders import schedule_order
 from megatron_ext.resihp.config import ResiHPConfig
-from megatron_ext.resihp.flops import stage_costs
 from megatron_ext.pipeline.pipesim import compile_plan, simulate
 from megatron_ext.resihp.stats import Persistence, huber_fit, loo_median, nanmedian, robust_scale
 from megatron_ext.resihp.trace import TraceRecord

@@ -38,9 +38,9 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from megatron_ext.layout import split_even
+from megatron_ext.models.flops import ModelSpec, stage_cost
 from megatron_ext.pipeline.pipesim import compile_plan, simulate
 from megatron_ext.pipeline.schedule_orders import schedule_order
-from megatron_ext.resihp.flops import ModelSpec, stage_cost
 from megatron_ext.resihp.planner_types import (HEALTHY_EPS, Cluster, MemoryModel, Plan, PlanLayout, PlannerConfig,
                                                PlanningError, Workload, _short)
 

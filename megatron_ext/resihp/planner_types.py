@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from megatron_ext.models.flops import ModelSpec
 from megatron_ext.pipeline.schedule_orders import SCHEDULES
-from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.layout import Layout, split_even
 
 logger = logging.getLogger(__name__)

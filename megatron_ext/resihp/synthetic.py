@@ -17,8 +17,8 @@ import logging
 
 import numpy as np
 
+from megatron_ext.models.flops import ModelSpec, stage_costs
 from megatron_ext.pipeline.schedule_orders import schedule_order
-from megatron_ext.resihp.flops import ModelSpec, stage_costs
 from megatron_ext.pipeline.pipesim import compile_plan, simulate
 from megatron_ext.resihp.trace import FaultLabel, TraceLayout, TraceRecord
 

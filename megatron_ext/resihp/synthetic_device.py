@@ -47,7 +47,7 @@ import logging
 
 import numpy as np
 
-from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.models.flops import ModelSpec
 from megatron_ext.resihp.trace import FaultLabel, TraceLayout, TraceRecord
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from megatron_ext.errors import UserError
+from megatron_ext.models.flops import ModelSpec
 from megatron_ext.pipeline.schedule_orders import SCHEDULES
-from megatron_ext.resihp.flops import ModelSpec
 from megatron_ext.resihp.jsonl import JsonLinesWriter
 from megatron_ext.layout import Coord, Layout
 

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.models.flops import ModelSpec
 from megatron_ext.resihp.planner import Cluster, Planner, PlannerConfig, Workload
 from megatron_ext.resihp.planner_policy import PlanPolicy
 from megatron_ext.resihp.planner_types import PlanningError

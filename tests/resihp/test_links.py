@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.config.base import ConfigError
-from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.models.flops import ModelSpec
 from megatron_ext.resihp.injection import (ErrorFault, FaultInjectionConfig, SlowFault, SlowNicFault, StopFault, parse_error,
                                           parse_slow, parse_slow_link, parse_slow_nic, parse_stop, slow_from,
                                           slow_link_from)

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.models.flops import ModelSpec
 from megatron_ext.resihp.planner import (Cluster, Plan, PlanLayout, Planner, PlannerConfig, PlanningError, Workload,
                                          ring_factors)
 from megatron_ext.resihp.planner_policy import PlanPolicy

@@ -10,9 +10,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from megatron_ext.models.flops import stage_costs
 from megatron_ext.resihp.config import ResiHPConfig
 from megatron_ext.resihp.detector import ResiHPDetector
-from megatron_ext.resihp.flops import stage_costs
 from megatron_ext.resihp.synthetic_device import DeviceFault, DeviceJob, generate_device
 
 JOB = dict(stages=2, microbatches=4, dp=4, num_experts=8, ep=4, hidden_size=1024, seq_length=4096, stall_prob=0.0)

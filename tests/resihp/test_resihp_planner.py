@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.models.flops import ModelSpec
 from megatron_ext.resihp.planner import (Cluster, Plan, PlanLayout, Planner, PlannerConfig, PlanningError, Workload,
                                          capacity_optimum_s, layer_params, node_local_groups, predict_iteration_s,
                                          spans_nodes, state_move_bytes)

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from megatron_ext.resihp.flops import ModelSpec
+from megatron_ext.models.flops import ModelSpec
 from megatron_ext.resihp.trace import (
     FaultLabel, TraceRecord, TraceLayout, TraceError, TraceWriter, read_trace, write_trace)
 

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
+from megatron_ext.models.flops import layer_linear_flops_per_token
 from megatron_ext.pipeline.pipesim import compile_plan, simulate
 from megatron_ext.pipeline.schedule_orders import megatron_1f1b
-from megatron_ext.resihp.flops import layer_linear_flops_per_token
 from megatron_ext.resilience.faults import Fault, FaultTrace, healthy_state
 from megatron_ext.resilience.hardware import Hardware
 from megatron_ext.resilience.job import Job, Pipeline, balanced_layers, node_aligned_job

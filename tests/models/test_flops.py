@@ -1,4 +1,5 @@
-"""FLOPs model against torch's FlopCounterMode on real layers with per-document attention."""
+"""The FLOPs model (models/flops.py) against torch's FlopCounterMode on real layers with per-document attention,
+and an iteration's FLOPs from the model flags."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from megatron_ext.resihp.flops import (
-    ModelSpec, doc_stats, microbatch_flops, stage_cost, stage_costs, stage_layer_counts)
+from megatron_ext.models.flops import (
+    ModelSpec, doc_stats, microbatch_flops, model_iteration_flops, stage_cost, stage_costs, stage_layer_counts)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -168,3 +169,24 @@ def test_spec_errors():
         ModelSpec(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=3, vocab_size=10)
     with pytest.raises(ValueError, match="trace.jsonl:3: model: unknown key hidden"):
         ModelSpec.from_dict({"hidden": 3}, where="trace.jsonl:3: model")
+
+
+def test_iteration_flops_follow_the_model_flags():
+    import types
+
+    model = types.SimpleNamespace(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                  ffn_hidden_size=128, group_query_attention=True, num_query_groups=2, swiglu=True,
+                                  num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None)
+    cfg = types.SimpleNamespace(model=model, training=types.SimpleNamespace(global_batch_size=4))
+    h, d = 64, 16
+    # Per layer: QKV with GQA (Q h x h, K and V h x (2 groups x 16)), output h x h, SwiGLU's three
+    # h x ffn matrices; two layers, then the vocabulary head.
+    per_token_fwd = 2 * (2 * h * (h + 2 * 2 * d) + 2 * h * h + 2 * h * 128 * 3) + 2 * h * 128
+    attention_fwd = 2 * 4 * 4 * d * 32 * 32
+    assert model_iteration_flops(cfg, 128) == pytest.approx(3 * 4 * (per_token_fwd * 32 + attention_fwd))
+    # A mixture of experts counts its top-k experts per token (it was dropped before the family
+    # registry gave the FLOPs shape): 4 experts of width 32, top-2, instead of the dense MLP.
+    moe = types.SimpleNamespace(**{**vars(model), "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32})
+    per_token_moe = 2 * (2 * h * (h + 2 * 2 * d) + 2 * h * h + 2 * h * 4 + 2 * 2 * h * 32 * 3) + 2 * h * 128
+    assert model_iteration_flops(types.SimpleNamespace(model=moe, training=cfg.training), 128) == \
+        pytest.approx(3 * 4 * (per_token_moe * 32 + attention_fwd))

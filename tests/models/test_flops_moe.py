@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_ext.config.run import parse_run_config
-from megatron_ext.resihp.flops import ModelSpec, microbatch_flops, spec_of_model
+from megatron_ext.models.flops import ModelSpec, microbatch_flops, spec_of_model
 
 
 class MoEMLP(torch.nn.Module):
@@ -103,7 +103,7 @@ def test_live_spec_carries_gqa_swiglu_and_experts():
 def test_an_expert_rank_does_the_flops_of_the_pairs_routed_to_it(glu):
     # Expert parallelism splits the experts into slices, one per rank: a slice's work is its
     # routed (token, expert) pairs times one expert's FLOPs per token, however skewed the routing.
-    from megatron_ext.resihp.flops import layer_expert_flops_per_pair
+    from megatron_ext.models.flops import layer_expert_flops_per_pair
 
     spec = ModelSpec(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=10, gated_linear_unit=glu,
                      num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=12)

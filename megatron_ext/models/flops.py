@@ -1,7 +1,10 @@
-"""Expected forward and backward FLOPs of one micro-batch on one pipeline stage.
+"""Expected forward and backward FLOPs of one micro-batch on one pipeline stage, and of an iteration.
 
-The detector needs to know how much work a micro-batch *should* take before it can call a slow
-one abnormal. For a GPT stage the work splits in two classes that run at different speeds:
+The model's one FLOPs count, pure (numpy only), below the runtime and the extensions: ResiHP's
+detector and planner need to know how much work a micro-batch *should* take before they can call a
+slow one abnormal; the runtime's ``--log-throughput`` (TFLOP/s per device) and the GPU check's MFU
+count an iteration with ``iteration_flops``. For a GPT stage the work splits in two classes that
+run at different speeds:
 
 * linear terms, proportional to the tokens of the micro-batch: the QKV, output, MLP and (last
   stage) vocabulary projections, 2 FLOPs per multiply-add;
@@ -230,6 +233,23 @@ def doc_stats(doc_lengths: Sequence[int]) -> tuple[float, float]:
     if a.ndim != 1 or (a < 0).any():
         raise ValueError(f"doc_lengths must be a flat list of non-negative lengths, got {list(doc_lengths)[:8]}")
     return float(a.sum()), float((a * a).sum())
+
+
+def iteration_flops(spec: ModelSpec, seq_length: int, global_batch: int) -> float:
+    """Model FLOPs of one iteration (forward + backward over every stage) of ``global_batch``
+    sequences of ``seq_length`` tokens: each sequence one document whose attention is counted over
+    the whole score matrix (the usual MFU convention), experts at top-k per token."""
+    fwd, bwd = microbatch_flops(spec, [seq_length] * global_batch, spec.num_layers, first_stage=True,
+                                last_stage=True)
+    return fwd.total + bwd.total
+
+
+def model_iteration_flops(cfg: Any, vocab_size: int, global_batch: int | None = None) -> float:
+    """``iteration_flops`` of a run config's model (``config.run.RunConfig``: whichever family its
+    flags make it) with the output layer over ``vocab_size`` entries (the padded vocabulary the model
+    computes); ``global_batch`` default the config's ``--global-batch-size``."""
+    batch = cfg.training.global_batch_size if global_batch is None else global_batch
+    return iteration_flops(spec_of_model(cfg.model, vocab_size), cfg.model.seq_length, batch)
 
 
 def stage_layer_counts(num_layers: int, pp: int, vp: int = 1) -> list[list[int]]:
