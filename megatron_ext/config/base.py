@@ -42,10 +42,30 @@ class ArgumentParser(argparse.ArgumentParser):
         return list(dict.fromkeys(out))
 
 
-def suggest_flag(message: str, known: Iterable[str]) -> str:
-    """Append 'did you mean --x?' to argparse's 'unrecognized arguments: --y 3' for misspelled flags."""
+def nearest(name: str, known: Iterable[str]) -> str | None:
+    """The known flag or key ``name`` was probably meant to be, or None when none is near.
+
+    Near means close as a whole (difflib's ratio >= 0.6) *and* sharing most words: more than half of
+    ``name``'s words (split on ``-`` and ``_``) are each within one or two letters of a word of the
+    candidate (ratio >= 0.8). The ratio alone pairs names that only share letters and a common word
+    (``--vocab-file`` with ``--metrics-file``, ``--use-mcore-models`` with ``--helix-cost-model``)."""
     import difflib
 
+    words = _words(name)
+    for candidate in difflib.get_close_matches(name, list(known), n=5, cutoff=0.6):
+        theirs = _words(candidate)
+        near = sum(any(difflib.SequenceMatcher(None, w, t).ratio() >= 0.8 for t in theirs) for w in words)
+        if 2 * near > len(words):
+            return candidate
+    return None
+
+
+def _words(name: str) -> list[str]:
+    return [w for w in name.replace("_", "-").split("-") if w]
+
+
+def suggest_flag(message: str, known: Iterable[str]) -> str:
+    """Append 'did you mean --x?' to argparse's 'unrecognized arguments: --y 3' for misspelled flags."""
     if not message.startswith("unrecognized arguments: "):
         return message
     known = list(known)
@@ -53,9 +73,9 @@ def suggest_flag(message: str, known: Iterable[str]) -> str:
     for token in message.split(": ", 1)[1].split():
         flag = token.split("=", 1)[0]
         if flag.startswith("--"):
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            close = nearest(flag, known)
             if close:
-                hints.append((flag, close[0]))
+                hints.append((flag, close))
     if len(hints) == 1:
         return f"{message}; did you mean {hints[0][1]}?"
     if hints:
@@ -263,11 +283,10 @@ def check_unknown(values: Mapping[str, Any], known: Iterable[str], where: str) -
     known = set(known)
     unknown = sorted(k for k in values if k not in known)
     if unknown:
-        import difflib
         hints = []
         for k in unknown:
-            close = difflib.get_close_matches(k, known, n=1)
-            hints.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+            close = nearest(k, known)
+            hints.append(f"'{k}'" + (f" (did you mean '{close}'?)" if close else ""))
         raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
 
 

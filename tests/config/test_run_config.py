@@ -138,6 +138,26 @@ def test_misspelled_flag_suggests_the_nearest():
                               "--hidden-size (for --hiden-size), --num-layers (for --num-layer)?")
 
 
+@pytest.mark.parametrize("unknown, known, hint", [
+    # Megatron-LM's flags that a ratio alone paired with ours: one shared word ("file") or letters
+    # in common are not a near flag.
+    ("--vocab-file", ["--metrics-file", "--tokenizer-file"], None),
+    ("--use-mcore-models", ["--helix-cost-model", "--helix-mode"], None),
+    ("--hiden-size", ["--hidden-size", "--seq-length"], "--hidden-size"),
+    ("--sed", ["--seed", "--save"], "--seed"),
+    ("--tensor-parallel-size", ["--tensor-model-parallel-size", "--sequence-parallel"], "--tensor-model-parallel-size"),
+    ("--micro-batch", ["--micro-batch-size", "--global-batch-size"], "--micro-batch-size"),
+    ("hiden_size", ["hidden_size", "seq_length"], "hidden_size"),
+])
+def test_the_hint_is_a_near_flag_or_none(unknown, known, hint):
+    from megatron_ext.config.base import nearest, suggest_flag
+
+    assert nearest(unknown, known) == hint
+    if unknown.startswith("--"):
+        message = f"unrecognized arguments: {unknown} 1"
+        assert suggest_flag(message, known) == (message + f"; did you mean {hint}?" if hint else message)
+
+
 @pytest.mark.parametrize("key,value", [("engine", "xyz"), ("position_embedding_type", "alibi"),
                                        ("lr_decay_style", "zigzag"), ("distributed_backend", "mpi")])
 def test_yaml_values_are_checked_against_choices(tmp_path, key, value):
