@@ -49,7 +49,11 @@ setup(
     extras_require={
         # GPU clusters only; never needed on CPU. No apex: megatron-core uses TE's fused kernels.
         "gpu": ["transformer-engine[pytorch]==2.9.0"],
-        # transformers: tools/convert_checkpoint.py and its test (pulls no torch; brings safetensors).
-        "dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis==6.170.17", "transformers==5.24.0"],
+        # --wandb-project (wandb is imported only then).
+        "wandb": ["wandb==0.31.0"],
+        # transformers: tools/convert_checkpoint.py and its test (pulls no torch; brings safetensors);
+        # wandb: the logging tests read its offline files.
+        "dev": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis==6.170.17", "transformers==5.24.0",
+                "wandb==0.31.0"],
     },
 )

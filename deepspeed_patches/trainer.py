@@ -237,7 +237,7 @@ class DeepSpeedTrainer(Trainer):
         if self.engine is not None and self.extensions_set_up:
             for ext in self.extensions:
                 ext.detach(self)
-        self.close_outputs()
+        self.close_outputs(finish=True)
         self._drop_engine()
         self.scheduler = None
         distributed.leave(self.ctx)

@@ -52,7 +52,7 @@ MICROBATCHES = (4, 8)
 OVERHEAD_M = 8
 BASE = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 128, "micro_batch_size": 1,
         "pipeline_model_parallel_size": PP, "lr": 1e-3, "lr_decay_style": "constant", "eval_iters": 0,
-        "progress": False, "timeline": True}
+        "progress": False, "timeline": True, "log_interval": 1}   # the bubble figures every iteration, as measured
 
 
 def _megatron_trainer(values: dict, state: dict):

@@ -337,22 +337,55 @@ class DataConfig:
 @section("logging")
 @dataclasses.dataclass(kw_only=True)
 class LoggingConfig:
-    """Progress lines, validation and TensorBoard."""
+    """Progress lines, validation, TensorBoard and Weights & Biases (Megatron-LM's flags, defaults and tags)."""
 
-    log_interval: int = doc("Print a progress line every N iterations.", 1)
+    log_interval: int = doc("Print a progress line every N iterations (and at the run's first and last).", 100)
+    log_format: str = doc("The progress and validation lines: ours, or Megatron-LM's (its fields, order and "
+                          "number formats, for log parsers that read them).", "megatron-ext",
+                          choices=("megatron-ext", "megatron"))
     eval_interval: int | None = doc("Validate every N iterations (and at the end); unset = only at the end.", None)
-    eval_iters: int = doc("Validation iterations per evaluation; 0 disables validation.", 2)
+    eval_iters: int = doc("Validation iterations per evaluation; 0 disables validation.", 100)
     tensorboard_dir: str | None = doc("Write TensorBoard scalars here (last rank writes).", None)
+    tensorboard_log_interval: int = doc("Write the training scalars every N iterations.", 1)
+    tensorboard_queue_size: int = doc("Scalars TensorBoard holds before it writes them to disk.", 1000)
+    log_throughput: bool = doc("TFLOP/s per device of each iteration (the model's FLOPs, models/flops.py, over the "
+                               "iteration time and the world size) in the progress line and the metrics file.", False)
+    log_timers_to_tensorboard: bool = doc("Write the iteration time (and with --log-throughput the TFLOP/s per "
+                                          "device; with --timing-log-level 1 the forward-backward and optimizer "
+                                          "times) to TensorBoard and Weights & Biases.", False)
+    timing_log_level: int = doc("0: time the iteration only; 1 (and 2, the same here: per-operation times are "
+                                "the timeline's, --timeline): also its forward-backward and optimizer step, on the "
+                                "logging rank.", 0, choices=(0, 1, 2))
+    log_validation_ppl_to_tensorboard: bool = doc("Write the validation perplexity to TensorBoard too.", False)
+    log_loss_scale_to_tensorboard: bool = doc("Write the loss scale to TensorBoard (1.0 unless the optimizer "
+                                              "scales the loss).", True)
+    log_world_size_to_tensorboard: bool = doc("Write the number of ranks to TensorBoard.", False)
+    wandb_project: str | None = doc("Log the scalars to this Weights & Biases project too (needs the wandb "
+                                    "package; WANDB_MODE=offline keeps the run in local files). Unset or empty: "
+                                    "no Weights & Biases, whatever the other --wandb-* flags say.", None)
+    wandb_exp_name: str | None = doc("The Weights & Biases run's name; default wandb's.", None)
+    wandb_save_dir: str | None = doc("Where Weights & Biases keeps the run's files; default <--save>/wandb, "
+                                     "else ./wandb.", None)
+    wandb_entity: str | None = doc("The Weights & Biases entity (team or user) of the project; default yours.",
+                                   None)
     metrics_file: str | None = doc("Append one JSON line of metrics per iteration and evaluation here.", None)
     progress: bool = doc("Print progress lines (iteration, loss, lr, tokens/s, ETA).", True)
 
     def __post_init__(self) -> None:
-        if self.log_interval < 1:
-            raise ConfigError(f"--log-interval must be >= 1, got {self.log_interval}")
+        for key in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if self.eval_interval is not None and self.eval_interval < 1:
             raise ConfigError(f"--eval-interval must be >= 1, got {self.eval_interval}")
         if self.eval_iters < 0:
             raise ConfigError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        # As in Megatron-LM, the project switches Weights & Biases on; the other --wandb-* flags alone do not.
+        if self.wandb_project:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("--wandb-project needs the wandb package, which is not installed: "
+                                  "pip install wandb (or leave --wandb-project unset)")
 
 
 @section("checkpoint")

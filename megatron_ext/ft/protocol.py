@@ -70,7 +70,8 @@ class TrainerLike(Protocol):
     def rewind_outputs(self, iteration: int) -> None:
         """Drop the train and validation rows after ``iteration`` (a rollback redoes them)."""
 
-    def close_outputs(self) -> None: ...
+    def close_outputs(self, finish: bool = False) -> None:
+        """Close the output files; ``finish``: the run ends in this process (Weights & Biases too)."""
 
     def record(self, kind: str, payload: dict[str, Any]) -> None: ...
 

@@ -26,6 +26,9 @@ class IterationMetrics:
     consumed_samples: int
     skipped: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    global_batch_size: int | None = None   # sequences of this iteration over all data-parallel ranks
+    loss_scale: float = 1.0                # the optimizer's (fp16's dynamic scale; 1.0 in bf16 and fp32)
+    timers_s: dict[str, float] = dataclasses.field(default_factory=dict)   # --timing-log-level 1: phases, seconds
 
 
 class Extension:

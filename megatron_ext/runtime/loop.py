@@ -27,7 +27,7 @@ from megatron_ext.runtime import checkpoint as ckpt
 from megatron_ext.runtime import distributed, rundir
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.extension import Extension, IterationMetrics
-from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, stage_loss_func
+from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, padded_vocab_size, stage_loss_func
 from megatron_ext.runtime.runlog import RunLog
 from megatron_ext.runtime.optimizer import build_optimizer, build_scheduler
 
@@ -43,7 +43,7 @@ class Trainer:
         self.ft = ft
         """The fault-tolerance core (``ft/core.py``), or None (nothing survives a lost rank)."""
         self.iteration = 0
-        self.log = RunLog(cfg.logging, cfg.training.train_iters)
+        self.log = RunLog(cfg.logging, cfg.training.train_iters, config=cfg.flat(), save=cfg.checkpoint.save)
         self.forward_backward_func = None
         self.last_batches: list[dict[str, Any]] = []
         self.model: Any = None
@@ -54,6 +54,7 @@ class Trainer:
         self.layout_change: transaction.Change | None = None   # the one being applied
         self._pending_layout: tuple[LayoutTarget, str] | None = None
         self.step_record = StepRecord(iteration=0, consumed_samples=0)   # the iteration in flight
+        self.step_timers: dict[str, float] = {}   # --timing-log-level 1: the phases of the iteration in flight
         self.saving = False
         self.extensions_set_up = False
         # Fault injection points inside an iteration: callables (point, iteration) -> None.
@@ -99,6 +100,12 @@ class Trainer:
                         t.micro_batch_size)
         if ctx.is_logging_rank and lg.metrics_file and cfg.checkpoint.load:
             rundir.truncate_metrics(lg.metrics_file, self.iteration)
+        self.log.first_iteration = self.iteration + 1
+        if lg.log_throughput:
+            from megatron_ext.models.flops import model_iteration_flops
+
+            vocab = padded_vocab_size(self.splits.tokenizer.vocab_size, ctx.layout.tp)
+            self.log.flops_per_sample = model_iteration_flops(cfg, vocab, global_batch=1)
         # On a resume, TensorBoard drops the events a crashed run wrote after the checkpoint.
         self.open_outputs(purge_step=self.iteration + 1 if cfg.checkpoint.load else None)
         for ext in self.extensions:
@@ -144,10 +151,12 @@ class Trainer:
 
     def open_outputs(self, purge_step: int | None = None) -> None:
         if self.ctx.is_logging_rank:
+            self.log.world_size = self.ctx.world_size   # TFLOP/s per device: the devices of this layout
             self.log.open(purge_step=purge_step)
 
-    def close_outputs(self) -> None:
-        self.log.close()
+    def close_outputs(self, finish: bool = False) -> None:
+        """Close the output files (``finish``: the run ends in this process, Weights & Biases too)."""
+        self.log.close(finish=finish)
 
     def rewind_outputs(self, iteration: int) -> None:
         self.log.rewind(iteration)
@@ -242,7 +251,7 @@ class Trainer:
         if self.model is not None and self.extensions_set_up:
             for ext in self.extensions:
                 ext.detach(self)
-        self.close_outputs()
+        self.close_outputs(finish=True)
         self.model = self.optimizer = self.scheduler = None
         distributed.leave(self.ctx)
 
@@ -347,10 +356,19 @@ class Trainer:
     def _train_batches(self, batches: list[dict[str, Any]]) -> tuple[Any, bool, float | None]:
         """Forward/backward over the micro-batches and the optimizer step: (losses for
         ``_reduce_loss``, update applied, gradient norm)."""
+        timed = self.cfg.logging.timing_log_level >= 1
         self.model.train()
         self.model.zero_grad_buffer()
+        start = time.perf_counter()
         losses = self._run_schedule(batches, forward_only=False)
+        if timed:  # Megatron-LM's level-1 timers: the phases, the device synchronised at their ends
+            self._sync()
+            self.step_timers["forward-backward"] = time.perf_counter() - start
+        start = time.perf_counter()
         applied, grad_norm = self._optimizer_step()
+        if timed:
+            self._sync()
+            self.step_timers["optimizer"] = time.perf_counter() - start
         return losses, applied, grad_norm
 
     def _eval_batches(self, batches: list[dict[str, Any]]) -> Any:
@@ -363,6 +381,7 @@ class Trainer:
                             else StepRecord(iteration=it, consumed_samples=self.train_stream.consumed_samples))
         for ext in self.extensions:
             ext.before_iteration(self, it)
+        self.step_timers = {}
         start = time.perf_counter()
         batches = self.train_stream.next_iteration()
         self.last_batches = batches
@@ -378,10 +397,16 @@ class Trainer:
             iteration=it, loss=self._reduce_loss(losses), lr=lr,
             grad_norm=grad_norm, iter_time_s=elapsed,
             tokens_per_s=t.global_batch_size * self.cfg.model.seq_length / max(elapsed, 1e-9),
-            consumed_samples=self.train_stream.consumed_samples, skipped=not applied)
+            consumed_samples=self.train_stream.consumed_samples, skipped=not applied,
+            global_batch_size=t.global_batch_size, loss_scale=self._loss_scale(), timers_s=self.step_timers)
         for ext in self.extensions:
             ext.after_iteration(self, metrics)
         return metrics
+
+    def _loss_scale(self) -> float:
+        """The optimizer's loss scale (megatron's optimizers have one: 1.0 but in fp16)."""
+        scale = getattr(self.optimizer, "get_loss_scale", None)
+        return float(scale()) if callable(scale) else 1.0
 
     def fault_point(self, point: str, iteration: int | None = None) -> None:
         """Test-only fault injection (``--inject-stop RANK:ITER:POINT``): the registered hooks."""
@@ -487,9 +512,9 @@ class Trainer:
         if self.ctx.is_logging_rank:
             self.log.train(m, avg_time)
 
-    def _log_eval(self, loss: float | None) -> None:
+    def _log_eval(self, loss: float | None, *, final: bool = False) -> None:
         if self.ctx.is_logging_rank and loss is not None:
-            self.log.validation(self.iteration, loss)
+            self.log.validation(self.iteration, loss, final=final)
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
@@ -510,7 +535,7 @@ class Trainer:
                         return self.history  # left out, then the job finished while this rank waited
                     times.clear()
             if lg.eval_iters > 0:
-                self._log_eval(self.evaluate())
+                self._log_eval(self.evaluate(), final=True)
             if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
                 self.save_checkpoint()
             finished = True
@@ -525,7 +550,7 @@ class Trainer:
             if not ending:
                 for ext in self.extensions:
                     ext.teardown(self)
-            self.close_outputs()
+            self.close_outputs(finish=True)
         return self.history
 
     def _iterate(self, times: list[float]) -> None:

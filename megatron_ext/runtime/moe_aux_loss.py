@@ -1,4 +1,5 @@
-"""The MoE load-balancing loss in the progress line, the metrics file and TensorBoard.
+"""The MoE load-balancing loss in the progress line, the metrics file and TensorBoard (under megatron's
+tracker name there: ``load_balancing_loss``, as Megatron-LM logs it).
 
 megatron's router records each auxiliary loss divided by its coefficient (1.0 for a perfectly
 balanced router) in a tracker; this extension reduces it over the ranks after each iteration and
@@ -17,6 +18,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron_ext.ft.protocol import TrainerLike
 
 
+PREFIX = "moe_"
+"""Our name of a tracked loss: ``moe_`` + megatron's tracker name (``moe_load_balancing_loss``)."""
+
+
+def megatron_loss_name(key: str) -> str | None:
+    """Megatron-LM's name (its TensorBoard tag and progress-line field: the tracker's) of an
+    ``IterationMetrics.extra`` key this extension writes, or None for any other key."""
+    return key[len(PREFIX):] if key.startswith(PREFIX) else None
+
+
 def moe_aux_losses(num_microbatches: int) -> dict[str, float]:
     """megatron's MoE auxiliary losses of the last iteration, per layer and micro-batch, reduced
     over ranks (collective over every rank); the tracker is cleared for the next iteration.
@@ -33,7 +44,7 @@ def moe_aux_losses(num_microbatches: int) -> dict[str, float]:
     out = {}
     for name in names:
         values = tracker[name]["values"]
-        out[f"moe_{name}"] = float(values.float().sum()) / (values.numel() * max(num_microbatches, 1))
+        out[PREFIX + name] = float(values.float().sum()) / (values.numel() * max(num_microbatches, 1))
     moe_utils.clear_aux_losses_tracker()
     return out
 

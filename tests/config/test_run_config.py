@@ -22,7 +22,10 @@ CORE_FLAGS = [
     "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "bf16", "override_opt_param_scheduler",
     "data_path", "split", "tokenizer_file", "data_cache_dir", "doc_length_dist",
-    "log_interval", "eval_interval", "eval_iters", "tensorboard_dir", "metrics_file", "progress",
+    "log_interval", "log_format", "eval_interval", "eval_iters", "tensorboard_dir", "tensorboard_log_interval",
+    "tensorboard_queue_size", "log_throughput", "log_timers_to_tensorboard", "timing_log_level",
+    "log_validation_ppl_to_tensorboard", "log_loss_scale_to_tensorboard", "log_world_size_to_tensorboard",
+    "wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "metrics_file", "progress",
     "save", "load", "save_interval", "keep_last",
 ]
 

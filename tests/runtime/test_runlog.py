@@ -44,7 +44,8 @@ def test_a_relayout_reports_before_during_and_after_once_settled(tmp_path, capsy
     assert rep["after_iterations"] == [33, 42] and rep["after_vs_before"] == round(100 / 120, 4)
     assert rep["iteration"] == 42   # every metrics row has one: when it was written
     out = capsys.readouterr().out.splitlines()
-    assert out == [" layout change at iteration 30 (the re-layout, tp1pp2dp2 kept): iteration time 100.0 ms "
+    assert out[0].startswith(" iteration      1/   100 | loss 1.0000")   # the run's first iteration has a line
+    assert out[1:] == [" layout change at iteration 30 (the re-layout, tp1pp2dp2 kept): iteration time 100.0 ms "
                    "before the fault, 300.0 ms during it, 120.0 ms after (median of iterations 33-42): throughput "
                    "83 % of before the fault"]
     log.close()
