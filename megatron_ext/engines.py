@@ -20,7 +20,7 @@ from megatron_ext.errors import ConfigError
 
 FEATURES = ("tensor_parallel", "virtual_pipeline", "distributed_optimizer", "data_parallel_microbatches",
             "mixture_of_experts", "bf16", "packed_documents", "overlap_grad_reduce", "helix", "slow_link_injection",
-            "slow_nic_injection")
+            "slow_nic_injection", "transformer_config_flags")
 """What an engine may refuse (each engine's ``refusals`` names the ones it does, with why)."""
 
 
@@ -115,4 +115,6 @@ DEEPSPEED = register_engine(EngineSpec(
         "helix": "--helix compiles megatron-core's GPTModel: use it with --engine megatron",
         "slow_link_injection": "--inject-slow-link throttles megatron-core's p2p calls: use it with --engine megatron",
         "slow_nic_injection": "--inject-slow-nic throttles megatron-core's p2p calls: use it with --engine megatron",
+        "transformer_config_flags": "--engine deepspeed builds its own GPT block, which megatron-core's "
+                                    "TransformerConfig flags do not reach: use --engine megatron",
     }))

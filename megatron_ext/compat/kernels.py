@@ -19,3 +19,9 @@ APEX_SOFTMAX_MODULES = ("scaled_upper_triang_masked_softmax_cuda", "scaled_maske
 def apex_fused_softmax_available() -> bool:
     """All of apex's fused-softmax extensions can be found on this Python's path."""
     return all(importlib.util.find_spec(name) is not None for name in APEX_SOFTMAX_MODULES)
+
+
+def transformer_engine_available() -> bool:
+    """Transformer Engine can be found on this Python's path (megatron's TE layer spec, fp8, its
+    fused attention backends); whether it imports is the layer spec's to find out."""
+    return importlib.util.find_spec("transformer_engine") is not None

@@ -178,6 +178,10 @@ SHIMS: tuple[Shim, ...] = (
          "the plain-torch norm of the local spec refuses --sequence-parallel (MoE with TP needs it), though "
          "a norm is per token: it only has to mark its weights for the TP gradient all-reduce, as "
          "Transformer Engine's and apex's norms do"),
+    Shim("torch-norm-zero-centered-gamma", "megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
+         'not config.layernorm_zero_centered_gamma',
+         "the plain-torch norm of the local spec refuses --apply-layernorm-1p (LLaMA-3 recipes use it), which "
+         "only scales by 1 + gain instead of the gain, the gain starting at zero"),
     Shim("moe-alltoall-splits", "megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
          "self.input_splits, as_numpy=True",
          "the all-to-all split sizes become numpy arrays only when they were on a GPU; CPU tensors stay "
@@ -382,6 +386,45 @@ def _sequence_parallel_norm(new: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+class _ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` scaled by 1 + weight (megatron's ``zero_centered_gamma``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class _ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` scaled by 1 + weight (megatron's ``zero_centered_gamma``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+_ZERO_CENTERED = {torch.nn.LayerNorm: _ZeroCenteredLayerNorm, torch.nn.RMSNorm: _ZeroCenteredRMSNorm}
+
+
+def _zero_centered_norm(new: Callable[..., Any]) -> Callable[..., Any]:
+    """``WrappedTorchNorm.__new__`` that accepts ``layernorm_zero_centered_gamma``: the torch norm is
+    built from a copy of the config without it and becomes its zero-centered twin (same parameter
+    names and shapes, so checkpoints and initialisation by name see an ordinary norm), gain zero."""
+    import copy
+    import functools
+
+    @functools.wraps(new)
+    def wrapper(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not config.layernorm_zero_centered_gamma:
+            return new(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.layernorm_zero_centered_gamma = False
+        norm = new(cls, plain, *args, **kwargs)
+        norm.__class__ = _ZERO_CENTERED[type(norm)]
+        with torch.no_grad():
+            norm.weight.zero_()
+        return norm
+
+    return wrapper
+
+
 def _replacement(shim: Shim, original: Any) -> Any:
     if shim.attr == "torch":
         return _TorchProxy(streams=shim.name == "moe-alltoall-streams")
@@ -391,6 +434,8 @@ def _replacement(shim: Shim, original: Any) -> Any:
         return _without_tensor_cuda(original)
     if shim.name == "torch-norm-sequence-parallel":
         return staticmethod(_sequence_parallel_norm(original.__func__))
+    if shim.name == "torch-norm-zero-centered-gamma":
+        return staticmethod(_zero_centered_norm(original.__func__))
     if shim.name == "moe-alltoall-splits":
         return _host_copy
     if shim.name == "moe-router-gemm":
@@ -424,8 +469,8 @@ def apply() -> None:
 
 
 def remove() -> None:
-    """Undo ``apply()`` (tests)."""
-    for owner, attr, original in _applied.values():
+    """Undo ``apply()`` (tests), last shim first: two shims of one attribute wrap each other."""
+    for owner, attr, original in reversed(list(_applied.values())):
         if original is _ABSENT:
             delattr(owner, attr)
         else:

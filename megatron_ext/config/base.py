@@ -84,16 +84,20 @@ def suggest_flag(message: str, known: Iterable[str]) -> str:
 
 
 def doc(help: str, default: Any = dataclasses.MISSING, *, choices: Iterable[Any] | None = None,
-        default_factory: Any = dataclasses.MISSING, aliases: Iterable[str] = (), renamed_from: str = "") -> Any:
+        default_factory: Any = dataclasses.MISSING, aliases: Iterable[str] = (), negatives: Iterable[str] = (),
+        renamed_from: str = "") -> Any:
     """A dataclass field with a help text (shown by ``--help`` and in docs/). ``aliases``: other
     spellings of its flag (Megatron-LM's, e.g. ``--override-opt_param-scheduler``); the YAML key
-    is the field's name. ``renamed_from``: the field's former name, still taken as a flag and a
-    YAML key; a run that uses it is told once which name replaced it (``renamed_keys``)."""
+    is the field's name. ``negatives``: flags that set a bool field to False besides ``--no-<name>``
+    (Megatron-LM's ``--disable-...`` spellings). ``renamed_from``: the field's former name, still taken
+    as a flag and a YAML key; a run that uses it is told once which name replaced it (``renamed_keys``)."""
     meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = tuple(choices)
     if aliases:
         meta["aliases"] = tuple(aliases)
+    if negatives:
+        meta["negatives"] = tuple(negatives)
     if renamed_from:
         meta["renamed_from"] = renamed_from
     if default_factory is not dataclasses.MISSING:
@@ -145,6 +149,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
             kwargs["choices"] = f.metadata["choices"]
         names = (flag_name(f.name), *f.metadata.get("aliases", ()))
         _add_flag(group, names, f.name, base, kwargs)
+        negatives = f.metadata.get("negatives", ())
+        if negatives:
+            group.add_argument(*negatives, dest=f.name, action="store_const", const=False, default=None,
+                               help=argparse.SUPPRESS)
         old = f.metadata.get("renamed_from")
         if old:
             # The former spelling lands in its own destination, so that the parse can tell which

@@ -16,6 +16,7 @@ from megatron_ext.config.base import (ArgumentParser, ConfigError, add_flags, bu
 from megatron_ext.engines import engine
 from megatron_ext.layout import Layout, check_divides
 from megatron_ext.models.families import swiglu_ffn_hidden_size
+from megatron_ext.config import megatron_flags
 
 _SECTIONS: dict[str, type] = {}
 # Core sections are attributes of RunConfig; the rest are extension sections.
@@ -219,8 +220,6 @@ class ParallelConfig:
         if vpp is not None and (vpp < 1 or (vpp > 1 and self.pipeline_model_parallel_size < 2)):
             raise ConfigError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2 "
                               f"and a value >= 1, got {vpp}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         spec = engine(self.engine)
         if self.use_distributed_optimizer:
             spec.refuse("distributed_optimizer")
@@ -405,6 +404,12 @@ class CheckpointConfig:
             raise ConfigError(f"--keep-last must be >= 0, got {self.keep_last}")
 
 
+# Megatron-LM's TransformerConfig flags (generated from megatron-core's dataclass) and the flags handled
+# by name only (ignored or refused, with why): config/megatron_flags.py, which reads them.
+section("transformer")(megatron_flags.TransformerFlags)
+section("megatron")(megatron_flags.MegatronFlags)
+
+
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig
@@ -556,7 +561,10 @@ def parse_run_config(argv: Sequence[str] | None = None, *, defaults: dict[str, A
 def config_from_values(values: dict[str, Any], *, where: str = "config", source: str = "values") -> RunConfig:
     values, notes = renamed_keys(values, renames(sections().values()), where)
     check_unknown(values, all_keys(), where)
+    values = megatron_flags.resolve_aliases(values)
     secs = sections()
     built = {name: build(cls, values, where) for name, cls in secs.items()}
     core = {name: built.pop(name) for name in _CORE}
-    return RunConfig(**core, extensions=built, source=source, notes=notes)
+    cfg = RunConfig(**core, extensions=built, source=source, notes=notes)
+    cfg.notes += megatron_flags.settle(cfg)
+    return cfg

@@ -16,6 +16,7 @@ import torch
 
 from megatron_ext.compat.devices import resolve_device
 from megatron_ext.compat.kernels import apex_fused_softmax_available
+from megatron_ext.config import megatron_flags
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import RunConfig
 from megatron_ext.layout import Layout
@@ -100,8 +101,13 @@ def _transformer_config(cfg: RunConfig, *, on_gpu: bool, layout: Layout) -> Any:
     # --bf16 holds bf16 weights on CPU too (slow, but it is how the mixed-precision optimizer and
     # its checkpoints are tested without a GPU).
     dtype = torch.bfloat16 if t.bf16 else torch.float32
+    # Megatron-LM's TransformerConfig flags this run sets (generated from the dataclass), and its
+    # switches of the fused kernels, which can only turn off what the device runs.
+    passed = megatron_flags.transformer_kwargs(cfg, te=on_gpu and megatron_flags.device_of(cfg, gpu=on_gpu).te)
+    fused = megatron_flags.kernel_switches(cfg)
     return TransformerConfig(
         **families.transformer_config_kwargs(m),
+        **{k: v for k, v in passed.items() if k != "use_cpu_initialization"},
         tensor_model_parallel_size=layout.tp,
         expert_model_parallel_size=p.expert_model_parallel_size,
         pipeline_model_parallel_size=layout.pp,
@@ -112,17 +118,18 @@ def _transformer_config(cfg: RunConfig, *, on_gpu: bool, layout: Layout) -> Any:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not on_gpu,
+        use_cpu_initialization=not on_gpu or passed.get("use_cpu_initialization", False),
         # CPU: no fused CUDA kernels, no cuda.synchronize after batched p2p (docs/runtime.md, "Set in the
         # TransformerConfig instead").
         batch_p2p_sync=on_gpu,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=on_gpu,
+        bias_activation_fusion=on_gpu and fused["bias_swiglu_fusion" if m.swiglu else "bias_gelu_fusion"],
         # apex's compiled kernels, imported unguarded by megatron at the first forward (compat/kernels.py).
-        masked_softmax_fusion=on_gpu and apex_fused_softmax_available(),
+        masked_softmax_fusion=on_gpu and apex_fused_softmax_available() and fused["masked_softmax_fusion"],
         persist_layer_norm=False,
         apply_rope_fusion=False,
-        bias_dropout_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu and fused["bias_dropout_fusion"],
+        attention_softmax_in_fp32=fused["attention_softmax_in_fp32"],
     )
 
 
@@ -175,7 +182,7 @@ def refusal_line(cfg: RunConfig, exc: BaseException, *, on_gpu: bool) -> str:
     message = _message(exc)
     values = cfg.flat()
     defaults = config_from_values({}).flat()
-    keys = [f.name for f in dataclasses.fields(cfg.model)] + list(_PARALLEL_FLAGS)
+    keys = [f.name for f in dataclasses.fields(cfg.model)] + list(_PARALLEL_FLAGS) + list(megatron_flags.changed(cfg))
     involved = []
     for key in keys:
         if values.get(key) == defaults.get(key):
@@ -223,7 +230,8 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
     tconfig = transformer_config(cfg, ctx)
     spec = families.layer_spec(cfg.model, ctx.device.type == "cuda",
                                per_document_attention=bool(cfg.data.doc_length_dist),
-                               local=cfg.capability("local_layer_spec") is not None)
+                               local=(cfg.capability("local_layer_spec") is not None
+                                      or megatron_flags.transformer_impl(cfg) == "local"))
     vocab = padded_vocab_size(vocab_size, ctx.layout.tp)
     chunks = []
     n_chunks = ctx.vpp or 1
@@ -244,7 +252,9 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
         )
         model.to(ctx.device)
         chunks.append(model)
-    init_by_name(chunks, seed=cfg.training.seed, std=cfg.model.init_method_std, num_layers=cfg.model.num_layers)
+    init_by_name(chunks, seed=cfg.training.seed, std=cfg.model.init_method_std, num_layers=cfg.model.num_layers,
+                 embedding_std=tconfig.embedding_init_method_std,
+                 zero_centered_gamma=tconfig.layernorm_zero_centered_gamma)
     if tconfig.bf16:
         # As megatron's own training does: the last stage hands fp32 logits/losses back, and the
         # first stage's float inputs are cast to bf16 before they meet bf16 weights.
@@ -277,16 +287,27 @@ def _seed_for(seed: int, key: str, index: tuple[int, ...]) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _full_value(key: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
-    """What the unsharded tensor named ``key`` is initialised to (megatron's init rules)."""
+_EMBEDDINGS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+
+
+def _full_value(key: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, *,
+                embedding_std: float | None = None, zero_centered_gamma: bool = False) -> torch.Tensor:
+    """What the unsharded tensor named ``key`` is initialised to (megatron's init rules: the
+    embeddings' std is --embedding-init-method-std where given; a zero-centered norm gain
+    (--apply-layernorm-1p) starts at zero, its scale 1 + gain at one)."""
     leaf = key.rsplit(".", 1)[-1]
     if leaf.endswith("bias"):
         return torch.zeros(shape)
     # Norm gains: "final_layernorm.weight", or fused into a linear as "...layer_norm_weight".
     if "norm" in leaf or ("norm" in key and leaf == "weight"):
-        return torch.ones(shape)
+        return torch.zeros(shape) if zero_centered_gamma else torch.ones(shape)
     gen = torch.Generator().manual_seed(seed)
-    scale = std / math.sqrt(2.0 * num_layers) if key.endswith(_OUTPUT_SCALED) else std
+    if key.endswith(_OUTPUT_SCALED):
+        scale = std / math.sqrt(2.0 * num_layers)
+    elif embedding_std is not None and key.endswith(_EMBEDDINGS):
+        scale = embedding_std
+    else:
+        scale = std
     return torch.randn(shape, generator=gen) * scale
 
 
@@ -331,7 +352,8 @@ def shard_slices(st: Any) -> tuple[tuple[int, ...], tuple[slice, ...]]:
     return index, slices
 
 
-def init_by_name(chunks: list[torch.nn.Module], *, seed: int, std: float, num_layers: int) -> None:
+def init_by_name(chunks: list[torch.nn.Module], *, seed: int, std: float, num_layers: int,
+                 embedding_std: float | None = None, zero_centered_gamma: bool = False) -> None:
     """Overwrite every parameter with its slice of a layout-independent full tensor."""
     seen: set[int] = set()
     # One list over all chunks, not a generator: factory pieces are fresh views, and the ids in
@@ -344,7 +366,8 @@ def init_by_name(chunks: list[torch.nn.Module], *, seed: int, std: float, num_la
             seen.add(id(st.data))
             index, slices = shard_slices(st)
             full_shape = tuple(st.global_shape[st.prepend_axis_num:])
-            full = _full_value(st.key, full_shape, _seed_for(seed, st.key, index), std, num_layers)
+            full = _full_value(st.key, full_shape, _seed_for(seed, st.key, index), std, num_layers,
+                               embedding_std=embedding_std, zero_centered_gamma=zero_centered_gamma)
             st.data.copy_(full[slices].to(st.data.dtype))
 
 

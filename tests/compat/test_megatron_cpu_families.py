@@ -44,6 +44,25 @@ def test_torch_norm_refuses_sequence_parallel_without_the_shim():
         WrappedTorchNorm(_norm_config(sequence_parallel=True), 8)
 
 
+@pytest.mark.parametrize("normalization, torch_cls", [("LayerNorm", torch.nn.LayerNorm), ("RMSNorm", torch.nn.RMSNorm)])
+def test_torch_norm_takes_zero_centered_gamma(applied, normalization, torch_cls):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    # --apply-layernorm-1p: the gain starts at zero and the norm scales by 1 + gain, so it computes
+    # what the plain norm with gain 1 + g computes, under the same parameter names.
+    norm = WrappedTorchNorm(_norm_config(layernorm_zero_centered_gamma=True, normalization=normalization), 8)
+    plain = WrappedTorchNorm(_norm_config(normalization=normalization), 8)
+    assert isinstance(norm, torch_cls) and not norm.weight.any()
+    assert [n for n, _ in norm.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(8))
+        plain.weight.copy_(norm.weight + 1)
+    assert torch.allclose(norm(x), plain(x))
+    both = WrappedTorchNorm(_norm_config(layernorm_zero_centered_gamma=True, sequence_parallel=True), 8)
+    assert all(getattr(p, "sequence_parallel", False) for p in both.parameters())
+
+
 def test_alltoall_split_sizes_become_host_copies(applied):
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     splits = torch.tensor([3, 1])

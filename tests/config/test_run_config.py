@@ -118,8 +118,6 @@ def test_field_checks():
         parse_run_config(["--lr", "1e-4", "--min-lr", "1e-3"])
     with pytest.raises(ConfigError, match="--split must be comma-separated numbers"):
         parse_run_config(["--split", "a,b"])
-    with pytest.raises(ConfigError, match="--sequence-parallel needs --tensor-model-parallel-size > 1"):
-        parse_run_config(["--sequence-parallel"])
     with pytest.raises(ConfigError, match="--use-distributed-optimizer is megatron's optimizer: it needs "
                                           "--engine megatron"):
         parse_run_config(["--use-distributed-optimizer", "--engine", "deepspeed"])

@@ -1,0 +1,207 @@
+"""Megatron-LM's flags (config/megatron_flags.py): the TransformerConfig flags generated from
+megatron-core's dataclass, the flags ignored or refused by name (every line exact), Megatron-LM's older
+spellings, and the docs' table rendered from the one table."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from megatron_ext.config import megatron_flags
+from megatron_ext.config.base import ConfigError
+from megatron_ext.config.run import all_keys, build_parser, parse_run_config
+from tests.conftest import ROOT
+
+CPU = ["--device", "cpu"]
+
+GENERATED = [
+    "pipeline_model_parallel_comm_backend", "context_parallel_size", "expert_tensor_parallel_size",
+    "perform_initialization", "use_cpu_initialization", "deterministic_mode", "async_tensor_model_parallel_allreduce",
+    "tp_comm_overlap", "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag", "tp_comm_overlap_rs",
+    "tp_comm_overlap_rs_dgrad", "tp_comm_split_ag", "tp_comm_split_rs", "cross_entropy_loss_fusion",
+    "cross_entropy_fusion_impl", "tp_comm_bootstrap_backend", "overlap_moe_expert_parallel_comm",
+    "delay_wgrad_compute", "ep_overlap_early_attn_memory_release", "use_ring_exchange_p2p",
+    "defer_embedding_wgrad_compute", "wgrad_deferral_limit", "overlap_p2p_communication_warmup_flush",
+    "microbatch_group_size_per_virtual_pipeline_stage", "cpu_offloading_num_layers",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "attention_backend",
+    "softmax_type", "kv_channels", "fp32_residual_connection", "apply_residual_connection_post_layernorm",
+    "norm_epsilon", "apply_layernorm_1p", "add_qkv_bias", "glu_linear_offset", "activation_func_clamp_value",
+    "rotary_interleaved", "qk_l2_norm", "attention_output_gate", "embedding_init_method_std",
+    "init_model_with_meta_device", "apply_query_key_layer_scaling", "disable_bf16_reduced_precision_matmul",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "distribute_saved_activations",
+    "recompute_modules", "fp8_format", "fp8_recipe", "fp8_quantizer_factory", "fp8_margin", "fp8_interval",
+    "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "first_last_layers_bf16",
+    "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp4_format", "fp4_recipe", "fp4_param_gather",
+    "fp4_quantizer_factory", "moe_shared_expert_gate", "moe_shared_expert_overlap",
+    "moe_router_padding_for_quantization", "moe_router_padding_for_fp8", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_router_dtype", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+    "moe_router_force_load_balancing", "moe_use_legacy_grouped_gemm", "moe_z_loss_coeff", "moe_input_jitter_eps",
+    "moe_per_layer_logging", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+    "moe_token_drop_policy", "moe_layer_recompute", "moe_permute_fusion", "moe_router_fusion",
+    "moe_apply_probs_on_input", "enable_cuda_graph", "cuda_graph_warmup_steps", "external_cuda_graph",
+    "cuda_graph_impl", "clone_scatter_output_in_embedding", "config_logger_dir", "use_te_activation_func",
+    "transformer_impl", "fine_grained_activation_offloading", "offload_modules", "min_offloaded_tensor_size",
+]
+KERNEL_SWITCHES = ["masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
+                   "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion",
+                   "attention_softmax_in_fp32"]
+NAMED_ONLY = ["use_mcore_models", "use_flash_attn", "ckpt_format", "auto_detect_ckpt_format", "profile",
+              "use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks", "fp8_param_gather",
+              "recompute_activations", "use_rotary_position_embeddings"]
+
+
+def test_the_generated_and_named_flag_lists_are_pinned():
+    # Generated from the installed megatron-core's TransformerConfig, in its order: a new megatron-core
+    # changes this list, and its flags with it.
+    assert list(megatron_flags.GENERATED) == GENERATED
+    section = [f.name for f in dataclasses.fields(megatron_flags.TransformerFlags)]
+    assert section == KERNEL_SWITCHES + GENERATED
+    assert [f.name for f in dataclasses.fields(megatron_flags.MegatronFlags)] == NAMED_ONLY
+    keys = all_keys()
+    assert len(set(keys)) == len(keys)
+    at = keys.index(KERNEL_SWITCHES[0])
+    assert keys[at:at + len(section) + len(NAMED_ONLY)] == section + NAMED_ONLY
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    # Megatron-LM's names where they are not the field's (TransformerConfig's argparse_meta).
+    (["--norm-epsilon", "1e-6"], "layernorm_epsilon", 1e-6),
+    (["--apply-layernorm-1p"], "layernorm_zero_centered_gamma", True),
+    (["--fp8-format", "hybrid"], "fp8", "hybrid"),
+    (["--no-initialization"], "perform_initialization", False),
+    # A field that defaults to True: --no-x and --disable-x, as Megatron-LM generates them.
+    (["--no-clone-scatter-output-in-embedding"], "clone_scatter_output_in_embedding", False),
+    (["--disable-clone-scatter-output-in-embedding"], "clone_scatter_output_in_embedding", False),
+    (["--kv-channels", "32"], "kv_channels", 32),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
+     "recompute_num_layers", 2),
+    (["--recompute-modules", "core_attn", "mlp"], "recompute_modules", ["core_attn", "mlp"]),
+])
+def test_generated_flags_take_megatron_lms_names(argv, field, value):
+    key = next(k for k in megatron_flags.GENERATED if megatron_flags.tc_field(k) == field)
+    assert vars(build_parser().parse_args(argv))[key] == value
+
+
+def test_generated_flags_carry_megatron_cores_help_and_choices():
+    actions = {o: a for a in build_parser()._actions for o in a.option_strings}
+    assert actions["--norm-epsilon"].help.startswith("Epsilon value for any LayerNorm/RMSNorm operations.")
+    assert set(actions["--attention-backend"].choices) == {"flash", "fused", "unfused", "local", "auto"}
+    assert actions["--recompute-granularity"].choices == ("full", "selective")
+    with pytest.raises(ConfigError, match=r"argument --recompute-method: invalid choice: 'all'"):
+        parse_run_config(["--recompute-method", "all"])
+
+
+NOTES = {
+    "--use-mcore-models": "ignored --use-mcore-models: megatron-core's GPTModel is the only model here "
+                          "(Megatron-LM's legacy models are not)",
+    "--ckpt-format torch_dist": "ignored --ckpt-format torch_dist: checkpoints are megatron-ext's own sharded format, "
+                                "readable in any layout (docs/runtime.md, Checkpoints)",
+    "--fp8-format hybrid": "ignored --fp8-format hybrid without Transformer Engine's layers: fp8 and fp4 compute "
+                           "inside Transformer Engine's layers; this run's layers are megatron-core's local ones, so "
+                           "it computes in the model's precision (--bf16 / --fp16, else fp32)",
+    "--attention-backend fused": "ignored --attention-backend fused without Transformer Engine's layers: Transformer "
+                                 "Engine's attention kernels; megatron-core's local attention (DotProductAttention) "
+                                 "runs",
+    "--sequence-parallel": "ignored --sequence-parallel: with --tensor-model-parallel-size 1 there is no "
+                           "tensor-parallel region to split (Megatron-LM turns it off too)",
+    "--profile": "ignored --profile: no profiler range is opened here (per-operation timings: --timeline)",
+    "--tp-comm-overlap": "ignored --tp-comm-overlap: Transformer Engine's userbuffers for tensor-parallel "
+                         "communication overlap are not set up here",
+}
+
+
+@pytest.mark.parametrize("flags", list(NOTES))
+def test_an_ignored_flag_is_one_note_and_goes_back_to_its_default(flags):
+    cfg = parse_run_config(CPU + flags.split())
+    assert cfg.notes == [NOTES[flags]]
+    assert megatron_flags.changed(cfg) == {}
+    assert not cfg.parallel.sequence_parallel
+
+
+def test_what_a_cpu_run_ignores_a_gpu_run_with_transformer_engine_passes():
+    cfg = parse_run_config(CPU + ["--fp8-format", "hybrid", "--fp8-param-gather", "--attention-backend", "fused"])
+    te = megatron_flags.Device(gpu=True, te=True)
+    values = {**cfg.flat(), "fp8_format": "hybrid", "fp8_param_gather": True, "attention_backend": "fused"}
+    from megatron_ext.config.run import config_from_values
+
+    gpu_cfg = config_from_values(values)
+    gpu_cfg.extensions["transformer"].fp8_format = "hybrid"   # as settle leaves it on such a device
+    gpu_cfg.extensions["transformer"].attention_backend = "fused"
+    gpu_cfg.extensions["megatron"].fp8_param_gather = True
+    assert megatron_flags.settle(gpu_cfg, te) == []
+    kwargs = megatron_flags.transformer_kwargs(gpu_cfg, te=True)
+    assert kwargs["fp8"] == "hybrid" and kwargs["fp8_param"] is True and kwargs["attention_backend"].name == "fused"
+    # Without Transformer Engine's layers the attention backend is not passed at all (megatron's
+    # GPTModel records it in NVTE_* variables and asserts every later model agrees).
+    assert "attention_backend" not in megatron_flags.transformer_kwargs(gpu_cfg, te=False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not built here (the layout "
+     "is TP x PP x DP, with EP; megatron-core's context-parallel attention also needs Transformer Engine)"),
+    (["--expert-tensor-parallel-size", "2", "--num-experts", "4"], "--expert-tensor-parallel-size 2: expert layers "
+     "are split over --tensor-model-parallel-size here (leave it unset or equal)"),
+    (["--transformer-impl", "inference_optimized"], "--transformer-impl inference_optimized: inference-optimized "
+     "layers are megatron-core's inference path; training builds Transformer Engine's or the local layers"),
+    (["--softmax-type", "off-by-one"], "--softmax-type off-by-one on the CPU: megatron-core 0.16.1's local attention "
+     "allocates its softmax offsets on CUDA"),
+    (["--account-for-loss-in-pipeline-split"], "--account-for-loss-in-pipeline-split: stages hold megatron's even "
+     "split or --pipeline-stage-layers, with the embedding on the first and the loss on the last"),
+    (["--moe-z-loss-coeff", "0.001", "--moe-router-dtype", "fp32"], "--moe-router-dtype, --moe-z-loss-coeff need "
+     "--num-experts"),
+    (["--kv-channels", "32", "--engine", "deepspeed"], "--engine deepspeed builds its own GPT block, which "
+     "megatron-core's TransformerConfig flags do not reach: use --engine megatron (--kv-channels 32)"),
+])
+def test_a_refused_flag_is_one_line(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(CPU + argv)
+    assert str(err.value) == message
+
+
+def test_what_is_not_refused():
+    cfg = parse_run_config(CPU + ["--context-parallel-size", "1", "--expert-tensor-parallel-size", "2",
+                                  "--tensor-model-parallel-size", "2", "--num-experts", "4", "--sequence-parallel"])
+    assert cfg.notes == [] and cfg.parallel.sequence_parallel
+
+
+@pytest.mark.parametrize("argv, key, value", [
+    (["--recompute-activations"], "recompute_granularity", "selective"),
+    (["--use-rotary-position-embeddings"], "position_embedding_type", "rope"),
+])
+def test_megatron_lms_older_spellings(argv, key, value):
+    assert parse_run_config(CPU + argv).flat()[key] == value
+
+
+def test_an_older_spelling_against_the_flag_it_stands_for_is_refused():
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(CPU + ["--use-rotary-position-embeddings", "--position-embedding-type", "learned_absolute"])
+    assert str(err.value) == ("--use-rotary-position-embeddings means --position-embedding-type rope, but "
+                              "--position-embedding-type learned_absolute is given too: give one")
+
+
+def test_the_start_up_line_lists_what_was_ignored_on_rank_0(monkeypatch, capsys):
+    import pretrain_gpt
+
+    class Idle:
+        def run(self):
+            return []
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(pretrain_gpt, "_build_trainer", lambda cfg, extensions: Idle())
+    monkeypatch.setattr(pretrain_gpt, "_teardown", lambda cfg: None)
+    monkeypatch.setattr(pretrain_gpt, "_check", lambda cfg, world, launcher=False: None)
+    assert pretrain_gpt.main(CPU + ["--use-mcore-models", "--fp8-format", "hybrid"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln for ln in lines if "note:" in ln] == [
+        "pretrain_gpt.py: note: " + NOTES["--fp8-format hybrid"],
+        "pretrain_gpt.py: note: " + NOTES["--use-mcore-models"]]
+
+
+def test_the_docs_table_is_the_named_table():
+    with open(os.path.join(ROOT, "docs", "runtime.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    assert megatron_flags.markdown_table() in text, (
+        "docs/runtime.md's table of flags handled by name is out of date: paste "
+        "`python -m megatron_ext.config.megatron_flags`")
