@@ -396,12 +396,29 @@ class CheckpointConfig:
     load: str | None = doc("Checkpoint directory to resume from (latest iteration).", None)
     save_interval: int | None = doc("Save every N iterations (and at the end when --save is set).", None)
     keep_last: int = doc("Keep this many newest checkpoints in --save; 0 keeps all.", 0)
+    exit_signal_handler: bool = doc("On --exit-signal, every rank agrees at the next iteration boundary, saves a "
+                                    "checkpoint (with --save) and exits 0: a preempted or time-limited job loses "
+                                    "nothing (Megatron-LM's flag).", False)
+    exit_signal: str = doc("The signal --exit-signal-handler catches, by name (Slurm's warning signal before a "
+                           "time limit is what the batch script asks for: SIGUSR1 in scripts/slurm/).", "SIGTERM")
+    exit_duration_in_mins: int | None = doc("Save (with --save) and exit 0 once the run has trained this many "
+                                            "minutes (all ranks agree at an iteration boundary).", None)
+    exit_interval: int | None = doc("Save (with --save) and exit 0 after an iteration divisible by this.", None)
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
             raise ConfigError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.keep_last < 0:
             raise ConfigError(f"--keep-last must be >= 0, got {self.keep_last}")
+        for key in ("exit_duration_in_mins", "exit_interval"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.exit_signal_handler:
+            import signal
+
+            if self.exit_signal not in signal.Signals.__members__ or self.exit_signal in ("SIGKILL", "SIGSTOP"):
+                raise ConfigError(f"--exit-signal must name a signal a process can catch (SIGTERM, SIGUSR1, "
+                                  f"SIGUSR2, SIGINT, ...), got {self.exit_signal!r}")
 
 
 # Megatron-LM's TransformerConfig flags (generated from megatron-core's dataclass) and the flags handled
@@ -499,8 +516,10 @@ class RunConfig:
             if missing:
                 raise ConfigError(f"--data-path {path}: missing {' and '.join(missing)}; build it with "
                                   "tools/preprocess_data.py or leave --data-path unset for the default corpus")
-        if self.checkpoint.load is not None and not os.path.isdir(self.checkpoint.load):
-            raise ConfigError(f"--load {self.checkpoint.load}: no such directory")
+        ck = self.checkpoint
+        same = ck.save is not None and ck.load is not None and os.path.realpath(ck.save) == os.path.realpath(ck.load)
+        if ck.load is not None and not os.path.isdir(ck.load) and not same:  # --save X --load X: X may come later
+            raise ConfigError(f"--load {ck.load}: no such directory")
 
     def validate_launch(self, world_size: int) -> None:
         """``validate``, and each extension section's own checks against the world the job is

@@ -26,6 +26,7 @@ from megatron_ext.ft.target import KNOBS, LayoutTarget, check
 from megatron_ext.runtime import checkpoint as ckpt
 from megatron_ext.runtime import distributed, rundir
 from megatron_ext.runtime.distributed import DistContext
+from megatron_ext.runtime.exits import ExitWatch
 from megatron_ext.runtime.extension import Extension, IterationMetrics
 from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, padded_vocab_size, stage_loss_func
 from megatron_ext.runtime.runlog import RunLog
@@ -57,6 +58,9 @@ class Trainer:
         self.step_timers: dict[str, float] = {}   # --timing-log-level 1: the phases of the iteration in flight
         self.saving = False
         self.extensions_set_up = False
+        self.exit_watch = ExitWatch(cfg.checkpoint, self._agree_max)
+        """Why the ranks leave early (``--exit-signal-handler``, ``--exit-duration-in-mins``,
+        ``--exit-interval``): asked after each iteration, the same answer on every rank."""
         # Fault injection points inside an iteration: callables (point, iteration) -> None.
         self.fault_points: list[Callable[[str, int], None]] = []
 
@@ -80,6 +84,7 @@ class Trainer:
         ``run`` first waits for a round that takes it in; the layout change that does builds the
         model, receives its state from the holders and sets the extensions up."""
         self._build_splits()
+        self.exit_watch.install()
         return self
 
     def setup(self) -> "Trainer":
@@ -88,8 +93,13 @@ class Trainer:
         self._build_splits()
         self.build_model()
         self.build_streams()
-        if cfg.checkpoint.load:
-            self.load_checkpoint(cfg.checkpoint.load)
+        ck = cfg.checkpoint
+        fresh = rundir.fresh_start(save=ck.save, load=ck.load)
+        if fresh and ctx.rank == 0:
+            logger.info("--load %s holds no checkpoint yet: starting from scratch (it is also --save: the next "
+                        "launch of this line resumes from what this one saves)", ck.load)
+        if ck.load and not fresh:
+            self.load_checkpoint(ck.load)
         else:
             self.scheduler.step(0)
         self.prepare_schedule()
@@ -100,6 +110,7 @@ class Trainer:
                         t.micro_batch_size)
         if ctx.is_logging_rank and lg.metrics_file and cfg.checkpoint.load:
             rundir.truncate_metrics(lg.metrics_file, self.iteration)
+        self.exit_watch.install()
         self.log.first_iteration = self.iteration + 1
         if lg.log_throughput:
             from megatron_ext.models.flops import model_iteration_flops
@@ -525,19 +536,24 @@ class Trainer:
         try:
             if self.ft is not None and self.ft.is_spare and not self.ft.wait_as_spare(self):
                 return self.history  # the job finished while this process waited for a place
-            while self.iteration < t.train_iters:
+            leave = None
+            while self.iteration < t.train_iters and leave is None:
                 try:
                     self._iterate(times)
+                    leave = self._exit_reason()
                 except Exception as exc:
                     if self.ft is None:
                         raise
                     if not self.ft.on_failure(self, exc):
                         return self.history  # left out, then the job finished while this rank waited
                     times.clear()
-            if lg.eval_iters > 0:
+            if leave is None and lg.eval_iters > 0:
                 self._log_eval(self.evaluate(), final=True)
             if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
                 self.save_checkpoint()
+            if leave is not None and self.ctx.rank == 0:
+                logger.info("exiting after iteration %d of %d (%s)%s", self.iteration, t.train_iters, leave,
+                            f"; resume with --load {ck.save}" if ck.save else " without a checkpoint (no --save)")
             finished = True
         except (RankEnded, JobFailed, RestartNeeded):
             # This process ends at once (the entry point exits without teardown): no extension may
@@ -545,6 +561,7 @@ class Trainer:
             ending = True
             raise
         finally:
+            self.exit_watch.uninstall()
             if self.ft is not None and finished:
                 self.ft.finish()
             if not ending:
@@ -552,6 +569,20 @@ class Trainer:
                     ext.teardown(self)
             self.close_outputs(finish=True)
         return self.history
+
+    def _exit_reason(self) -> str | None:
+        """Why every rank leaves after this iteration (``runtime/exits.py``), or None."""
+        if self.iteration >= self.cfg.training.train_iters:
+            return None  # the run ends here anyway
+        return self.exit_watch.decide(self.iteration)
+
+    def _agree_max(self, flags: list[int]) -> list[int]:
+        """The element-wise maximum of ``flags`` over every rank of the job."""
+        if self.ctx.world_size == 1 or not dist.is_initialized():
+            return list(flags)
+        t = torch.tensor(flags, dtype=torch.int32, device=distributed.collective_device(self.ctx))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(x) for x in t.tolist()]
 
     def _iterate(self, times: list[float]) -> None:
         """One iteration and what follows it (progress line, a requested re-layout, validation,

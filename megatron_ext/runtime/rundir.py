@@ -34,6 +34,14 @@ def _checkpoint_in(save_dir: str) -> str | None:
     return done[-1] if done else None
 
 
+def fresh_start(*, save: str | None, load: str | None) -> bool:
+    """Megatron-LM's first launch of a requeue-able job: ``--save X --load X`` with no checkpoint in
+    ``X`` yet (or no ``X`` at all) starts from scratch instead of failing; every later launch of the
+    same line resumes. A ``--load`` other than ``--save`` must hold a checkpoint."""
+    return load is not None and save is not None and _same(load, save) and (
+        not os.path.isdir(load) or _checkpoint_in(load) is None)
+
+
 def check_outputs(*, save: str | None, load: str | None, metrics_file: str | None,
                   tensorboard_dir: str | None, clean_hint: str = "") -> None:
     """Refuse a new (not resuming) run whose outputs already hold a run. Raises ConfigError."""
@@ -44,7 +52,9 @@ def check_outputs(*, save: str | None, load: str | None, metrics_file: str | Non
             raise ConfigError(f"--save {save} already holds a run (checkpoint {name}): resume it with "
                               f"--load {save}, save elsewhere{hint}")
     if load is not None:
-        return  # a resume continues its metrics and events (trimmed to the checkpoint in setup)
+        # A resume continues its metrics and events (trimmed to the checkpoint in setup); so does a
+        # fresh start of --save X --load X (trimmed to nothing: a launch before any save).
+        return
     if metrics_file is not None and os.path.isfile(metrics_file) and os.path.getsize(metrics_file) > 0:
         raise ConfigError(f"--metrics-file {metrics_file} already holds another run's metrics: resume that run "
                           f"with --load, write elsewhere{hint}")
