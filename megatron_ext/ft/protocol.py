@@ -77,7 +77,7 @@ class TrainerLike(Protocol):
 
     @property
     def tensorboard(self) -> Any:
-        """The TensorBoard writer on the logging rank (None elsewhere)."""
+        """Where scalars go on the logging rank (TensorBoard and Weights & Biases; None elsewhere)."""
 
     def save_checkpoint(self) -> str: ...
 

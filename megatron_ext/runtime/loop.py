@@ -157,7 +157,8 @@ class Trainer:
 
     @property
     def tensorboard(self) -> Any:
-        """The TensorBoard writer on the logging rank (None elsewhere, or without --tensorboard-dir)."""
+        """Where an extension writes scalars on the logging rank (``add_scalar(tag, value, step)``: to
+        TensorBoard and Weights & Biases, ``runtime/scalars.py``); None elsewhere, or without either."""
         return self.log.tensorboard
 
     def open_outputs(self, purge_step: int | None = None) -> None:
