@@ -10,6 +10,10 @@ INSTALL_REQUIRES = [
     "pyyaml==6.0.4",
     "numpy==2.4.6",
     "tokenizers==0.23.3",
+    # Megatron-LM's --tokenizer-type SentencePieceTokenizer / Llama2Tokenizer and TikTokenizer, through
+    # megatron-core's own wrappers (HuggingFaceTokenizer also needs transformers: the dev extra).
+    "sentencepiece==0.2.3",
+    "tiktoken==0.14.0",
     "tensorboard==2.21.0",
     "optuna==5.0.0",
     "matplotlib==3.11.2",

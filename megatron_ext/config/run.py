@@ -13,6 +13,10 @@ from typing import Any, Sequence
 
 from megatron_ext.config.base import (ArgumentParser, ConfigError, add_flags, build, check_unknown, doc,
                                       field_names, load_yaml, renamed_keys, renames)
+from megatron_ext.data.blend import DEFAULT_SPLIT, SPLIT_NAMES, Blend, parse_blend, parse_split
+from megatron_ext.data.tokenizer_types import CHOICES as TOKENIZER_TYPES
+from megatron_ext.data.tokenizer_types import TIKTOKEN_PATTERNS
+from megatron_ext.data.tokenizer_types import check_request as check_tokenizer_request
 from megatron_ext.engines import engine
 from megatron_ext.layout import Layout, check_divides
 from megatron_ext.models.families import swiglu_ffn_hidden_size
@@ -20,7 +24,7 @@ from megatron_ext.config import megatron_flags
 
 _SECTIONS: dict[str, type] = {}
 # Core sections are attributes of RunConfig; the rest are extension sections.
-_CORE = ("model", "parallel", "training", "data", "logging", "checkpoint")
+_CORE = ("model", "parallel", "training", "data", "tokenizer", "logging", "checkpoint")
 # Extension modules are entry points of the installed package (setup.py, group
 # "megatron_ext.extensions"); importing one registers its config section and factory. Another
 # package adds an extension the same way, without editing this one.
@@ -304,26 +308,54 @@ class TrainingConfig:
 @section("data")
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
-    """Training data: a Megatron indexed dataset (.bin/.idx) and its tokenizer."""
+    """Training data as Megatron-LM takes it: indexed datasets (.bin/.idx) read by megatron-core's
+    GPTDataset, blended by its BlendedMegatronDatasetBuilder (data/dataset.py)."""
 
-    data_path: str | None = doc("Indexed dataset prefix (path without .bin/.idx); unset = the embedded "
-                                "default corpus, built on first use.", None)
-    split: str = doc("Train,valid,test weights.", "949,50,1")
-    tokenizer_file: str | None = doc("tokenizers JSON file; default: <data-path>.tokenizer.json.", None)
-    data_cache_dir: str | None = doc("Where the default corpus and dataset index caches live; default "
-                                     "$MEGATRON_EXT_CACHE or ~/.cache/megatron_ext.", None)
+    data_path: list[str] | None = doc(
+        "Indexed dataset prefix (path without .bin/.idx), or a blend: WEIGHT PREFIX WEIGHT PREFIX ... (drawn in "
+        "proportion to the weights), or PREFIX PREFIX ... (in proportion to their sizes); split by --split. "
+        "Unset = the embedded default corpus, built on first use.", None)
+    split: str | None = doc(
+        "Train, valid and test proportions of --data-path, read as Megatron-LM reads them (the numbers in the "
+        f"text: 969,30,1 or 99/1/0); default Megatron-LM's {DEFAULT_SPLIT}.", None)
+    train_data_path: list[str] | None = doc("The training data on its own (a prefix or a blend, as --data-path); "
+                                            "instead of --data-path and --split.", None)
+    valid_data_path: list[str] | None = doc("The validation data on its own (with --train-data-path).", None)
+    test_data_path: list[str] | None = doc("The test data on its own (with --train-data-path).", None)
+    mock_data: bool = doc("Train on megatron-core's MockGPTDataset (generated token sequences) instead of data "
+                          "files.", False)
+    data_cache_path: str | None = doc(
+        "Where the dataset index caches (and the default corpus) live; default $MEGATRON_EXT_CACHE or "
+        "~/.cache/megatron_ext.", None, renamed_from="data_cache_dir")
     doc_length_dist: str | None = doc("Pack each sequence from documents with lengths drawn from this "
                                       "distribution (fixed:N, uniform:LO,HI, lognormal:MU,SIGMA, pareto:ALPHA,XMIN); "
                                       "attention stays within a document, so compute follows the lengths.", None)
 
     def __post_init__(self) -> None:
-        parts = self.split.replace("/", ",").split(",")
-        try:
-            weights = [float(p) for p in parts]
-        except ValueError:
-            raise ConfigError(f"--split must be comma-separated numbers such as 949,50,1, got {self.split!r}") from None
-        if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ConfigError(f"--split needs up to three non-negative weights, got {self.split!r}")
+        per_split = {f"--{name}-data-path": getattr(self, f"{name}_data_path") for name in SPLIT_NAMES}
+        sources = [flag for flag, given in (("--data-path", self.data_path), ("--mock-data", self.mock_data),
+                                            ("--train-data-path etc.", any(per_split.values()))) if given]
+        if len(sources) > 1:
+            raise ConfigError(f"{' and '.join(sources)} are each a whole data source: give one")
+        for flag, items in (("--data-path", self.data_path), *per_split.items()):
+            if items is not None:
+                try:
+                    parse_blend(items, flag)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+        if any(per_split.values()):
+            if not self.train_data_path:
+                given = [flag for flag, items in per_split.items() if items]
+                raise ConfigError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --train-data-path")
+            if self.split is not None:
+                raise ConfigError("--split divides --data-path; --train-data-path, --valid-data-path and "
+                                  "--test-data-path are already the splits: leave --split out")
+        else:
+            self.split = DEFAULT_SPLIT if self.split is None else self.split
+            try:
+                parse_split(self.split)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.doc_length_dist is not None:
             from megatron_ext.data.packing import LengthDistribution
 
@@ -331,6 +363,42 @@ class DataConfig:
                 LengthDistribution.parse(self.doc_length_dist)
             except ValueError as exc:
                 raise ConfigError(f"--doc-length-dist: {exc}") from None
+
+    def blends(self) -> list[tuple[str, Blend]]:
+        """(flag, blend) of every data path given: --data-path, or the per-split paths."""
+        flags = [("--data-path", self.data_path)] + [(f"--{n}-data-path", getattr(self, f"{n}_data_path"))
+                                                     for n in SPLIT_NAMES]
+        return [(flag, parse_blend(items, flag)) for flag, items in flags if items]
+
+    def prefixes(self) -> list[str]:
+        """Every dataset prefix the run reads, in flag order, each once."""
+        return list(dict.fromkeys(p for _, blend in self.blends() for p in blend.prefixes))
+
+
+@section("tokenizer")
+@dataclasses.dataclass(kw_only=True)
+class TokenizerConfig:
+    """The tokenizer: Megatron-LM's --tokenizer-type and its files, built through megatron-core's
+    megatron.core.tokenizers (data/tokenizer_types.py); without a type, the BPE the data was preprocessed with."""
+
+    tokenizer_type: str | None = doc(
+        "Megatron-LM's tokenizer type; unset = the data's own BPE (--tokenizer-file), or GPT2BPETokenizer when "
+        "--vocab-file and --merge-file are given (Megatron-LM's pretrain_gpt.py default).", None, choices=TOKENIZER_TYPES)
+    tokenizer_model: str | None = doc("SentencePiece .model, Hugging Face tokenizer directory (or hub name), or "
+                                      "Megatron-LM's tiktoken .json, as the type reads.", None)
+    vocab_file: str | None = doc("GPT2BPETokenizer: GPT-2's vocab.json.", None)
+    merge_file: str | None = doc("GPT2BPETokenizer: GPT-2's merges.txt.", None)
+    vocab_size: int | None = doc("NullTokenizer: ids 0..N-1 (and N, the end of a document); TikTokenizer: the "
+                                 "vocabulary with its special tokens (megatron-core's default 131072). Other types "
+                                 "take their size from their files.", None)
+    tiktoken_pattern: str | None = doc("TikTokenizer: the pre-tokenization regex (megatron-core's default v2).", None,
+                                       choices=TIKTOKEN_PATTERNS)
+    tiktoken_num_special_tokens: int = doc("TikTokenizer: special tokens before the vocabulary's own.", 1000)
+    tokenizer_file: str | None = doc("The BPE's tokenizers JSON (no --tokenizer-type); default: "
+                                     "<data-path>.tokenizer.json, or the default corpus's.", None)
+
+    def __post_init__(self) -> None:
+        check_tokenizer_request(self)
 
 
 @section("logging")
@@ -433,6 +501,7 @@ class RunConfig:
     parallel: ParallelConfig
     training: TrainingConfig
     data: DataConfig
+    tokenizer: TokenizerConfig
     logging: LoggingConfig
     checkpoint: CheckpointConfig
     extensions: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -510,16 +579,30 @@ class RunConfig:
         from megatron_ext.models.families import validate as validate_family
 
         validate_family(self, world_size)
-        path = self.data.data_path
-        if path is not None:
-            missing = [p for p in (path + ".bin", path + ".idx") if not os.path.isfile(p)]
-            if missing:
-                raise ConfigError(f"--data-path {path}: missing {' and '.join(missing)}; build it with "
-                                  "tools/preprocess_data.py or leave --data-path unset for the default corpus")
+        self._validate_data()
         ck = self.checkpoint
         same = ck.save is not None and ck.load is not None and os.path.realpath(ck.save) == os.path.realpath(ck.load)
         if ck.load is not None and not os.path.isdir(ck.load) and not same:  # --save X --load X: X may come later
             raise ConfigError(f"--load {ck.load}: no such directory")
+
+    def _validate_data(self) -> None:
+        """The data and tokenizer files exist (their contents: ``data/check.py``, at launch)."""
+        from megatron_ext.data.tokenizer_types import missing_files, resolved_type
+
+        for flag, blend in self.data.blends():
+            for prefix in blend.prefixes:
+                missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+                if missing:
+                    hint = (" (a prefix is the path without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else "")
+                    raise ConfigError(f"{flag} {prefix}: missing {' and '.join(missing)}{hint}; build it with "
+                                      "tools/preprocess_data.py or leave --data-path unset for the default corpus")
+        missing = missing_files(self.tokenizer)
+        if missing:
+            raise ConfigError(f"{', '.join(missing)}: no such file")
+        kind = resolved_type(self.tokenizer)
+        if kind is not None and not self.data.blends() and not self.data.mock_data:
+            raise ConfigError(f"--tokenizer-type {kind} needs --data-path (or --mock-data): the embedded default "
+                              "corpus is tokenized with its own BPE")
 
     def validate_launch(self, world_size: int) -> None:
         """``validate``, and each extension section's own checks against the world the job is
@@ -527,6 +610,9 @@ class RunConfig:
         starts. A layout change later (fewer ranks after a loss) is checked by ``validate`` alone:
         those name ranks at launch."""
         self.validate(world_size)
+        from megatron_ext.data.check import check_data
+
+        check_data(self.data, self.tokenizer)   # builds the tokenizer and reads the data's token ids
         for ext in self.extensions.values():
             check_world = getattr(ext, "check_world", None)
             if callable(check_world):

@@ -174,8 +174,9 @@ def from_hf_tensors(hf: dict[str, torch.Tensor], m: Any, model_type: str, where:
 # --- export ----------------------------------------------------------------------------------------
 
 def tokenizer_file_for(meta: dict[str, Any], explicit: str | None) -> str:
-    """The tokenizers JSON of the run that saved the checkpoint: --tokenizer-file, else the run's
-    ``tokenizer_file``, else its dataset's (``<data_path>.tokenizer.json``, the default corpus when unset)."""
+    """The project BPE's tokenizers JSON of the run that saved the checkpoint: --tokenizer-file, else
+    the run's ``tokenizer_file``, else its dataset's (``<prefix>.tokenizer.json`` of its first data
+    prefix, the default corpus when it had none)."""
     from megatron_ext.data.tokenizer import tokenizer_path_for
 
     if explicit:
@@ -183,11 +184,15 @@ def tokenizer_file_for(meta: dict[str, Any], explicit: str | None) -> str:
     cfg = meta.get("config") or {}
     if cfg.get("tokenizer_file"):
         return cfg["tokenizer_file"]
-    if cfg.get("data_path"):
-        return tokenizer_path_for(cfg["data_path"])
+    for key in ("data_path", "train_data_path"):
+        items = cfg.get(key)
+        if items:
+            from megatron_ext.data.blend import parse_blend
+
+            return tokenizer_path_for(parse_blend([items] if isinstance(items, str) else items).prefixes[0])
     from megatron_ext.data.corpus import default_corpus
 
-    return tokenizer_path_for(default_corpus(cfg.get("data_cache_dir")))
+    return tokenizer_path_for(default_corpus(cfg.get("data_cache_path") or cfg.get("data_cache_dir")))
 
 
 def _bpe(path: str, where: str) -> Any:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from megatron_ext.data.corpus import cache_dir, default_corpus, load_tokenizer
+from megatron_ext.data.blend import SPLIT_NAMES, Blend, parse_blend, parse_split
+from megatron_ext.data.corpus import cache_dir, default_corpus
+from megatron_ext.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +27,8 @@ class Splits:
     valid: Any
     test: Any
     tokenizer: Any
-    prefix: str
+    source: str
+    """What the data is, for the start-up line (a prefix, a blend, the per-split paths or mock data)."""
 
 
 def split_sizes(train_iters: int, global_batch: int, eval_interval: int | None, eval_iters: int) -> list[int]:
@@ -32,48 +36,64 @@ def split_sizes(train_iters: int, global_batch: int, eval_interval: int | None, 
     return [train_iters * global_batch, max(evals * eval_iters * global_batch, 1), max(eval_iters * global_batch, 1)]
 
 
-def build_splits(*, data_path: str | None, tokenizer_file: str | None, split: str, seq_length: int, seed: int,
-                 sizes: list[int], cache: str | None, reset_attention_mask: bool = False) -> Splits:
-    """Build the three splits on every rank (megatron's builder synchronises ranks itself)."""
+def build_splits(data: Any, tok: Any, *, seq_length: int, seed: int, sizes: list[int],
+                 reset_attention_mask: bool = False) -> Splits:
+    """Build the three splits on every rank (megatron's builder synchronises ranks itself), as
+    Megatron-LM's pretrain_gpt.py does: GPTDataset (MockGPTDataset with --mock-data) splits through
+    BlendedMegatronDatasetBuilder, from --data-path and --split, or from the per-split paths.
+    ``data``, ``tok``: the run's data and tokenizer sections."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron_ext.data.check import bpe_file_of, sequences, split_without_empty
+    from megatron_ext.data.tokenizer import tokenizer_path_for
+    from megatron_ext.data.tokenizer_types import build_tokenizer
 
-    prefix = data_path or default_corpus(cache)
-    tokenizer = load_tokenizer(prefix, tokenizer_file)
-    # megatron's GPTDataset loops forever when a split with a requested size holds no tokens:
-    # count the documents of each split the way its builder does and drop empty splits first.
-    n_docs = len(IndexedDataset(prefix).document_indices) - 1
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    docs_per_split = [0 if m is None else int(round(m[1] * n_docs)) - int(round(m[0] * n_docs)) for m in matrix]
-    if docs_per_split[0] == 0:
-        raise ValueError(f"--split {split} leaves no training documents in {prefix} ({n_docs} documents)")
-    sizes = [size if docs else None for size, docs in zip(sizes, docs_per_split)]
-    split = ",".join(str(w) if docs else "0" for w, docs in
-                     zip(parse_and_normalize_split(split), docs_per_split))
+    cache = data.data_cache_path
+    per_split = None
+    if data.train_data_path:
+        per_split = [parse_blend(items, f"--{name}-data-path") if items else None
+                     for name, items in zip(SPLIT_NAMES, (data.train_data_path, data.valid_data_path,
+                                                          data.test_data_path))]
+        for blend in filter(None, per_split):
+            for p in blend.prefixes:
+                if sequences(p) == 0:
+                    raise ConfigError(f"{p} holds no documents")
+        source = "; ".join(f"{name} {b.describe()}" for name, b in zip(SPLIT_NAMES, per_split) if b)
+    elif data.mock_data:
+        source = "mock data (megatron-core's MockGPTDataset)"
+    else:
+        blend = parse_blend(data.data_path, "--data-path") if data.data_path else Blend((default_corpus(cache),), None)
+        source = blend.describe()
+    bpe_file = bpe_file_of(data, tok)
+    if bpe_file is None and tok.tokenizer_type is None:
+        bpe_file = tokenizer_path_for(default_corpus(cache))
+    tokenizer = build_tokenizer(tok, bpe_file)
 
-    import os
-
-    index_cache = os.path.join(cache_dir(cache), "index")
+    split = None
+    if per_split is None and not data.mock_data:
+        split, dropped = split_without_empty(data.split, list(blend.prefixes))
+        for what in dropped:
+            logger.info("%s", what)
+        sizes = [size if w > 0 else 0 for size, w in zip(sizes, parse_split(split))]
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=([prefix], None),
+        blend=None if per_split is not None or data.mock_data else blend.as_megatron(),
+        blend_per_split=None if per_split is None else [b.as_megatron() if b else None for b in per_split],
         split=split,
-        path_to_cache=index_cache,
+        path_to_cache=cache or os.path.join(cache_dir(None), "index"),
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=reset_attention_mask,
         eod_mask_loss=False,
         create_attention_mask=False,
     )
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    cls = MockGPTDataset if data.mock_data else GPTDataset
+    train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     if train is None or len(train) == 0:
-        raise ValueError(f"dataset {prefix} has no training samples with --split {split}")
-    return Splits(train=train, valid=valid, test=test, tokenizer=tokenizer, prefix=prefix)
+        raise ConfigError(f"{source}: no training samples")
+    return Splits(train=train, valid=valid, test=test, tokenizer=tokenizer, source=source)
 
 
 def document_lengths(tokens: torch.Tensor, eod: int) -> list[list[int]]:
@@ -133,7 +153,8 @@ class MicroBatchStream:
         batches = []
         for m in range(self.num_microbatches):
             samples = [self._sample(first + m * self.micro_batch + j) for j in range(self.micro_batch)]
-            batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+            # A blend's samples also name their corpus (BlendedDataset's "dataset_id"): not model input.
+            batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0] if torch.is_tensor(samples[0][k])}
             if self.packing is not None:
                 from megatron_ext.data.packing import pack
 

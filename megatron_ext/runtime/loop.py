@@ -72,12 +72,10 @@ class Trainer:
     # --- setup -----------------------------------------------------------------------------
     def _build_splits(self) -> None:
         cfg = self.cfg
-        t, d, lg = cfg.training, cfg.data, cfg.logging
+        t, lg = cfg.training, cfg.logging
         self.splits = build_splits(
-            data_path=d.data_path, tokenizer_file=d.tokenizer_file, split=d.split,
-            seq_length=cfg.model.seq_length, seed=t.seed,
-            sizes=split_sizes(t.train_iters, t.global_batch_size, lg.eval_interval, lg.eval_iters),
-            cache=d.data_cache_dir)
+            cfg.data, cfg.tokenizer, seq_length=cfg.model.seq_length, seed=t.seed,
+            sizes=split_sizes(t.train_iters, t.global_batch_size, lg.eval_interval, lg.eval_iters))
 
     def setup_spare(self) -> "Trainer":
         """A process the launcher started again in place of a lost one: the data, no model yet.
@@ -106,7 +104,7 @@ class Trainer:
         if ctx.rank == 0:
             logger.info("layout %s (world %d) on %s/%s; %d parameters on rank 0; data %s; %d micro-batches "
                         "of %d per iteration", self.layout_name(), ctx.world_size, ctx.device, ctx.backend,
-                        self._num_parameters(), self.splits.prefix, self.train_stream.num_microbatches,
+                        self._num_parameters(), self.splits.source, self.train_stream.num_microbatches,
                         t.micro_batch_size)
         if ctx.is_logging_rank and lg.metrics_file and cfg.checkpoint.load:
             rundir.truncate_metrics(lg.metrics_file, self.iteration)

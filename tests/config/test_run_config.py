@@ -21,7 +21,10 @@ CORE_FLAGS = [
     "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
     "lr_decay_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "bf16", "override_opt_param_scheduler",
-    "data_path", "split", "tokenizer_file", "data_cache_dir", "doc_length_dist",
+    "data_path", "split", "train_data_path", "valid_data_path", "test_data_path", "mock_data", "data_cache_path",
+    "doc_length_dist",
+    "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", "tiktoken_pattern",
+    "tiktoken_num_special_tokens", "tokenizer_file",
     "log_interval", "log_format", "eval_interval", "eval_iters", "tensorboard_dir", "tensorboard_log_interval",
     "tensorboard_queue_size", "log_throughput", "log_timers_to_tensorboard", "timing_log_level",
     "log_validation_ppl_to_tensorboard", "log_loss_scale_to_tensorboard", "log_world_size_to_tensorboard",
@@ -116,7 +119,7 @@ def test_field_checks():
         parse_run_config(["--hidden-size", "66"])
     with pytest.raises(ConfigError, match="need 0 <= --min-lr <= --lr"):
         parse_run_config(["--lr", "1e-4", "--min-lr", "1e-3"])
-    with pytest.raises(ConfigError, match="--split must be comma-separated numbers"):
+    with pytest.raises(ConfigError, match=r"--split 'a,b': give up to three proportions train,valid,test"):
         parse_run_config(["--split", "a,b"])
     with pytest.raises(ConfigError, match="--use-distributed-optimizer is megatron's optimizer: it needs "
                                           "--engine megatron"):
