@@ -204,6 +204,60 @@ def _bpe(path: str, where: str) -> Any:
         raise ConversionError(f"{where}: {exc}") from None
 
 
+def run_tokenizer(meta: dict[str, Any], explicit: str | None, where: str) -> tuple[Any, str]:
+    """The tokenizer of the run that saved the checkpoint, and what it is: the project's BPE
+    (``tokenizer_file_for``), or the --tokenizer-type of its config, built as the run built it."""
+    import types
+
+    from megatron_ext.data import tokenizer_types
+    from megatron_ext.errors import UserError
+
+    cfg = meta.get("config") or {}
+    fields = {k: cfg.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
+                                      "tiktoken_pattern", "tokenizer_file")}
+    fields["tiktoken_num_special_tokens"] = cfg.get("tiktoken_num_special_tokens") or 1000
+    section = types.SimpleNamespace(**fields)
+    if explicit or tokenizer_types.resolved_type(section) is None:
+        path = tokenizer_file_for(meta, explicit)
+        return _bpe(path, where), path
+    try:
+        return tokenizer_types.build_tokenizer(section), tokenizer_types.describe(section)
+    except UserError as exc:
+        raise ConversionError(f"{where}: {exc}") from None
+
+
+def write_hf_tokenizer(tok: Any, what: str, out_dir: str, *, model_max_length: int, where: str) -> dict[str, Any]:
+    """Write ``tok`` as Hugging Face tokenizer files in ``out_dir``; returns the special token ids
+    for config.json. The end of a document is the tokenizer's own token, HF's bos and eos. A
+    tokenizer without a Hugging Face form (SentencePiece, tiktoken, the null tokenizer) is refused:
+    export with --tokenizer-file, a tokenizers JSON of the same vocabulary."""
+    from megatron_ext.data.tokenizer import PAD
+
+    tf = transformers_module()
+    backend = getattr(tok, "backend", None)
+    if backend is not None:   # the project's BPE, or GPT-2's vocab.json + merges.txt
+        pad = tok.vocab.get(PAD)
+        hf_tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=tok.eod_token, eos_token=tok.eod_token,
+                                            pad_token=PAD if pad is not None else None,
+                                            model_max_length=model_max_length)
+        hf_tok.save_pretrained(out_dir)
+        # transformers 5 records the class as TokenizersBackend, which transformers < 5 does not have;
+        # both load PreTrainedTokenizerFast (in 5 another name of the same class).
+        tok_cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+        tok_cfg = json.load(open(tok_cfg_path, encoding="utf-8"))
+        if tok_cfg.get("tokenizer_class") != "PreTrainedTokenizerFast":
+            tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+            with open(tok_cfg_path, "w", encoding="utf-8") as fh:
+                json.dump(tok_cfg, fh, indent=2, sort_keys=True)
+        return {"bos_token_id": tok.eod, "eos_token_id": tok.eod, "pad_token_id": pad}
+    if getattr(tok, "library", None) == "huggingface":
+        tok.save_pretrained(out_dir)
+        bos = tok.bos
+        return {"bos_token_id": tok.eod if bos is None else bos, "eos_token_id": tok.eod, "pad_token_id": tok.pad}
+    raise ConversionError(f"{where}: the run's tokenizer ({what}) has no Hugging Face tokenizer form here: export "
+                          "with --tokenizer-file, a tokenizers JSON of the same vocabulary")
+
+
 @dataclasses.dataclass
 class Exported:
     out_dir: str
@@ -218,31 +272,30 @@ def export(path: str, out_dir: str, *, tokenizer_file: str | None = None, dtype:
     model.safetensors (the hub's layout: one tensor per expert, no tied copy) and the tokenizer."""
     from safetensors.torch import save_file
 
-    from megatron_ext.data.tokenizer import PAD
-
     meta, full = read_full_tensors(path)
     where = path
     m = model_config_of(meta, where)
     model_type = hf_model_type(m, where)
     hf = to_hf_tensors(full, m, model_type, where)
     vocab = full[("embedding.word_embeddings.weight", ())].shape[0]
-    tok_path = tokenizer_file_for(meta, tokenizer_file)
-    tok = _bpe(tok_path, where)
+    tok, tok_what = run_tokenizer(meta, tokenizer_file, where)
     from megatron_ext.runtime.model import padded_vocab_size
 
-    if padded_vocab_size(tok.vocab_size, 1) != vocab:
-        raise ConversionError(f"{where}: tokenizer {tok_path} has {tok.vocab_size} tokens (padded "
+    from megatron_ext.runtime.model import pads_vocabulary
+
+    if not pads_vocabulary(vocab, tok.vocab_size):
+        raise ConversionError(f"{where}: tokenizer {tok_what} has {tok.vocab_size} tokens (padded "
                               f"{padded_vocab_size(tok.vocab_size, 1)}), the checkpoint's embedding {vocab} rows: "
                               "pass the run's --tokenizer-file")
-    pad = tok.vocab.get(PAD)
+    os.makedirs(out_dir, exist_ok=True)
+    # model_max_length: the context the model was built for (the tokenizer's truncation limit).
+    special = write_hf_tokenizer(tok, tok_what, out_dir, model_max_length=m.max_position_embeddings, where=where)
     tf = transformers_module()
     adapter = adapters()[model_type]
-    common = dict(vocab_size=vocab, initializer_range=m.init_method_std, bos_token_id=tok.eod,
-                  eos_token_id=tok.eod, pad_token_id=pad, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
-                  architectures=[adapter.hf_class])
+    common = dict(vocab_size=vocab, initializer_range=m.init_method_std, **special,
+                  tie_word_embeddings=not m.untie_embeddings_and_output_weights, architectures=[adapter.hf_class])
     config = tf.AutoConfig.for_model(model_type, **adapter.config_kwargs(m, common))
     config.dtype = str(dtype).removeprefix("torch.")
-    os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
     cfg_path = os.path.join(out_dir, "config.json")
     data = json.load(open(cfg_path, encoding="utf-8"))
@@ -253,21 +306,6 @@ def export(path: str, out_dir: str, *, tokenizer_file: str | None = None, dtype:
             json.dump(patched, fh, indent=2, sort_keys=True)
     save_file({k: v.to(dtype).contiguous() for k, v in hf.items()}, os.path.join(out_dir, WEIGHTS),
               metadata={"format": "pt"})
-    from megatron_ext.data.tokenizer import EOD
-
-    # model_max_length: the context the model was built for (the tokenizer's truncation limit).
-    hf_tok = tf.PreTrainedTokenizerFast(tokenizer_file=tok_path, bos_token=EOD, eos_token=EOD,
-                                        pad_token=PAD if pad is not None else None,
-                                        model_max_length=m.max_position_embeddings)
-    hf_tok.save_pretrained(out_dir)
-    # transformers 5 records the class as TokenizersBackend, which transformers < 5 does not have;
-    # both load PreTrainedTokenizerFast (in 5 another name of the same class).
-    tok_cfg_path = os.path.join(out_dir, "tokenizer_config.json")
-    tok_cfg = json.load(open(tok_cfg_path, encoding="utf-8"))
-    if tok_cfg.get("tokenizer_class") != "PreTrainedTokenizerFast":
-        tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-        with open(tok_cfg_path, "w", encoding="utf-8") as fh:
-            json.dump(tok_cfg, fh, indent=2, sort_keys=True)
     logger.info("exported %s (iteration %s) to %s as %s", path, meta.get("iteration"), out_dir, adapters()[model_type].hf_class)
     return Exported(out_dir=out_dir, model_type=model_type, hf_class=adapters()[model_type].hf_class, num_tensors=len(hf))
 
@@ -399,6 +437,13 @@ def import_hf(hf_dir: str, out_dir: str, run_argv: list[str] | None = None, *,
         yaml.safe_dump({k: v for k, v in dataclasses.asdict(m).items() if v is not None}, fh, sort_keys=False)
     tok_dst = os.path.join(out_dir, "tokenizer.json")
     shutil.copyfile(tok_src, tok_dst)
+    # The end of a document is the HF tokenizer's eos (tokenizer_config.json): it travels beside the
+    # tokenizer.json, where BPETokenizer reads it (and HuggingFaceTokenizer loads the directory).
+    from megatron_ext.data.tokenizer import HF_TOKENIZER_CONFIG
+
+    tok_cfg = os.path.join(os.path.dirname(os.path.abspath(tok_src)), HF_TOKENIZER_CONFIG)
+    if os.path.isfile(tok_cfg):
+        shutil.copyfile(tok_cfg, os.path.join(out_dir, HF_TOKENIZER_CONFIG))
     logger.info("imported %s (%s) into %s (%s)", hf_dir, adapters()[model_type].hf_class, out_dir, ckpt.iter_dir_name(0))
     return Imported(save_dir=out_dir, model_type=model_type, model_yaml=model_yaml, tokenizer_file=tok_dst,
                     not_carried=not_carried)
