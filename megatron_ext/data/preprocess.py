@@ -38,6 +38,22 @@ class InputError(ValueError):
     """Unreadable or malformed input; the message names the file (and line)."""
 
 
+def json_lines(path: str) -> Iterator[tuple[int, str, Any]]:
+    """(line number, line, its JSON value) of each non-blank line of a JSONL file (``.gz`` read
+    through gzip); a line that is not JSON is an InputError naming file and line."""
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, line, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+
+
 def iter_documents(paths: Iterable[str], *, json_key: str = "text") -> Iterator[str]:
     """Yield documents: a ``.jsonl``/``.json`` file gives one per line (``json_key``), any other file
     is one document. Directories are walked in sorted order."""
@@ -49,21 +65,14 @@ def iter_documents(paths: Iterable[str], *, json_key: str = "text") -> Iterator[
         if not os.path.isfile(path):
             raise InputError(f"input {path} does not exist")
         if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                    if not isinstance(record, dict) or json_key not in record:
-                        raise InputError(f"{path}:{lineno}: no '{json_key}' field (set --json-key)")
-                    text = record[json_key]
-                    if not isinstance(text, str):
-                        raise InputError(f"{path}:{lineno}: field '{json_key}' is not a string")
-                    if text:
-                        yield text
+            for lineno, _line, record in json_lines(path):
+                if not isinstance(record, dict) or json_key not in record:
+                    raise InputError(f"{path}:{lineno}: no '{json_key}' field (set --json-key)")
+                text = record[json_key]
+                if not isinstance(text, str):
+                    raise InputError(f"{path}:{lineno}: field '{json_key}' is not a string")
+                if text:
+                    yield text
         else:
             try:
                 with open(path, encoding="utf-8") as fh:
@@ -188,28 +197,18 @@ def _encode_line(job: tuple[str, tuple[str, ...], bool]) -> dict[str, tuple[list
 def _jsonl_records(paths: list[str], keys: tuple[str, ...]) -> Iterator[str]:
     """The lines of the JSONL inputs (``.gz`` read through gzip), each checked to be a JSON object
     holding every key with a string or a list of strings; blank lines are skipped."""
-    import gzip
-
     for path in paths:
         if not os.path.isfile(path):
             raise InputError(f"input {path} does not exist")
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                missing = [k for k in keys if not isinstance(record, dict) or k not in record]
-                if missing:
-                    raise InputError(f"{path}:{lineno}: no '{missing[0]}' field (set --json-keys)")
-                for k in keys:
-                    value = record[k]
-                    if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
-                        raise InputError(f"{path}:{lineno}: field '{k}' is neither a string nor a list of strings")
-                yield line
+        for lineno, line, record in json_lines(path):
+            missing = [k for k in keys if not isinstance(record, dict) or k not in record]
+            if missing:
+                raise InputError(f"{path}:{lineno}: no '{missing[0]}' field (set --json-keys)")
+            for k in keys:
+                value = record[k]
+                if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
+                    raise InputError(f"{path}:{lineno}: field '{k}' is neither a string nor a list of strings")
+            yield line
 
 
 def megatron_output_prefix(output_prefix: str, key: str) -> str:
