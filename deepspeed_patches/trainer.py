@@ -31,7 +31,8 @@ from megatron_ext.ft.target import LayoutTarget
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.layout import Layout
 from megatron_ext.runtime.loop import RecorderHooks, Trainer
-from megatron_ext.runtime.model import padded_vocab_size
+from megatron_ext.runtime import checkpoint as ckpt
+from megatron_ext.runtime.model import model_vocab_size
 from megatron_ext.runtime.optimizer import _param_groups, build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ class DeepSpeedTrainer(Trainer):
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.training
         tp = ctx.layout.tp
         _tensor_parallel_on_cpu(tp, ctx.device)
-        vocab = padded_vocab_size(self.splits.tokenizer.vocab_size, tp)
+        vocab = model_vocab_size(cfg, self.splits.tokenizer.vocab_size, tp, ckpt.embedding_rows(cfg.checkpoint.load))
         before = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
         self.model = build_gpt_pipeline(cfg.model, vocab_size=vocab, num_stages=ctx.layout.pp, seed=t.seed,
                                         std=cfg.model.init_method_std, stage_layers=ctx.layout.stage_layers,

@@ -14,10 +14,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_ext.config.defaults import FORMER_DEFAULTS
+
 TINY = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64, "global_batch_size": 8,
-        "micro_batch_size": 2, "eval_iters": 0, "progress": False, "log_interval": 1}
+        "micro_batch_size": 2, "eval_iters": 0, "progress": False,
+        **FORMER_DEFAULTS, "log_interval": 1}
 """The tiny GPT every scenario starts from: the config's default model and batch (4 layers, hidden size
-64, 4 heads, 64 tokens; 8 sequences an iteration in micro-batches of 2), no validation, no progress
+64, 4 heads, 64 tokens; 8 sequences an iteration in micro-batches of 2), no dropout and the
+optimizer's defaults of before Megatron-LM's (FORMER_DEFAULTS), no validation, no progress
 lines, the extensions' per-log-interval figures (bubbles, the squeezer's) every iteration (--log-interval
 1, as every scenario was written with; Megatron-LM's default is 100). A scenario states only what it
 changes: ``{**TINY, "num_layers": 8}``."""

@@ -77,6 +77,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ext.config.defaults import FORMER_DEFAULTS  # noqa: E402
 from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
 from megatron_ext.helix.blocks import MoELayer, TPEPLayer, TPTransformerLayer, capacity_for  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
@@ -107,7 +108,7 @@ CASE_WORLD = {"tp": 2, "moe": 2, "tpep": 2, **FAMILY_WORLD}
 
 
 def _family_values(case: str, args: argparse.Namespace) -> dict:
-    llama = {"num_layers": 1, "hidden_size": args.hidden, "num_attention_heads": args.heads,
+    llama = {**FORMER_DEFAULTS, "num_layers": 1, "hidden_size": args.hidden, "num_attention_heads": args.heads,
              "group_query_attention": True, "num_query_groups": args.heads // 2, "normalization": "RMSNorm",
              "swiglu": True, "position_embedding_type": "rope", "rotary_base": 500000, "disable_bias_linear": True,
              "seq_length": args.seq, "micro_batch_size": args.batch}

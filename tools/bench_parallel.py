@@ -32,9 +32,11 @@ import time
 import warnings
 from typing import Callable
 
+from megatron_ext.config.defaults import FORMER_DEFAULTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {"tp1": (1, 1), "tp2pp2": (2, 2), "pp2dp2": (1, 2), "pp4": (1, 4)}
-BASE = {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
+BASE = {**FORMER_DEFAULTS, "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
         "micro_batch_size": 2, "global_batch_size": 16, "lr": 1e-3, "lr_decay_style": "constant",
         "eval_iters": 0, "progress": False}
 

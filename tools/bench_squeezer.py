@@ -64,9 +64,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
-         "--micro-batch-size", "4", "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--eval-iters", "0",
-         "--log-interval", "1", "--progress", "false"]
+from megatron_ext.config.defaults import former_default_flags  # noqa: E402
+
+MODEL = [*former_default_flags(), "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
+         "--seq-length", "128", "--micro-batch-size", "4", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+         "--eval-iters", "0", "--log-interval", "1", "--progress", "false"]
 
 
 def study_for_bench(src: str, out_dir: str) -> str:

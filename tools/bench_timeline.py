@@ -46,11 +46,13 @@ import time
 import types
 import warnings
 
+from megatron_ext.config.defaults import FORMER_DEFAULTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PP = 4
 MICROBATCHES = (4, 8)
 OVERHEAD_M = 8
-BASE = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 128, "micro_batch_size": 1,
+BASE = {**FORMER_DEFAULTS, "num_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 128, "micro_batch_size": 1,
         "pipeline_model_parallel_size": PP, "lr": 1e-3, "lr_decay_style": "constant", "eval_iters": 0,
         "progress": False, "timeline": True, "log_interval": 1}   # the bubble figures every iteration, as measured
 

@@ -28,11 +28,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_ext.config.defaults import former_default_flags  # noqa: E402
 from megatron_ext.ft.launch import launch_ranks  # noqa: E402
 
 # Small model: the point is the detector's view of real, noisy CPU timings, not training.
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "1",
-         "--global-batch-size", "8", "--eval-iters", "0", "--lr-decay-style", "constant", "--log-interval", "20"]
+MODEL = [*former_default_flags(), "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-iters", "0", "--lr-decay-style", "constant",
+         "--log-interval", "20"]
 
 
 # The MoE model of tests/resihp/live_scenarios_moe.py: the tiny Qwen3-MoE-style block, experts wide

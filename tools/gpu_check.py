@@ -62,6 +62,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_ext.config.defaults import FORMER_DEFAULTS  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 SECTIONS = ("env", "gpt", "llama", "packed", "flops_model", "hydro", "helix", "deepspeed", "ft_nccl")
@@ -359,7 +361,7 @@ def _train_and_resume(ctx: dict[str, Any], extra: dict[str, Any]) -> dict[str, A
 
     sz: Sizes = ctx["sizes"]
     half = sz.iters // 2
-    values = {"num_layers": sz.layers, "hidden_size": sz.hidden, "num_attention_heads": sz.heads,
+    values = {**FORMER_DEFAULTS, "num_layers": sz.layers, "hidden_size": sz.hidden, "num_attention_heads": sz.heads,
               "seq_length": sz.seq, "micro_batch_size": sz.micro_batch, "global_batch_size": sz.global_batch,
               "train_iters": sz.iters, "bf16": True, "lr": 3e-4, "lr_decay_style": "constant",
               "eval_iters": 0, "progress": False, "log_interval": 1000, **extra}
@@ -643,7 +645,7 @@ def section_hydro(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def section_helix(ctx: dict[str, Any]) -> dict[str, Any]:
     sz: Sizes = ctx["sizes"]
-    values = {"num_layers": 2, "hidden_size": max(sz.hidden // 3, 32), "num_attention_heads": 2,
+    values = {**FORMER_DEFAULTS, "num_layers": 2, "hidden_size": max(sz.hidden // 3, 32), "num_attention_heads": 2,
               "seq_length": min(sz.seq, 256), "micro_batch_size": 2, "global_batch_size": 4,
               "train_iters": sz.helix_iters, "lr": 1e-3, "lr_decay_style": "constant", "eval_iters": 0,
               "progress": False, "log_interval": 1000}

@@ -26,13 +26,14 @@ warnings.filterwarnings("ignore")
 
 import torch.distributed as dist  # noqa: E402
 
+from megatron_ext.config.defaults import FORMER_DEFAULTS  # noqa: E402
 from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.resihp.choose import make_planner, not_applicable, plan_layout, target_from_plan  # noqa: E402
 from megatron_ext.resihp.injection import Throttle  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.loop import Trainer  # noqa: E402
 
-BASE = {"num_layers": 12, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 128, "micro_batch_size": 1,
+BASE = {**FORMER_DEFAULTS, "num_layers": 12, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 128, "micro_batch_size": 1,
         "global_batch_size": 8, "pipeline_model_parallel_size": 2, "lr": 1e-3, "lr_decay_style": "constant",
         "eval_iters": 0, "progress": False, "train_iters": 10**6}
 FACTOR = 2.0

@@ -73,8 +73,9 @@ class ModelConfig:
                                       "Megatron-LM's int(8 x hidden-size / 3 / 64) x 64.", None)
     seq_length: int = doc("Training sequence length in tokens.", 64)
     max_position_embeddings: int | None = doc("Learned position table size; default seq-length.", None)
-    hidden_dropout: float = doc("Dropout after attention and MLP.", 0.0)
-    attention_dropout: float = doc("Dropout on attention probabilities.", 0.0)
+    hidden_dropout: float = doc("Dropout after attention and MLP (Megatron-LM's default; LLaMA recipes give 0).", 0.1)
+    attention_dropout: float = doc("Dropout on attention probabilities (Megatron-LM's default; LLaMA recipes give 0).",
+                                   0.1)
     init_method_std: float = doc("Std of the normal weight initialisation.", 0.02)
     position_embedding_type: str = doc("Position embedding.", "learned_absolute",
                                        choices=("learned_absolute", "rope"))
@@ -113,9 +114,12 @@ class ModelConfig:
         "experts x the width of each); unset = none.", None)
     moe_layer_freq: str = doc("Which layers are MoE layers (Megatron-LM's 1:N ratio or [1,0,...] pattern); "
                               "megatron-ext makes every layer's MLP an MoE layer, so only 1 is accepted.", "1")
+    make_vocab_size_divisible_by: int = doc(
+        "Pad the vocabulary to a multiple of this x --tensor-model-parallel-size (Megatron-LM's rule), with the "
+        "launch's TP; a --load checkpoint's own padding of the same vocabulary is kept.", 128)
 
     def __post_init__(self) -> None:
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if self.hidden_size % self.num_attention_heads:
@@ -272,14 +276,14 @@ class TrainingConfig:
     global_batch_size: int = doc("Sequences per iteration over all data-parallel ranks.", 8)
     train_iters: int = doc("Number of training iterations.", 50)
     lr: float = doc("Peak learning rate.", 1e-3)
-    min_lr: float = doc("Learning rate at the end of decay.", 1e-4)
+    min_lr: float = doc("Learning rate at the end of decay.", 0.0)
     lr_warmup_iters: int = doc("Linear warm-up iterations.", 0)
     lr_decay_iters: int | None = doc("Iterations over which the LR decays; default train-iters.", None)
-    lr_decay_style: str = doc("Decay after warm-up.", "cosine",
+    lr_decay_style: str = doc("Decay after warm-up.", "linear",
                               choices=("constant", "linear", "cosine", "inverse-square-root"))
     weight_decay: float = doc("Decoupled weight decay (AdamW); not applied to biases and norms.", 0.01)
     adam_beta1: float = doc("Adam beta1.", 0.9)
-    adam_beta2: float = doc("Adam beta2.", 0.95)
+    adam_beta2: float = doc("Adam beta2.", 0.999)
     adam_eps: float = doc("Adam epsilon.", 1e-8)
     clip_grad: float = doc("Clip the global gradient norm to this value; 0 disables.", 1.0)
     seed: int = doc("Random seed (weights, data order, dropout).", 1234)

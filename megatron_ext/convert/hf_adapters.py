@@ -303,7 +303,7 @@ class Llama(HFAdapter):
 
     def training_defaults(self, c: Any) -> dict[str, Any]:
         # HF's LLaMA-style models have no dropout after attention and MLP (megatron's --hidden-dropout).
-        return dict(super().training_defaults(c), attention_dropout=float(c.attention_dropout))
+        return dict(super().training_defaults(c), hidden_dropout=0.0, attention_dropout=float(c.attention_dropout))
 
 
 class Qwen3(Llama):

@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 def model_spec(trainer: "TrainerLike"):
     """The run's model as the FLOPs model sees it, from the model family's registry entry (GQA,
     SwiGLU and MoE included)."""
-    from megatron_ext.runtime.model import padded_vocab_size
+    from megatron_ext.runtime.model import model_vocab_size
 
-    vocab = padded_vocab_size(trainer.splits.tokenizer.vocab_size, trainer.ctx.layout.tp)
+    vocab = model_vocab_size(trainer.cfg, trainer.splits.tokenizer.vocab_size)
     return spec_of_model(trainer.cfg.model, vocab)
 
 

@@ -216,6 +216,19 @@ def read_meta(ckpt: str) -> dict[str, Any]:
     return meta
 
 
+def embedding_rows(load_dir: str | None) -> int | None:
+    """The rows of the word embedding in the checkpoint ``load_dir`` points at (its padded vocabulary),
+    None where there is no checkpoint yet or no embedding: loading it is what reports a bad one."""
+    if not load_dir:
+        return None
+    try:
+        meta = read_meta(resolve(load_dir))
+    except CheckpointError:
+        return None
+    rows = [s["global_shape"][0] for s in meta.get("shards", []) if s.get("key") == "embedding.word_embeddings.weight"]
+    return int(rows[0]) if rows else None
+
+
 def verify(ckpt: str, meta: dict[str, Any], files: list[str] | None = None) -> None:
     """Check presence, size and hash of ``files`` (default: all) against meta.json."""
     for f in files if files is not None else meta["files"]:

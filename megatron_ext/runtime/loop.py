@@ -267,7 +267,8 @@ class Trainer:
 
     def build_model(self) -> None:
         """Set ``self.model``, ``self.optimizer`` and ``self.scheduler``."""
-        self.model: ModelBundle = build_model(self.cfg, self.ctx, self.splits.tokenizer.vocab_size)
+        self.model: ModelBundle = build_model(self.cfg, self.ctx, self.splits.tokenizer.vocab_size,
+                                              saved_vocab_rows=ckpt.embedding_rows(self.cfg.checkpoint.load))
         params = list(self.model.parameters())
         self.optimizer = build_optimizer(params, self.cfg.training, self.ctx.device.type == "cuda", self.model.chunks,
                                          pgs=self.ctx.pgs)

@@ -26,14 +26,34 @@ from megatron_ext.runtime.distributed import DistContext
 logger = logging.getLogger(__name__)
 
 VOCAB_MULTIPLE = 128
+"""Megatron-LM's --make-vocab-size-divisible-by default."""
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_MULTIPLE) -> int:
+    """Megatron-LM's padding: round up to a multiple of ``divisible_by`` x ``tp``."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
 
 
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """Round up to a multiple of 128 — layout-independent, so TP1 and TP2 models match exactly."""
-    padded = -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if padded % tp:
-        raise ValueError(f"padded vocabulary {padded} is not divisible by --tensor-model-parallel-size {tp}")
-    return padded
+def pads_vocabulary(rows: int, vocab_size: int) -> bool:
+    """``rows`` is Megatron-LM's padding of ``vocab_size`` for some power-of-two multiple (128 x TP):
+    no fewer rows, and fewer extra rows than the largest power of two dividing ``rows``."""
+    return rows >= vocab_size and rows - vocab_size < (rows & -rows)
+
+
+def model_vocab_size(cfg: RunConfig, vocab_size: int, tp: int | None = None, saved_rows: int | None = None) -> int:
+    """The embedding rows of the run's model: the tokenizer's ``vocab_size`` padded by Megatron-LM's rule
+    with the *launch's* TP (a live layout change keeps the model's shape), or ``saved_rows``, the rows of
+    the --load checkpoint's embedding (``checkpoint.embedding_rows``), when they pad the same vocabulary
+    otherwise (a resume in another layout keeps its model). ``tp``: the layout in force, which must
+    divide the rows (ValueError otherwise)."""
+    rows = padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size,
+                             cfg.model.make_vocab_size_divisible_by)
+    if saved_rows is not None and saved_rows >= vocab_size:
+        rows = saved_rows
+    if tp is not None and rows % tp:
+        raise ValueError(f"the vocabulary is padded to {rows} rows, which --tensor-model-parallel-size {tp} does not "
+                         "divide: set --make-vocab-size-divisible-by to a multiple of it")
+    return rows
 
 
 @dataclasses.dataclass
@@ -220,7 +240,9 @@ def layer_spec(on_gpu: bool, *, per_document_attention: bool = False, local: boo
 
 
 def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
-                wrap_ddp: bool = True) -> ModelBundle:
+                wrap_ddp: bool = True, saved_vocab_rows: int | None = None) -> ModelBundle:
+    """``vocab_size``: the tokenizer's (padded here, ``model_vocab_size``); ``saved_vocab_rows``: the
+    embedding rows of the checkpoint the model is built to load."""
     import functools
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -232,7 +254,7 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
                                per_document_attention=bool(cfg.data.doc_length_dist),
                                local=(cfg.capability("local_layer_spec") is not None
                                       or megatron_flags.transformer_impl(cfg) == "local"))
-    vocab = padded_vocab_size(vocab_size, ctx.layout.tp)
+    vocab = model_vocab_size(cfg, vocab_size, ctx.layout.tp, saved_vocab_rows)
     chunks = []
     n_chunks = ctx.vpp or 1
     for vp in range(n_chunks):

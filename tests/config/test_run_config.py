@@ -14,6 +14,7 @@ CORE_FLAGS = [
     "moe_router_topk", "moe_ffn_hidden_size", "moe_token_dispatcher_type", "moe_router_load_balancing_type",
     "moe_aux_loss_coeff", "moe_grouped_gemm", "moe_router_pre_softmax", "moe_router_score_function",
     "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+    "make_vocab_size_divisible_by",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
     "virtual_pipeline_model_parallel_size", "pipeline_stage_layers",
     "data_parallel_microbatches",

@@ -43,10 +43,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from megatron_ext.config.defaults import former_default_flags
 from tests.conftest import ROOT, run_python
 
-MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-         "--global-batch-size", "8", "--micro-batch-size", "1", "--eval-iters", "0", "--log-interval", "1"]
+# No dropout (the former defaults): the survivors' layouts compute the straight run's loss.
+MODEL = [*former_default_flags(), "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2",
+         "--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "1", "--eval-iters", "0",
+         "--log-interval", "1"]
 FT_CONTINUE = ["--ft-on-stop", "continue", "--ft-heartbeat-interval-s", "0.5", "--ft-heartbeat-timeout-s", "4",
                "--ft-continue-timeout-s", "60"]
 CONTINUE = ["--resihp", *FT_CONTINUE]

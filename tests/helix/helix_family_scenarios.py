@@ -29,10 +29,11 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron_ext.config.defaults import FORMER_DEFAULTS  # noqa: E402
 from tests.scenario_helpers import LLAMA_STYLE  # noqa: E402
 
-LLAMA = {**LLAMA_STYLE, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "rotary_base": 500000,
-         "qk_layernorm": True}
+LLAMA = {**FORMER_DEFAULTS, **LLAMA_STYLE, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+         "rotary_base": 500000, "qk_layernorm": True}
 MOE = {**LLAMA, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.1}
 TP2SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 

@@ -94,6 +94,7 @@ def _gpt(g) -> dict:
     import types
 
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(g.rank), str(g.size)  # runtime.distributed reads them
+    from megatron_ext.config.defaults import FORMER_DEFAULTS
     from megatron_ext.config.run import config_from_values
     from megatron_ext.helix.config import HelixConfig
     from megatron_ext.helix.extension import HelixExtension
@@ -102,8 +103,8 @@ def _gpt(g) -> dict:
     from megatron_ext.runtime.model import build_model
 
     b, s = 2, 16
-    cfg = config_from_values({"tensor_model_parallel_size": 2, "num_layers": 2, "hidden_size": 32,
-                              "num_attention_heads": 4, "seq_length": s, "micro_batch_size": b,
+    cfg = config_from_values({**FORMER_DEFAULTS, "tensor_model_parallel_size": 2, "num_layers": 2,
+                              "hidden_size": 32, "num_attention_heads": 4, "seq_length": s, "micro_batch_size": b,
                               "global_batch_size": b})
     ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
     model = build_model(cfg, ctx, vocab_size=200, wrap_ddp=False).chunks[0]

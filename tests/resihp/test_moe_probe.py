@@ -14,9 +14,10 @@ from megatron_ext.pipeline.events import EVENT_DTYPE, EventRecorder, Phase
 from megatron_ext.resihp import moe_probe
 from megatron_ext.resihp.moe_probe import COLLECTIVE, PROBE_DTYPE, ROUTED, MoEProbe, op_tables
 from megatron_ext.runtime import distributed
+from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.runtime.model import build_model, unwrap
 
-SMALL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "group_query_attention": True,
+SMALL = {**FORMER_DEFAULTS, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "group_query_attention": True,
          "num_query_groups": 2, "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
          "disable_bias_linear": True, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24,
          "moe_token_dispatcher_type": "alltoall", "seq_length": 16, "train_iters": 1, "eval_iters": 0,

@@ -10,9 +10,10 @@ import torch
 from megatron_ext.config.run import config_from_values
 from megatron_ext.runtime import checkpoint as ckpt
 from megatron_ext.runtime import distributed
+from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.runtime.loop import Trainer
 
-VALUES = {"train_iters": 2, "eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32,
+VALUES = {**FORMER_DEFAULTS, "train_iters": 2, "eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32,
           "num_attention_heads": 2, "seq_length": 32, "global_batch_size": 2, "micro_batch_size": 1}
 
 

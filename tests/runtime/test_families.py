@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_ext.config.base import ConfigError
+from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.config.run import config_from_values, parse_run_config
 from megatron_ext.engines import DEEPSPEED
 from megatron_ext.models import families as model_families
@@ -116,7 +117,7 @@ def test_configs_parse_and_validate_for_four_ranks():
 
 # --- in-process model ---------------------------------------------------------------------------
 
-SMALL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "group_query_attention": True,
+SMALL = {**FORMER_DEFAULTS, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "group_query_attention": True,
          "num_query_groups": 2, "normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 48,
          "position_embedding_type": "rope", "disable_bias_linear": True, "qk_layernorm": True, "num_experts": 4,
          "moe_ffn_hidden_size": 24, "seq_length": 16, "train_iters": 1, "eval_iters": 0, "progress": False}

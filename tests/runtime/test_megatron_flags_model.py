@@ -86,3 +86,40 @@ def test_megatron_cores_refusal_names_the_generated_flag():
         check_config(parse_run_config(BASE + ["--recompute-granularity", "full"]))
     assert str(err.value) == ("--recompute-granularity full: megatron-core refuses it (TransformerConfig): Using "
                               'recompute_granularity: full so recompute_method must be "block" or "uniform"')
+
+
+# --- the vocabulary padding (Megatron-LM's rule) ---------------------------------------------------
+
+@pytest.mark.parametrize("vocab, tp, divisible_by, padded", [
+    (50257, 1, 128, 50304), (50257, 2, 128, 50432), (50257, 8, 128, 51200), (4096, 8, 128, 4096),
+    (100, 2, 128, 256), (100, 2, 64, 128), (128256, 1, 128, 128256),
+])
+def test_the_vocabulary_is_padded_to_divisible_by_times_tp(vocab, tp, divisible_by, padded):
+    from megatron_ext.runtime.model import padded_vocab_size, pads_vocabulary
+
+    assert padded_vocab_size(vocab, tp, divisible_by) == padded
+    assert pads_vocabulary(padded, vocab)
+    assert not pads_vocabulary(padded + 64 * 1024, vocab) and not pads_vocabulary(vocab - 1, vocab)
+
+
+def test_the_model_keeps_the_launch_padding_or_its_checkpoints(tmp_path):
+    import json
+
+    from megatron_ext.runtime import checkpoint as ckpt
+    from megatron_ext.runtime.model import model_vocab_size
+
+    cfg = parse_run_config(BASE + ["--tensor-model-parallel-size", "2"])
+    assert model_vocab_size(cfg, 50257) == 50432
+    # A layout change to TP4 keeps the launch's padding, which it divides; TP3 cannot take it.
+    assert model_vocab_size(cfg, 50257, tp=4) == 50432
+    with pytest.raises(ValueError, match="padded to 50432 rows, which --tensor-model-parallel-size 3 does not divide"):
+        model_vocab_size(cfg, 50257, tp=3)
+    # A checkpoint saved at TP1 (50304 rows) resumed at TP2 keeps its rows.
+    step = tmp_path / "iter_0000010"
+    step.mkdir()
+    (tmp_path / "latest").write_text("iter_0000010")
+    (step / "meta.json").write_text(json.dumps({"format_version": ckpt.FORMAT_VERSION, "shards": [
+        {"key": "embedding.word_embeddings.weight", "global_shape": [50304, 64]}]}))
+    assert ckpt.embedding_rows(str(tmp_path)) == 50304
+    assert ckpt.embedding_rows(str(tmp_path / "nothing")) is None and ckpt.embedding_rows(None) is None
+    assert model_vocab_size(cfg, 50257, tp=2, saved_rows=ckpt.embedding_rows(str(tmp_path))) == 50304

@@ -17,10 +17,11 @@ from megatron_ext.config.run import config_from_values
 from megatron_ext.runtime import checkpoint as ckpt
 from megatron_ext.runtime import distributed
 from megatron_ext.runtime.loop import Trainer
+from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.runtime.optimizer import MegatronOptimizerOnCPU, _chunks, collect_param_states
 
-VALUES = {"eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
-          "seq_length": 32, "global_batch_size": 4, "micro_batch_size": 2, "lr_decay_style": "constant",
+VALUES = {**FORMER_DEFAULTS, "eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32,
+          "num_attention_heads": 2, "seq_length": 32, "global_batch_size": 4, "micro_batch_size": 2, "lr_decay_style": "constant",
           "lr": 3e-3}
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_ext.config.base import ConfigError
+from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.config.run import config_from_values
 from megatron_ext.data.packing import LengthDistribution, block_causal_mask, pack, reset_positions, split_sequence
 from megatron_ext.runtime import distributed
@@ -61,7 +62,7 @@ def test_document_attention_matches_dense_masked_attention(ctx):
     from megatron_ext.runtime.attention import DocumentAttention, document_starts
     from megatron_ext.runtime.model import transformer_config
 
-    cfg = config_from_values({"hidden_size": 64, "num_attention_heads": 4})
+    cfg = config_from_values({**FORMER_DEFAULTS, "hidden_size": 64, "num_attention_heads": 4})   # no dropout
     tconf = transformer_config(cfg, ctx)
     dense = DotProductAttention(tconf, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     docs = DocumentAttention(tconf, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")

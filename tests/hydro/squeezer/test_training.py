@@ -9,6 +9,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from megatron_ext.config.defaults import former_default_flags
 from megatron_ext.hydro.distinct import COUNTED, distinct_sets
 from tests.conftest import run_torchrun
 from tests.hydro.squeezer.squeezer_helpers import tiny_study
@@ -16,8 +17,8 @@ from tests.hydro.squeezer.squeezer_helpers import tiny_study
 pytestmark = pytest.mark.multirank
 
 # Constant learning rate: the first iterations of a long run equal those of a short one.
-COMMON = ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--log-interval", "100", "--eval-iters", "0",
-          "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--seed", "5"]
+COMMON = [*former_default_flags(), "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--log-interval", "100",
+          "--eval-iters", "0", "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--seed", "5"]
 ITERS = "500"  # the guests start (imports at nice 19) and finish the study by ~200 on a quiet 2-core host
 
 
