@@ -18,13 +18,14 @@ from megatron_ext.config.defaults import FORMER_DEFAULTS
 
 TINY = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64, "global_batch_size": 8,
         "micro_batch_size": 2, "eval_iters": 0, "progress": False,
-        **FORMER_DEFAULTS, "log_interval": 1}
+        **FORMER_DEFAULTS, "split": "949,50,1", "log_interval": 1}
 """The tiny GPT every scenario starts from: the config's default model and batch (4 layers, hidden size
 64, 4 heads, 64 tokens; 8 sequences an iteration in micro-batches of 2), no dropout and the
 optimizer's defaults of before Megatron-LM's (FORMER_DEFAULTS), no validation, no progress
-lines, the extensions' per-log-interval figures (bubbles, the squeezer's) every iteration (--log-interval
-1, as every scenario was written with; Megatron-LM's default is 100). A scenario states only what it
-changes: ``{**TINY, "num_layers": 8}``."""
+lines, the default corpus split 949,50,1 (the split every scenario was written with; Megatron-LM's default
+is 969,30,1), the extensions' per-log-interval figures (bubbles, the squeezer's) every iteration
+(--log-interval 1, as every scenario was written with; Megatron-LM's default is 100). A scenario
+states only what it changes: ``{**TINY, "num_layers": 8}``."""
 
 CURVE = {**TINY, "train_iters": 10, "lr_decay_style": "constant", "lr": 2e-3}
 """The loss-curve runs of tests/runtime and tests/deepspeed_patches (their single-rank megatron
