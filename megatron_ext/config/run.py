@@ -274,11 +274,24 @@ class TrainingConfig:
 
     micro_batch_size: int = doc("Sequences per micro-batch per data-parallel rank.", 2)
     global_batch_size: int = doc("Sequences per iteration over all data-parallel ranks.", 8)
-    train_iters: int = doc("Number of training iterations.", 50)
+    train_iters: int | None = doc("Number of training iterations; unset = 50, or as many as --train-samples makes.",
+                                  None)
+    train_samples: int | None = doc(
+        "Train over this many samples instead (Megatron-LM's sample-based training): the iterations are "
+        "derived as Megatron-LM derives them, and the learning-rate schedule counts samples.", None)
+    rampup_batch_size: list[int] | None = doc(
+        "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT up to --global-batch-size over "
+        "the first SAMPLES samples (megatron-core's micro-batch calculator); the schedule counts samples.", None)
     lr: float = doc("Peak learning rate.", 1e-3)
     min_lr: float = doc("Learning rate at the end of decay.", 0.0)
     lr_warmup_iters: int = doc("Linear warm-up iterations.", 0)
     lr_decay_iters: int | None = doc("Iterations over which the LR decays; default train-iters.", None)
+    lr_warmup_samples: int = doc("Linear warm-up samples (with --train-samples).", 0)
+    lr_decay_samples: int | None = doc("Samples over which the LR decays (with --train-samples); default "
+                                       "--train-samples.", None)
+    lr_warmup_fraction: float | None = doc("Warm up over this fraction of the decay (iterations or samples), "
+                                           "instead of --lr-warmup-iters / --lr-warmup-samples.", None)
+    lr_warmup_init: float = doc("Learning rate the warm-up starts from.", 0.0)
     lr_decay_style: str = doc("Decay after warm-up.", "linear",
                               choices=("constant", "linear", "cosine", "inverse-square-root"))
     weight_decay: float = doc("Decoupled weight decay (AdamW); not applied to biases and norms.", 0.01)
@@ -296,17 +309,82 @@ class TrainingConfig:
         "the checkpoint's schedule wins.", False, aliases=("--override-opt_param-scheduler",))
 
     def __post_init__(self) -> None:
-        for key in ("micro_batch_size", "global_batch_size", "train_iters"):
-            if getattr(self, key) < 1:
+        for key in ("micro_batch_size", "global_batch_size", "train_iters", "train_samples"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= --min-lr <= --lr, got min-lr={self.min_lr} lr={self.lr}")
-        if self.lr_warmup_iters < 0:
-            raise ConfigError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
-        if self.lr_decay_iters is None:
-            self.lr_decay_iters = self.train_iters
+        for key in ("lr_warmup_iters", "lr_warmup_samples"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.lr_warmup_init <= self.lr:
+            raise ConfigError(f"need 0 <= --lr-warmup-init <= --lr, got {self.lr_warmup_init}")
+        self._check_rampup()
+        self._resolve_length()
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+
+    def _check_rampup(self) -> None:
+        ramp = self.rampup_batch_size
+        if ramp is None:
+            return
+        if len(ramp) != 3:
+            raise ConfigError(f"--rampup-batch-size takes START INCREMENT SAMPLES (three numbers), got "
+                              f"{' '.join(map(str, ramp))}")
+        start, increment, samples = ramp
+        if start < 1 or increment < 1 or samples < 0:
+            raise ConfigError(f"--rampup-batch-size {start} {increment} {samples}: START and INCREMENT must be >= 1 "
+                              "and SAMPLES >= 0")
+        gap = self.global_batch_size - start
+        if gap < 0 or gap % increment:
+            raise ConfigError(f"--rampup-batch-size {start} {increment} {samples}: the batch must grow from {start} "
+                              f"to --global-batch-size ({self.global_batch_size}) in steps of {increment}")
+
+    def _resolve_length(self) -> None:
+        """The run's iterations, and which schedule flags go with its length (Megatron-LM's checks):
+        --train-samples with the --lr-*-samples flags, --train-iters with the --lr-*-iters ones."""
+        from megatron_ext.config.samples import iterations_for_samples
+
+        if self.train_samples is not None:
+            given = [flag for flag, on in (("--lr-warmup-iters", self.lr_warmup_iters),
+                                           ("--lr-decay-iters", self.lr_decay_iters is not None)) if on]
+            if given:
+                raise ConfigError(f"{', '.join(given)} count iterations; with --train-samples the schedule counts "
+                                  "samples: give --lr-warmup-samples / --lr-decay-samples")
+            iterations = iterations_for_samples(self.train_samples, self.global_batch_size, self.micro_batch_size,
+                                                self.rampup_batch_size)
+            if iterations < 1:
+                raise ConfigError(f"--train-samples {self.train_samples} is less than one global batch "
+                                  f"({self.global_batch_size})")
+            if self.train_iters is not None and self.train_iters != iterations:
+                raise ConfigError(f"--train-iters {self.train_iters} and --train-samples {self.train_samples} "
+                                  f"({iterations} iterations) both give the run's length: give one")
+            self.train_iters = iterations
+        else:
+            given = [flag for flag, on in (("--lr-warmup-samples", self.lr_warmup_samples),
+                                           ("--lr-decay-samples", self.lr_decay_samples is not None)) if on]
+            if given:
+                raise ConfigError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --train-samples "
+                                  "(with --train-iters: --lr-warmup-iters / --lr-decay-iters)")
+            if self.train_iters is None:
+                self.train_iters = 50
+            if self.lr_decay_iters is None:
+                self.lr_decay_iters = self.train_iters
+        if self.lr_warmup_fraction is not None:
+            if not 0 <= self.lr_warmup_fraction < 1:
+                raise ConfigError(f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+            if self.lr_warmup_iters or self.lr_warmup_samples:
+                raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples each set the "
+                                  "warm-up: give one")
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the iteration that starts after ``consumed_samples`` samples: the ramp's
+        (--rampup-batch-size), else --global-batch-size."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        from megatron_ext.config.samples import rampup_batch
+
+        return rampup_batch(self.rampup_batch_size, self.global_batch_size, self.micro_batch_size, consumed_samples)
 
 
 @section("data")
@@ -334,8 +412,35 @@ class DataConfig:
     doc_length_dist: str | None = doc("Pack each sequence from documents with lengths drawn from this "
                                       "distribution (fixed:N, uniform:LO,HI, lognormal:MU,SIGMA, pareto:ALPHA,XMIN); "
                                       "attention stays within a document, so compute follows the lengths.", None)
+    eod_mask_loss: bool = doc("Leave the end-of-document tokens out of the loss (megatron-core's GPTDataset).", False)
+    reset_position_ids: bool = doc("Restart the position ids after each end-of-document token (megatron-core's "
+                                   "GPTDataset).", False)
+    reset_attention_mask: bool = doc("Megatron-LM's per-document attention mask from the dataset: not supported "
+                                     "(--doc-length-dist packs documents that attend only within themselves).", False)
+    create_attention_mask_in_dataloader: bool = doc(
+        "Megatron-LM builds the causal mask in its data loader unless --no-create-attention-mask-in-dataloader; "
+        "here the attention applies it itself, so both train the same.", True)
+    mmap_bin_files: bool = doc("Read the .bin files through a memory map (--no-mmap-bin-files: file reads; "
+                               "megatron-core's IndexedDataset).", True)
+    num_dataset_builder_threads: int = doc("Threads per rank building a blend's datasets (megatron-core's builder).",
+                                           1)
+    dataloader_type: str | None = doc("Megatron-LM's sampler: single is this runtime's order (each global batch the "
+                                      "next samples, data-parallel ranks taking contiguous shares); cyclic and "
+                                      "external are not built.", None, choices=("single", "cyclic", "external"))
+    num_workers: int = doc("Megatron-LM's data loader worker processes: accepted, no effect (samples are read in the "
+                           "training loop).", 2)
 
     def __post_init__(self) -> None:
+        if self.reset_attention_mask:
+            raise ConfigError("--reset-attention-mask is not supported: megatron-core's per-sample document masks "
+                              "are not passed to the attention here; --doc-length-dist packs documents that attend "
+                              "only within themselves")
+        if self.dataloader_type in ("cyclic", "external"):
+            raise ConfigError(f"--dataloader-type {self.dataloader_type} is not built: samples are read in order, "
+                              "each global batch the next ones (Megatron-LM's single), which is what a resume and a "
+                              "layout change rely on")
+        if self.num_dataset_builder_threads < 1:
+            raise ConfigError(f"--num-dataset-builder-threads must be >= 1, got {self.num_dataset_builder_threads}")
         per_split = {f"--{name}-data-path": getattr(self, f"{name}_data_path") for name in SPLIT_NAMES}
         sources = [flag for flag, given in (("--data-path", self.data_path), ("--mock-data", self.mock_data),
                                             ("--train-data-path etc.", any(per_split.values()))) if given]
@@ -577,6 +682,7 @@ class RunConfig:
         if vpp > 1 and (gbs // (mbs * dp)) % pp:
             raise ConfigError(f"interleaved 1F1B needs the number of micro-batches ({gbs // (mbs * dp)}) "
                               f"to be a multiple of --pipeline-model-parallel-size ({pp})")
+        self._validate_rampup(dp, pp, vpp)
         if self.parallel.sequence_parallel and self.model.seq_length % tp:
             raise ConfigError(f"--sequence-parallel needs --seq-length ({self.model.seq_length}) divisible by "
                               f"--tensor-model-parallel-size ({tp})")
@@ -607,6 +713,26 @@ class RunConfig:
         if kind is not None and not self.data.blends() and not self.data.mock_data:
             raise ConfigError(f"--tokenizer-type {kind} needs --data-path (or --mock-data): the embedded default "
                               "corpus is tokenized with its own BPE")
+
+    def _validate_rampup(self, dp: int, pp: int, vpp: int) -> None:
+        """Every global batch of --rampup-batch-size splits into whole micro-batches per data-parallel
+        replica (megatron-core's calculator asserts it at each size), a multiple of PP under interleaving."""
+        t = self.training
+        if t.rampup_batch_size is None:
+            return
+        from megatron_ext.config.samples import rampup_sizes
+
+        ramp = " ".join(map(str, t.rampup_batch_size))
+        if self.parallel.data_parallel_microbatches is not None:
+            raise ConfigError(f"--rampup-batch-size {ramp} and --data-parallel-microbatches: the replicas' "
+                              "micro-batches are fixed there, the global batch grows here: give one")
+        engine(self.parallel.engine).refuse("batch_size_rampup")
+        for size in rampup_sizes(t.rampup_batch_size, t.global_batch_size):
+            per = t.micro_batch_size * dp
+            if size % per or (vpp > 1 and (size // per) % pp):
+                need = f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})" + (
+                    f" x --pipeline-model-parallel-size ({pp}) under interleaving" if vpp > 1 else "")
+                raise ConfigError(f"--rampup-batch-size {ramp}: its global batch {size} is not a multiple of {need}")
 
     def validate_launch(self, world_size: int) -> None:
         """``validate``, and each extension section's own checks against the world the job is

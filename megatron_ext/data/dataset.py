@@ -36,8 +36,7 @@ def split_sizes(train_iters: int, global_batch: int, eval_interval: int | None, 
     return [train_iters * global_batch, max(evals * eval_iters * global_batch, 1), max(eval_iters * global_batch, 1)]
 
 
-def build_splits(data: Any, tok: Any, *, seq_length: int, seed: int, sizes: list[int],
-                 reset_attention_mask: bool = False) -> Splits:
+def build_splits(data: Any, tok: Any, *, seq_length: int, seed: int, sizes: list[int]) -> Splits:
     """Build the three splits on every rank (megatron's builder synchronises ranks itself), as
     Megatron-LM's pretrain_gpt.py does: GPTDataset (MockGPTDataset with --mock-data) splits through
     BlendedMegatronDatasetBuilder, from --data-path and --split, or from the per-split paths.
@@ -83,10 +82,13 @@ def build_splits(data: Any, tok: Any, *, seq_length: int, seed: int, sizes: list
         blend_per_split=None if per_split is None else [b.as_megatron() if b else None for b in per_split],
         split=split,
         path_to_cache=cache or os.path.join(cache_dir(None), "index"),
+        mmap_bin_files=data.mmap_bin_files,
+        num_dataset_builder_threads=data.num_dataset_builder_threads,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=reset_attention_mask,
-        eod_mask_loss=False,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=False,
+        eod_mask_loss=data.eod_mask_loss,
+        # The attention applies the causal mask itself (Megatron-LM's --no-create-attention-mask-in-dataloader).
         create_attention_mask=False,
     )
     cls = MockGPTDataset if data.mock_data else GPTDataset

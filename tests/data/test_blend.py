@@ -72,6 +72,13 @@ def test_the_data_sources_are_megatrons():
     assert parse_run_config(["--mock-data"]).data.mock_data is True
 
 
+def test_megatrons_data_loader_flags_are_accepted():
+    cfg = parse_run_config(["--no-create-attention-mask-in-dataloader", "--num-workers", "8", "--dataloader-type",
+                            "single", "--no-mmap-bin-files"])
+    assert (cfg.data.create_attention_mask_in_dataloader, cfg.data.num_workers, cfg.data.mmap_bin_files) == (False, 8,
+                                                                                                          False)
+
+
 def test_our_former_cache_flag_still_works_and_says_its_new_name():
     cfg = parse_run_config(["--data-cache-dir", "/c"])
     assert cfg.data.data_cache_path == "/c"
@@ -86,6 +93,12 @@ def test_our_former_cache_flag_still_works_and_says_its_new_name():
     (["--train-data-path", "a", "--split", "99,1,0"],
      "--split divides --data-path; --train-data-path, --valid-data-path and --test-data-path are already the "
      "splits: leave --split out"),
+    (["--reset-attention-mask"], "--reset-attention-mask is not supported: megatron-core's per-sample document masks "
+                                 "are not passed to the attention here; --doc-length-dist packs documents that attend "
+                                 "only within themselves"),
+    (["--dataloader-type", "cyclic"], "--dataloader-type cyclic is not built: samples are read in order, each global "
+                                      "batch the next ones (Megatron-LM's single), which is what a resume and a layout "
+                                      "change rely on"),
     (["--train-data-path", "0.5", "a", "x", "b"],
      "--train-data-path 0.5 a x b: weight 'x' (item 3) is not a number; a blend is WEIGHT PREFIX pairs, e.g. "
      "0.3 corpusA 0.7 corpusB"),

@@ -58,14 +58,15 @@ def ours(argv, tmp_path):
     return build_splits(cfg.data, cfg.tokenizer, seq_length=SEQ, seed=1234, sizes=list(SIZES))
 
 
-def megatrons(corpora, tmp_path, *, cls=GPTDataset, tokenizer=None, **blends):
+def megatrons(corpora, tmp_path, *, cls=GPTDataset, tokenizer=None, **fields):
     """The splits as Megatron-LM's pretrain_gpt.py builds them (core_gpt_dataset_config_from_args)."""
     from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
 
     tok = tokenizer or section(tokenizer_type="SentencePieceTokenizer", tokenizer_model=corpora["sp"])
+    fields = {"reset_position_ids": False, "eod_mask_loss": False, **fields}
     config = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ, path_to_cache=str(tmp_path / "megatron"),
-                              tokenizer=build_tokenizer(megatron_args(tok)), reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False, **blends)
+                              tokenizer=build_tokenizer(megatron_args(tok)), reset_attention_mask=False,
+                              create_attention_mask=False, **fields)
     return BlendedMegatronDatasetBuilder(cls, list(SIZES), lambda: True, config).build()
 
 
@@ -74,7 +75,8 @@ def same_samples(a, b, n: int = 200) -> None:
     holds millions)."""
     assert len(a) == len(b)
     for i in [*range(min(n, len(a))), len(a) - 1]:
-        assert np.array_equal(a[i]["tokens"].numpy(), b[i]["tokens"].numpy()), i
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert np.array_equal(a[i][key].numpy(), b[i][key].numpy()), (i, key)
 
 
 def sp_flags(corpora):
@@ -118,6 +120,17 @@ def test_per_split_paths_are_megatron_cores_blend_per_split(corpora, tmp_path):
     same_samples(got.train, ref[0])
     same_samples(got.valid, ref[1])
     assert got.test is None and ref[2] is None
+
+
+def test_eod_loss_mask_and_position_reset_are_megatron_cores(corpora, tmp_path):
+    got = ours(["--data-path", corpora["b"], "--split", "90,8,2", "--eod-mask-loss", "--reset-position-ids",
+                "--no-mmap-bin-files", "--num-dataset-builder-threads", "2", *sp_flags(corpora)], tmp_path)
+    ref = megatrons(corpora, tmp_path, blend=([corpora["b"]], None), split="90,8,2", eod_mask_loss=True,
+                    reset_position_ids=True, mmap_bin_files=False)
+    same_samples(got.train, ref[0])
+    sample = next(got.train[i] for i in range(len(got.train)) if (got.train[i]["tokens"] == got.tokenizer.eod).any())
+    eod = sample["tokens"] == got.tokenizer.eod
+    assert not sample["loss_mask"][eod].any() and (sample["position_ids"] == 0).sum() > 1
 
 
 def test_mock_data_is_megatron_cores_mock_dataset(corpora, tmp_path):
