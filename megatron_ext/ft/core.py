@@ -505,9 +505,9 @@ class FaultTolerance:
         as before it). Returns what this rank holds at the last committed iteration, and the
         iteration rolled back (None if none)."""
         rec, self.step = self.step, None
-        gbs = trainer.cfg.training.global_batch_size
         if rec is None:
             return HeldState.capture(trainer), None
+        gbs = trainer.cfg.training.global_batch_at(rec.consumed_samples)   # the iteration's (--rampup-batch-size)
         committed = rec.committed if rec.committed is not None else self.ledger.settle(rec.iteration)
         if committed:
             if not rec.scheduled:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config.run import RunConfig
+from megatron_ext.config.samples import schedule_steps
 from megatron_ext.data.dataset import MicroBatchStream, build_splits, split_sizes
 from megatron_ext.errors import UserError
 from megatron_ext.ft import transaction
@@ -30,7 +31,7 @@ from megatron_ext.runtime.exits import ExitWatch
 from megatron_ext.runtime.extension import Extension, IterationMetrics
 from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, padded_vocab_size, stage_loss_func
 from megatron_ext.runtime.runlog import RunLog
-from megatron_ext.runtime.optimizer import build_optimizer, build_scheduler
+from megatron_ext.runtime.optimizer import build_optimizer, build_scheduler, scheduler_settings
 
 logger = logging.getLogger(__name__)
 
@@ -394,6 +395,8 @@ class Trainer:
             ext.before_iteration(self, it)
         self.step_timers = {}
         start = time.perf_counter()
+        # --rampup-batch-size: this iteration's global batch, from the data position it starts at.
+        batch = self.train_stream.global_batch = self.cfg.training.global_batch_at(self.train_stream.consumed_samples)
         batches = self.train_stream.next_iteration()
         self.last_batches = batches
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
@@ -407,9 +410,9 @@ class Trainer:
         metrics = IterationMetrics(
             iteration=it, loss=self._reduce_loss(losses), lr=lr,
             grad_norm=grad_norm, iter_time_s=elapsed,
-            tokens_per_s=t.global_batch_size * self.cfg.model.seq_length / max(elapsed, 1e-9),
+            tokens_per_s=batch * self.cfg.model.seq_length / max(elapsed, 1e-9),
             consumed_samples=self.train_stream.consumed_samples, skipped=not applied,
-            global_batch_size=t.global_batch_size, loss_scale=self._loss_scale(), timers_s=self.step_timers)
+            global_batch_size=batch, loss_scale=self._loss_scale(), timers_s=self.step_timers)
         for ext in self.extensions:
             ext.after_iteration(self, metrics)
         return metrics
@@ -501,9 +504,8 @@ class Trainer:
         use_checkpoint_opt_param_scheduler), unless ``--override-opt-param-scheduler`` (megatron's
         override_opt_param_scheduler) makes the flags' win: say which one runs when they differ."""
         t = self.cfg.training
-        want = {"max_lr": t.lr, "min_lr": t.min_lr, "lr_warmup_steps": t.lr_warmup_iters,
-                "lr_decay_steps": max(t.lr_decay_iters, t.lr_warmup_iters + 1), "lr_decay_style": t.lr_decay_style,
-                "start_wd": t.weight_decay}
+        want = {k: v for k, v in scheduler_settings(t).items()
+                if k in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd")}
         changed = {k: (saved[k], v) for k, v in want.items() if k in saved and saved[k] != v}
         if not changed or self.ctx.rank != 0:
             return
@@ -514,7 +516,8 @@ class Trainer:
             return
         decay_end = saved.get("lr_decay_steps")
         flat = (f"; from iteration {decay_end} to {t.train_iters} the rate stays at its minimum "
-                f"{saved.get('min_lr')}" if decay_end is not None and t.train_iters > decay_end else "")
+                f"{saved.get('min_lr')}" if decay_end is not None and t.train_iters > decay_end
+                and schedule_steps(t).unit == "iterations" else "")
         logger.warning("resuming keeps the checkpoint's learning-rate schedule: %s%s. To train on the flags' "
                        "schedule from the checkpoint's iteration instead, add --override-opt-param-scheduler",
                        "; ".join(f"{k} {old} (flags: {new})" for k, (old, new) in changed.items()), flat)

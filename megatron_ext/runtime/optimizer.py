@@ -450,22 +450,48 @@ def _restore_param_states(optimizer: Any, params: list[torch.Tensor], states: li
             slot.inner.state[slot.key] = new
 
 
+def scheduler_settings(cfg: TrainingConfig) -> dict[str, Any]:
+    """The schedule's settings as megatron-core's OptimizerParamScheduler takes and saves them (lengths
+    in the schedule's unit: ``config/samples.schedule_steps``)."""
+    from megatron_ext.config.samples import schedule_steps
+
+    steps = schedule_steps(cfg)
+    return {"init_lr": cfg.lr_warmup_init if steps.warmup > 0 else cfg.lr, "max_lr": cfg.lr, "min_lr": cfg.min_lr,
+            "lr_warmup_steps": steps.warmup, "lr_decay_steps": max(steps.decay, int(steps.warmup) + 1),
+            "lr_decay_style": cfg.lr_decay_style, "start_wd": cfg.weight_decay, "end_wd": cfg.weight_decay,
+            "wd_incr_steps": steps.wd_incr}
+
+
+class SampleScheduler:
+    """megatron-core's scheduler counting samples, as Megatron-LM's does (--train-samples,
+    --rampup-batch-size), stepped like the iteration-counting one: ``step(n)`` advances n iterations,
+    each by the global batch at the data position it starts from. The scheduler's own count is that
+    position, so a resumed or rolled-back run steps on from the right batch."""
+
+    def __init__(self, scheduler: Any, batch_at: Any) -> None:
+        self.__dict__.update(scheduler=scheduler, batch_at=batch_at)
+
+    def step(self, iterations: int) -> None:
+        if iterations == 0:
+            self.scheduler.step(0)
+        for _ in range(iterations):
+            self.scheduler.step(self.batch_at(self.scheduler.num_steps))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["scheduler"], name)
+
+
 def build_scheduler(optimizer: Any, cfg: TrainingConfig):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if cfg.lr_warmup_iters > 0 else cfg.lr,
-        max_lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        lr_warmup_steps=cfg.lr_warmup_iters,
-        lr_decay_steps=max(cfg.lr_decay_iters, cfg.lr_warmup_iters + 1),
-        lr_decay_style=cfg.lr_decay_style,
-        start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay,
-        wd_incr_steps=cfg.train_iters,
-        wd_incr_style="constant",
+    from megatron_ext.config.samples import schedule_steps
+
+    scheduler = OptimizerParamScheduler(
+        optimizer, **scheduler_settings(cfg), wd_incr_style="constant",
         # Megatron-LM's pair: the checkpoint's schedule wins on resume, unless the flags are to.
         use_checkpoint_opt_param_scheduler=not cfg.override_opt_param_scheduler,
         override_opt_param_scheduler=cfg.override_opt_param_scheduler,
     )
+    if schedule_steps(cfg).unit == "samples":
+        return SampleScheduler(scheduler, cfg.global_batch_at)
+    return scheduler
