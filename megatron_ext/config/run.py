@@ -390,8 +390,9 @@ class TrainingConfig:
 @section("data")
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
-    """Training data as Megatron-LM takes it: indexed datasets (.bin/.idx) read by megatron-core's
-    GPTDataset, blended by its BlendedMegatronDatasetBuilder (data/dataset.py)."""
+    """Training data as Megatron-LM takes it: indexed datasets (.bin/.idx), blends and splits.
+
+    megatron-core's GPTDataset reads them, its BlendedMegatronDatasetBuilder blends them (data/dataset.py)."""
 
     data_path: list[str] | None = doc(
         "Indexed dataset prefix (path without .bin/.idx), or a blend: WEIGHT PREFIX WEIGHT PREFIX ... (drawn in "
@@ -487,8 +488,10 @@ class DataConfig:
 @section("tokenizer")
 @dataclasses.dataclass(kw_only=True)
 class TokenizerConfig:
-    """The tokenizer: Megatron-LM's --tokenizer-type and its files, built through megatron-core's
-    megatron.core.tokenizers (data/tokenizer_types.py); without a type, the BPE the data was preprocessed with."""
+    """The tokenizer: Megatron-LM's --tokenizer-type and its files, or the data's own BPE.
+
+    Built through megatron-core's megatron.core.tokenizers (data/tokenizer_types.py); without a type, the BPE
+    the data was preprocessed with."""
 
     tokenizer_type: str | None = doc(
         "Megatron-LM's tokenizer type; unset = the data's own BPE (--tokenizer-file), or GPT2BPETokenizer when "
