@@ -201,6 +201,14 @@ class ParallelConfig:
                                           "data-parallel ranks.", 1)
     virtual_pipeline_model_parallel_size: int | None = doc(
         "Model chunks per pipeline stage (interleaved 1F1B); unset = plain 1F1B.", None)
+    num_layers_per_virtual_pipeline_stage: int | None = doc(
+        "Megatron-LM's spelling of interleaving: layers per model chunk (the chunks per stage follow).", None)
+    num_virtual_stages_per_pipeline_rank: int | None = doc(
+        "Megatron-LM's spelling of --virtual-pipeline-model-parallel-size.", None)
+    decoder_first_pipeline_num_layers: int | None = doc(
+        "Megatron-LM's uneven stages: layers of the first stage (the others share the rest evenly).", None)
+    decoder_last_pipeline_num_layers: int | None = doc(
+        "Megatron-LM's uneven stages: layers of the last stage (the others share the rest evenly).", None)
     pipeline_stage_layers: list[int] | None = doc(
         "Transformer layers of each pipeline stage, first to last (uneven stages, e.g. 3 1 for 4 layers on "
         "PP2; megatron's pipeline layout with the embedding on the first stage and the loss on the last); "
@@ -265,6 +273,61 @@ class ParallelConfig:
                                      replica_microbatches=tuple(mbs) if mbs else None)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def megatron_stage_spellings(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with Megatron-LM's spellings of the pipeline's chunks and stages written as ours
+    (before the sections are built, so their checks see them): --num-layers-per-virtual-pipeline-stage
+    and --num-virtual-stages-per-pipeline-rank as --virtual-pipeline-model-parallel-size (one chunk is
+    plain 1F1B), --decoder-first/last-pipeline-num-layers as --pipeline-stage-layers."""
+    out = dict(values)
+
+    def value(key: str, cls: type) -> Any:
+        given = out.get(key)
+        return int(given) if given is not None else next(f.default for f in dataclasses.fields(cls) if f.name == key)
+
+    per_chunk = out.get("num_layers_per_virtual_pipeline_stage")
+    chunks = out.get("num_virtual_stages_per_pipeline_rank")
+    first, last = out.get("decoder_first_pipeline_num_layers"), out.get("decoder_last_pipeline_num_layers")
+    if per_chunk is None and chunks is None and first is None and last is None:
+        return out
+    layers, pp = value("num_layers", ModelConfig), value("pipeline_model_parallel_size", ParallelConfig)
+    if per_chunk is not None and chunks is not None:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank each "
+                          "set the model chunks per stage: give one")
+    if per_chunk is not None or chunks is not None:
+        vpp = int(chunks) if chunks is not None else _chunks_per_stage(layers, pp, int(per_chunk))
+        ours = out.get("virtual_pipeline_model_parallel_size")
+        if ours is not None and int(ours) != vpp:
+            raise ConfigError(f"--virtual-pipeline-model-parallel-size {ours} and Megatron-LM's spelling of it "
+                              f"({vpp} chunks per stage) disagree: give one")
+        out["virtual_pipeline_model_parallel_size"] = vpp if vpp > 1 else None
+    if first is not None or last is not None:
+        if out.get("pipeline_stage_layers") is not None:
+            raise ConfigError("--pipeline-stage-layers and --decoder-first/last-pipeline-num-layers each set the "
+                              "stages' layers: give one")
+        out["pipeline_stage_layers"] = _uneven_stages(layers, pp, first, last)
+    return out
+
+
+def _chunks_per_stage(layers: int, pp: int, per_chunk: int) -> int:
+    if per_chunk < 1 or layers % pp or (layers // pp) % per_chunk:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_chunk}: --num-layers ({layers}) must split "
+                          f"into --pipeline-model-parallel-size ({pp}) stages of whole chunks of {per_chunk} layers")
+    return layers // pp // per_chunk
+
+
+def _uneven_stages(layers: int, pp: int, first: Any, last: Any) -> list[int]:
+    """Megatron-LM's first and last stage sizes, the stages between them sharing the rest evenly."""
+    ends = [int(v) for v in (first, last) if v is not None]
+    middle = pp - len(ends)
+    rest = layers - sum(ends)
+    if pp < 2 or min(ends) < 1 or rest < middle or (middle and rest % middle) or (not middle and rest):
+        raise ConfigError(f"--decoder-first/last-pipeline-num-layers ({first}, {last}): --num-layers ({layers}) "
+                          f"less those must split evenly over the other stages of --pipeline-model-parallel-size "
+                          f"({pp})")
+    each = rest // middle if middle else 0
+    return ([int(first)] if first is not None else []) + [each] * middle + ([int(last)] if last is not None else [])
 
 
 @section("training")
@@ -799,7 +862,7 @@ def parse_run_config(argv: Sequence[str] | None = None, *, defaults: dict[str, A
 def config_from_values(values: dict[str, Any], *, where: str = "config", source: str = "values") -> RunConfig:
     values, notes = renamed_keys(values, renames(sections().values()), where)
     check_unknown(values, all_keys(), where)
-    values = megatron_flags.resolve_aliases(values)
+    values = megatron_stage_spellings(megatron_flags.resolve_aliases(values))
     secs = sections()
     built = {name: build(cls, values, where) for name, cls in secs.items()}
     core = {name: built.pop(name) for name in _CORE}

@@ -205,3 +205,56 @@ def test_the_docs_table_is_the_named_table():
     assert megatron_flags.markdown_table() in text, (
         "docs/runtime.md's table of flags handled by name is out of date: paste "
         "`python -m megatron_ext.config.megatron_flags`")
+
+
+PP2 = CPU + ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+
+
+@pytest.mark.parametrize("spelling", [["--num-layers-per-virtual-pipeline-stage", "2"],
+                                      ["--num-virtual-stages-per-pipeline-rank", "2"]])
+def test_megatron_lms_virtual_pipeline_spellings_are_ours(spelling):
+    from megatron_ext.runtime.model import build_transformer_config
+
+    ours = parse_run_config(PP2 + ["--virtual-pipeline-model-parallel-size", "2"])
+    theirs = parse_run_config(PP2 + spelling)
+    assert theirs.parallel.virtual_pipeline_model_parallel_size == 2
+    assert theirs.parallel.launch_layout(4) == ours.parallel.launch_layout(4)
+    theirs.validate(4)
+    assert (build_transformer_config(theirs, on_gpu=False).virtual_pipeline_model_parallel_size
+            == build_transformer_config(ours, on_gpu=False).virtual_pipeline_model_parallel_size == 2)
+    # One chunk a stage is plain 1F1B, as in Megatron-LM; the same value twice is one request.
+    assert parse_run_config(PP2 + ["--num-layers-per-virtual-pipeline-stage", "4"]).parallel \
+        .virtual_pipeline_model_parallel_size is None
+    assert parse_run_config(PP2 + spelling + ["--virtual-pipeline-model-parallel-size", "2"]).parallel \
+        .virtual_pipeline_model_parallel_size == 2
+
+
+def test_megatron_lms_uneven_first_and_last_stages_are_ours():
+    theirs = parse_run_config(CPU + ["--num-layers", "8", "--pipeline-model-parallel-size", "4",
+                                     "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers",
+                                     "1"])
+    ours = parse_run_config(CPU + ["--num-layers", "8", "--pipeline-model-parallel-size", "4",
+                                   "--pipeline-stage-layers", "1", "3", "3", "1"])
+    assert theirs.parallel.launch_layout(4) == ours.parallel.launch_layout(4)
+    last = parse_run_config(CPU + ["--num-layers", "7", "--pipeline-model-parallel-size", "3",
+                                   "--decoder-last-pipeline-num-layers", "3"])
+    assert last.parallel.pipeline_stage_layers == [2, 2, 3]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (PP2 + ["--num-layers-per-virtual-pipeline-stage", "3"], "--num-layers-per-virtual-pipeline-stage 3: --num-layers "
+     "(8) must split into --pipeline-model-parallel-size (2) stages of whole chunks of 3 layers"),
+    (PP2 + ["--num-layers-per-virtual-pipeline-stage", "2", "--num-virtual-stages-per-pipeline-rank", "2"],
+     "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank each set the model chunks "
+     "per stage: give one"),
+    (PP2 + ["--num-virtual-stages-per-pipeline-rank", "2", "--virtual-pipeline-model-parallel-size", "4"],
+     "--virtual-pipeline-model-parallel-size 4 and Megatron-LM's spelling of it (2 chunks per stage) disagree: give "
+     "one"),
+    (CPU + ["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "3"],
+     "--decoder-first/last-pipeline-num-layers (3, None): --num-layers (8) less those must split evenly over the "
+     "other stages of --pipeline-model-parallel-size (4)"),
+])
+def test_bad_megatron_stage_spellings_are_one_line(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(argv)
+    assert str(err.value) == message
