@@ -11,6 +11,12 @@ from megatron_ext.data.blend import DEFAULT_SPLIT, empty_splits, parse_blend, pa
 from megatron_ext.errors import ConfigError
 
 
+def config_error(argv: list[str]) -> str:
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(argv)
+    return str(err.value)
+
+
 @pytest.mark.parametrize("items", [["corpus"], ["0.3", "a", "0.7", "b"], ["30", "a", "70", "b", "0", "c"],
                                    ["a", "b"], ["a", "b", "c"], [" 1e-1", "a ", "2", "b"]])
 def test_a_blend_is_megatron_cores_own(items):
@@ -34,9 +40,7 @@ def test_a_blend_whose_weights_do_not_parse_is_refused_naming_the_item(items, me
     with pytest.raises(ValueError) as err:
         parse_blend(items)
     assert str(err.value) == message
-    with pytest.raises(ConfigError) as err:
-        parse_run_config(["--data-path", *items])
-    assert str(err.value) == message
+    assert config_error(["--data-path", *items]) == message
 
 
 @pytest.mark.parametrize("text", ["969,30,1", "99/1/0", "'99,1,0'", "98,2", "1", "0.98, 0.02", "90 5 5"])
@@ -51,9 +55,7 @@ def test_split_is_read_as_megatron_core_reads_it(text):
     ("0,0,0", "--split '0,0,0': the proportions sum to 0"),
 ])
 def test_a_split_megatron_would_assert_on_is_one_line(text, message):
-    with pytest.raises(ConfigError) as err:
-        parse_run_config(["--split", text])
-    assert str(err.value) == message
+    assert config_error(["--split", text]) == message
 
 
 def test_the_default_split_is_megatrons():
@@ -104,9 +106,7 @@ def test_our_former_cache_flag_still_works_and_says_its_new_name():
      "0.3 corpusA 0.7 corpusB"),
 ])
 def test_data_flags_megatron_asserts_on_are_one_line(argv, message):
-    with pytest.raises(ConfigError) as err:
-        parse_run_config(argv)
-    assert str(err.value) == message
+    assert config_error(argv) == message
 
 
 def test_missing_files_name_the_flag_and_the_prefix(tmp_path):
