@@ -44,8 +44,11 @@ def check_config(cfg: RunConfig) -> None:
     # Model families the PipelineModule does not build are refused by RunConfig.validate
     # (models/families.py: mixture of experts).
     spec = engine("deepspeed")
-    if cfg.training.bf16:
-        spec.refuse("bf16")
+    t = cfg.training
+    for feature, on in (("bf16", t.bf16), ("fp16", t.fp16), ("per_token_loss", t.calculate_per_token_loss),
+                        ("decoupled_lr", t.decoupled_lr is not None)):
+        if on:
+            spec.refuse(feature)
     if cfg.data.doc_length_dist:
         # Packed documents need their block-causal mask on every stage and per-document attention;
         # the PipelineModule passes hidden states only.

@@ -20,7 +20,8 @@ from megatron_ext.errors import ConfigError
 
 FEATURES = ("tensor_parallel", "virtual_pipeline", "distributed_optimizer", "data_parallel_microbatches",
             "mixture_of_experts", "bf16", "packed_documents", "overlap_grad_reduce", "helix", "slow_link_injection",
-            "slow_nic_injection", "transformer_config_flags", "batch_size_rampup")
+            "slow_nic_injection", "transformer_config_flags", "batch_size_rampup", "fp16", "per_token_loss",
+            "decoupled_lr")
 """What an engine may refuse (each engine's ``refusals`` names the ones it does, with why)."""
 
 
@@ -108,6 +109,11 @@ DEEPSPEED = register_engine(EngineSpec(
         "mixture_of_experts": "--engine deepspeed does not train mixture-of-experts models (--num-experts): "
                               "DeepSpeed's PipelineModule here is a dense GPT; use --engine megatron",
         "bf16": "--engine deepspeed trains in fp32: drop --bf16 or use --engine megatron",
+        "fp16": "--engine deepspeed trains in fp32: drop --fp16 or use --engine megatron",
+        "per_token_loss": "--calculate-per-token-loss needs --engine megatron (DeepSpeed's engine averages over "
+                          "micro-batches)",
+        "decoupled_lr": "--decoupled-lr needs --engine megatron (it finds the input and output layers by "
+                        "megatron-core's marks)",
         "packed_documents": "--doc-length-dist (packed documents) is not supported by --engine deepspeed yet: "
                             "use --engine megatron",
         "overlap_grad_reduce": "--overlap-grad-reduce is a megatron DDP option; DeepSpeed's pipeline engine "
@@ -116,7 +122,7 @@ DEEPSPEED = register_engine(EngineSpec(
         "slow_link_injection": "--inject-slow-link throttles megatron-core's p2p calls: use it with --engine megatron",
         "slow_nic_injection": "--inject-slow-nic throttles megatron-core's p2p calls: use it with --engine megatron",
         "transformer_config_flags": "--engine deepspeed builds its own GPT block, which megatron-core's "
-                                    "TransformerConfig flags do not reach: use --engine megatron",
+                                    "TransformerConfig and GPTModel flags do not reach: use --engine megatron",
         "batch_size_rampup": "--rampup-batch-size needs --engine megatron: DeepSpeed's engine fixes its batch "
                              "(train_batch_size) when it is built",
     }))

@@ -227,6 +227,8 @@ class MegatronFlags:
     profile_step_start: int = doc("First profiled iteration of --profile: ignored as --profile.", 10)
     profile_step_end: int = doc("Last profiled iteration of --profile: ignored as --profile.", 12)
     profile_ranks: list[int] | None = doc("Ranks profiled by --profile: ignored as --profile.", None)
+    overlap_param_gather: bool = doc("Megatron-LM's overlap of the distributed optimizer's parameter all-gather "
+                                     "with the next forward: ignored (the all-gather follows the step).", False)
     fp8_param_gather: bool = doc("Keep fp8 parameters and all-gather them in fp8 (Transformer Engine's layers "
                                  "only; megatron-core's fp8_param).", False)
     recompute_activations: bool = doc("Megatron-LM's short form of --recompute-granularity selective.", False)
@@ -333,6 +335,9 @@ NAMED: list[Named] = [
     *_group(("overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "ep_overlap_early_attn_memory_release"),
             "ignored", "megatron's expert-parallel overlap runs on CUDA streams in its combined 1F1B schedule, "
             "which this runtime does not build"),
+    Named("overlap_param_gather", "ignored", "the distributed optimizer all-gathers the updated parameters right "
+          "after its step here (megatron's overlap with the next forward is not wired)"),
+    Named("empty_unused_memory_level", "ignored", "there is no CUDA caching allocator to empty", ON_CPU),
     Named("use_ring_exchange_p2p", "ignored", "needs Megatron-LM's custom PyTorch build; pipeline p2p uses "
           "batched isend/irecv"),
     *_group(("fp8_format", "fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo",

@@ -81,6 +81,11 @@ class ModelConfig:
                                        choices=("learned_absolute", "rope"))
     untie_embeddings_and_output_weights: bool = doc("Separate output layer weights from the embedding.", False)
     rotary_base: int = doc("Base period of rotary position embeddings (--position-embedding-type rope).", 10000)
+    rotary_percent: float = doc("Fraction of each head's channels that rotary embeddings rotate.", 1.0)
+    use_rope_scaling: bool = doc("LLaMA-3.x's rotary frequency scaling (megatron-core's rope_scaling).", False)
+    rope_scaling_factor: float = doc("The factor of --use-rope-scaling.", 8.0)
+    rotary_seq_len_interpolation_factor: int | None = doc("Divide rotary positions by this factor (sequence length "
+                                                          "interpolation).", None)
     normalization: str = doc("Normalisation layers.", "LayerNorm", choices=("LayerNorm", "RMSNorm"))
     swiglu: bool = doc("SwiGLU MLP: a gated linear unit with SiLU (three weight matrices).", False)
     group_query_attention: bool = doc("Grouped-query attention: --num-query-groups key/value heads.", False)
@@ -143,8 +148,14 @@ class ModelConfig:
 
     def _check_families(self) -> None:
         """Field checks of the LLaMA-style and MoE flags (layout checks: models/families.validate)."""
-        if self.rotary_base != 10000 and self.position_embedding_type != "rope":
-            raise ConfigError("--rotary-base needs --position-embedding-type rope")
+        rotary = [f"--{k.replace('_', '-')}" for k, default in (
+            ("rotary_base", 10000), ("rotary_percent", 1.0), ("use_rope_scaling", False), ("rope_scaling_factor", 8.0),
+            ("rotary_seq_len_interpolation_factor", None)) if getattr(self, k) != default]
+        if rotary and self.position_embedding_type != "rope":
+            raise ConfigError(f"{', '.join(rotary)} need{'s' if len(rotary) == 1 else ''} --position-embedding-type "
+                              "rope")
+        if not 0 < self.rotary_percent <= 1:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if self.rotary_base < 1:
             raise ConfigError(f"--rotary-base must be >= 1, got {self.rotary_base}")
         if self.group_query_attention:
@@ -222,6 +233,8 @@ class ParallelConfig:
     use_distributed_optimizer: bool = doc(
         "megatron's DistributedOptimizer: fp32 master weights and Adam moments sharded over "
         "data-parallel ranks (ZeRO-1); checkpoints stay layout-independent.", False)
+    distributed_timeout_minutes: float = doc("Timeout of every collective (under --ft-on-stop continue, the "
+                                             "fault-tolerance core's own --ft-continue-timeout-s).", 10)
     distributed_backend: str = doc("torch.distributed backend; auto = nccl on GPU, gloo on CPU.", "auto",
                                    choices=("auto", "gloo", "nccl"))
     device: str = doc("Where to train; auto = cuda when available.", "auto", choices=("auto", "cpu", "cuda"))
@@ -232,6 +245,8 @@ class ParallelConfig:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if not self.distributed_timeout_minutes > 0:
+            raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 1 or (vpp > 1 and self.pipeline_model_parallel_size < 2)):
             raise ConfigError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2 "
@@ -365,6 +380,27 @@ class TrainingConfig:
     seed: int = doc("Random seed (weights, data order, dropout).", 1234)
     bf16: bool = doc("bf16 weights with fp32 master weights in megatron's optimizer (on CPU too, slowly).",
                      False)
+    fp16: bool = doc("fp16 weights with fp32 master weights and loss scaling in megatron's optimizer (on CPU too, "
+                     "slowly).", False)
+    grad_reduce_in_bf16: bool = doc("With --bf16, accumulate and reduce gradients in bf16 instead of fp32.", False)
+    loss_scale: float | None = doc("With --fp16, a constant loss scale; unset = dynamic loss scaling.", None)
+    initial_loss_scale: float = doc("With --fp16, the dynamic loss scale to start from.", 2.0 ** 32)
+    min_loss_scale: float = doc("With --fp16, the dynamic loss scale's floor.", 1.0)
+    loss_scale_window: float = doc("With --fp16, iterations without an overflow before the loss scale doubles.",
+                                   1000)
+    hysteresis: int = doc("With --fp16, overflows tolerated before the loss scale halves.", 2)
+    decoupled_lr: float | None = doc("A learning rate of its own for the input and output layers (embedding and "
+                                     "output weights); unset = --lr.", None)
+    decoupled_min_lr: float | None = doc("With --decoupled-lr, their rate at the end of decay; unset = --min-lr.", None)
+    manual_gc: bool = doc("Switch Python's garbage collector off for the run and collect at the same points on "
+                          "every rank (--manual-gc-interval, around validation): runtime/housekeeping.py.", False)
+    manual_gc_interval: int = doc("With --manual-gc, collect every N iterations; 0 = never during training.", 0)
+    manual_gc_eval: bool = doc("With --manual-gc, collect before and after each validation.", True)
+    empty_unused_memory_level: int = doc("On a GPU, empty the CUDA caching allocator after each iteration (1 or 2, "
+                                         "Megatron-LM's levels; 0 = never).", 0, choices=(0, 1, 2))
+    calculate_per_token_loss: bool = doc(
+        "Average the loss over the global batch's tokens (loss sums and token counts reduced over the micro-batches "
+        "and replicas) instead of over its micro-batches.", False)
     override_opt_param_scheduler: bool = doc(
         "On resume (--load), take the learning-rate schedule from these flags (--lr, --min-lr, --lr-warmup-iters, "
         "--lr-decay-iters, --lr-decay-style, --weight-decay) instead of the checkpoint's, at the checkpoint's "
@@ -382,6 +418,17 @@ class TrainingConfig:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.lr_warmup_init <= self.lr:
             raise ConfigError(f"need 0 <= --lr-warmup-init <= --lr, got {self.lr_warmup_init}")
+        if self.manual_gc_interval < 0:
+            raise ConfigError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 each set the model's precision: give one")
+        if self.grad_reduce_in_bf16 and not self.bf16:
+            raise ConfigError("--grad-reduce-in-bf16 needs --bf16 (gradients are reduced in the model's precision)")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
+        low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        if self.decoupled_lr is not None and not 0 <= low <= self.decoupled_lr:
+            raise ConfigError(f"need 0 <= --decoupled-min-lr <= --decoupled-lr, got {low} and {self.decoupled_lr}")
         self._check_rampup()
         self._resolve_length()
         if self.clip_grad < 0:

@@ -116,13 +116,30 @@ def read_full_tensors(path: str) -> tuple[dict[str, Any], Tensors]:
     return meta, full
 
 
+UNMAPPED = ("rotary_percent", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
+            "kv_channels", "norm_epsilon", "apply_layernorm_1p", "add_qkv_bias", "qk_l2_norm", "attention_output_gate",
+            "softmax_type", "rotary_interleaved", "apply_residual_connection_post_layernorm", "glu_linear_offset",
+            "activation_func_clamp_value")
+"""Megatron-LM flags that change what the model computes and that no Hugging Face adapter maps: an
+export of a model trained with one would not compute what it does."""
+
+
 def model_config_of(meta: dict[str, Any], where: str) -> Any:
-    """The checkpoint's ``ModelConfig`` (from the run config saved in meta.json)."""
-    from megatron_ext.config.base import build, field_names
-    from megatron_ext.config.run import ModelConfig
+    """The checkpoint's ``ModelConfig`` (from the run config saved in meta.json); ConversionError
+    where the run set a flag of ``UNMAPPED``."""
+    from megatron_ext.config.base import build, field_names, flag_name
+    from megatron_ext.config.run import ModelConfig, config_from_values
 
     values = meta.get("config") or {}
-    return build(ModelConfig, {k: values[k] for k in field_names(ModelConfig) if k in values}, f"{where}/meta.json")
+    m = build(ModelConfig, {k: values[k] for k in field_names(ModelConfig) if k in values}, f"{where}/meta.json")
+    defaults = config_from_values({}).flat()
+    unmapped = [f"{flag_name(k)} {values[k]}" for k in UNMAPPED if k in values and values[k] != defaults[k]
+                and not (k == "kv_channels" and values[k] == m.hidden_size // m.num_attention_heads)]
+    if unmapped:
+        raise ConversionError(f"{where}: {', '.join(unmapped)}: no Hugging Face architecture here maps "
+                              f"{'it' if len(unmapped) == 1 else 'them'}, so the export would not compute what the "
+                              "model does")
+    return m
 
 
 # --- which Hugging Face architecture ---------------------------------------------------------------

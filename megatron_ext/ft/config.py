@@ -117,5 +117,6 @@ def launcher_for(cfg: Any) -> Launcher:
 
 def process_group_timeout_s(cfg: Any) -> float:
     """The timeout of every collective: under ``continue`` nothing may wait for a lost rank longer
-    than the continue timeout."""
-    return section_of(cfg).ft_continue_timeout_s if continues(cfg) else 600.0
+    than the continue timeout; otherwise Megatron-LM's --distributed-timeout-minutes (10)."""
+    return section_of(cfg).ft_continue_timeout_s if continues(cfg) else cfg.parallel.distributed_timeout_minutes * 60
+

@@ -89,5 +89,7 @@ def gpt_model_kwargs(m: "ModelConfig") -> dict[str, Any]:
     """Family-dependent ``GPTModel`` arguments."""
     kw: dict[str, Any] = {"position_embedding_type": m.position_embedding_type}
     if m.position_embedding_type == "rope":
-        kw["rotary_base"] = m.rotary_base
+        kw.update(rotary_base=m.rotary_base, rotary_percent=m.rotary_percent, rope_scaling=m.use_rope_scaling,
+                  rope_scaling_factor=m.rope_scaling_factor,
+                  seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor)
     return kw

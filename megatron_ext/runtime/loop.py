@@ -29,6 +29,7 @@ from megatron_ext.runtime import distributed, rundir
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.exits import ExitWatch
 from megatron_ext.runtime.extension import Extension, IterationMetrics
+from megatron_ext.runtime.housekeeping import Housekeeping
 from megatron_ext.runtime.model import ModelBundle, build_model, count_parameters, padded_vocab_size, stage_loss_func
 from megatron_ext.runtime.runlog import RunLog
 from megatron_ext.runtime.optimizer import build_optimizer, build_scheduler, scheduler_settings
@@ -60,6 +61,8 @@ class Trainer:
         self.saving = False
         self.extensions_set_up = False
         self.exit_watch = ExitWatch(cfg.checkpoint, self._agree_max)
+        self.housekeeping = Housekeeping(cfg.training, ctx.device)
+        """--manual-gc and --empty-unused-memory-level: the same collection points on every rank."""
         """Why the ranks leave early (``--exit-signal-handler``, ``--exit-duration-in-mins``,
         ``--exit-interval``): asked after each iteration, the same answer on every rank."""
         # Fault injection points inside an iteration: callables (point, iteration) -> None.
@@ -322,7 +325,7 @@ class Trainer:
         position_ids = batch["position_ids"].to(dev, non_blocking=True)
         mask = batch.get("attention_mask")
         output = model(tokens, position_ids, None if mask is None else mask.to(dev), labels=labels)
-        per_token = self.ctx.layout.replica_microbatches is not None
+        per_token = self.per_token_loss
         return output, stage_loss_func(batch["loss_mask"].to(dev), per_token=per_token)
 
     def _run_schedule(self, batches: list[dict[str, Any]], *, forward_only: bool) -> list[dict[str, Any]]:
@@ -344,11 +347,17 @@ class Trainer:
             p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=self.model.config),
         )
 
+    @property
+    def per_token_loss(self) -> bool:
+        """The loss is averaged over the global batch's tokens (megatron's calculate_per_token_loss):
+        --calculate-per-token-loss, or uneven micro-batches per replica, whose tokens must weigh alike."""
+        return self.ctx.layout.replica_microbatches is not None or self.cfg.training.calculate_per_token_loss
+
     def _reduce_loss(self, losses: list[dict[str, Any]]) -> float | None:
         """Mean lm loss over micro-batches and data-parallel ranks; None off the last stage."""
         if not self.ctx.is_last_stage:
             return None
-        if self.ctx.layout.replica_microbatches is not None:  # [sum, count] per micro-batch
+        if self.per_token_loss:  # [sum, count] per micro-batch
             sums = torch.stack([d["lm loss"].float().cpu() for d in losses]).sum(0) if losses else torch.zeros(2)
             if self.ctx.layout.dp > 1:
                 sums = sums.to(distributed.collective_device(self.ctx))
@@ -451,7 +460,7 @@ class Trainer:
             return None
         self.model.eval()
         losses = []
-        with torch.no_grad():
+        with torch.no_grad(), self.housekeeping.validation():
             for i in range(self.cfg.logging.eval_iters):
                 batches = self.valid_stream.iteration(start=i * self.cfg.training.global_batch_size)
                 loss = self._reduce_loss(self._eval_batches(batches))
@@ -536,6 +545,7 @@ class Trainer:
         t, lg, ck = cfg.training, cfg.logging, cfg.checkpoint
         times: list[float] = []
         finished = ending = False
+        self.housekeeping.start()
         try:
             if self.ft is not None and self.ft.is_spare and not self.ft.wait_as_spare(self):
                 return self.history  # the job finished while this process waited for a place
@@ -564,6 +574,7 @@ class Trainer:
             ending = True
             raise
         finally:
+            self.housekeeping.stop()
             self.exit_watch.uninstall()
             if self.ft is not None and finished:
                 self.ft.finish()
@@ -592,6 +603,7 @@ class Trainer:
         checkpoint)."""
         t, lg, ck = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
         m = self.train_step()
+        self.housekeeping.after_iteration(self.iteration)
         times.append(m.iter_time_s)
         recent = times[-20:]
         self._log(m, sum(recent) / len(recent))

@@ -120,7 +120,7 @@ def _transformer_config(cfg: RunConfig, *, on_gpu: bool, layout: Layout) -> Any:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     # --bf16 holds bf16 weights on CPU too (slow, but it is how the mixed-precision optimizer and
     # its checkpoints are tested without a GPU).
-    dtype = torch.bfloat16 if t.bf16 else torch.float32
+    dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
     # Megatron-LM's TransformerConfig flags this run sets (generated from the dataclass), and its
     # switches of the fused kernels, which can only turn off what the device runs.
     passed = megatron_flags.transformer_kwargs(cfg, te=on_gpu and megatron_flags.device_of(cfg, gpu=on_gpu).te)
@@ -133,11 +133,12 @@ def _transformer_config(cfg: RunConfig, *, on_gpu: bool, layout: Layout) -> Any:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vp if layout.vp > 1 else None,
         pipeline_model_parallel_layout=stage_layout(layout.stage_layers),
-        calculate_per_token_loss=layout.replica_microbatches is not None,
+        calculate_per_token_loss=layout.replica_microbatches is not None or t.calculate_per_token_loss,
         sequence_parallel=p.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu or passed.get("use_cpu_initialization", False),
         # CPU: no fused CUDA kernels, no cuda.synchronize after batched p2p (docs/runtime.md, "Set in the
         # TransformerConfig instead").
@@ -161,7 +162,7 @@ MEGATRON_REFUSALS = (ValueError, AssertionError, NotImplementedError)
 # The run's flags that reach TransformerConfig (``_transformer_config``): the model's, and these.
 _PARALLEL_FLAGS = ("tensor_model_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size",
                    "virtual_pipeline_model_parallel_size", "pipeline_stage_layers", "data_parallel_microbatches",
-                   "sequence_parallel", "device", "bf16")
+                   "sequence_parallel", "device", "bf16", "fp16", "calculate_per_token_loss")
 
 
 def check_config(cfg: RunConfig) -> None:
@@ -277,15 +278,15 @@ def build_model(cfg: RunConfig, ctx: DistContext, vocab_size: int, *,
     init_by_name(chunks, seed=cfg.training.seed, std=cfg.model.init_method_std, num_layers=cfg.model.num_layers,
                  embedding_std=tconfig.embedding_init_method_std,
                  zero_centered_gamma=tconfig.layernorm_zero_centered_gamma)
-    if tconfig.bf16:
+    if tconfig.bf16 or tconfig.fp16:
         # As megatron's own training does: the last stage hands fp32 logits/losses back, and the
-        # first stage's float inputs are cast to bf16 before they meet bf16 weights.
+        # first stage's float inputs are cast to bf16 / fp16 before they meet the weights.
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(tconfig, c) for c in chunks]
     if wrap_ddp:
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
+            grad_reduce_in_fp32=not cfg.training.grad_reduce_in_bf16,
             overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         )

@@ -24,14 +24,25 @@ from megatron_ext.config.run import TrainingConfig
 logger = logging.getLogger(__name__)
 
 
-def _param_groups(params: Iterable[torch.nn.Parameter]) -> list[dict[str, Any]]:
-    decay, no_decay = [], []
+def _param_groups(params: Iterable[torch.nn.Parameter], cfg: TrainingConfig | None = None) -> list[dict[str, Any]]:
+    """Weight-decayed and not; with --decoupled-lr, the embedding and output weights (megatron marks
+    them ``is_embedding_or_output_parameter``) in groups of their own, whose ``max_lr`` / ``min_lr`` the
+    scheduler follows, as in megatron's optimizer."""
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    decoupled = cfg is not None and cfg.decoupled_lr is not None
     for p in params:
         if not p.requires_grad:
             continue
         # Biases and norm gains are 1-D: no weight decay (as in megatron).
-        (no_decay if p.ndim == 1 else decay).append(p)
-    return [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
+        own = decoupled and getattr(p, "is_embedding_or_output_parameter", False)
+        groups.setdefault((p.ndim > 1, own), []).append(p)
+    out = []
+    for decay in (True, False):
+        out.append({"params": groups.get((decay, False), []), "wd_mult": 1.0 if decay else 0.0})
+        if (decay, True) in groups:
+            out.append({"params": groups[(decay, True)], "wd_mult": 1.0 if decay else 0.0, "max_lr": cfg.decoupled_lr,
+                        "min_lr": cfg.min_lr if cfg.decoupled_min_lr is None else cfg.decoupled_min_lr})
+    return out
 
 
 class CPUOptimizer:
@@ -41,7 +52,7 @@ class CPUOptimizer:
         self.params = [p for p in params if p.requires_grad]
         self.clip_grad = cfg.clip_grad
         self.pgs = pgs  # the layout's process groups (DistContext.pgs); None: one rank
-        self.optimizer = torch.optim.AdamW(_param_groups(self.params), lr=cfg.lr,
+        self.optimizer = torch.optim.AdamW(_param_groups(self.params, cfg), lr=cfg.lr,
                                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay)
 
@@ -137,7 +148,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainingConfig, on_gp
 
     The distributed optimizer is used exactly when the DDP wrappers were built for it (their
     ``ddp_config.use_distributed_optimizer``): megatron requires the two to agree."""
-    if not on_gpu and not cfg.bf16 and not _uses_distributed_optimizer(model_chunks):
+    if not on_gpu and not cfg.bf16 and not cfg.fp16 and not _uses_distributed_optimizer(model_chunks):
         return CPUOptimizer(params, cfg, pgs)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -145,20 +156,37 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainingConfig, on_gp
         raise ValueError("megatron's optimizer needs the DDP-wrapped model chunks (model_chunks=...)")
     ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-                           clip_grad=cfg.clip_grad, bf16=cfg.bf16, params_dtype=torch.float32,
+                           clip_grad=cfg.clip_grad, bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=torch.float32,
+                           loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale,
+                           min_loss_scale=cfg.min_loss_scale, loss_scale_window=cfg.loss_scale_window,
+                           hysteresis=cfg.hysteresis, decoupled_lr=cfg.decoupled_lr,
+                           decoupled_min_lr=cfg.decoupled_min_lr,
                            use_distributed_optimizer=_uses_distributed_optimizer(model_chunks))
     # The layout's groups, explicitly; megatron's gloo twins are not asked for (its optimizer uses
     # them only for its own checkpoint format, which this runtime does not write).
     groups = dict(pg_collection=pgs, use_gloo_process_groups=False) if pgs is not None else {}
     if on_gpu:
-        return get_megatron_optimizer(ocfg, model_chunks, **groups)
+        return _scaling_losses(get_megatron_optimizer(ocfg, model_chunks, **groups), model_chunks)
     from megatron_ext.compat.megatron_cpu import applied, cuda_type_names
 
     if not applied():
         raise RuntimeError("megatron's optimizer on CPU needs the compat shims: call "
                            "megatron_ext.compat.megatron_cpu.apply() (distributed.setup does on CPU)")
     with cuda_type_names():
-        return MegatronOptimizerOnCPU(get_megatron_optimizer(ocfg, model_chunks, **groups))
+        return _scaling_losses(MegatronOptimizerOnCPU(get_megatron_optimizer(ocfg, model_chunks, **groups)),
+                               model_chunks)
+
+
+def _scaling_losses(optimizer: Any, model_chunks: Any) -> Any:
+    """Under --fp16 megatron's schedule multiplies each micro-batch's loss by the optimizer's loss scale
+    before backward (``config.grad_scale_func``, which Megatron-LM's training sets too); the optimizer
+    divides the gradients by it again and skips an iteration whose gradients overflowed. Runs without
+    a loss scaler keep the schedule as it was (no multiplication by 1)."""
+    from megatron.core.utils import get_model_config
+
+    if any(getattr(opt, "grad_scaler", None) is not None for opt in _megatron_parts(optimizer)):
+        get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
+    return optimizer
 
 
 # --- per-parameter optimizer state (checkpoints) --------------------------------------------

@@ -47,7 +47,8 @@ KERNEL_SWITCHES = ["masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fus
                    "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion",
                    "attention_softmax_in_fp32"]
 NAMED_ONLY = ["use_mcore_models", "use_flash_attn", "ckpt_format", "auto_detect_ckpt_format", "profile",
-              "use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks", "fp8_param_gather",
+              "use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks", "overlap_param_gather",
+              "fp8_param_gather",
               "recompute_activations", "use_rotary_position_embeddings"]
 
 
@@ -108,6 +109,11 @@ NOTES = {
     "--profile": "ignored --profile: no profiler range is opened here (per-operation timings: --timeline)",
     "--tp-comm-overlap": "ignored --tp-comm-overlap: Transformer Engine's userbuffers for tensor-parallel "
                          "communication overlap are not set up here",
+    "--overlap-param-gather": "ignored --overlap-param-gather: the distributed optimizer all-gathers the updated "
+                              "parameters right after its step here (megatron's overlap with the next forward is not "
+                              "wired)",
+    "--empty-unused-memory-level 1": "ignored --empty-unused-memory-level 1 on the CPU: there is no CUDA caching "
+                                     "allocator to empty",
 }
 
 
@@ -151,7 +157,7 @@ def test_what_a_cpu_run_ignores_a_gpu_run_with_transformer_engine_passes():
     (["--moe-z-loss-coeff", "0.001", "--moe-router-dtype", "fp32"], "--moe-router-dtype, --moe-z-loss-coeff need "
      "--num-experts"),
     (["--kv-channels", "32", "--engine", "deepspeed"], "--engine deepspeed builds its own GPT block, which "
-     "megatron-core's TransformerConfig flags do not reach: use --engine megatron (--kv-channels 32)"),
+     "megatron-core's TransformerConfig and GPTModel flags do not reach: use --engine megatron (--kv-channels 32)"),
 ])
 def test_a_refused_flag_is_one_line(argv, message):
     with pytest.raises(ConfigError) as err:
@@ -258,3 +264,12 @@ def test_bad_megatron_stage_spellings_are_one_line(argv, message):
     with pytest.raises(ConfigError) as err:
         parse_run_config(argv)
     assert str(err.value) == message
+
+
+def test_distributed_timeout_minutes_is_every_collectives_timeout():
+    from megatron_ext.ft.config import process_group_timeout_s
+
+    assert process_group_timeout_s(parse_run_config(CPU)) == 600   # Megatron-LM's 10 minutes
+    assert process_group_timeout_s(parse_run_config(CPU + ["--distributed-timeout-minutes", "60"])) == 3600
+    with pytest.raises(ConfigError, match="--distributed-timeout-minutes must be > 0, got 0"):
+        parse_run_config(CPU + ["--distributed-timeout-minutes", "0"])
