@@ -142,6 +142,7 @@ class Trainer:
         self.train_stream = MicroBatchStream(self.splits.train, **stream,
                                              replica_microbatches=ctx.layout.replica_microbatches)
         self.train_stream.consumed_samples = consumed_samples
+        self.train_stream.global_batch = t.global_batch_at(consumed_samples)   # where a ramp stands
         self.valid_stream = None
         if self.splits.valid is not None and len(self.splits.valid) > 0 and lg.eval_iters > 0:
             self.valid_stream = MicroBatchStream(self.splits.valid, **stream,
