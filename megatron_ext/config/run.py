@@ -88,6 +88,7 @@ class ModelConfig:
                                                           "interpolation).", None)
     normalization: str = doc("Normalisation layers.", "LayerNorm", choices=("LayerNorm", "RMSNorm"))
     swiglu: bool = doc("SwiGLU MLP: a gated linear unit with SiLU (three weight matrices).", False)
+    squared_relu: bool = doc("Squared ReLU instead of GeLU in the MLP (Nemotron's).", False)
     group_query_attention: bool = doc("Grouped-query attention: --num-query-groups key/value heads.", False)
     num_query_groups: int | None = doc("Key/value head groups with --group-query-attention.", None)
     disable_bias_linear: bool = doc("No biases in the linear layers.", False)
@@ -154,6 +155,8 @@ class ModelConfig:
         if rotary and self.position_embedding_type != "rope":
             raise ConfigError(f"{', '.join(rotary)} need{'s' if len(rotary) == 1 else ''} --position-embedding-type "
                               "rope")
+        if self.squared_relu and self.swiglu:
+            raise ConfigError("--squared-relu and --swiglu each choose the MLP's activation: give one")
         if not 0 < self.rotary_percent <= 1:
             raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if self.rotary_base < 1:
@@ -686,6 +689,14 @@ class CheckpointConfig:
     load: str | None = doc("Checkpoint directory to resume from (latest iteration).", None)
     save_interval: int | None = doc("Save every N iterations (and at the end when --save is set).", None)
     keep_last: int = doc("Keep this many newest checkpoints in --save; 0 keeps all.", 0)
+    pretrained_checkpoint: str | None = doc(
+        "Where --load holds no checkpoint, start from this one's weights (Megatron-LM's fine-tuning start: "
+        "iteration 0, a fresh optimizer, schedule and RNG).", None)
+    finetune: bool = doc("Take only the weights of --load's checkpoint: iteration 0, a fresh optimizer, schedule and "
+                         "RNG.", False)
+    load_optim: bool = doc("Restore the optimizer's state and the learning-rate schedule from --load (--no-load-optim: "
+                           "fresh ones, as in Megatron-LM).", True)
+    load_rng: bool = doc("Restore the RNG states from --load (in the same layout).", True)
     exit_signal_handler: bool = doc("On --exit-signal, every rank agrees at the next iteration boundary, saves a "
                                     "checkpoint (with --save) and exits 0: a preempted or time-limited job loses "
                                     "nothing (Megatron-LM's flag).", False)
@@ -805,6 +816,8 @@ class RunConfig:
         self._validate_data()
         ck = self.checkpoint
         same = ck.save is not None and ck.load is not None and os.path.realpath(ck.save) == os.path.realpath(ck.load)
+        if ck.pretrained_checkpoint is not None and not os.path.isdir(ck.pretrained_checkpoint):
+            raise ConfigError(f"--pretrained-checkpoint {ck.pretrained_checkpoint}: no such directory")
         if ck.load is not None and not os.path.isdir(ck.load) and not same:  # --save X --load X: X may come later
             raise ConfigError(f"--load {ck.load}: no such directory")
 

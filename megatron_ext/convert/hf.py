@@ -116,7 +116,7 @@ def read_full_tensors(path: str) -> tuple[dict[str, Any], Tensors]:
     return meta, full
 
 
-UNMAPPED = ("rotary_percent", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
+UNMAPPED = ("squared_relu", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
             "kv_channels", "norm_epsilon", "apply_layernorm_1p", "add_qkv_bias", "qk_l2_norm", "attention_output_gate",
             "softmax_type", "rotary_interleaved", "apply_residual_connection_post_layernorm", "glu_linear_offset",
             "activation_func_clamp_value")

@@ -123,11 +123,11 @@ def validate(cfg: Any, world_size: int) -> None:
     fam = family_of(m)
     if fam.engine_feature is not None:
         engine(p.engine).refuse(fam.engine_feature, f"model flags: {' '.join(non_gpt_flags(m))}")
-    rotary = [f"--{k.replace('_', '-')}" for k, v in (("rotary_percent", 1.0), ("use_rope_scaling", False),
-                                                      ("rotary_seq_len_interpolation_factor", None))
-              if getattr(m, k) != v]
-    if rotary:   # GPTModel's arguments; DeepSpeed's block rotates every channel at the plain frequencies
-        engine(p.engine).refuse("transformer_config_flags", " ".join(rotary))
+    gptmodel = [f"--{k.replace('_', '-')}" for k, v in (("rotary_percent", 1.0), ("use_rope_scaling", False),
+                                                        ("rotary_seq_len_interpolation_factor", None),
+                                                        ("squared_relu", False)) if getattr(m, k) != v]
+    if gptmodel:   # DeepSpeed's block rotates every channel at the plain frequencies, with GeLU or SwiGLU
+        engine(p.engine).refuse("transformer_config_flags", " ".join(gptmodel))
     if m.group_query_attention and m.num_query_groups % tp:
         raise ConfigError(f"--num-query-groups ({m.num_query_groups}) is not divisible by "
                           f"--tensor-model-parallel-size ({tp})")

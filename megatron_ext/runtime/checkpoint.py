@@ -216,6 +216,15 @@ def read_meta(ckpt: str) -> dict[str, Any]:
     return meta
 
 
+def exists(load_dir: str) -> bool:
+    """``load_dir`` is a checkpoint directory or holds one (its ``latest``)."""
+    try:
+        resolve(load_dir)
+    except CheckpointError:
+        return False
+    return True
+
+
 def embedding_rows(load_dir: str | None) -> int | None:
     """The rows of the word embedding in the checkpoint ``load_dir`` points at (its padded vocabulary),
     None where there is no checkpoint yet or no embedding: loading it is what reports a bad one."""

@@ -36,6 +36,10 @@ def transformer_config_kwargs(m: "ModelConfig") -> dict[str, Any]:
     if m.swiglu:
         # Megatron-LM's --swiglu: a gated linear unit with SiLU.
         kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    if m.squared_relu:
+        from megatron.core.activations import squared_relu
+
+        kw["activation_func"] = squared_relu
     if m.group_query_attention:
         kw["num_query_groups"] = m.num_query_groups
     if m.disable_bias_linear:

@@ -97,11 +97,12 @@ class Trainer:
         self.build_streams()
         ck = cfg.checkpoint
         fresh = rundir.fresh_start(save=ck.save, load=ck.load)
-        if fresh and ctx.rank == 0:
+        source, finetune = self.checkpoint_to_load()
+        if fresh and source is None and ctx.rank == 0:
             logger.info("--load %s holds no checkpoint yet: starting from scratch (it is also --save: the next "
                         "launch of this line resumes from what this one saves)", ck.load)
-        if ck.load and not fresh:
-            self.load_checkpoint(ck.load)
+        if source is not None:
+            self.load_checkpoint(source, finetune=finetune, load_optim=ck.load_optim, load_rng=ck.load_rng)
         else:
             self.scheduler.step(0)
         self.prepare_schedule()
@@ -273,7 +274,7 @@ class Trainer:
     def build_model(self) -> None:
         """Set ``self.model``, ``self.optimizer`` and ``self.scheduler``."""
         self.model: ModelBundle = build_model(self.cfg, self.ctx, self.splits.tokenizer.vocab_size,
-                                              saved_vocab_rows=ckpt.embedding_rows(self.cfg.checkpoint.load))
+                                              saved_vocab_rows=ckpt.embedding_rows(self.checkpoint_to_load()[0]))
         params = list(self.model.parameters())
         self.optimizer = build_optimizer(params, self.cfg.training, self.ctx.device.type == "cuda", self.model.chunks,
                                          pgs=self.ctx.pgs)
@@ -485,12 +486,30 @@ class Trainer:
         self.saving = False
         return path
 
-    def load_checkpoint(self, path: str) -> None:
+    def checkpoint_to_load(self) -> tuple[str | None, bool]:
+        """(the checkpoint directory the run starts from, fine-tune?): --load's, or where --load holds
+        none, --pretrained-checkpoint's weights (Megatron-LM's fine-tuning start); (None, False) for
+        a fresh start."""
+        ck = self.cfg.checkpoint
+        fresh = rundir.fresh_start(save=ck.save, load=ck.load)
+        if ck.pretrained_checkpoint and (ck.load is None or fresh or not ckpt.exists(ck.load)):
+            return ck.pretrained_checkpoint, True
+        if ck.load and not fresh:
+            return ck.load, ck.finetune
+        return None, False
+
+    def load_checkpoint(self, path: str, *, finetune: bool = False, load_optim: bool = True,
+                        load_rng: bool = True) -> None:
+        """Resume from ``path``; ``finetune``: its weights only (iteration 0, a fresh optimizer, schedule and
+        RNG); ``load_optim`` False: a fresh optimizer and schedule at the checkpoint's iteration, as
+        Megatron-LM's --no-load-optim. A recovery (ft/transaction.py) loads everything."""
+        load_optim, load_rng = load_optim and not finetune, load_rng and not finetune
         # Each rank verifies only the files it reads: a rank whose shard is bad must not leave the
         # others waiting in the first collective. Every rank learns the first failure and raises it.
         error = None
         try:
-            state = ckpt.load(path, model=self.model, optimizer=self.optimizer, layout=self.layout_dict())
+            state = ckpt.load(path, model=self.model, optimizer=self.optimizer, layout=self.layout_dict(),
+                              load_optim=load_optim, load_rng=load_rng)
         except ckpt.CheckpointError as exc:
             error = str(exc)
         errors = [error]
@@ -500,14 +519,21 @@ class Trainer:
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise ckpt.CheckpointError(first)
-        self._warn_schedule_change(state.scheduler)
+        if finetune:
+            self.scheduler.step(0)
+            if self.ctx.rank == 0:
+                logger.info("fine-tuning from the weights of %s (iteration %d there): iteration 0, a fresh optimizer "
+                            "and schedule", path, state.iteration)
+            return
         self.iteration = state.iteration
         self.train_stream.consumed_samples = state.consumed_samples
-        self.scheduler.load_state_dict(state.scheduler)
+        if load_optim:
+            self._warn_schedule_change(state.scheduler)
+            self.scheduler.load_state_dict(state.scheduler)
         self.scheduler.step(0)  # re-applies lr/wd of the restored step to the param groups
         if self.ctx.rank == 0:
-            logger.info("resumed from %s at iteration %d (%d samples consumed)", path, state.iteration,
-                        state.consumed_samples)
+            logger.info("resumed from %s at iteration %d (%d samples consumed)%s", path, state.iteration,
+                        state.consumed_samples, "" if load_optim else " with a fresh optimizer and schedule")
 
     def _warn_schedule_change(self, saved: dict[str, Any]) -> None:
         """On resume the checkpoint's LR schedule wins over the flags (megatron's

@@ -11,6 +11,7 @@ CORE_FLAGS = [
     "max_position_embeddings", "hidden_dropout", "attention_dropout", "init_method_std",
     "position_embedding_type", "untie_embeddings_and_output_weights", "rotary_base", "rotary_percent",
     "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "normalization", "swiglu",
+    "squared_relu",
     "group_query_attention", "num_query_groups", "disable_bias_linear", "qk_layernorm", "num_experts",
     "moe_router_topk", "moe_ffn_hidden_size", "moe_token_dispatcher_type", "moe_router_load_balancing_type",
     "moe_aux_loss_coeff", "moe_grouped_gemm", "moe_router_pre_softmax", "moe_router_score_function",
@@ -40,7 +41,7 @@ CORE_FLAGS = [
     "tensorboard_queue_size", "log_throughput", "log_timers_to_tensorboard", "timing_log_level",
     "log_validation_ppl_to_tensorboard", "log_loss_scale_to_tensorboard", "log_world_size_to_tensorboard",
     "wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "metrics_file", "progress",
-    "save", "load", "save_interval", "keep_last",
+    "save", "load", "save_interval", "keep_last", "pretrained_checkpoint", "finetune", "load_optim", "load_rng",
 ]
 
 

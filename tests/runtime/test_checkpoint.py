@@ -60,6 +60,33 @@ def test_load_restores_weights_and_position(ctx, saved):
     assert all(float(inner.state[p]["step"]) == 2 for p in t.model.parameters())
 
 
+@pytest.mark.parametrize("flags, iteration, consumed", [
+    ({"finetune": True}, 0, 0),          # Megatron-LM's --finetune: the weights only
+    ({"load_optim": False}, 2, 4),       # --no-load-optim: the position, a fresh optimizer and schedule
+])
+def test_finetune_and_no_load_optim_take_the_weights_and_leave_the_optimizer_fresh(ctx, saved, flags, iteration,
+                                                                                    consumed):
+    root, expected = saved
+    t = trainer(ctx, load=root, **flags)
+    assert (t.iteration, t.train_stream.consumed_samples, t.scheduler.num_steps) == (iteration, consumed, 0)
+    assert all(torch.equal(a, b) for a, b in zip(params(t), expected))
+    assert not t.optimizer.optimizer.state   # no Adam moments, no step counts
+
+
+def test_pretrained_checkpoint_starts_where_load_holds_none(ctx, saved, tmp_path):
+    root, expected = saved
+    new = str(tmp_path / "run")   # --save X --load X, X empty: the fine-tuning start, as in Megatron-LM
+    t = trainer(ctx, save=new, load=new, pretrained_checkpoint=root)
+    assert (t.iteration, t.train_stream.consumed_samples) == (0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(params(t), expected))
+    t.run()
+    # The next launch of the same line resumes from its own checkpoint, not the pretrained one.
+    again = trainer(ctx, save=new, load=new, pretrained_checkpoint=root, train_iters=3)
+    assert again.iteration == 2 and again.checkpoint_to_load() == (new, False)
+    with pytest.raises(Exception, match="--pretrained-checkpoint .*nowhere: no such directory"):
+        config_from_values({**VALUES, "pretrained_checkpoint": str(tmp_path / "nowhere")}).validate(1)
+
+
 def copy_ckpt(root, tmp_path):
     import shutil
 

@@ -131,3 +131,12 @@ def test_the_hf_export_refuses_a_flag_no_adapter_maps():
     # kv-channels equal to hidden / heads is the plain model.
     same = config_from_values({**VALUES, "kv_channels": 16}).flat()
     assert model_config_of({"config": same}, "ckpt").hidden_size == 32
+
+
+def test_squared_relu_is_the_mlps_activation(ctx):
+    from megatron.core.activations import squared_relu
+
+    bundle = build_model(config_from_values({**VALUES, "squared_relu": True}), ctx, 100, wrap_ddp=False)
+    assert bundle.config.activation_func is squared_relu and not bundle.config.gated_linear_unit
+    with pytest.raises(ConfigError, match="--squared-relu and --swiglu each choose the MLP's activation: give one"):
+        parse_run_config(["--squared-relu", "--swiglu"])
