@@ -113,6 +113,7 @@ def test_the_loops_loss_is_reduced_over_data_parallel_ranks_on_the_jobs_device(s
     from megatron_ext.runtime.loop import Trainer
 
     trainer = Trainer.__new__(Trainer)    # only what the loss reduction reads
+    trainer.cfg = types.SimpleNamespace(training=types.SimpleNamespace(calculate_per_token_loss=False))
     trainer.ctx = types.SimpleNamespace(is_last_stage=True, layout=Layout(1, 1, 2),
                                         pgs=types.SimpleNamespace(dp=None), device=JOB_DEVICE, backend="nccl")
     with pytest.raises(AtCollective):
