@@ -367,26 +367,32 @@ def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False)
     return tensor
 
 
-def _sequence_parallel_norm(new: Callable[..., Any]) -> Callable[..., Any]:
-    """``WrappedTorchNorm.__new__`` that accepts sequence parallelism: the torch norm is built from a
-    copy of the config without it, and its weights are marked ``sequence_parallel`` so that
-    megatron's finalize_model_grads sums their gradients (partial sums over each rank's tokens)
-    over the tensor-parallel group."""
+def _torch_norm_accepting(new: Callable[..., Any], option: str,
+                          adapt: Callable[[torch.nn.Module], None]) -> Callable[..., Any]:
+    """``WrappedTorchNorm.__new__`` that accepts the config ``option`` it refuses: with the option on,
+    the torch norm is built from a copy of the config without it, then ``adapt`` gives it the
+    option's meaning."""
     import copy
     import functools
 
     @functools.wraps(new)
     def wrapper(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
-        if not config.sequence_parallel:
+        if not getattr(config, option):
             return new(cls, config, *args, **kwargs)
         plain = copy.copy(config)
-        plain.sequence_parallel = False
+        setattr(plain, option, False)
         norm = new(cls, plain, *args, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
+        adapt(norm)
         return norm
 
     return wrapper
+
+
+def _mark_sequence_parallel(norm: torch.nn.Module) -> None:
+    """Sequence parallelism: megatron's finalize_model_grads sums the gradients of weights marked
+    ``sequence_parallel`` (partial sums over each rank's tokens) over the tensor-parallel group."""
+    for param in norm.parameters():
+        param.sequence_parallel = True
 
 
 class _ZeroCenteredLayerNorm(torch.nn.LayerNorm):
@@ -406,26 +412,12 @@ class _ZeroCenteredRMSNorm(torch.nn.RMSNorm):
 _ZERO_CENTERED = {torch.nn.LayerNorm: _ZeroCenteredLayerNorm, torch.nn.RMSNorm: _ZeroCenteredRMSNorm}
 
 
-def _zero_centered_norm(new: Callable[..., Any]) -> Callable[..., Any]:
-    """``WrappedTorchNorm.__new__`` that accepts ``layernorm_zero_centered_gamma``: the torch norm is
-    built from a copy of the config without it and becomes its zero-centered twin (same parameter
+def _center_gamma(norm: torch.nn.Module) -> None:
+    """``layernorm_zero_centered_gamma``: the norm becomes its zero-centered twin (same parameter
     names and shapes, so checkpoints and initialisation by name see an ordinary norm), gain zero."""
-    import copy
-    import functools
-
-    @functools.wraps(new)
-    def wrapper(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
-        if not config.layernorm_zero_centered_gamma:
-            return new(cls, config, *args, **kwargs)
-        plain = copy.copy(config)
-        plain.layernorm_zero_centered_gamma = False
-        norm = new(cls, plain, *args, **kwargs)
-        norm.__class__ = _ZERO_CENTERED[type(norm)]
-        with torch.no_grad():
-            norm.weight.zero_()
-        return norm
-
-    return wrapper
+    norm.__class__ = _ZERO_CENTERED[type(norm)]
+    with torch.no_grad():
+        norm.weight.zero_()
 
 
 def _replacement(shim: Shim, original: Any) -> Any:
@@ -436,9 +428,9 @@ def _replacement(shim: Shim, original: Any) -> Any:
     if shim.name == "tied-embedding-cuda":
         return _without_tensor_cuda(original)
     if shim.name == "torch-norm-sequence-parallel":
-        return staticmethod(_sequence_parallel_norm(original.__func__))
+        return staticmethod(_torch_norm_accepting(original.__func__, "sequence_parallel", _mark_sequence_parallel))
     if shim.name == "torch-norm-zero-centered-gamma":
-        return staticmethod(_zero_centered_norm(original.__func__))
+        return staticmethod(_torch_norm_accepting(original.__func__, "layernorm_zero_centered_gamma", _center_gamma))
     if shim.name == "moe-alltoall-splits":
         return _host_copy
     if shim.name == "moe-router-gemm":

@@ -341,8 +341,8 @@ NAMED: list[Named] = [
     Named("use_ring_exchange_p2p", "ignored", "needs Megatron-LM's custom PyTorch build; pipeline p2p uses "
           "batched isend/irecv"),
     *_group(("fp8_format", "fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo",
-             "fp8_wgrad", "fp8_quantizer_factory", "fp8_param_gather", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
-             "num_layers_at_end_in_bf16", "fp4_format", "fp4_recipe", "fp4_param_gather", "fp4_quantizer_factory",
+             "fp8_wgrad", "fp8_quantizer_factory", "fp8_param_gather", "first_last_layers_bf16",
+             "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp4_format", "fp4_recipe", "fp4_param_gather", "fp4_quantizer_factory",
              "moe_router_padding_for_fp8", "moe_router_padding_for_quantization"), "ignored", _FP8, NO_TE),
     Named("attention_backend", "ignored", "Transformer Engine's attention kernels; megatron-core's local "
           "attention (DotProductAttention) runs", NO_TE, lambda v, d: v in ("flash", "fused", "unfused"),
@@ -433,7 +433,8 @@ def settle(cfg: Any, device: Device | None = None) -> list[str]:
     if given:
         from megatron_ext.engines import engine
 
-        engine(cfg.parallel.engine).refuse("transformer_config_flags", ", ".join(_shown(k, v) for k, v in given.items()))
+        shown = ", ".join(_shown(k, v) for k, v in given.items())
+        engine(cfg.parallel.engine).refuse("transformer_config_flags", shown)
     return notes
 
 

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
+from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.config.run import config_from_values
 from megatron_ext.runtime import checkpoint as ckpt
-from megatron_ext.runtime import distributed
-from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.runtime.loop import Trainer
+from tests.runtime.trainer_helpers import one_rank
 
 VALUES = {**FORMER_DEFAULTS, "train_iters": 2, "eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32,
           "num_attention_heads": 2, "seq_length": 32, "global_batch_size": 2, "micro_batch_size": 1}
@@ -19,10 +19,7 @@ VALUES = {**FORMER_DEFAULTS, "train_iters": 2, "eval_iters": 0, "progress": Fals
 
 @pytest.fixture(scope="module")
 def ctx():
-    cfg = config_from_values(dict(VALUES))
-    context = distributed.setup(cfg.parallel, seed=cfg.training.seed)
-    yield context
-    distributed.teardown()
+    yield from one_rank(VALUES)
 
 
 def trainer(ctx, **values) -> Trainer:

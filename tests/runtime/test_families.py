@@ -10,9 +10,10 @@ from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.config.run import config_from_values, parse_run_config
 from megatron_ext.engines import DEEPSPEED
 from megatron_ext.models import families as model_families
-from megatron_ext.runtime import distributed, families
+from megatron_ext.runtime import families
 from megatron_ext.runtime.model import _full_value, _seed_for, build_model, iter_sharded_tensors, unwrap
 from megatron_ext.runtime.optimizer import CPUOptimizer, collect_param_states, restore_param_states
+from tests.runtime import trainer_helpers
 
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
          "--position-embedding-type", "rope", "--disable-bias-linear", "--qk-layernorm"]
@@ -125,14 +126,7 @@ SMALL = {**FORMER_DEFAULTS, "num_layers": 2, "hidden_size": 32, "num_attention_h
 
 @pytest.fixture(scope="module")
 def one_rank():
-    from megatron_ext.compat import megatron_cpu
-
-    shims_before = megatron_cpu.applied()
-    ctx = distributed.setup(config_from_values(dict(SMALL)).parallel, seed=1234)
-    yield ctx
-    distributed.teardown()
-    if not shims_before:  # leave the process as found (tests/compat checks apply() from scratch)
-        megatron_cpu.remove()
+    yield from trainer_helpers.one_rank(SMALL)
 
 
 @pytest.fixture(scope="module")

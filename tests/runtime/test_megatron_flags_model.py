@@ -8,8 +8,8 @@ import torch
 
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import parse_run_config
-from megatron_ext.runtime import distributed
 from megatron_ext.runtime.model import build_model, check_config, unwrap
+from tests.runtime import trainer_helpers
 
 BASE = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "16", "--eval-iters", "0"]
@@ -17,14 +17,7 @@ BASE = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-at
 
 @pytest.fixture(scope="module")
 def one_rank():
-    from megatron_ext.compat import megatron_cpu
-
-    shims_before = megatron_cpu.applied()
-    ctx = distributed.setup(parse_run_config(BASE).parallel, seed=1234)
-    yield ctx
-    distributed.teardown()
-    if not shims_before:
-        megatron_cpu.remove()
+    yield from trainer_helpers.one_rank(parse_run_config(BASE).flat())
 
 
 def build(one_rank, *flags):

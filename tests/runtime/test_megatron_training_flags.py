@@ -9,9 +9,8 @@ import torch
 from megatron_ext.config.base import ConfigError
 from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.config.run import config_from_values, parse_run_config
-from megatron_ext.runtime import distributed
-from megatron_ext.runtime.loop import Trainer
 from megatron_ext.runtime.model import build_model, unwrap
+from tests.runtime.trainer_helpers import one_rank, watched_run
 
 VALUES = {**FORMER_DEFAULTS, "eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32,
           "num_attention_heads": 2, "seq_length": 32, "global_batch_size": 4, "micro_batch_size": 2,
@@ -20,24 +19,11 @@ VALUES = {**FORMER_DEFAULTS, "eval_iters": 0, "progress": False, "num_layers": 2
 
 @pytest.fixture(scope="module")
 def ctx():
-    from megatron_ext.compat import megatron_cpu
-
-    shims_before = megatron_cpu.applied()
-    context = distributed.setup(config_from_values(dict(VALUES)).parallel, seed=1234)
-    yield context
-    distributed.teardown()
-    if not shims_before:
-        megatron_cpu.remove()
+    yield from one_rank(VALUES)
 
 
 def run(ctx, **values):
-    trainer = Trainer(config_from_values({**VALUES, **values}), ctx).setup()
-    seen = []
-    trainer.extensions.append(type("Watch", (), {
-        "before_iteration": lambda self, t, it: None, "teardown": lambda self, t: None,
-        "after_iteration": lambda self, t, m: seen.append(m)})())
-    trainer.run()
-    return trainer, seen
+    return watched_run(ctx, {**VALUES, **values})
 
 
 def test_the_rotary_options_reach_gptmodel(ctx):

@@ -21,8 +21,8 @@ from megatron_ext.config.defaults import FORMER_DEFAULTS
 from megatron_ext.runtime.optimizer import MegatronOptimizerOnCPU, _chunks, collect_param_states
 
 VALUES = {**FORMER_DEFAULTS, "eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32,
-          "num_attention_heads": 2, "seq_length": 32, "global_batch_size": 4, "micro_batch_size": 2, "lr_decay_style": "constant",
-          "lr": 3e-3}
+          "num_attention_heads": 2, "seq_length": 32, "global_batch_size": 4, "micro_batch_size": 2,
+          "lr_decay_style": "constant", "lr": 3e-3}
 
 
 @pytest.fixture(scope="module")

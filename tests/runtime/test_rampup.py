@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.config.defaults import FORMER_DEFAULTS
-from megatron_ext.config.run import config_from_values
-from megatron_ext.runtime import distributed
-from megatron_ext.runtime.loop import Trainer
 from tests.config.test_samples import megatron_core_batches
+from tests.runtime.trainer_helpers import one_rank, watched_run
 
 VALUES = {**FORMER_DEFAULTS, "eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32,
           "num_attention_heads": 2, "seq_length": 32, "global_batch_size": 8, "micro_batch_size": 2,
@@ -18,21 +16,13 @@ VALUES = {**FORMER_DEFAULTS, "eval_iters": 0, "progress": False, "num_layers": 2
 
 @pytest.fixture(scope="module")
 def ctx():
-    cfg = config_from_values(dict(VALUES))
-    context = distributed.setup(cfg.parallel, seed=cfg.training.seed)
-    yield context
-    distributed.teardown()
+    yield from one_rank(VALUES)
 
 
 def run(ctx, **values):
-    trainer = Trainer(config_from_values({**VALUES, **values}), ctx).setup()
-    seen = []
-    trainer.extensions.append(type("Watch", (), {
-        "before_iteration": lambda self, t, it: None, "teardown": lambda self, t: None,
-        "after_iteration": lambda self, t, m: seen.append((m.global_batch_size, len(t.last_batches),
-                                                           m.consumed_samples, t.scheduler.num_steps))})())
-    trainer.run()
-    return trainer, seen
+    """(global batch, micro-batches, data position, the schedule's count) of every iteration."""
+    return watched_run(ctx, {**VALUES, **values}, lambda t, m: (m.global_batch_size, len(t.last_batches),
+                                                                  m.consumed_samples, t.scheduler.num_steps))
 
 
 def test_each_iteration_trains_the_calculators_batch(ctx, tmp_path):
