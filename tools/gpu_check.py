@@ -62,7 +62,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_ext.config.defaults import FORMER_DEFAULTS  # noqa: E402
+from megatron_ext.config.defaults import FORMER_DEFAULTS, former_default_flags  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -699,7 +699,8 @@ def section_deepspeed(ctx: dict[str, Any]) -> dict[str, Any]:
     nproc = 2 if gpus >= 2 else 1
     backend = ["--device", "cuda", "--distributed-backend", "nccl"] if ctx["cuda"] else ["--device", "cpu"]
     iters = 10 if ctx["cuda"] else 4
-    model = ["--num-layers", "4", "--hidden-size", str(min(sz.hidden, 256)), "--num-attention-heads",
+    model = [*former_default_flags(), "--num-layers", "4", "--hidden-size", str(min(sz.hidden, 256)),
+             "--num-attention-heads",
              str(min(sz.heads, 4)), "--seq-length", str(min(sz.seq, 256)), "--micro-batch-size", "2",
              "--global-batch-size", "8", "--pipeline-model-parallel-size", str(nproc), "--train-iters", str(iters),
              "--eval-iters", "0", "--lr-decay-style", "constant", "--progress", "false"]

@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
+from megatron_ext.config.defaults import former_default_flags
 from megatron_ext.pipeline.events import COMPUTE, Phase, assign_p2p_microbatches
 from megatron_ext.pipeline.schedule_orders import deepspeed_train
 from tests.conftest import run_python, run_torchrun
@@ -24,7 +25,8 @@ def runs(tmp_path_factory):
     results = json.loads((out / "results.json").read_text())
     single = out / "single.jsonl"
     # The megatron engine on one rank: the reference curve of tests/runtime.
-    run_python("pretrain_gpt.py", "--train-iters", "10", "--eval-iters", "0", "--progress", "false",
+    run_python("pretrain_gpt.py", *former_default_flags(), "--train-iters", "10", "--eval-iters", "0",
+               "--progress", "false",
                "--global-batch-size", "8", "--micro-batch-size", "2", "--lr-decay-style", "constant",
                "--lr", "2e-3", "--split", "949,50,1", "--metrics-file", str(single))
     results["single"] = [json.loads(line)["loss"] for line in single.read_text().splitlines()]

@@ -17,9 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 import pretrain_gpt  # noqa: E402
+from megatron_ext.config.defaults import former_default_flags  # noqa: E402
 
 # A tiny model: what is checked is the math of the compiled graphs, and torch.compile is slow on CPU.
-TINY = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+TINY = [*former_default_flags(), "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "32", "--train-iters", "5", "--eval-iters", "0",
         "--global-batch-size", "4", "--micro-batch-size", "2", "--lr-decay-style", "constant", "--lr", "3e-3"]
 
