@@ -102,6 +102,9 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
          "--lr-decay-style", "constant", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
+ITERS = 300
+
+
 def rows(path):
     return [r for r in map(json.loads, open(path)) if r.get("kind") == "train"]
 
@@ -136,7 +139,8 @@ def wait_all(procs, timeout=300):
 @pytest.mark.multirank
 def test_a_signal_on_one_rank_saves_and_exits_every_rank_and_the_same_line_resumes_on_the_straight_curve(tmp_path):
     ck, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
-    line = [*MODEL, "--train-iters", "12", "--save", str(ck), "--load", str(ck), "--save-interval", "100",
+    # Enough iterations that the run is still going when the signal lands, however fast the host.
+    line = [*MODEL, "--train-iters", str(ITERS), "--save", str(ck), "--load", str(ck), "--save-interval", "1000",
             "--exit-signal-handler", "--exit-signal", "SIGUSR1", "--metrics-file", str(metrics)]
     procs = launch_two_ranks(line, tmp_path, "first")
     deadline = time.monotonic() + 240
@@ -146,16 +150,16 @@ def test_a_signal_on_one_rank_saves_and_exits_every_rank_and_the_same_line_resum
     assert wait_all(procs) == [0, 0], (tmp_path / "first.rank0.log").read_text()[-3000:]
     first = rows(metrics)
     left_at = first[-1]["iteration"]
-    assert 4 <= left_at < 12 and os.path.isdir(ck / f"iter_{left_at:07d}")
+    assert 4 <= left_at < ITERS and os.path.isdir(ck / f"iter_{left_at:07d}")
     log = (tmp_path / "first.rank0.log").read_text()
     assert "holds no checkpoint yet: starting from scratch" in log
-    assert f"exiting after iteration {left_at} of 12 (SIGUSR1 received); resume with --load {ck}" in log
+    assert f"exiting after iteration {left_at} of {ITERS} (SIGUSR1 received); resume with --load {ck}" in log
     # The requeued job: the same line, again.
     assert wait_all(launch_two_ranks(line, tmp_path, "second")) == [0, 0], \
         (tmp_path / "second.rank0.log").read_text()[-3000:]
-    assert [r["iteration"] for r in rows(metrics)] == list(range(1, 13))   # none twice, none skipped
+    assert [r["iteration"] for r in rows(metrics)] == list(range(1, ITERS + 1))   # none twice, none skipped
     straight = tmp_path / "straight.jsonl"
-    run_python("pretrain_gpt.py", "--nproc-per-node", "2", *MODEL, "--train-iters", "12", "--metrics-file",
+    run_python("pretrain_gpt.py", "--nproc-per-node", "2", *MODEL, "--train-iters", str(ITERS), "--metrics-file",
                str(straight))
     got, want = losses(metrics), losses(straight)
     assert max(abs(got[i] - want[i]) / abs(want[i]) for i in want) < 1e-6
