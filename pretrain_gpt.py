@@ -61,7 +61,8 @@ def _check(cfg, world: int, *, launcher: bool = False) -> None:
         return  # a replacement process joins the running job: the outputs are that job's own
     demo = os.path.basename(cfg.source) == "demo.yaml"
     check_outputs(save=cfg.checkpoint.save, load=cfg.checkpoint.load, metrics_file=cfg.logging.metrics_file,
-                  tensorboard_dir=cfg.logging.tensorboard_dir, clean_hint=" (make clean-demo)" if demo else "")
+                  tensorboard_dir=cfg.logging.tensorboard_dir, clean_hint=" (make clean-demo)" if demo else "",
+                  ckpt_format=cfg.checkpoint.ckpt_format)
     _engine_check(cfg)
 
 

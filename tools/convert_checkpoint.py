@@ -37,8 +37,7 @@ def check_export(ckpt: str, hf_dir: str, *, batch: int = 2, seq: int = 64, seed:
     tf = hf_export.transformers_module()
     model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     model.eval()
-    meta = ckpt_mod.read_meta(ckpt_mod.resolve(ckpt))
-    seq = min(seq, int(meta["config"].get("max_position_embeddings") or seq))
+    seq = min(seq, int(ckpt_mod.config_of(ckpt).get("max_position_embeddings") or seq))
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     ctx = distributed.setup(config_from_values({}).parallel, seed=seed)
     try:

@@ -198,10 +198,28 @@ SHIMS: tuple[Shim, ...] = (
     Shim("rng-set-state", "megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
          "def _set_cuda_rng_state(",
          "activation checkpointing restores the CUDA RNG state"),
+    Shim("dist-ckpt-preload-sync", "megatron.core.dist_checkpointing.strategies.filesystem_async", "torch",
+         "torch.cuda.synchronize()",
+         "dist_checkpointing's writer waits for the device after staging tensors to host memory"),
+    Shim("dist-ckpt-saver-flags", "megatron.core.dist_checkpointing.strategies.state_dict_saver", "torch",
+         "device=torch.cuda.current_device()",
+         "dist_checkpointing's saver broadcasts its failure flag from a tensor on the current GPU"),
+    Shim("dist-ckpt-results-queue", "megatron.core.dist_checkpointing.strategies.filesystem_async",
+         "_get_write_results_queue", "_results_queue = ctx.Manager().Queue()",
+         "dist_checkpointing's writer collects write results through a multiprocessing manager it spawns once "
+         "per process (a fresh interpreter importing the training script); the synchronous save used here "
+         "collects them in the saving process"),
     Shim("tied-embedding-cuda", "megatron.core.models.common.language_module.language_module",
          "LanguageModule.setup_embeddings_and_output_layer", "weight.data = weight.data.cuda()",
          "tied embeddings with PP>1 move the shared weight to CUDA before all-reducing it"),
 )
+
+
+def _in_process_queue() -> Any:
+    """dist_checkpointing's results queue for a synchronous save: written and read in this process."""
+    import queue
+
+    return queue.Queue()
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -435,6 +453,8 @@ def _replacement(shim: Shim, original: Any) -> Any:
         return _host_copy
     if shim.name == "moe-router-gemm":
         return original  # None when Transformer Engine is absent; TE's own gemm when it is there
+    if shim.name == "dist-ckpt-results-queue":
+        return _in_process_queue
     if shim.name == "rng-get-state":
         return _cpu_get_rng_state
     if shim.name == "rng-set-state":
@@ -442,25 +462,42 @@ def _replacement(shim: Shim, original: Any) -> Any:
     raise AssertionError(shim.name)
 
 
+DIST_CHECKPOINTING = ("dist-ckpt-preload-sync", "dist-ckpt-saver-flags", "dist-ckpt-results-queue")
+"""The shims a CPU save through ``dist_checkpointing`` needs, whatever the engine (``apply_for_checkpoints``)."""
+
+
+def apply_for_checkpoints() -> None:
+    """Install the ``dist_checkpointing`` shims only (idempotent): a CPU run of an engine that needs
+    no other shim (the DeepSpeed engine at TP 1) saves Megatron-LM's format through them."""
+    _install([s for s in SHIMS if s.name in DIST_CHECKPOINTING])
+
+
 def apply() -> None:
     """Install every shim (idempotent). Call only for CPU runs, before building models."""
-    if _applied:
+    if applied():
         return
-    check_version()
-    gone = missing_fragments()
-    if gone:
-        raise RuntimeError(f"megatron-core source changed under shims {gone}; see megatron_ext/compat/megatron_cpu.py")
-    for shim in SHIMS:
-        owner, leaf = _owner(shim)
-        original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf, _ABSENT)
-        _applied[shim.name] = (owner, leaf, original)
-        setattr(owner, leaf, _replacement(shim, None if original is _ABSENT else original))
+    _install(list(SHIMS))
     # The tracker may already exist (built on import paths that call get_cuda_rng_tracker()):
     # force the next model_parallel_cuda_manual_seed to rebuild it from the CPU class.
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._CUDA_RNG_STATE_TRACKER = None
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     logger.debug("megatron-core CPU shims applied: %s", ", ".join(s.name for s in SHIMS))
+
+
+def _install(shims: list[Shim]) -> None:
+    shims = [s for s in shims if s.name not in _applied]
+    if not shims:
+        return
+    check_version()
+    gone = [g for g in missing_fragments() if g in {s.name for s in shims}]
+    if gone:
+        raise RuntimeError(f"megatron-core source changed under shims {gone}; see megatron_ext/compat/megatron_cpu.py")
+    for shim in shims:
+        owner, leaf = _owner(shim)
+        original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf, _ABSENT)
+        _applied[shim.name] = (owner, leaf, original)
+        setattr(owner, leaf, _replacement(shim, None if original is _ABSENT else original))
 
 
 def remove() -> None:
@@ -474,4 +511,5 @@ def remove() -> None:
 
 
 def applied() -> bool:
-    return bool(_applied)
+    """Whether every shim is installed (``apply``; ``apply_for_checkpoints`` installs a few)."""
+    return all(s.name in _applied for s in SHIMS)

@@ -216,11 +216,8 @@ class MegatronFlags:
     use_mcore_models: bool = doc("Megatron-LM's (deprecated) switch to megatron-core models: ignored, they are "
                                  "the only models here.", False)
     use_flash_attn: bool = doc("Megatron-LM's FlashAttention switch: ignored, see --attention-backend.", False)
-    ckpt_format: str | None = doc("Megatron-LM's checkpoint format (its default torch_dist): ignored, checkpoints "
-                                  "are megatron-ext's own.", None,
-                                  choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"))
-    auto_detect_ckpt_format: bool = doc("Megatron-LM's checkpoint format detection: ignored, one format here.",
-                                        False)
+    auto_detect_ckpt_format: bool = doc("Megatron-LM's checkpoint format detection: ignored, every reader here "
+                                        "detects the format.", False)
     profile: bool = doc("Megatron-LM's nsys / PyTorch profiler range: ignored (per-operation timings: --timeline).",
                         False)
     use_pytorch_profiler: bool = doc("With --profile, PyTorch's profiler: ignored as --profile.", False)
@@ -316,8 +313,8 @@ NAMED: list[Named] = [
           "models are not)"),
     Named("use_flash_attn", "ignored", "megatron-core picks its attention by --attention-backend (FlashAttention "
           "through Transformer Engine on a GPU)"),
-    *_group(("ckpt_format", "auto_detect_ckpt_format"), "ignored",
-            "checkpoints are megatron-ext's own sharded format, readable in any layout (docs/runtime.md, Checkpoints)"),
+    Named("auto_detect_ckpt_format", "ignored", "every reader here detects the format of the directory it is given "
+          "(torch_dist or megatron_ext)"),
     *_group(("profile", "use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks"),
             "ignored", _PROFILE),
     Named("perform_initialization", "ignored", "weights are always drawn by global name, the same model in every "

@@ -697,6 +697,11 @@ class CheckpointConfig:
     load_optim: bool = doc("Restore the optimizer's state and the learning-rate schedule from --load (--no-load-optim: "
                            "fresh ones, as in Megatron-LM).", True)
     load_rng: bool = doc("Restore the RNG states from --load (in the same layout).", True)
+    ckpt_format: str = doc("Format of the checkpoints --save writes: torch_dist, Megatron-LM's (its default; "
+                           "megatron.core.dist_checkpointing, loadable by Megatron-LM in any layout), or megatron_ext, "
+                           "the project's former own format. Loading reads either, whatever this says.",
+                           "torch_dist")
+    ckpt_step: int | None = doc("Load this iteration of --load instead of its newest (Megatron-LM's flag).", None)
     exit_signal_handler: bool = doc("On --exit-signal, every rank agrees at the next iteration boundary, saves a "
                                     "checkpoint (with --save) and exits 0: a preempted or time-limited job loses "
                                     "nothing (Megatron-LM's flag).", False)
@@ -714,6 +719,15 @@ class CheckpointConfig:
         for key in ("exit_duration_in_mins", "exit_interval"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.ckpt_format not in ("torch_dist", "megatron_ext"):
+            other = {"torch": "Megatron-LM's legacy per-rank files", "zarr": "a deprecated dist_checkpointing backend",
+                     "torch_dcp": "PyTorch DCP without megatron's metadata",
+                     "fsdp_dtensor": "Megatron-FSDP's DTensor layout"}.get(self.ckpt_format)
+            raise ConfigError(f"--ckpt-format {self.ckpt_format}" + (f" ({other})" if other else "") +
+                              " is not written here: use torch_dist (Megatron-LM's default, which it loads) or "
+                              "megatron_ext")
+        if self.ckpt_step is not None and self.ckpt_step < 0:
+            raise ConfigError(f"--ckpt-step must be >= 0, got {self.ckpt_step}")
         if self.exit_signal_handler:
             import signal
 

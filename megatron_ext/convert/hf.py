@@ -42,6 +42,7 @@ import shutil
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_ext.convert.hf_adapters import (ConversionError, Key, Rule, adapter_for_config, adapter_for_model,
@@ -91,11 +92,27 @@ def read_full_tensors(path: str) -> tuple[dict[str, Any], Tensors]:
 
     if not os.path.isdir(path):
         raise ConversionError(f"{path}: no such checkpoint directory")
+    full: Tensors = {}
+    if ckpt.format_of(path) == "torch_dist":
+        from megatron_ext.runtime import dist_ckpt
+
+        where = dist_ckpt.resolve(path)
+        common = dist_ckpt.read_common(where)
+        meta = {"config": dist_ckpt.config_of(where), "iteration": common.get("iteration"), "path": where}
+        shapes = {k: v for k, v in dist_ckpt.tensor_shapes(where).items() if not k.startswith("optimizer.")}
+        dtypes = {k: dist_ckpt._saved_dtype(where, k) for k in shapes}
+        whole = {k: torch.empty(v, dtype=dtypes[k]) for k, v in shapes.items()}
+        dist_ckpt.read_slices(where, {k: [((0,) * t.dim(), t)] for k, t in whole.items()})
+        stacked = dist_ckpt.stacked_axes(common, shapes)
+        for k, t in whole.items():
+            n = stacked.get(k, 0)
+            for index in np.ndindex(*t.shape[:n]):
+                full[(k, tuple(int(i) for i in index))] = t[index]
+        return meta, _merge_norm_names(full)
     where = ckpt.resolve(path)
     meta = ckpt.read_meta(where)
     files = sorted(f for f in meta["files"] if f.startswith("shards_"))
     ckpt.verify(where, meta, files)
-    full: Tensors = {}
     covered: dict[Key, int] = {}
     for f in files:
         for item in torch.load(os.path.join(where, f), map_location="cpu", weights_only=False):
@@ -109,11 +126,15 @@ def read_full_tensors(path: str) -> tuple[dict[str, Any], Tensors]:
         if n != full[key].numel():
             raise ConversionError(f"{where}: the saved shards of {key[0]}{list(key[1]) or ''} cover {n} of its "
                                   f"{full[key].numel()} elements")
+    return meta, _merge_norm_names(full)
+
+
+def _merge_norm_names(full: Tensors) -> Tensors:
     # The Transformer Engine spec keeps an MoE layer's pre-MLP norm as its own module; the local
     # spec files it under the fused-linear name of the dense block. Same tensor, one name here.
     for key in [k for k in full if k[0] == "decoder.layers.pre_mlp_layernorm.weight"]:
         full[("decoder.layers.mlp.linear_fc1.layer_norm_weight", key[1])] = full.pop(key)
-    return meta, full
+    return full
 
 
 UNMAPPED = ("squared_relu", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
@@ -509,16 +530,15 @@ def megatron_logits(path: str, tokens: torch.Tensor, ctx: Any) -> torch.Tensor:
     from megatron_ext.runtime.model import build_model
     from megatron_ext.runtime.optimizer import build_optimizer
 
-    meta = ckpt.read_meta(ckpt.resolve(path))
     known = set(all_keys())
-    values = {k: v for k, v in (meta.get("config") or {}).items() if k in known}
+    values = {k: v for k, v in ckpt.config_of(path).items() if k in known}
     # One rank, plain causal attention: the same model whatever layout or packing trained it.
     values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
                   virtual_pipeline_model_parallel_size=None, pipeline_stage_layers=None,
                   data_parallel_microbatches=None, sequence_parallel=False, use_distributed_optimizer=False,
                   doc_length_dist=None, helix=False, engine="megatron", load=None, save=None)
     cfg = config_from_values({k: v for k, v in values.items() if k in known})
-    vocab = next(s["global_shape"][0] for s in meta["shards"] if s["key"] == "embedding.word_embeddings.weight")
+    vocab = ckpt.embedding_rows(path)
     bundle = build_model(cfg, ctx, vocab)
     optimizer = build_optimizer(list(bundle.parameters()), cfg.training, ctx.device.type == "cuda", bundle.chunks)
     ckpt.load(path, model=bundle, optimizer=optimizer, layout={"tp": 1, "pp": 1, "dp": ctx.layout.dp, "vpp": 1},

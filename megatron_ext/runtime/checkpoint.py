@@ -23,7 +23,6 @@ a plain torch optimizer, which the CPU runtime uses.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -36,13 +35,52 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_ext.runtime.reshard import (CheckpointError, ShardEntry, apply, assemble, collect_payload, local_entries,
-                                          plan_reshard, shard_id)
+from megatron_ext.runtime.reshard import (CheckpointError, ShardEntry, TrainState, apply, assemble, collect_payload,
+                                          local_entries, plan_reshard, shard_id)
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 LATEST = "latest"
+OWN = "megatron_ext"
+"""``--ckpt-format`` of this file's format; ``runtime/dist_ckpt.py`` is Megatron-LM's ``torch_dist``."""
+FORMATS = ("torch_dist", OWN)
+
+
+def _deepspeed_tag(path: str) -> str | None:
+    """The ``global_stepN`` a DeepSpeed (or Megatron-DeepSpeed) save directory's ``latest`` names."""
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        tag = open(latest, encoding="utf-8").read().strip()
+        if tag.startswith("global_step"):
+            return tag
+    if os.path.basename(os.path.normpath(path)).startswith("global_step"):
+        return os.path.basename(os.path.normpath(path))
+    return None
+
+
+def format_of(path: str) -> str | None:
+    """The checkpoint format ``path`` (a save directory or one checkpoint) holds, or None.
+    Raises CheckpointError for formats this runtime does not read, saying what to do."""
+    from megatron_ext.runtime import dist_ckpt
+
+    if not os.path.isdir(path):
+        return None
+    if dist_ckpt.holds(path):
+        return dist_ckpt.FORMAT
+    tag = _deepspeed_tag(path)
+    if tag is not None:
+        raise CheckpointError(f"{path}: a DeepSpeed checkpoint ({tag}/: DeepSpeed's own layout, as DeepSpeed and "
+                              "Megatron-DeepSpeed write it), which this runtime does not read: resume it with the "
+                              "program that wrote it, or convert its weights with DeepSpeed's zero_to_fp32.py and "
+                              "tools/convert_checkpoint.py import")
+    if os.path.isfile(os.path.join(path, "meta.json")) or os.path.isfile(os.path.join(path, LATEST)):
+        return OWN
+    if any(d.startswith("mp_rank_") for d in os.listdir(path)):
+        raise CheckpointError(f"{path}: a Megatron-LM checkpoint in its legacy 'torch' format (mp_rank_*/"
+                              "model_optim_rng.pt), which this runtime does not read: convert it to torch_dist with "
+                              "Megatron-LM (--ckpt-convert-format torch_dist) and load that")
+    return None
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -72,16 +110,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Everything besides model and optimizer tensors that a resume needs."""
-
-    iteration: int
-    consumed_samples: int
-    scheduler: dict[str, Any]
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _barrier() -> None:
@@ -118,10 +146,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config: dict[str, Any],
-         layout: dict[str, int], keep_last: int = 0, on_written: Callable[[], None] | None = None) -> str:
+         layout: dict[str, int], keep_last: int = 0, on_written: Callable[[], None] | None = None,
+         ckpt_format: str = OWN, samples_per_step: int = 1) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory. ``on_written`` runs
     after this rank's files are written, before the ranks agree on the index (fault injection
-    kills a rank there)."""
+    kills a rank there). ``ckpt_format`` torch_dist writes Megatron-LM's format (dist_ckpt.py)."""
+    if ckpt_format != OWN:
+        from megatron_ext.runtime import dist_ckpt
+
+        return dist_ckpt.save(save_dir, model=model, optimizer=optimizer, state=state, config=config, layout=layout,
+                              keep_last=keep_last, on_written=on_written, samples_per_step=samples_per_step)
     rank, world = _rank_world()
     name = iter_dir_name(state.iteration)
     final = os.path.join(save_dir, name)
@@ -194,7 +228,8 @@ def resolve(load_dir: str) -> str:
         return load_dir
     latest = os.path.join(load_dir, LATEST)
     if not os.path.isfile(latest):
-        raise CheckpointError(f"{load_dir}: no '{LATEST}' file and no meta.json: not a checkpoint directory")
+        raise CheckpointError(f"{load_dir}: not a checkpoint directory (no latest_checkpointed_iteration.txt, no "
+                              f"'{LATEST}' file, no meta.json)")
     name = open(latest, encoding="utf-8").read().strip()
     path = os.path.join(load_dir, name)
     if not os.path.isdir(path):
@@ -217,12 +252,32 @@ def read_meta(ckpt: str) -> dict[str, Any]:
 
 
 def exists(load_dir: str) -> bool:
-    """``load_dir`` is a checkpoint directory or holds one (its ``latest``)."""
+    """``load_dir`` is a checkpoint directory or holds one (its ``latest``, or Megatron-LM's tracker)."""
     try:
-        resolve(load_dir)
+        fmt = format_of(load_dir)
+        if fmt == OWN:
+            resolve(load_dir)
     except CheckpointError:
         return False
-    return True
+    return fmt is not None
+
+
+def iteration_of(load_dir: str) -> int:
+    """The iteration of the checkpoint ``load_dir`` points at, in either format."""
+    if format_of(load_dir) == OWN:
+        return int(read_meta(resolve(load_dir))["iteration"])
+    from megatron_ext.runtime import dist_ckpt
+
+    return int(dist_ckpt.read_common(dist_ckpt.resolve(load_dir))["iteration"])
+
+
+def config_of(load_dir: str) -> dict[str, Any]:
+    """The saving run's flat config (Megatron-LM's args for a checkpoint Megatron-LM wrote)."""
+    if format_of(load_dir) == OWN:
+        return dict(read_meta(resolve(load_dir)).get("config") or {})
+    from megatron_ext.runtime import dist_ckpt
+
+    return dist_ckpt.config_of(dist_ckpt.resolve(load_dir))
 
 
 def embedding_rows(load_dir: str | None) -> int | None:
@@ -231,6 +286,10 @@ def embedding_rows(load_dir: str | None) -> int | None:
     if not load_dir:
         return None
     try:
+        if format_of(load_dir) == "torch_dist":
+            from megatron_ext.runtime import dist_ckpt
+
+            return dist_ckpt.embedding_rows(load_dir)
         meta = read_meta(resolve(load_dir))
     except CheckpointError:
         return None
@@ -255,8 +314,24 @@ def verify(ckpt: str, meta: dict[str, Any], files: list[str] | None = None) -> N
 
 
 def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
-         load_optim: bool = True, load_rng: bool = True) -> TrainState:
-    """Collective. Verifies, assembles every needed tensor, then copies into model and optimizer."""
+         load_optim: bool = True, load_rng: bool = True, step: int | None = None,
+         samples_per_step: int = 1) -> TrainState:
+    """Collective. Verifies, assembles every needed tensor, then copies into model and optimizer.
+    Reads either format (the directory says which); ``step``: that iteration of a save directory
+    (Megatron-LM's --ckpt-step)."""
+    fmt = format_of(load_dir)
+    if fmt is None:
+        if not os.path.isdir(load_dir):
+            raise CheckpointError(f"{load_dir} does not exist")
+        resolve(load_dir)  # raises naming what is missing
+    if fmt == "torch_dist":
+        from megatron_ext.runtime import dist_ckpt
+
+        return dist_ckpt.load(load_dir, model=model, optimizer=optimizer, layout=layout, load_optim=load_optim,
+                              load_rng=load_rng, step=step, samples_per_step=samples_per_step)
+    if step is not None:
+        load_dir = os.path.join(load_dir, iter_dir_name(step)) if not os.path.isfile(
+            os.path.join(load_dir, "meta.json")) else load_dir
     rank, world = _rank_world()
     ckpt = resolve(load_dir)
     meta = read_meta(ckpt)
@@ -283,7 +358,14 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
 
 def assemble_from_checkpoint(entries: list[ShardEntry], load_dir: str) -> tuple[list[tuple], dict[str, Any]]:
     """Cut ``entries`` (some of this rank's slices) from the checkpoint at ``load_dir`` (a save
-    directory or one ``iter_N``), verified first. Touches no model: ``(staged for apply, meta)``."""
+    directory or one ``iter_N``), verified first. Touches no model: ``(staged for apply, meta)``;
+    ``meta`` has the checkpoint's ``iteration`` and ``path`` in either format."""
+    if format_of(load_dir) == "torch_dist":
+        from megatron_ext.runtime import dist_ckpt
+
+        where = dist_ckpt.resolve(load_dir)
+        staged, common = dist_ckpt.assemble(where, entries, with_optim=True)
+        return staged, {"iteration": int(common["iteration"]), "path": where}
     ckpt = resolve(load_dir)
     meta = read_meta(ckpt)
     saved = [{**s, "source": s["file"]} for s in meta["shards"]]

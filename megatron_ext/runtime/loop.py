@@ -482,9 +482,18 @@ class Trainer:
         self.saving = True  # a fail-stop during the save saves again after the survivors regroup
         path = ckpt.save(self.cfg.checkpoint.save, model=self.model, optimizer=self.optimizer, state=state,
                          config=self.cfg.flat(), layout=self.layout_dict(), keep_last=self.cfg.checkpoint.keep_last,
-                         on_written=lambda: self.fault_point("save"))
+                         on_written=lambda: self.fault_point("save"), ckpt_format=self.cfg.checkpoint.ckpt_format,
+                         samples_per_step=self.samples_per_scheduler_step())
         self.saving = False
         return path
+
+    def samples_per_scheduler_step(self) -> int:
+        """Samples per step of this run's scheduler: the global batch where it counts iterations (a
+        torch_dist checkpoint holds Megatron-LM's schedule, in samples), 1 where it counts samples."""
+        from megatron_ext.config.samples import schedule_steps
+
+        t = self.cfg.training
+        return t.global_batch_size if schedule_steps(t).unit == "iterations" else 1
 
     def checkpoint_to_load(self) -> tuple[str | None, bool]:
         """(the checkpoint directory the run starts from, fine-tune?): --load's, or where --load holds
@@ -508,8 +517,10 @@ class Trainer:
         # others waiting in the first collective. Every rank learns the first failure and raises it.
         error = None
         try:
+            step = self.cfg.checkpoint.ckpt_step if path == self.cfg.checkpoint.load else None
             state = ckpt.load(path, model=self.model, optimizer=self.optimizer, layout=self.layout_dict(),
-                              load_optim=load_optim, load_rng=load_rng)
+                              load_optim=load_optim, load_rng=load_rng, step=step,
+                              samples_per_step=self.samples_per_scheduler_step())
         except ckpt.CheckpointError as exc:
             error = str(exc)
         errors = [error]
@@ -527,9 +538,11 @@ class Trainer:
             return
         self.iteration = state.iteration
         self.train_stream.consumed_samples = state.consumed_samples
-        if load_optim:
+        if load_optim and state.scheduler:
             self._warn_schedule_change(state.scheduler)
             self.scheduler.load_state_dict(state.scheduler)
+        elif load_optim and self.ctx.rank == 0:  # Megatron-LM's --no-save-optim saves no schedule either
+            logger.warning("%s holds no learning-rate schedule: the schedule starts from its beginning", path)
         self.scheduler.step(0)  # re-applies lr/wd of the restored step to the param groups
         if self.ctx.rank == 0:
             logger.info("resumed from %s at iteration %d (%d samples consumed)%s", path, state.iteration,

@@ -27,6 +27,16 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the directory and the reason."""
 
 
+@dataclasses.dataclass
+class TrainState:
+    """Everything besides model and optimizer tensors that a resume needs (either checkpoint format)."""
+
+    iteration: int
+    consumed_samples: int
+    scheduler: dict[str, Any]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 def is_main_replica(st: Any) -> bool:
     rid = st.replica_id
     return all(r == 0 for r in rid) if isinstance(rid, tuple) else rid == 0

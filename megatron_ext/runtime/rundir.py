@@ -25,13 +25,24 @@ def _same(a: str, b: str) -> bool:
 
 def _checkpoint_in(save_dir: str) -> str | None:
     """Name of the latest checkpoint in ``save_dir``, or None when it holds none."""
-    latest = os.path.join(save_dir, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as fh:
-            return fh.read().strip() or "latest"
+    for tracker in ("latest", "latest_checkpointed_iteration.txt"):
+        path = os.path.join(save_dir, tracker)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                name = fh.read().strip() or tracker
+            # Megatron-LM's tracker holds the iteration: name its directory
+            return f"iter_{int(name):07d}" if name.isdigit() else name
     done = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_") and not d.endswith(".partial")) \
         if os.path.isdir(save_dir) else []
     return done[-1] if done else None
+
+
+def _format_in(save_dir: str) -> str | None:
+    if os.path.isfile(os.path.join(save_dir, "latest_checkpointed_iteration.txt")):
+        return "torch_dist"
+    if os.path.isfile(os.path.join(save_dir, "latest")):
+        return "megatron_ext"
+    return None
 
 
 def fresh_start(*, save: str | None, load: str | None) -> bool:
@@ -43,9 +54,16 @@ def fresh_start(*, save: str | None, load: str | None) -> bool:
 
 
 def check_outputs(*, save: str | None, load: str | None, metrics_file: str | None,
-                  tensorboard_dir: str | None, clean_hint: str = "") -> None:
-    """Refuse a new (not resuming) run whose outputs already hold a run. Raises ConfigError."""
+                  tensorboard_dir: str | None, clean_hint: str = "", ckpt_format: str | None = None) -> None:
+    """Refuse a new (not resuming) run whose outputs already hold a run, and a --save that holds
+    checkpoints of another format than --ckpt-format. Raises ConfigError."""
     hint = f", or remove it{clean_hint}" if clean_hint else ", or remove it"
+    if save is not None and ckpt_format is not None and os.path.isdir(save):
+        held = _format_in(save)
+        # torch_dist may follow megatron_ext checkpoints (an import, an older run): its tracker wins on load
+        if held is not None and held != ckpt_format and not (held == "megatron_ext" and ckpt_format == "torch_dist"):
+            raise ConfigError(f"--save {save} holds {held} checkpoints and this run writes --ckpt-format {ckpt_format}: "
+                              f"give --ckpt-format {held} to keep one format there, or save elsewhere")
     if save is not None:
         name = _checkpoint_in(save)
         if name is not None and (load is None or not _same(load, save)):

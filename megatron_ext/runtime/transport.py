@@ -186,6 +186,6 @@ def move_state(payload: list[dict[str, Any]] | None, *, model: Any, optimizer: A
             from_files, meta = ckpt.assemble_from_checkpoint(lost_here, checkpoint)
             staged += from_files
             report["from_checkpoint"] = sorted({e.key for e in lost_here})
-        report["checkpoint_iteration"] = int(ckpt.read_meta(ckpt.resolve(checkpoint))["iteration"])
+        report["checkpoint_iteration"] = ckpt.iteration_of(checkpoint)
     reshard.apply(staged, optimizer)
     return report

@@ -46,7 +46,7 @@ GENERATED = [
 KERNEL_SWITCHES = ["masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
                    "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion",
                    "attention_softmax_in_fp32"]
-NAMED_ONLY = ["use_mcore_models", "use_flash_attn", "ckpt_format", "auto_detect_ckpt_format", "profile",
+NAMED_ONLY = ["use_mcore_models", "use_flash_attn", "auto_detect_ckpt_format", "profile",
               "use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks", "overlap_param_gather",
               "fp8_param_gather",
               "recompute_activations", "use_rotary_position_embeddings"]
@@ -96,8 +96,8 @@ def test_generated_flags_carry_megatron_cores_help_and_choices():
 NOTES = {
     "--use-mcore-models": "ignored --use-mcore-models: megatron-core's GPTModel is the only model here "
                           "(Megatron-LM's legacy models are not)",
-    "--ckpt-format torch_dist": "ignored --ckpt-format torch_dist: checkpoints are megatron-ext's own sharded format, "
-                                "readable in any layout (docs/runtime.md, Checkpoints)",
+    "--auto-detect-ckpt-format": "ignored --auto-detect-ckpt-format: every reader here detects the format of the "
+                                 "directory it is given (torch_dist or megatron_ext)",
     "--fp8-format hybrid": "ignored --fp8-format hybrid without Transformer Engine's layers: fp8 and fp4 compute "
                            "inside Transformer Engine's layers; this run's layers are megatron-core's local ones, so "
                            "it computes in the model's precision (--bf16 / --fp16, else fp32)",

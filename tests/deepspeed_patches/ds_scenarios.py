@@ -75,8 +75,8 @@ def checkpoint_at(save_dir: str, iteration: int, out_dir: str) -> str:
     if int(os.environ["RANK"]) == 0:
         os.makedirs(path, exist_ok=True)
         os.symlink(os.path.join(save_dir, name), os.path.join(path, name))
-        with open(os.path.join(path, "latest"), "w", encoding="ascii") as fh:
-            fh.write(name)
+        with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w", encoding="ascii") as fh:
+            fh.write(str(iteration))  # Megatron-LM's tracker (the default format)
     dist.barrier()
     return path
 

@@ -37,7 +37,7 @@ def test_abort_under_the_projects_launcher_exits_75_with_one_line(tmp_path):
     assert abort_lines(out) == [f"resihp: aborting the job: rank(s) 1 (killed by signal 9) gone; resume from the "
                                 f"last checkpoint (--load {ck})"]
     assert "pretrain_gpt.py: error" not in out and "Traceback" not in out
-    assert (ck / "latest").read_text().strip() == "iter_0000002"
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == "2"
 
 
 @pytest.mark.multirank

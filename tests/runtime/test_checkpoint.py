@@ -1,4 +1,5 @@
-"""Checkpoint atomicity and integrity on one in-process rank (resharding is in test_training.py)."""
+"""Checkpoint atomicity and integrity of the project's own format (``--ckpt-format megatron_ext``) on one
+in-process rank (resharding is in test_training.py; Megatron-LM's torch_dist in test_dist_ckpt.py)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ from megatron_ext.runtime import checkpoint as ckpt
 from megatron_ext.runtime.loop import Trainer
 from tests.runtime.trainer_helpers import one_rank
 
-VALUES = {**FORMER_DEFAULTS, "train_iters": 2, "eval_iters": 0, "progress": False, "num_layers": 2, "hidden_size": 32,
-          "num_attention_heads": 2, "seq_length": 32, "global_batch_size": 2, "micro_batch_size": 1}
+VALUES = {**FORMER_DEFAULTS, "ckpt_format": "megatron_ext", "train_iters": 2, "eval_iters": 0, "progress": False,
+          "num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 32, "global_batch_size": 2, "micro_batch_size": 1}
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def test_crash_during_save_keeps_previous_checkpoint(ctx, saved, tmp_path, monke
 
 
 def test_not_a_checkpoint(tmp_path):
-    with pytest.raises(ckpt.CheckpointError, match="no 'latest' file and no meta.json"):
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint directory \\(no latest_checkpointed_iteration.txt, no 'latest' file, no meta.json\\)"):
         ckpt.resolve(str(tmp_path))
     (tmp_path / "latest").write_text("iter_0000009\n")
     with pytest.raises(ckpt.CheckpointError, match="'latest' names iter_0000009, which does not exist"):

@@ -120,14 +120,14 @@ def test_runs_do_not_trample_and_a_bad_checkpoint_is_one_line(tmp_path):
         f"pretrain_gpt.py: error: --save {out / 'ck'} already holds a run (checkpoint iter_0000003): resume it "
         f"with --load {out / 'ck'}, save elsewhere, or remove it"]
 
-    shard = out / "ck" / "iter_0000003" / "shards_rank00001.pt"
+    shard = out / "ck" / "iter_0000003" / "__1_0.distcp"  # rank 1's tensors (torch_dist, the default)
     good = shard.read_bytes()
     shard.write_bytes(good[:1000])
     bad = run([*common, "--train-iters", "4", "--load", str(out / "ck")])
     assert bad.returncode == 2
     assert error_lines(bad.stderr + bad.stdout) == [
-        f"pretrain_gpt.py: error: {out / 'ck' / 'iter_0000003'}: shards_rank00001.pt is truncated or altered "
-        f"(1000 bytes, expected {len(good)})"]
+        f"pretrain_gpt.py: error: {out / 'ck' / 'iter_0000003'}: __1_0.distcp is truncated or altered "
+        f"(1000 bytes, expected {len(good)}), and no complete checkpoint before it in {out / 'ck'}"]
     shard.write_bytes(good)
 
     # A run that crashed after the checkpoint left a row for iteration 4: the resume replaces it.

@@ -15,6 +15,7 @@ import torch
 
 from megatron_ext.config.run import config_from_values, parse_run_config
 from megatron_ext.convert import hf as hf_export
+from megatron_ext.runtime import checkpoint as ckpt
 from megatron_ext.runtime import distributed
 from megatron_ext.runtime.loop import Trainer
 from tests.conftest import run_torchrun
@@ -101,8 +102,11 @@ def test_transformers_gives_our_logits(ctx, checkpoints, root, name):
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", ["qwen3_tp2", "moe_ep2"])
 def test_export_from_a_multirank_layout(ctx, multirank, root, name):
-    meta = json.load(open(os.path.join(multirank[name], "iter_0000003", "meta.json")))
-    assert meta["world_size"] == 2 and len([f for f in meta["files"] if f.startswith("shards_")]) == 2
+    from megatron_ext.runtime import dist_ckpt
+
+    saved = os.path.join(multirank[name], "iter_0000003")
+    assert dist_ckpt.read_common(saved)["megatron_ext"]["world_size"] == 2
+    assert sorted(f for f in os.listdir(saved) if f.endswith(".distcp"))[-1].startswith("__1_")  # both ranks wrote
     out = str(root / "hf" / name)
     hf_export.export(multirank[name], out)
     # ours: the TP2 / EP2 checkpoint resharded onto one rank by the runtime's loader
@@ -114,7 +118,7 @@ def test_tokenizer_travels(checkpoints, root):
 
     out = str(root / "hf_tok")
     hf_export.export(checkpoints["gpt"], out)
-    meta = json.load(open(os.path.join(checkpoints["gpt"], "iter_0000003", "meta.json")))
+    meta = {"config": ckpt.config_of(checkpoints["gpt"])}
     ours = BPETokenizer(hf_export.tokenizer_file_for(meta, None))
     theirs = hf_export.transformers_module().AutoTokenizer.from_pretrained(out)
     text = "def main(argv):\n    return sorted(set(argv), key=len)  # héllo\n"
@@ -187,8 +191,8 @@ def test_a_bad_checkpoint_path_is_one_line(tmp_path, capsys):
     assert main(["export", missing, str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == f"convert_checkpoint.py: error: {missing}: no such checkpoint directory\n"
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == (f"convert_checkpoint.py: error: {tmp_path}: no 'latest' file and no "
-                                       "meta.json: not a checkpoint directory\n")
+    assert capsys.readouterr().err == (f"convert_checkpoint.py: error: {tmp_path}: not a checkpoint directory (no "
+                                       "latest_checkpointed_iteration.txt, no 'latest' file, no meta.json)\n")
 
 
 @pytest.mark.parametrize("values, message", [

@@ -72,20 +72,28 @@ def test_bf16_uses_megatron_mixed_precision_optimizer(runs):
 
 
 def test_checkpoint_carries_fp32_masters_moments_and_step(runs):
+    """The default format (torch_dist): every weight is bf16 beside its fp32 master and moments under
+    megatron's optimizer keys, and the step counts are in the common state."""
+    from megatron_ext.runtime import dist_ckpt
+
     path = os.path.join(runs["root"], "iter_0000010")
-    payload = torch.load(os.path.join(path, "shards_rank00000.pt"), weights_only=False)
-    assert len(payload) == len(runs["first_masters"])
+    shapes = dist_ckpt.tensor_shapes(path)
+    weights = [k for k in shapes if not k.startswith("optimizer.")]
+    assert weights and len(shapes) == 4 * len(weights)
+    whole = {k: torch.empty(v, dtype=dist_ckpt._saved_dtype(path, k)) for k, v in shapes.items()}
+    dist_ckpt.read_slices(path, {k: [((0,) * t.dim(), t)] for k, t in whole.items()})
     finer = 0
-    for item in payload:
-        assert item["tensor"].dtype == torch.bfloat16
-        assert item["main"].dtype == torch.float32 and item["main"].shape == item["tensor"].shape
-        assert torch.equal(item["main"].to(torch.bfloat16), item["tensor"])  # the weight is the rounded master
-        finer += int(not torch.equal(item["main"], item["tensor"].float()))
-        assert set(item["optim"]) == {"exp_avg", "exp_avg_sq"}
-        assert all(v.dtype == torch.float32 for v in item["optim"].values())
-        assert item["step"] == 10.0
+    for key in weights:
+        weight, main = whole[key], whole[dist_ckpt.optimizer_key("main", key)]
+        assert weight.dtype == torch.bfloat16 and main.dtype == torch.float32
+        assert torch.equal(main.to(torch.bfloat16), weight)  # the weight is the rounded master
+        finer += int(not torch.equal(main, weight.float()))
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert whole[dist_ckpt.optimizer_key(kind, key)].dtype == torch.float32
+    steps = dist_ckpt.read_common(path)["megatron_ext"]["optimizer_steps"]
+    assert len(steps) == len(runs["first_masters"]) and set(steps.values()) == {10.0}
     # After 10 steps the masters hold precision the bf16 weights do not (else the test proves nothing).
-    assert finer == len(payload)
+    assert finer == len(weights)
 
 
 def test_load_puts_masters_back_exactly(runs):
