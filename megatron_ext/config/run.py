@@ -702,6 +702,13 @@ class CheckpointConfig:
                            "the project's former own format. Loading reads either, whatever this says.",
                            "torch_dist")
     ckpt_step: int | None = doc("Load this iteration of --load instead of its newest (Megatron-LM's flag).", None)
+    use_checkpoint_args: bool = doc("Take the model's flags from the checkpoint --load holds, as Megatron-LM does: "
+                                    "its shape where the flags do not give it, the rest always "
+                                    "(config/checkpoint_args.py).", False)
+    use_tokenizer_model_from_checkpoint_args: bool = doc("With --use-checkpoint-args, the tokenizer's type and "
+                                                         "model from the checkpoint too.", True)
+    use_mp_args_from_checkpoint_args: bool = doc("With --use-checkpoint-args, the TP/PP/VP/EP sizes from the "
+                                                 "checkpoint too.", False)
     exit_signal_handler: bool = doc("On --exit-signal, every rank agrees at the next iteration boundary, saves a "
                                     "checkpoint (with --save) and exits 0: a preempted or time-limited job loses "
                                     "nothing (Megatron-LM's flag).", False)
@@ -928,6 +935,13 @@ def parse_run_config(argv: Sequence[str] | None = None, *, defaults: dict[str, A
     cli, cli_notes = renamed_keys({k: v for k, v in vars(args).items() if k not in ("config", "nproc_per_node")},
                                   renamed, "command line")
     values.update({k: v for k, v in cli.items() if v is not None})
+    if values.get("use_checkpoint_args"):
+        from megatron_ext.config import checkpoint_args
+
+        given = {k for k, v in cli.items() if v is not None} | (set(yaml_values) if args.config else set())
+        values, taken = checkpoint_args.apply(values, given, all_keys(),
+                                              config_from_values(dict(values), where=where, source=source).flat())
+        notes += taken
     cfg = config_from_values(values, where=where, source=source)
     cfg.notes[:0] = [n for n in dict.fromkeys(notes + cli_notes) if n not in cfg.notes]
     return cfg

@@ -179,3 +179,24 @@ def test_formats_megatron_ext_does_not_write_are_refused():
                                           r"written here: use torch_dist"):
         parse_run_config(["--ckpt-format", "torch"])
     assert parse_run_config([]).checkpoint.ckpt_format == "torch_dist"
+
+
+def test_use_checkpoint_args_takes_the_models_flags_from_the_checkpoint(saved):
+    root, _, _ = saved
+    # Megatron-LM's rule: the shape where the line does not give it, the rest always.
+    cfg = parse_run_config(["--use-checkpoint-args", "--load", root, "--num-attention-heads", "4",
+                            "--swiglu", "--normalization", "RMSNorm"])
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (2, 32, 4)  # heads given: kept
+    assert (m.swiglu, m.normalization) == (False, "LayerNorm")                 # always the checkpoint's
+    assert cfg.notes[0] == (f"--use-checkpoint-args: from {root}'s checkpoint: num_layers 2, hidden_size 32, "
+                            "seq_length 32, max_position_embeddings 32, swiglu False, normalization LayerNorm, "
+                            "attention_dropout 0.0, "
+                            "hidden_dropout 0.0")
+
+
+def test_a_megatron_lm_args_name_is_read_under_ours():
+    from megatron_ext.config.checkpoint_args import saved_value
+
+    assert saved_value({"add_bias_linear": False}, "disable_bias_linear") is True
+    assert saved_value({"apply_layernorm_1p": True}, "layernorm_zero_centered_gamma") is True

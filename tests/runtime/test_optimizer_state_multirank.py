@@ -12,7 +12,6 @@ import os
 import pytest
 import torch
 
-from megatron_ext.runtime import checkpoint as ckpt
 from tests.conftest import run_torchrun
 
 pytestmark = pytest.mark.multirank
@@ -34,26 +33,30 @@ def max_rel(a, b):
 
 
 def assemble(root: str) -> dict[tuple, dict[str, object]]:
-    """Whole tensors of a checkpoint, per (key, layer index) and kind, cut together from its shards."""
-    path = ckpt.resolve(root)
-    meta = ckpt.read_meta(path)
-    payloads = {f: torch.load(os.path.join(path, f), weights_only=False)
-                for f in {s["file"] for s in meta["shards"]}}
+    """Whole tensors of a checkpoint (torch_dist, the default format), per (key, layer index) and kind:
+    the weight, its fp32 master and moments under megatron's optimizer keys, the step counts."""
+    import numpy as np
+
+    from megatron_ext.runtime import dist_ckpt
+
+    path = dist_ckpt.resolve(root)
+    common = dist_ckpt.read_common(path)
+    shapes = dist_ckpt.tensor_shapes(path)
+    stacked = dist_ckpt.stacked_axes(common, shapes)
+    steps = common["megatron_ext"]["optimizer_steps"]
     whole: dict[tuple, dict[str, object]] = {}
-    for payload in payloads.values():
-        for p in payload:
-            name = (p["key"], tuple(p["index"]))
-            slot = whole.setdefault(name, {"steps": set()})
-            dst = tuple(slice(o, o + n) for o, n in zip(p["offset"], p["shape"]))
-            sources = {"tensor": p["tensor"], "main": p.get("main"), **p["optim"]}
-            for kind in KINDS:
-                assert sources.get(kind) is not None, f"{root}: {name} has no {kind}"
-                full = slot.setdefault(kind, torch.full(p["global_shape"], float("nan"), dtype=sources[kind].dtype))
-                full[dst] = sources[kind]
-            slot["steps"].add(p["step"])
-    for name, slot in whole.items():
-        for kind in KINDS:
-            assert not torch.isnan(slot[kind].float()).any(), f"{root}: shards of {name} leave {kind} uncovered"
+    for key in (k for k in shapes if not k.startswith("optimizer.")):
+        kinds = {"tensor": key, **{kind: dist_ckpt.optimizer_key(kind, key) for kind in KINDS[1:]}}
+        for kind, saved in kinds.items():
+            assert saved in shapes, f"{root}: {key} has no {kind}"
+        full = {kind: torch.empty(shapes[saved], dtype=dist_ckpt._saved_dtype(path, saved))
+                for kind, saved in kinds.items()}
+        dist_ckpt.read_slices(path, {kinds[kind]: [((0,) * t.dim(), t)] for kind, t in full.items()})
+        for index in np.ndindex(*shapes[key][:stacked[key]]):
+            index = tuple(int(i) for i in index)
+            slot = whole.setdefault((key, index), {"steps": {steps[f"{key}@{','.join(map(str, index))}"]}})
+            for kind, t in full.items():
+                slot[kind] = t[index]
     return whole
 
 

@@ -68,7 +68,7 @@ def test_sbatch_trains_and_exits_zero(tmp_path):
     assert "1 node(s) x 4 processes" in log
     assert re.search(r"iteration\s+3/\s+3 \| loss \d", log), log[-2000:]
     assert "validation at iteration      3" in log
-    assert (ckpt / "latest").read_text().strip() == "iter_0000003"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"  # Megatron-LM's format, the default
 
 
 def _node_processes(job_id: str, node: str) -> list[int]:
@@ -153,4 +153,62 @@ def test_a_lost_rank_ends_the_job_with_exit_75_under_srun(tmp_path):
     assert lines == [f"resihp: aborting the job: rank(s) 1 (process ended, seen by rank 0 on the same host) gone; "
                      f"resume from the last checkpoint (--load {ckpt})"], log[-3000:]
     assert "job ended (exit 75): rank(s) 1 (process ended, seen by rank 0 on the same host) gone" in log
-    assert (ckpt / "latest").read_text().strip() == "iter_0000002"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def _train_rows(metrics) -> list[dict]:
+    """The train rows of a metrics file, a line still being written left out."""
+    rows = []
+    for line in open(metrics):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in rows if r.get("kind") == "train"]
+
+
+def test_the_warning_signal_saves_requeues_and_resumes_on_the_straight_curve(tmp_path):
+    # Slurm's warning signal before a time limit (here sent by hand to the batch shell, as
+    # --signal=B:USR1@120 does): the script passes it to the ranks, which save and exit 0 at the next
+    # iteration boundary; the script requeues the job, whose restart resumes from --save by itself.
+    # Its curve is a straight job's (1e-6), every iteration once.
+    env = {**os.environ, "NPROC_PER_NODE": "2", "PYTHON": os.path.join(ROOT, ".venv", "bin", "python")
+           if os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")) else "python3"}
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+             "--global-batch-size", "4", "--micro-batch-size", "1", "--train-iters", "300", "--eval-iters", "0",
+             "--log-interval", "50", "--hidden-dropout", "0", "--attention-dropout", "0", "--no-resihp"]
+
+    def submit(name: str) -> tuple[str, object, object]:
+        out, metrics = tmp_path / f"{name}.out", tmp_path / f"{name}.jsonl"
+        job = subprocess.run(
+            ["sbatch", "--parsable", "--output", str(out), "scripts/slurm/pretrain_gpt.sbatch", *flags,
+             "--metrics-file", str(metrics), "--save", str(tmp_path / f"{name}_ckpt")],
+            cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+        return job, out, metrics
+
+    job, out, metrics = submit("preempted")
+    deadline, sent = time.time() + 600, False
+    while time.time() < deadline and not sent:
+        done = [r["iteration"] for r in _train_rows(metrics)] if metrics.exists() else []
+        if done and max(done) >= 20:
+            subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+            sent = True
+        time.sleep(0.2)
+    assert sent, f"job {job} never reached iteration 20:\n{out.read_text()[-3000:] if out.exists() else ''}"
+    state, code, log = "", "", ""
+    while time.time() < deadline:  # requeued: PENDING/RUNNING again with a restart count, then COMPLETED
+        state, code, log = wait_for_job(job, out, timeout_s=max(1.0, deadline - time.time()))
+        if state in ENDED:
+            break
+    assert (state, code) == ("COMPLETED", "0:0"), f"job {job} ended {state} {code}:\n{log[-4000:]}"
+    assert "SIGUSR1 (time limit or preemption): the ranks save and exit at the next iteration" in log
+    assert f"saved after the warning signal; requeued to resume from {tmp_path / 'preempted_ckpt'}" in log
+    assert f"restart 1, resuming from --load {tmp_path / 'preempted_ckpt'}" in log
+    rows = _train_rows(metrics)
+    assert [r["iteration"] for r in rows] == list(range(1, 301))  # every iteration once
+    straight_job, straight_out, straight_metrics = submit("straight")
+    state, code, slog = wait_for_job(straight_job, straight_out)
+    assert (state, code) == ("COMPLETED", "0:0"), f"job {straight_job} ended {state} {code}:\n{slog[-3000:]}"
+    straight = [r["loss"] for r in _train_rows(straight_metrics)]
+    assert len(straight) == len(rows) == 300
+    assert max(abs(a["loss"] - b) / abs(b) for a, b in zip(rows, straight)) < 1e-6

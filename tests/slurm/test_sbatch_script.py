@@ -33,6 +33,7 @@ case "$1 $2" in
 esac
 """
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32"]
+EXIT_SIGNAL = ["--exit-signal-handler", "--exit-signal", "SIGUSR1"]
 
 
 def run_script(tmp_path, script: str, flags: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, list]:
@@ -68,7 +69,9 @@ def test_ranks_per_node_follow_the_gpus_and_connections_the_layer_split(tmp_path
     (rank_step,) = calls                       # one srun: a torchrun per node
     assert rank_step["options"] == ["--kill-on-bad-exit=1", "--ntasks-per-node=1"]
     assert rank_step["command"][:2] == ["bash", "-c"] and "torch.distributed.run" in rank_step["command"][2]
-    assert rank_step["command"][3:] == ["pretrain_gpt", *TINY, "--tensor-model-parallel-size", str(tp)]
+    # the ranks catch Slurm's warning signal (--signal=B:USR1@120), which torchrun's agent ignores
+    assert rank_step["command"][3:] == ["pretrain_gpt", *TINY, "--tensor-model-parallel-size", str(tp), *EXIT_SIGNAL]
+    assert rank_step["command"][2].lstrip().startswith('trap "" USR1')
     assert rank_step["env"] == {"NPROC_PER_NODE": nproc, "CUDA_DEVICE_MAX_CONNECTIONS": connections}
 
 
@@ -89,9 +92,24 @@ def test_the_container_example_runs_every_step_in_the_image(tmp_path):
     py = sys.executable
     assert [c["command"][:2] for c in calls] == [[py, "-c"], [py, "-m"], ["bash", "-c"], [py, "-m"]]
     assert calls[1]["command"][2:] == ["megatron_ext.ft.store", "--host", "0.0.0.0"]
-    assert calls[2]["command"][3:] == ["pretrain_gpt", *TINY, "--resihp"]
+    assert calls[2]["command"][3:] == ["pretrain_gpt", *TINY, "--resihp", *EXIT_SIGNAL]
     assert calls[3]["command"][2:4] == ["megatron_ext.ft.store", "--exit-code"]
     assert calls[2]["env"] == {"NPROC_PER_NODE": "8", "CUDA_DEVICE_MAX_CONNECTIONS": None}   # TP 1
     assert "job 42: 2 node(s) x 8 ranks, a lost rank ends the job with exit 75" in proc.stdout
     # No rank ran here: the store says so, and the script exits with its code.
     assert proc.returncode == 1 and "job did not finish training and did not say why" in proc.stdout
+
+
+@pytest.mark.parametrize("flags, restart, added", [
+    (["--save", "ck"], "0", EXIT_SIGNAL),                                       # a first start
+    (["--save", "ck"], "1", [*EXIT_SIGNAL, "--load", "ck"]),                    # a requeued job resumes
+    (["--save", "ck", "--load", "ck"], "1", EXIT_SIGNAL),                       # its own --load stays
+    (["--exit-signal-handler", "--exit-signal", "SIGTERM"], "0", []),          # its own signal stays
+])
+def test_the_ranks_catch_the_warning_signal_and_a_restart_resumes(tmp_path, flags, restart, added):
+    proc, calls = run_script(tmp_path, "scripts/slurm/pretrain_gpt.sbatch", [*TINY, *flags],
+                             {"SLURM_RESTART_COUNT": restart})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rank_step,) = calls
+    assert rank_step["command"][3:] == ["pretrain_gpt", *TINY, *flags, *added]
+    assert ("restart 1, resuming from --load ck" in proc.stdout) == ("--load" in added)
