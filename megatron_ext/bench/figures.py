@@ -32,6 +32,7 @@ DOCS = ("README.md", "docs/*.md")
 # are followed too) and the data it reads by path. Every entry must exist; a script must be named in
 # the benchmark's source (tests/bench/test_doc_figures.py).
 LAUNCHED: dict[str, list[str]] = {
+    "bench_checkpoint": ["pretrain_gpt.py"],
     "bench_detector": ["pretrain_gpt.py", "tests/resihp/data"],
     "bench_parallel": ["pretrain_gpt.py"],
     "bench_relayout": ["pretrain_gpt.py", "tools/relayout_live_worker.py"],
