@@ -66,6 +66,13 @@ def _check(cfg, world: int, *, launcher: bool = False) -> None:
     _engine_check(cfg)
 
 
+def _saved_config(load_dir: str):
+    """--use-checkpoint-args's reader: the flags the checkpoint in ``load_dir`` was saved with."""
+    from megatron_ext.runtime.checkpoint import saved_config
+
+    return saved_config(load_dir)
+
+
 def _engine_check(cfg) -> None:
     from megatron_ext.engines import engine
 
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         nproc, argv = _split_launcher_args(argv)
-        cfg = parse_run_config(argv)
+        cfg = parse_run_config(argv, saved_config=_saved_config)
         if nproc is not None and "LOCAL_RANK" not in os.environ:
             launcher = launcher_for(cfg)
             _check(cfg, nproc, launcher=launcher.own)

@@ -3,13 +3,14 @@
 As Megatron-LM ``core_v0.16.1`` (``load_args_from_checkpoint``): the shape flags (``UNLESS_GIVEN``) are
 taken where the launch line or YAML did not give them, the rest (``ALWAYS``) always; the tokenizer's
 type and model too unless ``--no-use-tokenizer-model-from-checkpoint-args``, and the TP/PP/VP/EP sizes
-with ``--use-mp-args-from-checkpoint-args``. The checkpoint's args are read from either format
-(``runtime/checkpoint.config_of``: a Megatron-LM checkpoint's ``args``, or the flags our run saved).
+with ``--use-mp-args-from-checkpoint-args``. The checkpoint's args are read from either format by the
+reader the caller hands in (``runtime/checkpoint.saved_config``: a Megatron-LM checkpoint's ``args``, or
+the flags our run saved); the configuration layer does not import the runtime.
 What was taken is said once at start-up (``RunConfig.notes``).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "kv_channels",
                 "max_position_embeddings", "moe_ffn_hidden_size", "moe_token_dispatcher_type")
@@ -37,17 +38,16 @@ def saved_value(saved: dict[str, Any], key: str) -> Any:
     return saved.get(MEGATRON_NAMES.get(key, key))
 
 
-def apply(values: dict[str, Any], given: Iterable[str], known: Iterable[str],
-          effective: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+def apply(values: dict[str, Any], given: Iterable[str], known: Iterable[str], effective: dict[str, Any],
+          saved_config: Callable[[str], dict[str, Any] | None]) -> tuple[dict[str, Any], list[str]]:
     """``values`` with the checkpoint's model flags, and the notes to say. ``given``: the keys the
     launch line or YAML set; ``known``: every key of the run configuration; ``effective``: what each
-    key comes to without the checkpoint (defaults included), so only a change is said."""
-    from megatron_ext.runtime import checkpoint as ckpt
-
+    key comes to without the checkpoint (defaults included), so only a change is said;
+    ``saved_config``: the reader of a --load directory's saved flags (None: no checkpoint there)."""
     load = values.get("load")
-    if not load or not ckpt.exists(load):
+    saved = saved_config(load) if load else None
+    if saved is None:
         return values, [f"--use-checkpoint-args: --load {load} holds no checkpoint yet; the flags stand"]
-    saved = ckpt.config_of(load)
     keys = [(k, False) for k in UNLESS_GIVEN] + [(k, True) for k in ALWAYS]
     if values.get("use_tokenizer_model_from_checkpoint_args", True):
         keys += [(k, True) for k in TOKENIZER]
@@ -59,7 +59,7 @@ def apply(values: dict[str, Any], given: Iterable[str], known: Iterable[str],
         if key not in known or (not always and key in given):
             continue
         value = saved_value(saved, key)
-        if value is None or (effective or out).get(key) == value:
+        if value is None or effective.get(key) == value:
             continue
         out[key] = value
         taken.append(f"{key} {value}")

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import importlib
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from megatron_ext.config.base import (ArgumentParser, ConfigError, add_flags, build, check_unknown, doc,
                                       field_names, load_yaml, renamed_keys, renames)
@@ -915,8 +915,12 @@ def all_keys() -> list[str]:
     return [f for cls in sections().values() for f in field_names(cls)]
 
 
-def parse_run_config(argv: Sequence[str] | None = None, *, defaults: dict[str, Any] | None = None) -> RunConfig:
-    """Flags over YAML over ``defaults`` over dataclass defaults. Raises ConfigError on bad input."""
+def parse_run_config(argv: Sequence[str] | None = None, *, defaults: dict[str, Any] | None = None,
+                     saved_config: Callable[[str], dict[str, Any] | None] | None = None) -> RunConfig:
+    """Flags over YAML over ``defaults`` over dataclass defaults. Raises ConfigError on bad input.
+    ``saved_config``: the flat config of the checkpoint a ``--load`` directory holds, or None where it
+    holds none (``runtime.checkpoint.saved_config``), for ``--use-checkpoint-args``: the runtime is a
+    layer above, so its reader is handed in; without one the flag is refused."""
     parser = build_parser()
     args = parser.parse_args(argv)
     renamed = renames(sections().values())
@@ -938,9 +942,13 @@ def parse_run_config(argv: Sequence[str] | None = None, *, defaults: dict[str, A
     if values.get("use_checkpoint_args"):
         from megatron_ext.config import checkpoint_args
 
+        if saved_config is None:
+            raise ConfigError("--use-checkpoint-args is taken by pretrain_gpt.py (it reads the checkpoint); "
+                              "give the model's flags here")
         given = {k for k, v in cli.items() if v is not None} | (set(yaml_values) if args.config else set())
         values, taken = checkpoint_args.apply(values, given, all_keys(),
-                                              config_from_values(dict(values), where=where, source=source).flat())
+                                              config_from_values(dict(values), where=where, source=source).flat(),
+                                              saved_config)
         notes += taken
     cfg = config_from_values(values, where=where, source=source)
     cfg.notes[:0] = [n for n in dict.fromkeys(notes + cli_notes) if n not in cfg.notes]

@@ -271,6 +271,12 @@ def iteration_of(load_dir: str) -> int:
     return int(dist_ckpt.read_common(dist_ckpt.resolve(load_dir))["iteration"])
 
 
+def saved_config(load_dir: str) -> dict[str, Any] | None:
+    """``config_of`` the checkpoint ``load_dir`` holds, None where it holds none yet (the reader
+    ``parse_run_config`` takes for --use-checkpoint-args)."""
+    return config_of(load_dir) if exists(load_dir) else None
+
+
 def config_of(load_dir: str) -> dict[str, Any]:
     """The saving run's flat config (Megatron-LM's args for a checkpoint Megatron-LM wrote)."""
     if format_of(load_dir) == OWN:

@@ -185,7 +185,7 @@ def test_use_checkpoint_args_takes_the_models_flags_from_the_checkpoint(saved):
     root, _, _ = saved
     # Megatron-LM's rule: the shape where the line does not give it, the rest always.
     cfg = parse_run_config(["--use-checkpoint-args", "--load", root, "--num-attention-heads", "4",
-                            "--swiglu", "--normalization", "RMSNorm"])
+                            "--swiglu", "--normalization", "RMSNorm"], saved_config=ckpt.saved_config)
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (2, 32, 4)  # heads given: kept
     assert (m.swiglu, m.normalization) == (False, "LayerNorm")                 # always the checkpoint's
