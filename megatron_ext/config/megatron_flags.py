@@ -231,6 +231,14 @@ class MegatronFlags:
     recompute_activations: bool = doc("Megatron-LM's short form of --recompute-granularity selective.", False)
     use_rotary_position_embeddings: bool = doc("Megatron-LM's former spelling of --position-embedding-type rope.",
                                                False)
+    decoder_seq_length: int | None = doc("The decoder's sequence length of Megatron-LM's encoder-decoder models: "
+                                         "ignored, a GPT's is --seq-length.", None)
+    legacy_tokenizer: bool = doc("Megatron-LM's switch to its legacy tokenizer classes: ignored, the tokenizers "
+                                 "are megatron-core's (megatron.core.tokenizers).", False)
+    hybrid_override_pattern: str | None = doc("Megatron-LM's layer pattern of hybrid Mamba models: refused, they are "
+                                              "not built here.", None)
+    async_save: bool = doc("Megatron-LM's asynchronous checkpoint save: refused, checkpoints are saved "
+                           "synchronously here.", False)
 
 
 ALIASES = {"recompute_activations": ("recompute_granularity", "selective"),
@@ -359,6 +367,14 @@ NAMED: list[Named] = [
           lambda v, d: v > 1, "> 1"),
     Named("expert_tensor_parallel_size", "refused", "expert layers are split over --tensor-model-parallel-size "
           "here (leave it unset or equal)", "", lambda v, d: v is not None and v != d.tp, "other than TP"),
+    Named("decoder_seq_length", "ignored", "only Megatron-LM's encoder-decoder models (T5) read it; a GPT's "
+          "sequence length is --seq-length", "", lambda v, d: v is not None, "given"),
+    Named("legacy_tokenizer", "ignored", "the tokenizers here are megatron-core's (megatron.core.tokenizers), which "
+          "Megatron-LM's default uses too; tools/preprocess_data.py writes the legacy GPT-2 BPE's ids byte for byte"),
+    Named("hybrid_override_pattern", "refused", "hybrid Mamba models are not built here (the layers are "
+          "megatron-core's GPT block)", "", lambda v, d: v is not None, "given"),
+    Named("async_save", "refused", "checkpoints are saved synchronously here (megatron's asynchronous writer, a "
+          "process per rank that finishes the save during training, is not wired)"),
     *_group(("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"), "refused",
             "stages hold megatron's even split or --pipeline-stage-layers, with the embedding on the first and the "
             "loss on the last"),

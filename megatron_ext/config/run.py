@@ -514,6 +514,8 @@ class DataConfig:
     split: str | None = doc(
         "Train, valid and test proportions of --data-path, read as Megatron-LM reads them (the numbers in the "
         f"text: 969,30,1 or 99/1/0); default Megatron-LM's {DEFAULT_SPLIT}.", None)
+    data_args_path: str | None = doc("A file holding --data-path's value (whitespace-separated weights and "
+                                     "prefixes), for a blend too long for a command line (Megatron-LM's flag).", None)
     train_data_path: list[str] | None = doc("The training data on its own (a prefix or a blend, as --data-path); "
                                             "instead of --data-path and --split.", None)
     valid_data_path: list[str] | None = doc("The validation data on its own (with --train-data-path).", None)
@@ -545,6 +547,16 @@ class DataConfig:
                            "training loop).", 2)
 
     def __post_init__(self) -> None:
+        if self.data_args_path is not None:
+            if self.data_path:
+                raise ConfigError("give --data-path or --data-args-path, not both")
+            try:
+                with open(self.data_args_path, encoding="utf-8") as fh:
+                    self.data_path = fh.read().split()
+            except OSError as exc:
+                raise ConfigError(f"--data-args-path {self.data_args_path}: {exc.strerror}") from None
+            if not self.data_path:
+                raise ConfigError(f"--data-args-path {self.data_args_path}: the file is empty")
         if self.reset_attention_mask:
             raise ConfigError("--reset-attention-mask is not supported: megatron-core's per-sample document masks "
                               "are not passed to the attention here; --doc-length-dist packs documents that attend "

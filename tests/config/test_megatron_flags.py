@@ -49,7 +49,8 @@ KERNEL_SWITCHES = ["masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fus
 NAMED_ONLY = ["use_mcore_models", "use_flash_attn", "auto_detect_ckpt_format", "profile",
               "use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks", "overlap_param_gather",
               "fp8_param_gather",
-              "recompute_activations", "use_rotary_position_embeddings"]
+              "recompute_activations", "use_rotary_position_embeddings", "decoder_seq_length", "legacy_tokenizer",
+              "hybrid_override_pattern", "async_save"]
 
 
 def test_the_generated_and_named_flag_lists_are_pinned():
@@ -98,6 +99,11 @@ NOTES = {
                           "(Megatron-LM's legacy models are not)",
     "--auto-detect-ckpt-format": "ignored --auto-detect-ckpt-format: every reader here detects the format of the "
                                  "directory it is given (torch_dist or megatron_ext)",
+    "--decoder-seq-length 128": "ignored --decoder-seq-length 128: only Megatron-LM's encoder-decoder models (T5) "
+                                "read it; a GPT's sequence length is --seq-length",
+    "--legacy-tokenizer": "ignored --legacy-tokenizer: the tokenizers here are megatron-core's "
+                          "(megatron.core.tokenizers), which Megatron-LM's default uses too; tools/preprocess_data.py "
+                          "writes the legacy GPT-2 BPE's ids byte for byte",
     "--fp8-format hybrid": "ignored --fp8-format hybrid without Transformer Engine's layers: fp8 and fp4 compute "
                            "inside Transformer Engine's layers; this run's layers are megatron-core's local ones, so "
                            "it computes in the model's precision (--bf16 / --fp16, else fp32)",
@@ -273,3 +279,26 @@ def test_distributed_timeout_minutes_is_every_collectives_timeout():
     assert process_group_timeout_s(parse_run_config(CPU + ["--distributed-timeout-minutes", "60"])) == 3600
     with pytest.raises(ConfigError, match="--distributed-timeout-minutes must be > 0, got 0"):
         parse_run_config(CPU + ["--distributed-timeout-minutes", "0"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hybrid-override-pattern", "M*M*"], "--hybrid-override-pattern M*M*: hybrid Mamba models are not "
+                                            "built here (the layers are megatron-core's GPT block)"),
+    (["--async-save"], "--async-save: checkpoints are saved synchronously here (megatron's asynchronous "
+                       "writer, a process per rank that finishes the save during training, is not wired)"),
+])
+def test_flags_refused_by_name_say_why(flags, message):
+    with pytest.raises(ConfigError) as err:
+        parse_run_config(CPU + flags)
+    assert str(err.value) == message
+
+
+def test_data_args_path_reads_the_blend_from_a_file(tmp_path):
+    blend = tmp_path / "blend.txt"
+    blend.write_text("0.3 /data/a_text_document\n0.7 /data/b_text_document\n")
+    assert parse_run_config(CPU + ["--data-args-path", str(blend)]).data.data_path == [
+        "0.3", "/data/a_text_document", "0.7", "/data/b_text_document"]
+    with pytest.raises(ConfigError, match=r"^give --data-path or --data-args-path, not both$"):
+        parse_run_config(CPU + ["--data-args-path", str(blend), "--data-path", "/data/a_text_document"])
+    with pytest.raises(ConfigError, match=r"--data-args-path .*missing.txt: No such file or directory$"):
+        parse_run_config(CPU + ["--data-args-path", str(tmp_path / "missing.txt")])
