@@ -664,6 +664,9 @@ class LoggingConfig:
     log_loss_scale_to_tensorboard: bool = doc("Write the loss scale to TensorBoard (1.0 unless the optimizer "
                                               "scales the loss).", True)
     log_world_size_to_tensorboard: bool = doc("Write the number of ranks to TensorBoard.", False)
+    log_params_norm: bool = doc("Compute the L2 norm of the model's parameters after every iteration and log it "
+                                "(Megatron-LM's flag: 'params norm' in the progress line, params-norm in "
+                                "TensorBoard, params_norm in the metrics rows).", False)
     wandb_project: str | None = doc("Log the scalars to this Weights & Biases project too (needs the wandb "
                                     "package; WANDB_MODE=offline keeps the run in local files). Unset or empty: "
                                     "no Weights & Biases, whatever the other --wandb-* flags say.", None)

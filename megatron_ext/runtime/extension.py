@@ -29,6 +29,7 @@ class IterationMetrics:
     global_batch_size: int | None = None   # sequences of this iteration over all data-parallel ranks
     loss_scale: float = 1.0                # the optimizer's (fp16's dynamic scale; 1.0 in bf16 and fp32)
     timers_s: dict[str, float] = dataclasses.field(default_factory=dict)   # --timing-log-level 1: phases, seconds
+    params_norm: float | None = None       # --log-params-norm: L2 norm of every parameter, each counted once
 
 
 class Extension:

@@ -423,10 +423,26 @@ class Trainer:
             grad_norm=grad_norm, iter_time_s=elapsed,
             tokens_per_s=batch * self.cfg.model.seq_length / max(elapsed, 1e-9),
             consumed_samples=self.train_stream.consumed_samples, skipped=not applied,
-            global_batch_size=batch, loss_scale=self._loss_scale(), timers_s=self.step_timers)
+            global_batch_size=batch, loss_scale=self._loss_scale(), timers_s=self.step_timers,
+            params_norm=self.params_norm() if self.cfg.logging.log_params_norm else None)
         for ext in self.extensions:
             ext.after_iteration(self, metrics)
         return metrics
+
+    def params_norm(self) -> float:
+        """Collective: the L2 norm of the whole model's parameters (Megatron-LM's --log-params-norm), each
+        counted once: every rank sums the squares of the slices it holds as the main replica (the
+        checkpoint's view, so TP shards, stages and experts add up and replicas do not), one all-reduce."""
+        from megatron_ext.runtime.reshard import local_entries
+
+        squares = torch.zeros((), dtype=torch.float64)
+        for e in local_entries(self.model, main_only=True):
+            squares += e.param.detach().double().pow(2).sum().cpu()
+        if dist.is_initialized() and self.ctx.world_size > 1:
+            t = squares.to(distributed.collective_device(self.ctx))
+            dist.all_reduce(t)
+            squares = t.cpu()
+        return float(squares.sqrt())
 
     def _loss_scale(self) -> float:
         """The optimizer's loss scale (megatron's optimizers have one: 1.0 but in fp16)."""

@@ -223,7 +223,8 @@ class RunLog:
         self.record("train", {"iteration": m.iteration, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,
                               "iter_time_s": m.iter_time_s, "tokens_per_s": m.tokens_per_s,
                               "consumed_samples": m.consumed_samples,
-                              **({"tflops_per_device": tflops} if tflops is not None else {}), **m.extra})
+                              **({"tflops_per_device": tflops} if tflops is not None else {}),
+                              **({"params_norm": m.params_norm} if m.params_norm is not None else {}), **m.extra})
         losses = {LM_LOSS: m.loss} if m.loss is not None else {}
         losses.update({name: v for k, v in m.extra.items() if (name := megatron_loss_name(k)) is not None})
         self._interval.add(m, losses)
@@ -244,6 +245,8 @@ class RunLog:
         if lg.log_world_size_to_tensorboard:
             series["world-size"] = self.world_size
         series["grad-norm"] = m.grad_norm
+        if m.params_norm is not None:
+            series["params-norm"] = m.params_norm
         out.add_scalars(series, m.iteration, samples=m.consumed_samples,
                         wandb_extra={"samples vs steps": m.consumed_samples})
         ours = {"train/tokens_per_s": m.tokens_per_s}
@@ -278,10 +281,11 @@ class RunLog:
     def _line(self, m: IterationMetrics, avg_time: float, tflops: float | None) -> str:
         eta = format_eta(avg_time * (self.train_iters - m.iteration))
         gn = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "n/a"
+        pn = f" | params norm {m.params_norm:.3f}" if m.params_norm is not None else ""
         flops = f" | {tflops:6.2f} TFLOP/s per device" if tflops is not None else ""
         extra = "".join(f" | {k}: {v:.3g}" if isinstance(v, float) else f" | {k}: {v}" for k, v in m.extra.items())
         return (f" iteration {m.iteration:6d}/{self.train_iters:6d} | loss {m.loss:.4f} | lr {m.lr:.3e} | "
-                f"grad norm {gn} | {m.iter_time_s * 1000:7.1f} ms | {m.tokens_per_s:8.0f} tokens/s{flops} | "
+                f"grad norm {gn}{pn} | {m.iter_time_s * 1000:7.1f} ms | {m.tokens_per_s:8.0f} tokens/s{flops} | "
                 f"ETA {eta}{' | skipped' if m.skipped else ''}{extra}")
 
     def _megatron_line(self, m: IterationMetrics, per_iter_s: float, tflops: float | None) -> str:
@@ -303,6 +307,8 @@ class RunLog:
         text += f" loss scale: {m.loss_scale:.1f} |"
         if m.grad_norm is not None:
             text += f" grad norm: {m.grad_norm:.3f} |"
+        if m.params_norm is not None:
+            text += f" params norm: {m.params_norm:.3f} |"
         text += f" number of skipped iterations: {iv.skipped:3d} | number of nan iterations: {iv.nan:3d} |"
         for k, v in m.extra.items():
             if megatron_loss_name(k) is None:

@@ -26,7 +26,7 @@ VALUES = {"train_iters": 6, "num_layers": 2, "hidden_size": 32, "num_attention_h
           "global_batch_size": 4, "micro_batch_size": 2, "lr_warmup_iters": 0,
           "log_interval": 3, "eval_interval": 3, "eval_iters": 2, "log_format": "megatron", "log_throughput": True,
           "log_timers_to_tensorboard": True, "timing_log_level": 1, "log_validation_ppl_to_tensorboard": True,
-          "wandb_project": "megatron-ext-test", "wandb_exp_name": "tiny"}
+          "wandb_project": "megatron-ext-test", "wandb_exp_name": "tiny", "log_params_norm": True}
 
 # What a Megatron-LM log parser matches in training_log's line (each field as core_v0.16.1 prints it).
 MEGATRON_LINE = re.compile(
@@ -40,6 +40,7 @@ MEGATRON_LINE = re.compile(
     r"(?P<other_losses>(?: \w+: [\d.E+-]+ \|)*)"      # MoE's load_balancing_loss, ...
     r" loss scale:\s+(?P<scale>[\d.]+) \|"
     r"(?: grad norm:\s+(?P<grad_norm>[\d.]+) \|)?"
+    r"(?: params norm:\s+(?P<params_norm>[\d.]+) \|)?"
     r" number of skipped iterations:\s+(?P<skipped>\d+) \|"
     r" number of nan iterations:\s+(?P<nan>\d+) \|")
 MEGATRON_VALID = re.compile(r" validation loss at iteration (?P<it>\d+)(?P<end> on validation set)? \|"
@@ -64,11 +65,13 @@ def run(tmp_path_factory):
         with contextlib.redirect_stdout(printed):
             trainer.run()
         padded_vocab = trainer.model.vocab_size
+        # every parameter once (one rank, the tied output head is the embedding)
+        norm = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in trainer.model.parameters()))
     finally:
         distributed.teardown()
         mp.undo()
     rows = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
-    return {"out": out, "stdout": printed.getvalue(), "rows": rows, "vocab": padded_vocab}
+    return {"out": out, "stdout": printed.getvalue(), "rows": rows, "vocab": padded_vocab, "params_norm": norm}
 
 
 def train_rows(run):
@@ -267,3 +270,12 @@ def test_throughput_divides_by_the_world():
     assert log.tflops_per_device(0.5, 8) is None            # without --log-throughput
     log.flops_per_sample, log.world_size = 3e12, 4
     assert log.tflops_per_device(0.5, 8) == pytest.approx(3 * 8 / (0.5 * 4))
+
+
+def test_log_params_norm_is_the_norm_of_every_parameter(run):
+    rows = train_rows(run)
+    assert rows[-1]["params_norm"] == pytest.approx(run["params_norm"], rel=1e-9)
+    assert [v for _, v in scalars(run)["params-norm"]] == pytest.approx([r["params_norm"] for r in rows], rel=1e-6)
+    lines = [m for m in map(MEGATRON_LINE.match, run["stdout"].splitlines()) if m]
+    assert [float(m["params_norm"]) for m in lines] == pytest.approx(
+        [rows[int(m["it"]) - 1]["params_norm"] for m in lines], abs=1e-3)
