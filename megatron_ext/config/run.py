@@ -631,6 +631,16 @@ class TokenizerConfig:
     tiktoken_pattern: str | None = doc("TikTokenizer: the pre-tokenization regex (megatron-core's default v2).", None,
                                        choices=TIKTOKEN_PATTERNS)
     tiktoken_num_special_tokens: int = doc("TikTokenizer: special tokens before the vocabulary's own.", 1000)
+    tokenizer_special_tokens: list[str] | None = doc("Special tokens added to a SentencePiece, tiktoken or Hugging "
+                                                     "Face tokenizer (megatron-core's special_tokens / "
+                                                     "additional_special_tokens).", None)
+    trust_remote_code: bool = doc("HuggingFaceTokenizer: let transformers run the tokenizer's own code from its "
+                                  "directory or hub repository.", False)
+    tokenizer_hf_use_fast: bool = doc("HuggingFaceTokenizer: transformers' fast (Rust) tokenizer.", False)
+    tokenizer_hf_include_special_tokens: bool = doc("HuggingFaceTokenizer: add the tokenizer's special tokens "
+                                                    "(bos/eos) when encoding.", False)
+    tokenizer_sentencepiece_legacy: bool = doc("SentencePiece tokenizers: megatron-core's legacy handling of "
+                                               "special tokens.", False)
     tokenizer_file: str | None = doc("The BPE's tokenizers JSON (no --tokenizer-type); default: "
                                      "<data-path>.tokenizer.json, or the default corpus's.", None)
 

@@ -194,8 +194,10 @@ def megatron_args(tok: Any) -> types.SimpleNamespace:
         tokenizer_type=resolved_type(tok), tokenizer_model=path(tok.tokenizer_model),
         vocab_file=path(tok.vocab_file), merge_file=path(tok.merge_file), vocab_size=tok.vocab_size,
         tiktoken_pattern=tok.tiktoken_pattern, tiktoken_num_special_tokens=tok.tiktoken_num_special_tokens,
-        tokenizer_special_tokens=None, tokenizer_sentencepiece_legacy=False, tokenizer_hf_use_fast=False,
-        trust_remote_code=False, tokenizer_hf_include_special_tokens=False, tokenizer_metadata=None)
+        tokenizer_special_tokens=list(tok.tokenizer_special_tokens) if tok.tokenizer_special_tokens else None,
+        tokenizer_sentencepiece_legacy=tok.tokenizer_sentencepiece_legacy, tokenizer_hf_use_fast=tok.tokenizer_hf_use_fast,
+        trust_remote_code=tok.trust_remote_code, tokenizer_hf_include_special_tokens=tok.tokenizer_hf_include_special_tokens,
+        tokenizer_metadata=None)
 
 
 def describe(tok: Any, bpe_file: str | None = None) -> str:

@@ -36,11 +36,12 @@ CORE_FLAGS = [
     "create_attention_mask_in_dataloader", "mmap_bin_files", "num_dataset_builder_threads", "dataloader_type",
     "num_workers",
     "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", "tiktoken_pattern",
-    "tiktoken_num_special_tokens", "tokenizer_file",
+    "tiktoken_num_special_tokens", "tokenizer_special_tokens", "trust_remote_code", "tokenizer_hf_use_fast",
+    "tokenizer_hf_include_special_tokens", "tokenizer_sentencepiece_legacy", "tokenizer_file",
     "log_interval", "log_format", "eval_interval", "eval_iters", "tensorboard_dir", "tensorboard_log_interval",
     "tensorboard_queue_size", "log_throughput", "log_timers_to_tensorboard", "timing_log_level",
     "log_validation_ppl_to_tensorboard", "log_loss_scale_to_tensorboard", "log_world_size_to_tensorboard",
-    "wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "metrics_file", "progress",
+    "log_params_norm", "wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "metrics_file", "progress",
     "save", "load", "save_interval", "keep_last", "pretrained_checkpoint", "finetune", "load_optim", "load_rng",
 ]
 

@@ -192,3 +192,37 @@ def test_tokenizer_flags_are_checked_with_megatrons_names():
         parse_run_config(["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]).validate(1)
     assert str(err.value) == ("--tokenizer-type NullTokenizer needs --data-path (or --mock-data): the embedded default "
                               "corpus is tokenized with its own BPE")
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("HuggingFaceTokenizer", {"tokenizer_special_tokens": ["<extra_0>", "<extra_1>"]}),
+    ("HuggingFaceTokenizer", {"tokenizer_special_tokens": ["<extra_0>"], "trust_remote_code": True,
+                              "tokenizer_hf_use_fast": True}),
+])
+def test_megatrons_tokenizer_options_reach_megatron_core(files, kind, extra):
+    # --tokenizer-special-tokens, --trust-remote-code, --tokenizer-hf-use-fast: handed to megatron-core's
+    # builder as Megatron-LM hands them; the special tokens are new ids the text maps to whole.
+    model = files["hf"] if kind == "HuggingFaceTokenizer" else files["sp"]
+    plain = build_tokenizer(section(tokenizer_type=kind, tokenizer_model=model))
+    sec = section(tokenizer_type=kind, tokenizer_model=model, **extra)
+    ours, theirs = build_tokenizer(sec), megatron_core_tokenizer(sec)
+    assert ours.vocab_size == theirs.vocab_size == plain.vocab_size + len(extra["tokenizer_special_tokens"])
+    for text in [*TEXTS, "a <extra_0> b"]:
+        assert ours.tokenize(text) == theirs.tokenize(text)
+    ids = ours.tokenize("<extra_0>")
+    assert len(ids) == 1 and ids[0] >= plain.vocab_size
+
+
+def test_the_tokenizer_options_are_flags():
+    cfg = parse_run_config(["--tokenizer-special-tokens", "<a>", "<b>", "--trust-remote-code",
+                            "--tokenizer-hf-use-fast"])
+    t = cfg.tokenizer
+    assert (t.tokenizer_special_tokens, t.trust_remote_code, t.tokenizer_hf_use_fast) == (["<a>", "<b>"], True, True)
+
+
+def test_special_tokens_on_a_sentencepiece_model_are_megatron_cores_one_line(files):
+    # megatron-core adds special tokens to a SentencePiece model only in its legacy mode
+    with pytest.raises(ConfigError, match=r"sp.model: the tokenizer does not load: Special tokens must be None when "
+                                          r"legacy is set to False"):
+        build_tokenizer(section(tokenizer_type="SentencePieceTokenizer", tokenizer_model=files["sp"],
+                                tokenizer_special_tokens=["<extra_0>"]))

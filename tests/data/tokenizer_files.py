@@ -101,5 +101,7 @@ def section(**given):
     import types
 
     fields = dict(tokenizer_type=None, tokenizer_model=None, vocab_file=None, merge_file=None, vocab_size=None,
-                  tiktoken_pattern=None, tiktoken_num_special_tokens=1000, tokenizer_file=None)
+                  tiktoken_pattern=None, tiktoken_num_special_tokens=1000, tokenizer_file=None,
+                  tokenizer_special_tokens=None, trust_remote_code=False, tokenizer_hf_use_fast=False,
+                  tokenizer_hf_include_special_tokens=False, tokenizer_sentencepiece_legacy=False)
     return types.SimpleNamespace(**{**fields, **given})
