@@ -631,6 +631,9 @@ class TokenizerConfig:
     tiktoken_pattern: str | None = doc("TikTokenizer: the pre-tokenization regex (megatron-core's default v2).", None,
                                        choices=TIKTOKEN_PATTERNS)
     tiktoken_num_special_tokens: int = doc("TikTokenizer: special tokens before the vocabulary's own.", 1000)
+    padded_vocab_size: int | None = doc("The model's vocabulary rows, as given (Megatron-LM's flag; the tensor-"
+                                        "parallel size must divide it); unset: the tokenizer's size padded to "
+                                        "--make-vocab-size-divisible-by x TP.", None)
     tokenizer_special_tokens: list[str] | None = doc("Special tokens added to a SentencePiece, tiktoken or Hugging "
                                                      "Face tokenizer (megatron-core's special_tokens / "
                                                      "additional_special_tokens).", None)

@@ -48,6 +48,13 @@ def model_vocab_size(cfg: RunConfig, vocab_size: int, tp: int | None = None, sav
     divide the rows (ValueError otherwise)."""
     rows = padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size,
                              cfg.model.make_vocab_size_divisible_by)
+    given = cfg.tokenizer.padded_vocab_size
+    if given is not None:  # Megatron-LM's --padded-vocab-size: the rows as given
+        if given < vocab_size:
+            from megatron_ext.errors import ConfigError
+
+            raise ConfigError(f"--padded-vocab-size {given} is smaller than the tokenizer's {vocab_size} tokens")
+        rows = given
     if saved_rows is not None and saved_rows >= vocab_size:
         rows = saved_rows
     if tp is not None and rows % tp:

@@ -36,7 +36,7 @@ CORE_FLAGS = [
     "create_attention_mask_in_dataloader", "mmap_bin_files", "num_dataset_builder_threads", "dataloader_type",
     "num_workers",
     "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", "tiktoken_pattern",
-    "tiktoken_num_special_tokens", "tokenizer_special_tokens", "trust_remote_code", "tokenizer_hf_use_fast",
+    "tiktoken_num_special_tokens", "padded_vocab_size", "tokenizer_special_tokens", "trust_remote_code", "tokenizer_hf_use_fast",
     "tokenizer_hf_include_special_tokens", "tokenizer_sentencepiece_legacy", "tokenizer_file",
     "log_interval", "log_format", "eval_interval", "eval_iters", "tensorboard_dir", "tensorboard_log_interval",
     "tensorboard_queue_size", "log_throughput", "log_timers_to_tensorboard", "timing_log_level",

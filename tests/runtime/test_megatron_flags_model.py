@@ -116,3 +116,14 @@ def test_the_model_keeps_the_launch_padding_or_its_checkpoints(tmp_path):
     assert ckpt.embedding_rows(str(tmp_path)) == 50304
     assert ckpt.embedding_rows(str(tmp_path / "nothing")) is None and ckpt.embedding_rows(None) is None
     assert model_vocab_size(cfg, 50257, tp=2, saved_rows=ckpt.embedding_rows(str(tmp_path))) == 50304
+
+
+def test_padded_vocab_size_is_the_rows_as_given():
+    from megatron_ext.runtime.model import model_vocab_size
+
+    cfg = parse_run_config(BASE + ["--tensor-model-parallel-size", "2", "--padded-vocab-size", "50304"])
+    assert model_vocab_size(cfg, 50257, tp=2) == 50304          # not 50432, the 128 x TP2 padding
+    with pytest.raises(ValueError, match=r"^--padded-vocab-size 50304 is smaller than the tokenizer's 50400 tokens$"):
+        model_vocab_size(cfg, 50400)
+    with pytest.raises(ValueError, match="padded to 50304 rows, which --tensor-model-parallel-size 5 does not divide"):
+        model_vocab_size(cfg, 50257, tp=5)
