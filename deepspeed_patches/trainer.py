@@ -46,7 +46,7 @@ def check_config(cfg: RunConfig) -> None:
     spec = engine("deepspeed")
     t = cfg.training
     for feature, on in (("bf16", t.bf16), ("fp16", t.fp16), ("per_token_loss", t.calculate_per_token_loss),
-                        ("decoupled_lr", t.decoupled_lr is not None)):
+                        ("decoupled_lr", t.decoupled_lr is not None), ("num_zeros_in_grad", t.log_num_zeros_in_grad)):
         if on:
             spec.refuse(feature)
     if cfg.data.doc_length_dist:

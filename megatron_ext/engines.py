@@ -21,7 +21,7 @@ from megatron_ext.errors import ConfigError
 FEATURES = ("tensor_parallel", "virtual_pipeline", "distributed_optimizer", "data_parallel_microbatches",
             "mixture_of_experts", "bf16", "packed_documents", "overlap_grad_reduce", "helix", "slow_link_injection",
             "slow_nic_injection", "transformer_config_flags", "batch_size_rampup", "fp16", "per_token_loss",
-            "decoupled_lr")
+            "decoupled_lr", "num_zeros_in_grad")
 """What an engine may refuse (each engine's ``refusals`` names the ones it does, with why)."""
 
 
@@ -112,6 +112,8 @@ DEEPSPEED = register_engine(EngineSpec(
         "fp16": "--engine deepspeed trains in fp32: drop --fp16 or use --engine megatron",
         "per_token_loss": "--calculate-per-token-loss needs --engine megatron (DeepSpeed's engine averages over "
                           "micro-batches)",
+        "num_zeros_in_grad": "--log-num-zeros-in-grad needs --engine megatron (DeepSpeed's engine steps its own "
+                             "optimizer without counting)",
         "decoupled_lr": "--decoupled-lr needs --engine megatron (it finds the input and output layers by "
                         "megatron-core's marks)",
         "packed_documents": "--doc-length-dist (packed documents) is not supported by --engine deepspeed yet: "

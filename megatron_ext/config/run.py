@@ -401,6 +401,9 @@ class TrainingConfig:
     manual_gc_eval: bool = doc("With --manual-gc, collect before and after each validation.", True)
     empty_unused_memory_level: int = doc("On a GPU, empty the CUDA caching allocator after each iteration (1 or 2, "
                                          "Megatron-LM's levels; 0 = never).", 0, choices=(0, 1, 2))
+    log_num_zeros_in_grad: bool = doc("Count the gradient's zero entries at every optimizer step and log them "
+                                      "(Megatron-LM's flag: 'num zeros' in the line, num-zeros in TensorBoard, "
+                                      "num_zeros_in_grad in the metrics rows).", False)
     calculate_per_token_loss: bool = doc(
         "Average the loss over the global batch's tokens (loss sums and token counts reduced over the micro-batches "
         "and replicas) instead of over its micro-batches.", False)

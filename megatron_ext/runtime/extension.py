@@ -30,6 +30,7 @@ class IterationMetrics:
     loss_scale: float = 1.0                # the optimizer's (fp16's dynamic scale; 1.0 in bf16 and fp32)
     timers_s: dict[str, float] = dataclasses.field(default_factory=dict)   # --timing-log-level 1: phases, seconds
     params_norm: float | None = None       # --log-params-norm: L2 norm of every parameter, each counted once
+    num_zeros_in_grad: int | None = None   # --log-num-zeros-in-grad: zero entries of the step's gradient
 
 
 class Extension:

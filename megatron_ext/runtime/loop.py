@@ -424,7 +424,8 @@ class Trainer:
             tokens_per_s=batch * self.cfg.model.seq_length / max(elapsed, 1e-9),
             consumed_samples=self.train_stream.consumed_samples, skipped=not applied,
             global_batch_size=batch, loss_scale=self._loss_scale(), timers_s=self.step_timers,
-            params_norm=self.params_norm() if self.cfg.logging.log_params_norm else None)
+            params_norm=self.params_norm() if self.cfg.logging.log_params_norm else None,
+            num_zeros_in_grad=getattr(self, "num_zeros_in_grad", None))
         for ext in self.extensions:
             ext.after_iteration(self, metrics)
         return metrics
@@ -469,7 +470,11 @@ class Trainer:
         self.commit_update()
         out = self.optimizer.step()
         self.update_applied()
+        # megatron's optimizers (and CPUOptimizer) return (applied, grad norm, zeros in the gradient)
+        self.num_zeros_in_grad = None
         if isinstance(out, tuple):
+            if len(out) > 2 and self.cfg.training.log_num_zeros_in_grad and out[2] is not None:
+                self.num_zeros_in_grad = int(out[2])
             return bool(out[0]), (None if out[1] is None else float(out[1]))
         return bool(out), None
 

@@ -51,6 +51,7 @@ class CPUOptimizer:
     def __init__(self, params: list[torch.nn.Parameter], cfg: TrainingConfig, pgs: Any = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.clip_grad = cfg.clip_grad
+        self.count_zeros = cfg.log_num_zeros_in_grad
         self.pgs = pgs  # the layout's process groups (DistContext.pgs); None: one rank
         self.optimizer = torch.optim.AdamW(_param_groups(self.params, cfg), lr=cfg.lr,
                                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
@@ -64,35 +65,45 @@ class CPUOptimizer:
         """Global L2 norm over the whole model: each shard counted once across TP/PP ranks, and
         expert-parallel weights (``allreduce=False``: each EP rank holds other experts) summed over
         the expert TP x EP x PP group, as megatron's clip_grads does."""
+        return float(self._grad_sum(lambda g: g.double().pow(2).sum()).sqrt())
+
+    def num_zeros(self) -> int:
+        """Zero entries of the gradient over the whole model, each shard counted once (megatron's
+        count_zeros_fp32 over the same parameters as the norm)."""
+        return int(self._grad_sum(lambda g: (g == 0).sum().double()))
+
+    def _grad_sum(self, of: Any) -> torch.Tensor:
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        sq = torch.zeros((), dtype=torch.float64)
-        expert_sq = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64)
+        expert = torch.zeros((), dtype=torch.float64)
         for p in self.params:
             g = getattr(p, "main_grad", None)
             if g is None or not param_is_not_shared(p) or not param_is_not_tensor_parallel_duplicate(p):
                 continue
             if getattr(p, "allreduce", True):
-                sq += g.double().pow(2).sum()
+                total += of(g)
             else:
-                expert_sq += g.double().pow(2).sum()
+                expert += of(g)
         if dist.is_initialized() and self.pgs is not None:
-            dist.all_reduce(sq, group=self.pgs.mp)
+            dist.all_reduce(total, group=self.pgs.mp)
             # Uniform over ranks: with EP > 1 every rank holds expert weights.
             if dist.get_world_size(self.pgs.ep) > 1:
-                dist.all_reduce(expert_sq, group=self.pgs.tp_ep_pp)
-        return float((sq + expert_sq).sqrt())
+                dist.all_reduce(expert, group=self.pgs.tp_ep_pp)
+        return total + expert
 
-    def step(self) -> tuple[bool, float]:
-        """Clip and apply the gradients; returns (applied, grad norm before clipping)."""
+    def step(self) -> tuple[bool, float, int | None]:
+        """Clip and apply the gradients; returns (applied, grad norm before clipping, zeros in the
+        gradient with --log-num-zeros-in-grad), as megatron's optimizers do."""
         for p in self.params:
             p.grad = getattr(p, "main_grad", p.grad)
         norm = self.grad_norm()
+        zeros = self.num_zeros() if self.count_zeros else None
         if not torch.isfinite(torch.tensor(norm)):
             logger.warning("non-finite gradient norm %s: skipping this update", norm)
             self.zero_grad()
-            return False, norm
+            return False, norm, zeros
         if self.clip_grad > 0 and norm > self.clip_grad:
             coef = self.clip_grad / (norm + 1e-6)
             for p in self.params:
@@ -100,7 +111,7 @@ class CPUOptimizer:
                     p.grad.mul_(coef)
         self.optimizer.step()
         self.zero_grad()
-        return True, norm
+        return True, norm, zeros
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -160,7 +171,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainingConfig, on_gp
                            loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale,
                            min_loss_scale=cfg.min_loss_scale, loss_scale_window=cfg.loss_scale_window,
                            hysteresis=cfg.hysteresis, decoupled_lr=cfg.decoupled_lr,
-                           decoupled_min_lr=cfg.decoupled_min_lr,
+                           decoupled_min_lr=cfg.decoupled_min_lr, log_num_zeros_in_grad=cfg.log_num_zeros_in_grad,
                            use_distributed_optimizer=_uses_distributed_optimizer(model_chunks))
     # The layout's groups, explicitly; megatron's gloo twins are not asked for (its optimizer uses
     # them only for its own checkpoint format, which this runtime does not write).

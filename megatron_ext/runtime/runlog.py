@@ -224,7 +224,9 @@ class RunLog:
                               "iter_time_s": m.iter_time_s, "tokens_per_s": m.tokens_per_s,
                               "consumed_samples": m.consumed_samples,
                               **({"tflops_per_device": tflops} if tflops is not None else {}),
-                              **({"params_norm": m.params_norm} if m.params_norm is not None else {}), **m.extra})
+                              **({"params_norm": m.params_norm} if m.params_norm is not None else {}),
+                              **({"num_zeros_in_grad": m.num_zeros_in_grad} if m.num_zeros_in_grad is not None
+                                 else {}), **m.extra})
         losses = {LM_LOSS: m.loss} if m.loss is not None else {}
         losses.update({name: v for k, v in m.extra.items() if (name := megatron_loss_name(k)) is not None})
         self._interval.add(m, losses)
@@ -247,6 +249,8 @@ class RunLog:
         series["grad-norm"] = m.grad_norm
         if m.params_norm is not None:
             series["params-norm"] = m.params_norm
+        if m.num_zeros_in_grad is not None:
+            series["num-zeros"] = m.num_zeros_in_grad
         out.add_scalars(series, m.iteration, samples=m.consumed_samples,
                         wandb_extra={"samples vs steps": m.consumed_samples})
         ours = {"train/tokens_per_s": m.tokens_per_s}
@@ -282,6 +286,7 @@ class RunLog:
         eta = format_eta(avg_time * (self.train_iters - m.iteration))
         gn = f"{m.grad_norm:.3f}" if m.grad_norm is not None else "n/a"
         pn = f" | params norm {m.params_norm:.3f}" if m.params_norm is not None else ""
+        pn += f" | num zeros {m.num_zeros_in_grad}" if m.num_zeros_in_grad is not None else ""
         flops = f" | {tflops:6.2f} TFLOP/s per device" if tflops is not None else ""
         extra = "".join(f" | {k}: {v:.3g}" if isinstance(v, float) else f" | {k}: {v}" for k, v in m.extra.items())
         return (f" iteration {m.iteration:6d}/{self.train_iters:6d} | loss {m.loss:.4f} | lr {m.lr:.3e} | "
@@ -307,6 +312,8 @@ class RunLog:
         text += f" loss scale: {m.loss_scale:.1f} |"
         if m.grad_norm is not None:
             text += f" grad norm: {m.grad_norm:.3f} |"
+        if m.num_zeros_in_grad is not None:
+            text += f" num zeros: {m.num_zeros_in_grad} |"
         if m.params_norm is not None:
             text += f" params norm: {m.params_norm:.3f} |"
         text += f" number of skipped iterations: {iv.skipped:3d} | number of nan iterations: {iv.nan:3d} |"

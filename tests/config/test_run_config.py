@@ -30,7 +30,7 @@ CORE_FLAGS = [
     "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
     "seed", "bf16", "fp16", "grad_reduce_in_bf16", "loss_scale", "initial_loss_scale", "min_loss_scale",
     "loss_scale_window", "hysteresis", "decoupled_lr", "decoupled_min_lr", "manual_gc", "manual_gc_interval",
-    "manual_gc_eval", "empty_unused_memory_level", "calculate_per_token_loss", "override_opt_param_scheduler",
+    "manual_gc_eval", "empty_unused_memory_level", "log_num_zeros_in_grad", "calculate_per_token_loss", "override_opt_param_scheduler",
     "data_path", "split", "data_args_path", "train_data_path", "valid_data_path", "test_data_path", "mock_data", "data_cache_path",
     "doc_length_dist", "eod_mask_loss", "reset_position_ids", "reset_attention_mask",
     "create_attention_mask_in_dataloader", "mmap_bin_files", "num_dataset_builder_threads", "dataloader_type",

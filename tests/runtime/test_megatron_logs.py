@@ -26,7 +26,8 @@ VALUES = {"train_iters": 6, "num_layers": 2, "hidden_size": 32, "num_attention_h
           "global_batch_size": 4, "micro_batch_size": 2, "lr_warmup_iters": 0,
           "log_interval": 3, "eval_interval": 3, "eval_iters": 2, "log_format": "megatron", "log_throughput": True,
           "log_timers_to_tensorboard": True, "timing_log_level": 1, "log_validation_ppl_to_tensorboard": True,
-          "wandb_project": "megatron-ext-test", "wandb_exp_name": "tiny", "log_params_norm": True}
+          "wandb_project": "megatron-ext-test", "wandb_exp_name": "tiny", "log_params_norm": True,
+          "log_num_zeros_in_grad": True}
 
 # What a Megatron-LM log parser matches in training_log's line (each field as core_v0.16.1 prints it).
 MEGATRON_LINE = re.compile(
@@ -40,6 +41,7 @@ MEGATRON_LINE = re.compile(
     r"(?P<other_losses>(?: \w+: [\d.E+-]+ \|)*)"      # MoE's load_balancing_loss, ...
     r" loss scale:\s+(?P<scale>[\d.]+) \|"
     r"(?: grad norm:\s+(?P<grad_norm>[\d.]+) \|)?"
+    r"(?: num zeros:\s+(?P<num_zeros>\d+) \|)?"
     r"(?: params norm:\s+(?P<params_norm>[\d.]+) \|)?"
     r" number of skipped iterations:\s+(?P<skipped>\d+) \|"
     r" number of nan iterations:\s+(?P<nan>\d+) \|")
@@ -279,3 +281,35 @@ def test_log_params_norm_is_the_norm_of_every_parameter(run):
     lines = [m for m in map(MEGATRON_LINE.match, run["stdout"].splitlines()) if m]
     assert [float(m["params_norm"]) for m in lines] == pytest.approx(
         [rows[int(m["it"]) - 1]["params_norm"] for m in lines], abs=1e-3)
+
+
+def test_log_num_zeros_in_grad_is_logged_as_megatrons(run):
+    rows = train_rows(run)
+    zeros = [r["num_zeros_in_grad"] for r in rows]
+    assert all(isinstance(z, int) and z >= 0 for z in zeros), zeros
+    assert [v for _, v in scalars(run)["num-zeros"]] == pytest.approx(zeros)
+    lines = [m for m in map(MEGATRON_LINE.match, run["stdout"].splitlines()) if m]
+    assert [int(m["num_zeros"]) for m in lines] == [zeros[int(m["it"]) - 1] for m in lines]
+
+
+def test_num_zeros_counts_the_embedding_rows_of_unseen_tokens():
+    # Untied embeddings: the input embedding's rows of tokens absent from the batch get no gradient
+    # (tied, the output head gives every row one). fp32 on CPU: the plain AdamW path counts over the
+    # parameters the gradient norm counts.
+    import torch
+
+    from megatron_ext.runtime import distributed
+    from megatron_ext.runtime.loop import Trainer
+
+    values = {k: v for k, v in VALUES.items() if not k.startswith("wandb")}
+    cfg = config_from_values({**values, "untie_embeddings_and_output_weights": True, "train_iters": 1,
+                              "eval_iters": 0, "progress": False})
+    ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
+    try:
+        trainer = Trainer(cfg, ctx).setup()
+        m = trainer.train_step()
+        seen = len(set(torch.cat([b["tokens"].flatten() for b in trainer.last_batches]).tolist()))
+        unseen = trainer.model.vocab_size - seen
+    finally:
+        distributed.teardown()
+    assert unseen * 32 <= m.num_zeros_in_grad < unseen * 32 + 1000   # hidden size 32
