@@ -172,8 +172,12 @@ def test_the_warning_signal_saves_requeues_and_resumes_on_the_straight_curve(tmp
     # --signal=B:USR1@120 does): the script passes it to the ranks, which save and exit 0 at the next
     # iteration boundary; the script requeues the job, whose restart resumes from --save by itself.
     # Its curve is a straight job's (1e-6), every iteration once.
-    env = {**os.environ, "NPROC_PER_NODE": "2", "PYTHON": os.path.join(ROOT, ".venv", "bin", "python")
-           if os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")) else "python3"}
+    # Not this test process's rendezvous variables: an in-process test before may have set MASTER_PORT
+    # (its own store listens there), and a job must pick its own port, as on a cluster.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                            "LOCAL_RANK")}
+    env.update(NPROC_PER_NODE="2", PYTHON=os.path.join(ROOT, ".venv", "bin", "python")
+               if os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")) else "python3")
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
              "--global-batch-size", "4", "--micro-batch-size", "1", "--train-iters", "300", "--eval-iters", "0",
              "--log-interval", "50", "--hidden-dropout", "0", "--attention-dropout", "0", "--no-resihp"]
