@@ -194,9 +194,12 @@ def megatron_args(tok: Any) -> types.SimpleNamespace:
         tokenizer_type=resolved_type(tok), tokenizer_model=path(tok.tokenizer_model),
         vocab_file=path(tok.vocab_file), merge_file=path(tok.merge_file), vocab_size=tok.vocab_size,
         tiktoken_pattern=tok.tiktoken_pattern, tiktoken_num_special_tokens=tok.tiktoken_num_special_tokens,
-        tokenizer_special_tokens=list(tok.tokenizer_special_tokens) if tok.tokenizer_special_tokens else None,
-        tokenizer_sentencepiece_legacy=tok.tokenizer_sentencepiece_legacy, tokenizer_hf_use_fast=tok.tokenizer_hf_use_fast,
-        trust_remote_code=tok.trust_remote_code, tokenizer_hf_include_special_tokens=tok.tokenizer_hf_include_special_tokens,
+        # the run config's options; a section of another tool (preprocess_data, the HF import) may lack them
+        tokenizer_special_tokens=list(getattr(tok, "tokenizer_special_tokens", None) or []) or None,
+        tokenizer_sentencepiece_legacy=getattr(tok, "tokenizer_sentencepiece_legacy", False),
+        tokenizer_hf_use_fast=getattr(tok, "tokenizer_hf_use_fast", False),
+        trust_remote_code=getattr(tok, "trust_remote_code", False),
+        tokenizer_hf_include_special_tokens=getattr(tok, "tokenizer_hf_include_special_tokens", False),
         tokenizer_metadata=None)
 
 

@@ -204,7 +204,8 @@ def resolve(load_dir: str, *, step: int | None = None, check: bool = True) -> st
         return newest
     for older in _candidates(load_dir):
         if int(os.path.basename(older)[5:]) < int(tracked) and problem(older) is None:
-            logger.warning("%s; loading the newest complete checkpoint before it, %s", why, older)
+            if _rank_world()[0] == 0:  # every rank takes the same decision; one says it
+                logger.warning("%s; loading the newest complete checkpoint before it, %s", why, older)
             return older
     raise CheckpointError(f"{why}, and no complete checkpoint before it in {load_dir}")
 
