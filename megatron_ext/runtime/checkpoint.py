@@ -23,18 +23,17 @@ a plain torch optimizer, which the CPU runtime uses.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import random
 import shutil
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext.runtime.dist_ckpt import (fsync_dir, iter_dir_name, megatron_rng, rank_world, set_megatron_rng,
+                                            sha256_of, start_save, write_text_atomic)
 from megatron_ext.runtime.reshard import (CheckpointError, ShardEntry, TrainState, apply, assemble, collect_payload,
                                           local_entries, plan_reshard, shard_id)
 
@@ -83,66 +82,9 @@ def format_of(path: str) -> str | None:
     return None
 
 
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _rng_state() -> dict[str, Any]:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-             "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if state["tracker"]:  # empty when saved by an engine without megatron's tracker (--engine deepspeed)
-        get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config: dict[str, Any],
@@ -156,27 +98,20 @@ def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config
 
         return dist_ckpt.save(save_dir, model=model, optimizer=optimizer, state=state, config=config, layout=layout,
                               keep_last=keep_last, on_written=on_written, samples_per_step=samples_per_step)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     name = iter_dir_name(state.iteration)
-    final = os.path.join(save_dir, name)
-    partial = final + ".partial"
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
-        os.makedirs(partial)
-    _barrier()
+    final, partial = start_save(save_dir, state.iteration)
     payload = collect_payload(model, optimizer)
     shard_file = f"shards_rank{rank:05d}.pt"
     rng_file = f"rng_rank{rank:05d}.pt"
     torch.save(payload, os.path.join(partial, shard_file))
-    torch.save(_rng_state(), os.path.join(partial, rng_file))
+    torch.save(megatron_rng(), os.path.join(partial, rng_file))
     if on_written is not None:
         on_written()
     mine = {}
     for f in (shard_file, rng_file):
         path = os.path.join(partial, f)
-        mine[f] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+        mine[f] = {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
     index = [{"key": p["key"], "index": list(p["index"]), "offset": list(p["offset"]), "shape": list(p["shape"]),
               "global_shape": list(p["global_shape"]), "file": shard_file} for p in payload]
     gathered: list[Any] = [None] * world
@@ -202,13 +137,13 @@ def save(save_dir: str, *, model: Any, optimizer: Any, state: TrainState, config
             "files": files,
             "shards": shards,
         }
-        _atomic_write_text(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1, default=str))
-        _fsync_dir(partial)
+        write_text_atomic(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1, default=str))
+        fsync_dir(partial)
         if os.path.exists(final):  # re-saving the same iteration: replace atomically enough
             shutil.rmtree(final)
         os.replace(partial, final)
-        _fsync_dir(save_dir)
-        _atomic_write_text(os.path.join(save_dir, LATEST), name + "\n")
+        fsync_dir(save_dir)
+        write_text_atomic(os.path.join(save_dir, LATEST), name + "\n")
         if keep_last > 0:
             _prune(save_dir, keep_last)
         logger.info("saved checkpoint %s", final)
@@ -315,7 +250,7 @@ def verify(ckpt: str, meta: dict[str, Any], files: list[str] | None = None) -> N
         size = os.path.getsize(path)
         if size != info["bytes"]:
             raise CheckpointError(f"{ckpt}: {f} is truncated or altered ({size} bytes, expected {info['bytes']})")
-        if _sha256(path) != info["sha256"]:
+        if sha256_of(path) != info["sha256"]:
             raise CheckpointError(f"{ckpt}: {f} is corrupt (sha256 mismatch)")
 
 
@@ -338,7 +273,7 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
     if step is not None:
         load_dir = os.path.join(load_dir, iter_dir_name(step)) if not os.path.isfile(
             os.path.join(load_dir, "meta.json")) else load_dir
-    rank, world = _rank_world()
+    rank, world = rank_world()
     ckpt = resolve(load_dir)
     meta = read_meta(ckpt)
     shards = [{**s, "source": s["file"]} for s in meta["shards"]]
@@ -355,7 +290,7 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int],
     # Nothing above touched the model: a bad checkpoint raised before this point.
     apply(staged, optimizer, load_optim=load_optim)
     if rng is not None:
-        _set_rng_state(rng)
+        set_megatron_rng(rng)
     elif load_rng and not same_layout and rank == 0:
         logger.info("layout changed (%s -> %s): RNG states not restored", meta["layout"], layout)
     return TrainState(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"],

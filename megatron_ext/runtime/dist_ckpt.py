@@ -68,13 +68,14 @@ def optimizer_key(kind: str, key: str) -> str:
     return f"optimizer.state.{MASTER if kind == 'main' else kind}.{key}"
 
 
-def _rank_world() -> tuple[int, int]:
+def rank_world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without a process group. These helpers serve both formats."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def _sha256(path: str) -> str:
+def sha256_of(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -82,7 +83,7 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text_atomic(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
@@ -91,7 +92,7 @@ def _write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -153,7 +154,7 @@ def problem(ckpt: str, *, hashes: bool = True) -> str | None:
                 return f"{ckpt}: {name} is truncated or altered ({os.path.getsize(path)} bytes, expected {info['bytes']})"
         if hashes:
             for name, info in files.items():
-                if _sha256(os.path.join(ckpt, name)) != info["sha256"]:
+                if sha256_of(os.path.join(ckpt, name)) != info["sha256"]:
                     return f"{ckpt}: {name} is corrupt (sha256 mismatch)"
         return None
     try:
@@ -204,7 +205,7 @@ def resolve(load_dir: str, *, step: int | None = None, check: bool = True) -> st
         return newest
     for older in _candidates(load_dir):
         if int(os.path.basename(older)[5:]) < int(tracked) and problem(older) is None:
-            if _rank_world()[0] == 0:  # every rank takes the same decision; one says it
+            if rank_world()[0] == 0:  # every rank takes the same decision; one says it
                 logger.warning("%s; loading the newest complete checkpoint before it, %s", why, older)
             return older
     raise CheckpointError(f"{why}, and no complete checkpoint before it in {load_dir}")
@@ -266,7 +267,8 @@ def _sharded(key: str, tensor: torch.Tensor, *, index: tuple[int, ...], offset: 
                          tuple(index) + tuple(offset), frag, replica_id=replica_id, prepend_axis_num=len(index))
 
 
-def _megatron_rng() -> dict[str, Any]:
+def megatron_rng() -> dict[str, Any]:
+    """This process's RNG states under Megatron-LM's names (either format saves this)."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
@@ -276,9 +278,16 @@ def _megatron_rng() -> dict[str, Any]:
     return state
 
 
-def _set_megatron_rng(state: dict[str, Any]) -> None:
+FORMER_RNG_NAMES = {"torch": "torch_rng_state", "numpy": "np_rng_state", "python": "random_rng_state",
+                    "tracker": "rng_tracker_states", "cuda": "cuda_rng_state"}
+"""The names megatron_ext-format checkpoints saved RNG states under before they took Megatron-LM's."""
+
+
+def set_megatron_rng(state: dict[str, Any]) -> None:
+    """Restore ``megatron_rng``'s states (or a former megatron_ext checkpoint's, by their names)."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+    state = {FORMER_RNG_NAMES.get(k, k): v for k, v in state.items()}
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
@@ -317,14 +326,14 @@ def _rng_slot() -> _RngSlot:
             return _RngSlot("rng_state", (pps, tps, dps), (pp, tp, dp), 0, 0)
         return _RngSlot("rng_state", (pps, tps), (pp, tp), dp, dp,
                         group=mpu.get_data_parallel_group(with_context_parallel=True), group_size=dps)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     return _RngSlot(OWN_RNG, (world,), (rank,), 0, 0)
 
 
 def _rng_object(slot: _RngSlot) -> Any:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    state = _megatron_rng()
+    state = megatron_rng()
     states = [state]
     if slot.group_size > 1:
         states = [None] * slot.group_size
@@ -388,6 +397,21 @@ def scheduler_in_steps(scheduler: dict[str, Any], samples_per_step: int, where: 
     return out
 
 
+def start_save(save_dir: str, iteration: int) -> tuple[str, str]:
+    """Collective, both formats: rank 0 makes ``iter_N.partial/`` afresh (a save killed before left
+    one) and every rank waits for it. Returns (the final directory, the partial one)."""
+    final = os.path.join(save_dir, iter_dir_name(iteration))
+    partial = final + ".partial"
+    if rank_world()[0] == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(partial):
+            shutil.rmtree(partial)
+        os.makedirs(partial)
+    if dist.is_initialized():
+        dist.barrier()
+    return final, partial
+
+
 def save(save_dir: str, *, model: Any, optimizer: Any, state: Any, config: dict[str, Any],
          layout: dict[str, int], keep_last: int = 0, on_written: Callable[[], None] | None = None,
          flops_so_far: float = 0.0, samples_per_step: int = 1) -> str:
@@ -400,17 +424,8 @@ def save(save_dir: str, *, model: Any, optimizer: Any, state: Any, config: dict[
         from megatron_ext.compat import megatron_cpu
 
         megatron_cpu.apply_for_checkpoints()
-    rank, world = _rank_world()
-    name = iter_dir_name(state.iteration)
-    final = os.path.join(save_dir, name)
-    partial = final + ".partial"
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
-        os.makedirs(partial)
-    if dist.is_initialized():
-        dist.barrier()
+    rank, world = rank_world()
+    final, partial = start_save(save_dir, state.iteration)
     payload = collect_payload(model, optimizer)
     stacked = _stacked_sizes(payload)
     model_sd: dict[str, Any] = {}
@@ -455,7 +470,7 @@ def save(save_dir: str, *, model: Any, optimizer: Any, state: Any, config: dict[
     dist_checkpointing.save(sd, partial, get_default_save_sharded_strategy(FORMAT), validate_access_integrity=True)
     if on_written is not None:
         on_written()
-    mine = {f: {"bytes": os.path.getsize(os.path.join(partial, f)), "sha256": _sha256(os.path.join(partial, f))}
+    mine = {f: {"bytes": os.path.getsize(os.path.join(partial, f)), "sha256": sha256_of(os.path.join(partial, f))}
             for f in sorted(os.listdir(partial)) if f.startswith(f"__{rank}_")}
     listed: list[Any] = [mine]
     if dist.is_initialized() and world > 1:
@@ -465,14 +480,14 @@ def save(save_dir: str, *, model: Any, optimizer: Any, state: Any, config: dict[
         files = {k: v for part in listed for k, v in part.items()}
         for f in ("common.pt", "metadata.json", ".metadata"):
             path = os.path.join(partial, f)
-            files[f] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-        _write_text(os.path.join(partial, FILES), json.dumps({"files": files}, indent=1))
-        _fsync_dir(partial)
+            files[f] = {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
+        write_text_atomic(os.path.join(partial, FILES), json.dumps({"files": files}, indent=1))
+        fsync_dir(partial)
         if os.path.exists(final):  # re-saving the same iteration
             shutil.rmtree(final)
         os.replace(partial, final)
-        _fsync_dir(save_dir)
-        _write_text(os.path.join(save_dir, TRACKER), str(state.iteration))
+        fsync_dir(save_dir)
+        write_text_atomic(os.path.join(save_dir, TRACKER), str(state.iteration))
         if keep_last > 0:
             done = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_") and "." not in d)
             for old in done[:-keep_last]:
@@ -659,7 +674,7 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int], l
          load_rng: bool = True, step: int | None = None, samples_per_step: int = 1) -> Any:
     """Read this rank's slices (and, when asked and present, optimizer state and RNG), then copy them
     into model and optimizer."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     ckpt = resolve(load_dir, step=step)
     entries = local_entries(model, main_only=False)
     common = read_common(ckpt)
@@ -681,7 +696,7 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int], l
         same = rng is not None
     apply(staged, optimizer, load_optim=load_optim and why_fresh is None)
     if rng is not None:
-        _set_megatron_rng(rng)
+        set_megatron_rng(rng)
     elif load_rng and not same and rank == 0:
         logger.info("layout or engine changed (%s -> %s): RNG states not restored", saved, layout)
     ext = common.get(EXT, {})
