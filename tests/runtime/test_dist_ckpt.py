@@ -200,3 +200,16 @@ def test_a_megatron_lm_args_name_is_read_under_ours():
 
     assert saved_value({"add_bias_linear": False}, "disable_bias_linear") is True
     assert saved_value({"apply_layernorm_1p": True}, "layernorm_zero_centered_gamma") is True
+
+
+def test_rng_states_under_the_former_names_still_restore(ctx):
+    import random
+
+    import numpy as np
+
+    former = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+              "tracker": {}}
+    expected = (torch.rand(3), np.random.rand(), random.random())
+    dist_ckpt.set_megatron_rng(former)
+    again = (torch.rand(3), np.random.rand(), random.random())
+    assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
