@@ -100,7 +100,7 @@ def read_full_tensors(path: str) -> tuple[dict[str, Any], Tensors]:
         common = dist_ckpt.read_common(where)
         meta = {"config": dist_ckpt.config_of(where), "iteration": common.get("iteration"), "path": where}
         shapes = {k: v for k, v in dist_ckpt.tensor_shapes(where).items() if not k.startswith("optimizer.")}
-        dtypes = {k: dist_ckpt._saved_dtype(where, k) for k in shapes}
+        dtypes = dist_ckpt.tensor_dtypes(where)
         whole = {k: torch.empty(v, dtype=dtypes[k]) for k, v in shapes.items()}
         dist_ckpt.read_slices(where, {k: [((0,) * t.dim(), t)] for k, t in whole.items()})
         stacked = dist_ckpt.stacked_axes(common, shapes)

@@ -228,6 +228,14 @@ def read_common(ckpt: str) -> dict[str, Any]:
         raise CheckpointError(f"{ckpt}: common.pt is unreadable ({type(exc).__name__}: {exc})") from None
 
 
+def tensor_dtypes(ckpt: str) -> dict[str, torch.dtype]:
+    """Every saved tensor's key and dtype (the index only)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = _reader(ckpt).read_metadata()
+    return {k: v.properties.dtype for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
 def tensor_shapes(ckpt: str) -> dict[str, tuple[int, ...]]:
     """Every saved tensor's key and global shape (the index only; no tensor is read)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -595,11 +603,13 @@ def optimizer_state_in(ckpt: str, shapes: dict[str, tuple[int, ...]], common: di
     return None
 
 
-def assemble(ckpt: str, entries: list[ShardEntry], *, with_optim: bool) -> tuple[list[tuple], dict[str, Any]]:
+def assemble(ckpt: str, entries: list[ShardEntry], *, with_optim: bool, common: dict[str, Any] | None = None,
+             shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[list[tuple], dict[str, Any]]:
     """Read every entry's slice (and its optimizer state) from ``ckpt``: ``(staged for
-    reshard.apply, common state)``. Touches no model."""
-    common = read_common(ckpt)
-    shapes = tensor_shapes(ckpt)
+    reshard.apply, common state)``. Touches no model. ``common`` / ``shapes``: already read."""
+    common = read_common(ckpt) if common is None else common
+    shapes = tensor_shapes(ckpt) if shapes is None else shapes
+    dtypes = tensor_dtypes(ckpt)
     _check_shapes(ckpt, entries, shapes)
     steps = common.get(EXT, {}).get("optimizer_steps", {})
     wants: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
@@ -613,7 +623,7 @@ def assemble(ckpt: str, entries: list[ShardEntry], *, with_optim: bool) -> tuple
         if has_main:
             wants.setdefault(optimizer_key("main", e.key), []).append((at, main))
         else:  # no master saved (an fp32 run, or Megatron-LM's model only): the weight is the master
-            value = torch.empty(local, dtype=_saved_dtype(ckpt, e.key))
+            value = torch.empty(local, dtype=dtypes.get(e.key, torch.float32))
             wants.setdefault(e.key, []).append((at, value))
         optim = {}
         if with_optim:
@@ -633,20 +643,6 @@ def assemble(ckpt: str, entries: list[ShardEntry], *, with_optim: bool) -> tuple
             state.update({k: t.reshape(e.shape) for k, t in optim.items()}, step=step)
         staged.append((e, master.to(e.param.dtype), state))
     return staged, common
-
-
-_DTYPES: dict[str, dict[str, torch.dtype]] = {}
-
-
-def _saved_dtype(ckpt: str, key: str) -> torch.dtype:
-    if ckpt not in _DTYPES:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        md = _reader(ckpt).read_metadata()
-        _DTYPES.clear()
-        _DTYPES[ckpt] = {k: v.properties.dtype for k, v in md.state_dict_metadata.items()
-                         if isinstance(v, TensorStorageMetadata)}
-    return _DTYPES[ckpt].get(key, torch.float32)
 
 
 def stacked_axes(common: dict[str, Any], keys: Any = ()) -> dict[str, int]:
@@ -677,11 +673,12 @@ def load(load_dir: str, *, model: Any, optimizer: Any, layout: dict[str, int], l
     rank, world = rank_world()
     ckpt = resolve(load_dir, step=step)
     entries = local_entries(model, main_only=False)
-    common = read_common(ckpt)
-    why_fresh = optimizer_state_in(ckpt, tensor_shapes(ckpt), common, entries) if load_optim else None
+    common, shapes = read_common(ckpt), tensor_shapes(ckpt)
+    why_fresh = optimizer_state_in(ckpt, shapes, common, entries) if load_optim else None
     if why_fresh and rank == 0:
         logger.warning("%s: the optimizer starts fresh: %s", ckpt, why_fresh)
-    staged, common = assemble(ckpt, entries, with_optim=load_optim and why_fresh is None)
+    staged, common = assemble(ckpt, entries, with_optim=load_optim and why_fresh is None, common=common,
+                              shapes=shapes)
     saved = saved_layout(common)
     same = saved is not None and saved == layout and common.get(EXT, {}).get("world_size", world) == world
     rng = None

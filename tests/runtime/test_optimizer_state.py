@@ -80,7 +80,8 @@ def test_checkpoint_carries_fp32_masters_moments_and_step(runs):
     shapes = dist_ckpt.tensor_shapes(path)
     weights = [k for k in shapes if not k.startswith("optimizer.")]
     assert weights and len(shapes) == 4 * len(weights)
-    whole = {k: torch.empty(v, dtype=dist_ckpt._saved_dtype(path, k)) for k, v in shapes.items()}
+    dtypes = dist_ckpt.tensor_dtypes(path)
+    whole = {k: torch.empty(v, dtype=dtypes[k]) for k, v in shapes.items()}
     dist_ckpt.read_slices(path, {k: [((0,) * t.dim(), t)] for k, t in whole.items()})
     finer = 0
     for key in weights:

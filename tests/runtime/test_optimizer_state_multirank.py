@@ -41,7 +41,7 @@ def assemble(root: str) -> dict[tuple, dict[str, object]]:
 
     path = dist_ckpt.resolve(root)
     common = dist_ckpt.read_common(path)
-    shapes = dist_ckpt.tensor_shapes(path)
+    shapes, dtypes = dist_ckpt.tensor_shapes(path), dist_ckpt.tensor_dtypes(path)
     stacked = dist_ckpt.stacked_axes(common, shapes)
     steps = common["megatron_ext"]["optimizer_steps"]
     whole: dict[tuple, dict[str, object]] = {}
@@ -49,7 +49,7 @@ def assemble(root: str) -> dict[tuple, dict[str, object]]:
         kinds = {"tensor": key, **{kind: dist_ckpt.optimizer_key(kind, key) for kind in KINDS[1:]}}
         for kind, saved in kinds.items():
             assert saved in shapes, f"{root}: {key} has no {kind}"
-        full = {kind: torch.empty(shapes[saved], dtype=dist_ckpt._saved_dtype(path, saved))
+        full = {kind: torch.empty(shapes[saved], dtype=dtypes[saved])
                 for kind, saved in kinds.items()}
         dist_ckpt.read_slices(path, {kinds[kind]: [((0,) * t.dim(), t)] for kind, t in full.items()})
         for index in np.ndindex(*shapes[key][:stacked[key]]):
