@@ -44,6 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench.harness import Report, aa_name, compare, format_comparison  # noqa: E402
+from megatron_ext.config.defaults import former_default_flags  # noqa: E402
 from megatron_ext.models.flops import ModelSpec  # noqa: E402
 from megatron_ext.resihp import planner as planner_mod  # noqa: E402
 from megatron_ext.resihp.planner import Cluster, PlanLayout, Planner, PlannerConfig, Workload  # noqa: E402
@@ -100,9 +101,12 @@ def decision_time(cl: Cluster, args: argparse.Namespace) -> dict:
             "layout": start.shape}
 
 
-LIVE_MODEL = ["--num-layers", "12", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+LIVE_MODEL = [*former_default_flags(),
+              "--num-layers", "12", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
               "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3", "--lr-decay-style", "constant",
               "--eval-iters", "0", "--log-interval", "1"]
+"""The live model keeps the defaults from before issue 44 (no dropout; its own flags after them win):
+a layout change then computes the same loss, so the curves compare to float reduction order."""
 TOKENS = 8 * 128  # global batch x sequence of the live model
 
 
