@@ -109,17 +109,18 @@ def _launch(nproc: int, argv: list[str]) -> int:
     return 0
 
 
-def _launch_own(nproc: int, argv: list[str], respawn: int = 0, abort: bool = False) -> int:
+def _launch_own(nproc: int, argv: list[str], respawn: int = 0, abort: bool = False, grace_s: float = 10.0) -> int:
     """The fault-tolerance core's launcher (``ft.config.launcher_for``): start the ranks without torch's agent (which stops every rank when one dies),
     with the store in this process. ``abort``: the survivors of a lost rank end the job themselves
     (exit 75); ranks still running 30 s after one failed (it died before the fault-tolerance core
-    watched: the others wait in a collective) are stopped, as torch's agent would."""
+    watched: the others wait in a collective) are stopped, as torch's agent would. ``grace_s``: a rank
+    that has not followed the job's decision this long after (``--ft-grace-s``) is stopped."""
     from megatron_ext.ft.launch import run_job
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         code, results = run_job([os.path.abspath(__file__), *argv], nproc, respawn=respawn,
-                                stop_after_failure_s=STOP_AFTER_FAILURE_S if abort else None)
+                                stop_after_failure_s=STOP_AFTER_FAILURE_S if abort else None, grace_s=grace_s)
     except KeyboardInterrupt:
         return 130
     lost = [r.rank for r in results if r.lost or len(r.incarnations) > 1]
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.ft.config import launcher_for
     from megatron_ext.runtime.distributed import world_from_env
 
+    from megatron_ext.runtime import ettr
+
+    ettr.RUN_START_S = ettr.process_start_s()  # the run's time account starts with this process
     argv = list(sys.argv[1:] if argv is None else argv)
     rank, world, _ = world_from_env()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             launcher = launcher_for(cfg)
             _check(cfg, nproc, launcher=launcher.own)
             if launcher.own:
-                return _launch_own(nproc, argv, respawn=launcher.respawn, abort=launcher.abort)
+                return _launch_own(nproc, argv, respawn=launcher.respawn, abort=launcher.abort,
+                                   grace_s=launcher.grace_s)
             return _launch(nproc, argv)
         _check(cfg, world)
         if rank == 0:

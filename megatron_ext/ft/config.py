@@ -60,7 +60,25 @@ class FaultToleranceConfig:
                                        "longer (it must exceed the longest wait of a healthy run, e.g. a "
                                        "checkpoint save).", 120.0, renamed_from="resihp_continue_timeout_s")
 
+    ft_hang_timeout_s: float = doc("A rank alive (its heartbeat beats) whose training thread makes no progress "
+                                   "for this long, while not waiting on a peer, is hung: named with where it "
+                                   "stopped and its stack, then handled as a lost rank per --ft-on-stop. 0: "
+                                   "derived, 10 x the median iteration time and at least 60 s (under continue "
+                                   "at most 0.75 x --ft-continue-timeout-s), armed after 2 iterations of each "
+                                   "layout.", 0.0)
+    ft_grace_s: float = doc("Once the job has decided (go on without a rank, abort, fail), a rank that has not "
+                            "followed this long after is terminated (by itself, else by the project's launcher: "
+                            "SIGTERM, then SIGKILL after as long again).", 10.0)
+
     def __post_init__(self) -> None:
+        if self.ft_hang_timeout_s < 0:
+            raise ConfigError(f"--ft-hang-timeout-s must be >= 0 (0: derived), got {self.ft_hang_timeout_s}")
+        if self.ft_grace_s <= 0:
+            raise ConfigError(f"--ft-grace-s must be > 0, got {self.ft_grace_s}")
+        if self.ft_on_stop == "continue" and self.ft_hang_timeout_s >= self.ft_continue_timeout_s:
+            raise ConfigError(f"--ft-hang-timeout-s ({self.ft_hang_timeout_s:g}) must be below "
+                              f"--ft-continue-timeout-s ({self.ft_continue_timeout_s:g}): the survivors' collectives "
+                              "with a hung rank would time out before it is named")
         if self.ft_heartbeat_interval_s <= 0:
             raise ConfigError(f"--ft-heartbeat-interval-s must be > 0, got {self.ft_heartbeat_interval_s}")
         if self.ft_respawn < 0:
@@ -104,6 +122,8 @@ class Launcher:
     own: bool
     respawn: int = 0
     abort: bool = True
+    grace_s: float = 10.0
+    """A rank still running this long after the job decided without it (``--ft-grace-s``) is stopped."""
 
 
 def launcher_for(cfg: Any) -> Launcher:
@@ -112,7 +132,7 @@ def launcher_for(cfg: Any) -> Launcher:
     them first; torch's agent otherwise."""
     s = section_of(cfg)
     own = continues(cfg) or (enabled(cfg) and s.ft_on_stop == "abort")
-    return Launcher(own=own, respawn=s.ft_respawn if own else 0, abort=not continues(cfg))
+    return Launcher(own=own, respawn=s.ft_respawn if own else 0, abort=not continues(cfg), grace_s=s.ft_grace_s)
 
 
 def process_group_timeout_s(cfg: Any) -> float:

@@ -55,6 +55,7 @@ out becomes a spare and waits to be invited again.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -71,7 +72,7 @@ from megatron_ext.ft import store as store_lib
 from megatron_ext.ft.errors import (FAILED_EXIT_CODE, RESTART_EXIT_CODE, JobFailed, NotMember, RankEnded, RankLost,
                                     RestartNeeded)
 from megatron_ext.ft.ledger import CommitLedger
-from megatron_ext.ft.liveness import Heartbeat, Silence
+from megatron_ext.ft.liveness import Hang, Heartbeat, Progress, Silence
 from megatron_ext.ft.preflight import LAUNCHER_ENV
 from megatron_ext.ft.choose import keep_shape
 from megatron_ext.ft.target import LayoutTarget, check
@@ -105,6 +106,8 @@ class FTConfig:
     keep_newer: bool = False               # a lost shard without replica: only it from the checkpoint
     checkpoint: str | None = None          # where a shard with no copy left comes from
     exit_file: str | None = None           # the job's end as JSON, by the rank that declares it
+    hang_timeout_s: float = 0.0            # no progress this long: hung (0: derived, ``liveness.Progress``)
+    grace_s: float = 10.0                  # a decision not followed this long after: this process ends
 
     @property
     def wait_for_loss_s(self) -> float:
@@ -121,7 +124,12 @@ class FTConfig:
                    heartbeat_timeout_s=s.ft_heartbeat_timeout_s, timeout_s=s.ft_continue_timeout_s,
                    keep_newer=s.ft_keep_newer_stages,
                    checkpoint=cfg.checkpoint.save or cfg.checkpoint.load or None,
-                   exit_file=s.ft_exit_file or None)
+                   exit_file=s.ft_exit_file or None, hang_timeout_s=s.ft_hang_timeout_s, grace_s=s.ft_grace_s)
+
+    def progress(self) -> Progress:
+        """The hang watch of this configuration (``liveness.Progress``)."""
+        return Progress(timeout_s=self.hang_timeout_s, long_s=self.timeout_s,
+                        cap_s=0.75 * self.timeout_s if self.on_stop == "continue" else None)
 
 
 @dataclasses.dataclass
@@ -142,7 +150,8 @@ class Loss:
     member: int
     incarnation: int
     iteration: int
-    how: str        # "launcher" (its exit), "self" (its own exception), "heartbeat", "probe" (gone from its host)
+    how: str        # "launcher" (its exit), "self" (its own exception), "heartbeat", "probe" (gone from its host),
+                    # "hang" (alive, no progress: it named itself)
     why: str        # "killed by signal 9", "ValueError: boom", "silent for 4.2 s"
 
 
@@ -185,6 +194,10 @@ class FaultTolerance:
         self._retired: list[Heartbeat | None] = []
         self._aborting = False
         self.backend = "gloo"
+        self.progress = cfg.progress()
+        """The training thread's progress marks (``Trainer.mark_progress``), checked by the monitor."""
+        self.hang: Hang | None = None            # this process named itself hung
+        self._end_seen_s: float | None = None     # when the monitor first read the job's end
         ms.register_process(self.base, member, incarnation)
         # Without a launcher that reports exits, a survivor under abort looks for lost peers on its
         # own host: torchrun's agent stops it 0.1 s after a worker's death, long before a heartbeat
@@ -203,6 +216,7 @@ class FaultTolerance:
         """Start the generation ``trainer.ctx`` runs in: its ledger and its liveness (again after
         every change of the default group)."""
         ctx = trainer.ctx
+        self.progress.rearm()  # a (re)built layout compiles and warms up again
         if not self.members or list(self.members) != list(ctx.members):
             self.members = {m: self.members.get(m, 0) for m in ctx.members}
         if not self.stable:
@@ -271,6 +285,7 @@ class FaultTolerance:
             if (m, inc) in known:
                 continue
             how = ("self" if why_is_own_error(why) else "heartbeat" if why.startswith("heartbeat")
+                   else "hang" if why.startswith(HUNG)
                    else "probe" if why.startswith(ms.PROBE_REASON) else "launcher")
             loss = Loss(member=m, incarnation=inc, iteration=iteration, how=how, why=why)
             self.losses.append(loss)
@@ -282,18 +297,32 @@ class FaultTolerance:
         beating."""
         if silence.rank >= len(members) or members[silence.rank] not in self.members:
             return
+        if self.hang is not None or self.progress.check() is not None:
+            return  # this process is the stuck one: its peers going silent is not news of their loss
         m = members[silence.rank]
         self.silent[m] = silence
         why = f"heartbeat silent for {silence.silent_s:.1f} s"
         if reporter:
             print(f"ft: rank {m} of generation {self.round} is silent for {silence.silent_s:.1f} s "
                   f"(heartbeat timeout {silence.timeout_s:g} s): lost", file=sys.stderr, flush=True)
+            # In the store, so that a launcher can stop the process if it still runs (a wedged one).
+            ms.report_exit(self.watch_base, m, self.members.get(m, 0), code=None, reason=why, by="heartbeat")
         self._record_losses({m: why}, silence.iteration)
         self._react({m: why})
 
     def _watch(self) -> None:
-        """Monitor thread, every poll: a new exit report of a member, or the job's end."""
+        """Monitor thread, every poll: this process hung, a new exit report of a member, the job's
+        end; and a decision this process's training thread has not followed within the grace."""
+        if self.phase == "training" and self.hang is None:
+            hang = self.progress.check()
+            if hang is not None:
+                self._hung(hang)  # does not return
         end = ms.job_end(self.watch_base)
+        if end is not None:
+            now = time.monotonic()
+            self._end_seen_s = self._end_seen_s or now
+            if now - self._end_seen_s > self.cfg.grace_s:
+                self._terminate(f"the job ended ({end['message']}) {self.cfg.grace_s:g} s ago", code=int(end["code"]))
         if end is not None and ("end", end["by"]) not in self._notified:
             self._notified.add(("end", end["by"]))
             self._ended(end)  # its losses reach the verdict file here, whatever the main thread does
@@ -302,10 +331,42 @@ class FaultTolerance:
             return
         if self.probe is not None and end is None and self.phase != "spare":
             self.probe.gone(self.members)  # reported as exits: read back just below
-        exited = self._watch_exits.exited(self.members)
+        exited = dict(self._watch_exits.exited(self.members))
+        mine = exited.pop(self.member, None)
+        if mine is not None and mine.get("by") not in ("self", "hang") and self.phase != "spare":
+            # The others named this process lost (its heartbeat went silent, say) and go on without it.
+            self._terminate(f"the other ranks named it lost ({_exit_why(mine)}) and went on without it")
         new = {m: _exit_why(r) for m, r in exited.items() if (m, self.members.get(m, 0)) not in self._notified}
         if new:
             self._react(new)
+
+    def _hung(self, hang: Hang) -> None:
+        """Monitor thread: this process's training thread is hung. Name it (one line, the stack of
+        every thread to this rank's log, the exit report the others act on), then end it: under
+        ``abort`` the job ends with 75 naming this rank; otherwise the process is killed, as a
+        lost rank is, and the survivors go on (``continue``) or fail (``report``) without it."""
+        self.hang = hang
+        why = hang.describe()
+        print(f"ft: rank {self.member} {why}; the stack of each of its threads follows, then it is terminated",
+              file=sys.stderr, flush=True)
+        try:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except Exception as exc:  # no usable stderr file descriptor (an in-process test's capture)
+            logger.debug("faulthandler: %s", exc)
+        ms.report_exit(self.watch_base, self.member, self.incarnation, code=None, reason=why, by="hang")
+        if self.cfg.on_stop == "abort":
+            self._abort({self.member: why}, store=self.watch_base)  # exits 75
+        time.sleep(0.2)  # the line and the stack reach the log
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _terminate(self, why: str, code: int | None = None) -> None:
+        """Monitor thread: the training thread did not follow a decision (``why``) within the grace:
+        end the process (``code``, else SIGKILL, as a lost process ends)."""
+        print(f"ft: rank {self.member} ends: {why}, and its training thread did not follow", file=sys.stderr,
+              flush=True)
+        if code is not None:
+            os._exit(code)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _react(self, lost: dict[int, str]) -> None:
         """A loss is known (monitor thread): act on it by the policy."""
@@ -799,7 +860,7 @@ def planned_change(trainer: "TrainerLike", target: LayoutTarget, *, reason: str,
 
 def why_is_own_error(why: str) -> bool:
     """Whether a loss's reason (``FaultTolerance.lost``) is a rank's own exception."""
-    return not why.startswith(("killed by signal", "exited with code", "heartbeat", ms.PROBE_REASON))
+    return not why.startswith(("killed by signal", "exited with code", "heartbeat", HUNG, ms.PROBE_REASON))
 
 
 def write_exit_file(path: str, end: dict[str, Any]) -> None:
@@ -813,9 +874,13 @@ def write_exit_file(path: str, end: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+HUNG = "hung"
+"""How a hung process's loss reason starts (``liveness.Hang.describe``)."""
+
+
 def _exit_why(report: dict[str, Any]) -> str:
     code = report.get("code")
-    if report.get("by") == "self":
+    if report.get("by") in ("self", "hang", "heartbeat"):
         return report["reason"]
     if code is not None and code < 0:
         return f"killed by signal {-code}"

@@ -77,7 +77,7 @@ def _zygote_env(nproc: int, env: dict[str, str] | None) -> dict[str, str]:
 def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, env: dict[str, str] | None = None,
                  timeout_s: float | None = 900.0, capture: bool = True, respawn: int = 0,
                  respawn_delay_s: float = 0.0, report_exits: bool = True,
-                 stop_after_failure_s: float | None = None) -> list[RankResult]:
+                 stop_after_failure_s: float | None = None, grace_s: float | None = None) -> list[RankResult]:
     """Run ``python script_args...`` as ranks 0..nproc-1 and wait for all of them (and their
     replacements). With ``capture`` each rank's output (stdout and stderr, of every incarnation)
     comes back in its result; without, it goes to this process's streams as it is written.
@@ -85,12 +85,16 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
     ``report_exits`` False: say nothing of a dead rank, as srun does (only the heartbeat then names
     it: what the detector's tests and benchmark measure). ``stop_after_failure_s``: once a rank has
     failed, the ranks still running this long after are stopped (a rank that died before the
-    fault-tolerance core watched for losses leaves the others waiting in a collective)."""
+    fault-tolerance core watched for losses leaves the others waiting in a collective). ``grace_s``:
+    once the job has decided without a process -- the job ended (``job/end``), or the others named
+    it lost while it still runs (hung, or silent) -- it is stopped this long after: SIGTERM once the
+    job ended (then SIGKILL after as long again), SIGKILL when it was named lost."""
     store, addr = host()
     out = subprocess.PIPE if capture else None
     texts: list[list[str]] = [[] for _ in range(nproc)]
     codes: list[list[int]] = [[] for _ in range(nproc)]
     procs: list[subprocess.Popen | None] = [None] * nproc
+    current = [0] * nproc  # the incarnation each rank's process now is
     lock = threading.Lock()
     watchers: list[threading.Thread] = []
 
@@ -111,6 +115,7 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
                                  stdout=out, stderr=subprocess.STDOUT if capture else None, text=True)
         with lock:
             procs[rank] = p
+            current[rank] = incarnation
         w = threading.Thread(target=watch, args=(rank, incarnation, p), daemon=True)
         watchers.append(w)
         w.start()
@@ -138,10 +143,41 @@ def launch_ranks(script_args: list[str], nproc: int, *, cwd: str | None = None, 
     for r in range(nproc):
         start(r, 0)
     stopped: set[int] = set()
+    decided: dict[tuple[int, int], float] = {}   # (rank, incarnation) -> when the job decided without it
+
+    def enforce() -> None:
+        """``grace_s``: stop the processes that did not follow a decision."""
+        now = time.monotonic()
+        end = ms.job_end(store)
+        with lock:
+            live = [(r, current[r], p) for r, p in enumerate(procs) if p is not None and p.poll() is None]
+        for r, inc, p in live:
+            report = None if end is not None else ms.exit_report(store, r, inc)
+            if end is None and (report is None or report["by"] not in ("heartbeat", "hang")):
+                continue
+            since = decided.setdefault((r, inc), now)
+            if now - since <= grace_s:
+                continue
+            if end is not None and now - since <= 2 * grace_s:
+                if r not in stopped:
+                    logger.warning("launch: rank %d still runs %.0f s after the job ended: SIGTERM", r, grace_s)
+                    stopped.add(r)
+                    p.terminate()
+                continue
+            logger.warning("launch: rank %d still runs after the job decided without it: SIGKILL", r)
+            if end is not None:
+                stopped.add(r)
+            p.kill()
+
     try:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failed_at = None
         while True:
+            if grace_s is not None:
+                try:
+                    enforce()
+                except Exception as exc:  # the store answers in this process; never let it stop the wait
+                    logger.debug("launch: %s", exc)
             with lock:
                 pending = [w for w in watchers if w.is_alive()]
                 failed = any(c != 0 for cs in codes for c in cs)
@@ -192,7 +228,7 @@ def job_exit_code(results: list[RankResult]) -> int:
 
 
 def run_job(script_args: list[str], nproc: int, *, respawn: int = 0,
-            stop_after_failure_s: float | None = None) -> tuple[int, list[RankResult]]:
+            stop_after_failure_s: float | None = None, grace_s: float | None = None) -> tuple[int, list[RankResult]]:
     """``launch_ranks`` for a job on a terminal: output streamed, Ctrl-C stops every rank.
     Returns (the job's exit code, each rank's result)."""
     def stop(*_):
@@ -201,7 +237,7 @@ def run_job(script_args: list[str], nproc: int, *, respawn: int = 0,
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         results = launch_ranks(script_args, nproc, timeout_s=None, capture=False, respawn=respawn,
-                               stop_after_failure_s=stop_after_failure_s)
+                               stop_after_failure_s=stop_after_failure_s, grace_s=grace_s)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return job_exit_code(results), results

@@ -11,11 +11,27 @@ end), so a main thread stuck in a collective with a lost peer is freed from this
 
 Liveness is the job's (``ft/core.py`` starts one per generation, on that generation's keys), not
 the detector's: ResiHP turns a ``Silence`` into its fail-stop verdict for its own log.
+
+A beat says the process lives, not that it trains: the publisher beats whatever the training
+thread does. So the training thread also marks **progress** (``Progress.mark``: iteration start
+and end, each micro-batch's forward, the optimizer step, a checkpoint save), which costs a clock
+read and no store call, and the monitor thread of the same process checks it every poll
+(``Progress.check``). A training thread without progress for the hang timeout, that is not waiting
+on a peer (its innermost Python frame is not in a communication module: a rank blocked in a
+collective with a hung peer is that peer's victim, not hung itself), is **hung** (``Hang``: the
+last progress point, how long, and where its stack is). The timeout is ``--ft-hang-timeout-s``, or
+derived: ``HANG_FACTOR`` times the median of the recent iteration times, at least
+``HANG_FLOOR_S``, so a slow rank (fail-slow, ResiHP's) is never called hung; it is armed once
+``ARM_AFTER`` iterations ran since the layout was built (the first ones compile and warm up).
 """
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import logging
+import os
+import statistics
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -162,3 +178,134 @@ class Heartbeat:
             except Exception as exc:
                 logger.debug("heartbeat monitor stopped: %s", exc)
                 return
+
+
+HANG_FLOOR_S = 60.0
+"""The derived hang timeout is never below this (a healthy rank's longest gap between progress
+points: a first-iteration compile after a change, a long evaluation batch)."""
+HANG_FACTOR = 10.0
+"""The derived hang timeout is this many times the median recent iteration time."""
+ARM_AFTER = 2
+"""Iterations since the layout was built before a hang can be named."""
+
+COMM_MODULES = ("torch.distributed", "megatron.core.pipeline_parallel.p2p_communication",
+                "megatron.core.distributed", "megatron_ext.ft.", "megatron_ext.runtime.transport",
+                "deepspeed.comm", "deepspeed.runtime.pipe.p2p")
+"""A thread whose innermost Python frame is in one of these modules waits on a peer (a collective, a
+pipeline message, the job's store): when it makes no progress, the peer is to blame."""
+WAIT_LINE_MODULES = ("torch.", "megatron.", "deepspeed.", "megatron_ext.")
+"""In these packages a line calling ``.wait(`` waits on an asynchronous collective's handle (a user's
+own ``event.wait()`` elsewhere is not taken for one)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hang:
+    """This process's training thread made no progress for ``stalled_s`` > ``timeout_s`` after
+    ``point`` of ``iteration``, while not waiting on a peer; ``where``: its innermost frames."""
+
+    point: str
+    iteration: int
+    stalled_s: float
+    timeout_s: float
+    where: str
+
+    def describe(self) -> str:
+        return (f"hung: no progress for {self.stalled_s:.1f} s since {self.point} (iteration {self.iteration}; "
+                f"hang timeout {self.timeout_s:g} s); its training thread is in {self.where}")
+
+
+def frames_of(ident: int | None) -> Any:
+    """The innermost frame of thread ``ident`` (None if it does not run)."""
+    return sys._current_frames().get(ident) if ident is not None else None
+
+
+def waits_on_peer(frame: Any) -> bool:
+    """Whether a thread stopped at ``frame`` waits on a peer: inside a communication module, or on
+    the line of a ``.wait()`` call (an asynchronous collective's handle, e.g. megatron's tensor-parallel
+    backward waiting for its gradient all-reduce)."""
+    if frame is None:
+        return False
+    module = str(frame.f_globals.get("__name__", ""))
+    if module.startswith(COMM_MODULES):
+        return True
+    return module.startswith(WAIT_LINE_MODULES) and ".wait(" in linecache.getline(frame.f_code.co_filename,
+                                                                                   frame.f_lineno)
+
+
+def stack_summary(frame: Any, depth: int = 3) -> str:
+    """``file:line function`` of the innermost ``depth`` frames, innermost first."""
+    out = []
+    while frame is not None and len(out) < depth:
+        code = frame.f_code
+        out.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return " <- ".join(out) or "(no Python frame)"
+
+
+class Progress:
+    """The training thread's progress marks, checked by the monitor thread of the same process.
+    ``timeout_s`` 0: derived from the iteration times (module docstring), capped at ``cap_s``
+    (under ``--ft-on-stop continue`` the collectives' own timeout: a longer hang would end them
+    first); ``long_s``: the timeout of a gap that starts at a ``long`` mark (a checkpoint save)."""
+
+    def __init__(self, *, timeout_s: float = 0.0, cap_s: float | None = None, long_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
+        self.timeout_s, self.cap_s, self.long_s, self.clock = float(timeout_s), cap_s, float(long_s), clock
+        self.thread: int | None = None
+        self.point, self.iteration, self.long = "setup", 0, False
+        self.at = clock()
+        self.marks = 0
+        self.iterations_since_arm = 0
+        self.iteration_times: list[float] = []
+        self.paused = False
+
+    def mark(self, point: str, iteration: int | None = None, *, long: bool = False) -> None:
+        """Training thread: it got to ``point`` (of ``iteration``, else the current one)."""
+        self.thread = threading.get_ident()
+        self.point, self.long = point, long
+        if iteration is not None:
+            self.iteration = iteration
+        self.marks += 1
+        self.at = self.clock()
+
+    def iteration_done(self, seconds: float) -> None:
+        self.iteration_times = (self.iteration_times + [float(seconds)])[-20:]
+        self.iterations_since_arm += 1
+        self.mark("iteration end")
+
+    def rearm(self) -> None:
+        """The layout was (re)built: the next iterations compile and warm up again."""
+        self.iterations_since_arm = 0
+        self.at = self.clock()
+
+    def timeout(self) -> float | None:
+        """The hang timeout now; None while not armed."""
+        if self.paused or self.iterations_since_arm < ARM_AFTER:
+            return None
+        if self.timeout_s > 0:
+            t = self.timeout_s
+        else:
+            t = max(HANG_FLOOR_S, HANG_FACTOR * statistics.median(self.iteration_times or [0.0]))
+            if self.cap_s is not None:
+                t = min(t, self.cap_s)
+        return max(t, self.long_s) if self.long else t
+
+    def stalled_s(self, now: float | None = None) -> float:
+        return (self.clock() if now is None else now) - self.at
+
+    def check(self, now: float | None = None) -> Hang | None:
+        """Monitor thread: a ``Hang`` when the training thread has been without progress past the
+        timeout and is not waiting on a peer; else None."""
+        timeout = self.timeout()
+        if timeout is None:
+            return None
+        stalled = self.stalled_s(now)
+        if stalled <= timeout:
+            return None
+        frame = frames_of(self.thread)
+        if frame is None or waits_on_peer(frame):
+            return None
+        return Hang(point=self.point, iteration=self.iteration, stalled_s=round(stalled, 3), timeout_s=timeout,
+                    where=stack_summary(frame))

@@ -194,7 +194,7 @@ def serve(reply_fd: int) -> None:
 
 class ForkedRank:
     """A rank forked by a zygote, with the part of ``subprocess.Popen``'s interface the launcher
-    uses (``pid``, ``poll``, ``wait``, ``communicate``, ``kill``, ``returncode``); its output, when
+    uses (``pid``, ``poll``, ``wait``, ``communicate``, ``terminate``, ``kill``, ``returncode``); its output, when
     captured, is in the file ``out``."""
 
     def __init__(self, pid: int, out: str | None):
@@ -214,9 +214,15 @@ class ForkedRank:
         return self.returncode
 
     def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, sig: int) -> None:
         if self.returncode is None:
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
 

@@ -56,6 +56,9 @@ class ResiHPConfig:
     resihp_trace_out: str = doc("Write the detector's input, one JSON record per iteration, to this "
                                 "file (trace format v1, docs/resihp_trace_format.md).", "")
     resihp_verdicts_out: str = doc("Append verdicts as JSON lines to this file.", "")
+    resihp_control_file: str = doc("Read this JSON file at iteration boundaries when it changes, to turn fail-slow "
+                                   "detection off and on, change --resihp-threshold / --resihp-window, or ask "
+                                   "for the detector's state (resihp/control.py); each change is logged.", "")
     resihp_act: str = doc("What a verdict leads to: 'off' (nothing), 'plan' (the re-layout planner's plan is "
                           "logged only), 'relayout' (the plan is applied live, as far as the engine's "
                           "re-layout knobs go: layers per stage, micro-batches per replica, a rank "

@@ -20,7 +20,8 @@ import numpy as np
 from megatron_ext.pipeline.events import Phase
 from megatron_ext.resihp import config as _config  # noqa: F401  (registers the "resihp" section)
 from megatron_ext.resihp.choose import model_spec
-from megatron_ext.resihp.injection import FaultInjectionConfig, LinkThrottle, Throttle, die_now, raise_now
+from megatron_ext.resihp.injection import (FaultInjectionConfig, HangInjector, LinkThrottle, Throttle, die_now,
+                                         raise_now)
 from megatron_ext.resihp.trace import FaultLabel, TraceLayout, TraceRecord
 from megatron_ext.runtime.extension import Extension, IterationMetrics, register_extension
 
@@ -117,6 +118,11 @@ def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], l
                    None)
         lines.append(outcome(f"injected: rank {f.rank}'s NIC at {f.mbps:g} MB/s from iteration {f.since}; ", f.since,
                              hit, f"about {hit.detail.get('mbps')} MB/s" if hit else ""))
+    for f in faults.hang:
+        hit = next((v for v in verdicts if v.launch_rank == f.rank and v.kind in ("hang", "fail_stop")), None)
+        lines.append(f"injected: rank {f.rank} hung at iteration {f.at} ({f.where}); "
+                     + ("no verdict" if hit is None else f"named hung: {hit.detail.get('why')}" if hit.kind == "hang"
+                        else f"named {hit.kind} (by {hit.detector}), not hung"))
     named_by = {"launcher": "the launcher (its exit)", "self": "itself (its exception)", "heartbeat": "heartbeat"}
     for what, rank in ([(f"injected: rank {f.rank} stopped at iteration {f.at}; ", f.rank) for f in faults.stop]
                        + [(f"injected: rank {f.rank} raised {f.kind} error at iteration {f.at}; ", f.rank)
@@ -149,6 +155,8 @@ class ResiHPExtension(Extension):
         self.moe_probe = None
         self.detector_member: int | None = None   # launch rank of the process holding the detector
         self.ring_throttle = None                 # an injected slow NIC on the gradient all-reduce
+        self.hang_injector = None                 # --inject-hang of this rank
+        self.control = None                       # --resihp-control-file (resihp/control.py)
         self._nic_bytes_per_s: float | None = None
 
     # --- setup -----------------------------------------------------------------------------
@@ -161,6 +169,9 @@ class ResiHPExtension(Extension):
             if not joining:  # fault ranks are launch ranks: checked against the world at launch
                 self.faults.check_world(trainer.ctx.world_size)
             trainer.fault_points.append(self._fault_point)
+            hang = [f for f in self.faults.hang if f.rank == trainer.ctx.member]
+            if hang:
+                self.hang_injector = HangInjector(hang[0], model_chunks(trainer), pp=trainer.ctx.layout.pp)
             mine = [f for f in self.faults.slow if f.rank == trainer.ctx.member]
             if mine:
                 self.throttle = Throttle(model_chunks(trainer), mine[0].factor, self.faults.inject_slow_mode)
@@ -354,6 +365,8 @@ class ResiHPExtension(Extension):
         order in the next record and carries its per-device state over
         (``detector._Base._relayout``)."""
         self.iteration_times = []  # another layout: its own times from here
+        if self.hang_injector is not None:
+            self.hang_injector.attach(model_chunks(trainer))
         if self.throttle is not None:
             active = self.throttle.active
             self.throttle = Throttle(model_chunks(trainer), self.throttle.factor, self.faults.inject_slow_mode)
@@ -370,6 +383,8 @@ class ResiHPExtension(Extension):
             self._place_detector(trainer, trace_mode="a")
 
     def _fault_point(self, point: str, iteration: int) -> None:
+        if self.hang_injector is not None:
+            self.hang_injector.fault_point(point, iteration)
         for f in self.faults.stop:
             if f.rank == self.trainer.ctx.member and f.at == iteration and f.point == point:
                 die_now(f.rank, iteration, point)
@@ -389,7 +404,8 @@ class ResiHPExtension(Extension):
             v = Verdict.fail_stop(silence, stage=stage, launch_rank=loss.member)
             v = Verdict(**{**v.to_dict(), "detail": {**v.detail, **detail}})
         else:
-            v = Verdict(kind="fail_stop", rank=loss.member, stage=None, iteration=loss.iteration, factor=None,
+            v = Verdict(kind="hang" if loss.how == "hang" else "fail_stop", rank=loss.member, stage=None,
+                        iteration=loss.iteration, factor=None,
                         confidence=1.0, detector=loss.how, time_s=time.time(), detail=detail)
         self.verdicts.append(v)
         if self.verdict_log is not None:
@@ -435,8 +451,15 @@ class ResiHPExtension(Extension):
         record = self.timeline.record(trainer, metrics.iteration, dst=self.detector_rank)
         probe = self._nic_probe(trainer, metrics.iteration)
         moe = self._moe_tables(trainer)
+        if self.detector is not None and self.cfg.resihp_control_file:
+            from megatron_ext.resihp.control import ControlFile
+
+            self.control = self.control or ControlFile(self.cfg.resihp_control_file)
+            for line in self.control.poll(metrics.iteration, self.detector, self.verdicts):
+                print(f"resihp: {line}", flush=True)
+        on = self.control is None or self.control.detection
         new_verdicts = (self._detect(trainer, metrics, record, moe, probe)
-                        if record is not None and self.detector is not None else [])
+                        if record is not None and self.detector is not None and on else [])
         if self.actor is not None:
             plan = self.actor.observe(trainer, metrics.iteration, new_verdicts, metrics.iter_time_s)
             if plan is not None and self.verdict_log is not None:
@@ -515,6 +538,9 @@ class ResiHPExtension(Extension):
                 print(f"resihp: {line}", flush=True)
         if self.throttle is not None:
             self.throttle.remove()
+        if self.hang_injector is not None:
+            self.hang_injector.remove()
+            self.hang_injector = None
         if self.link_throttle is not None:
             self.link_throttle.remove()
             self.link_throttle = None

@@ -19,6 +19,13 @@ during a fail-slow re-layout). RANK is the rank at launch, also after a fail-sto
 (a ``RuntimeError`` as a failed gloo collective raises, while no rank is lost). The message is the
 same on every rank, so the same error on a second rank is the same signature.
 
+``--inject-hang RANK:ITER:WHERE`` — in iteration ITER rank RANK's training thread stops for good while
+its process lives on (its heartbeat keeps beating), at WHERE: ``collective`` (inside its next
+all-reduce, tensor- or data-parallel, before its part reaches the transport: a device that stops
+returning), ``p2p`` (inside its next pipeline send/receive; PP > 1), ``compute`` (a forward hook of
+its model that never returns) or ``data`` (in the data fetch). What the fault-tolerance core's hang
+watch names (``ft/liveness.py``); its peers block waiting for it.
+
 ``--inject-slow-link A:B:ITER:MBPS`` — from iteration ITER on, every pipeline message between ranks
 A and B (launch ranks, either direction) also crosses a link of MBPS megabytes per second: the
 sender is held ``bytes / (MBPS * 1e6)`` seconds inside megatron-core's p2p call before it posts the
@@ -63,6 +70,15 @@ class StopFault:
 
 
 ERROR_KINDS = ("value", "collective")
+
+HANG_PLACES = ("collective", "p2p", "compute", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class HangFault:
+    rank: int
+    at: int
+    where: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +148,14 @@ def parse_error(spec: str, where: str = "--inject-error") -> ErrorFault:
     return fault
 
 
+def parse_hang(spec: str, where: str = "--inject-hang") -> HangFault:
+    fault = HangFault(*_fields(spec, where, (int, int, str), "RANK:ITER:WHERE, e.g. 2:14:compute"))
+    if fault.rank < 0 or fault.at < 1:
+        raise ConfigError(f"{where} {spec!r}: need RANK >= 0 and ITER >= 1")
+    _one_of(where, spec, "WHERE", fault.where, HANG_PLACES)
+    return fault
+
+
 def parse_slow_link(spec: str, where: str = "--inject-slow-link") -> SlowLinkFault:
     fault = SlowLinkFault(*_fields(spec, where, (int, int, int, float), "A:B:ITER:MBPS (two ranks, the first "
                                    "iteration, megabytes per second), e.g. 0:2:20:1"))
@@ -174,6 +198,10 @@ class FaultInjectionConfig:
                                          "start of ITER: value (a ValueError, an ordinary bug) or collective (a "
                                          "RuntimeError as a failed gloo collective raises, no rank lost) "
                                          "(repeatable; for testing the exception policy).", None)
+    inject_hang: list[str] | None = doc("RANK:ITER:WHERE — RANK's (launch rank) training thread stops for good in "
+                                        "ITER while its process lives: inside its next all-reduce (collective), "
+                                        "pipeline send/receive (p2p), a forward (compute) or the data fetch (data) "
+                                        "(repeatable; for testing the hang watch, --ft-hang-timeout-s).", None)
     inject_slow_link: list[str] | None = doc("A:B:ITER:MBPS — from ITER on, pipeline messages between ranks A and B "
                                              "(launch ranks) also cross a link of MBPS megabytes/s: the sender is "
                                              "held bytes/MBPS before it sends (megatron engine; repeatable).", None)
@@ -189,6 +217,7 @@ class FaultInjectionConfig:
         self.slow = [parse_slow(s) for s in self.inject_slow or []]
         self.stop = [parse_stop(s) for s in self.inject_stop or []]
         self.error = [parse_error(s) for s in self.inject_error or []]
+        self.hang = [parse_hang(s) for s in self.inject_hang or []]
         self.slow_link = [parse_slow_link(s) for s in self.inject_slow_link or []]
         self.slow_nic = [parse_slow_nic(s) for s in self.inject_slow_nic or []]
         ranks = [f.rank for f in self.slow]
@@ -207,6 +236,7 @@ class FaultInjectionConfig:
         for flag, specs, faults in (("--inject-slow", self.inject_slow, self.slow),
                                     ("--inject-stop", self.inject_stop, self.stop),
                                     ("--inject-error", self.inject_error, self.error),
+                                    ("--inject-hang", self.inject_hang, self.hang),
                                     ("--inject-slow-nic", self.inject_slow_nic, self.slow_nic)):
             for spec, f in zip(specs or [], faults):
                 if f.rank >= world_size:
@@ -219,7 +249,7 @@ class FaultInjectionConfig:
 
     @property
     def any(self) -> bool:
-        return bool(self.slow or self.stop or self.error or self.slow_link or self.slow_nic)
+        return bool(self.slow or self.stop or self.error or self.hang or self.slow_link or self.slow_nic)
 
 
 def burn(seconds: float, *, size: int = 96) -> None:
@@ -401,3 +431,85 @@ def raise_now(fault: ErrorFault) -> None:
         raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer (injected: a collective failing "
                            "while no rank is lost)")
     raise ValueError("injected error")
+
+
+def hang_forever(fault: HangFault) -> None:
+    """The injected hang: a message, then this thread never returns (the process and its other
+    threads live on)."""
+    print(f"[fault injection] rank {fault.rank}: hanging at iteration {fault.at} ({fault.where}); the process stays "
+          "alive", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(1.0)
+
+
+class HangInjector:
+    """``--inject-hang``: from the start of the fault's iteration, the next call at its place never
+    returns. ``collective``: ``torch.distributed.all_reduce`` wrapped (megatron's tensor- and
+    data-parallel reductions call it through the module); ``p2p``: megatron-core's p2p functions
+    wrapped (as ``LinkThrottle``); ``compute``: a forward hook on this rank's model chunks
+    (``attach`` after a re-layout); ``data``: the loop's ``data`` fault point."""
+
+    def __init__(self, fault: HangFault, chunks: list[torch.nn.Module], *, pp: int) -> None:
+        self.fault, self.armed = fault, False
+        self._undo: list[Callable[[], None]] = []
+        self._hooks: list[Any] = []
+        if fault.where == "p2p" and pp < 2:
+            raise ConfigError(f"--inject-hang {fault.rank}:{fault.at}:p2p needs pipeline stages "
+                              f"(--pipeline-model-parallel-size > 1), got {pp}")
+        if fault.where == "collective":
+            import torch.distributed as dist
+
+            original = dist.all_reduce
+
+            def all_reduce(*args, **kwargs):
+                if self.armed:
+                    hang_forever(self.fault)
+                return original(*args, **kwargs)
+
+            dist.all_reduce = all_reduce
+            self._undo.append(lambda: setattr(dist, "all_reduce", original))
+        elif fault.where == "p2p":
+            import importlib
+
+            from megatron_ext.pipeline.megatron_hooks import P2P
+
+            module = importlib.import_module(P2P)
+            for name in LinkThrottle.FUNCTIONS:
+                fn = getattr(module, name)
+
+                def wrapped(*args, _fn=fn, **kwargs):
+                    if self.armed:
+                        hang_forever(self.fault)
+                    return _fn(*args, **kwargs)
+
+                setattr(module, name, wrapped)
+                self._undo.append(lambda n=name, f=fn: setattr(module, n, f))
+        self.attach(chunks)
+
+    def attach(self, chunks: list[torch.nn.Module]) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.fault.where == "compute":
+            def forward_hook(module, args, output):
+                if self.armed:
+                    hang_forever(self.fault)
+                return output
+
+            self._hooks = [c.register_forward_hook(forward_hook) for c in chunks]
+
+    def fault_point(self, point: str, iteration: int) -> None:
+        if iteration != self.fault.at:
+            return
+        if point == "start":
+            self.armed = True
+        if point == "data" and self.fault.where == "data":
+            hang_forever(self.fault)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []

@@ -140,7 +140,7 @@ class PlanPolicy:
                 if self.speeds[r] > 0 and speed != self.speeds[r]:
                     self.speeds[r] = speed
                     changed.append(f"rank {r} x{v.factor:.2f}")
-            elif v.kind == "fail_stop":
+            elif v.kind in ("fail_stop", "hang"):  # a hung device is terminated: gone as a stopped one
                 self._recovering.pop(r, None)
                 if self.speeds[r] != 0:
                     self.speeds[r] = 0.0

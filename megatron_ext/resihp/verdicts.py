@@ -13,7 +13,7 @@ from megatron_ext.resihp.jsonl import JsonLinesWriter
 
 logger = logging.getLogger(__name__)
 
-VERDICT_KINDS = ("fail_slow", "fail_stop", "recovered", "slow_link", "link_recovered", "slow_nic", "nic_recovered")
+VERDICT_KINDS = ("fail_slow", "fail_stop", "hang", "recovered", "slow_link", "link_recovered", "slow_nic", "nic_recovered")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,6 +118,8 @@ class Verdict:
             what = "NIC recovered"
         elif self.kind == "fail_stop":
             what = "fail-stop (heartbeat lost)"
+        elif self.kind == "hang":
+            what = f"hung ({self.detail.get('why', 'no progress')})"
         else:
             what = "recovered"
         return (f"{detector_prefix(self.detector)} iteration {self.iteration}: {where} {what}, "

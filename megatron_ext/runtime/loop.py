@@ -8,6 +8,7 @@ three points: the start of a step, the commit vote before the update, and a fail
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -26,6 +27,7 @@ from megatron_ext.ft.errors import JobFailed, RankEnded, RestartNeeded
 from megatron_ext.ft.target import KNOBS, LayoutTarget, check
 from megatron_ext.runtime import checkpoint as ckpt
 from megatron_ext.runtime import distributed, rundir
+from megatron_ext.runtime import ettr
 from megatron_ext.runtime.distributed import DistContext
 from megatron_ext.runtime.exits import ExitWatch
 from megatron_ext.runtime.extension import Extension, IterationMetrics
@@ -67,6 +69,9 @@ class Trainer:
         ``--exit-interval``): asked after each iteration, the same answer on every rank."""
         # Fault injection points inside an iteration: callables (point, iteration) -> None.
         self.fault_points: list[Callable[[str, int], None]] = []
+        self.microbatch = 0  # the forward's micro-batch within the iteration (progress marks)
+        self.wall = ettr.WallAccount()  # where this process's wall time goes (runtime/ettr.py)
+        self._accounted_s = time.time()  # the wall clock up to which ``wall`` has charged the time
 
     @property
     def relayouts(self) -> list[dict[str, Any]]:
@@ -193,7 +198,18 @@ class Trainer:
         if pending is None:
             return None
         target, reason = pending
-        return self.change_layout(target, reason=reason)
+        with self._charged("pause"):
+            return self.change_layout(target, reason=reason)
+
+    @contextlib.contextmanager
+    def _charged(self, cause: str):
+        """Charge the wall time of the block to ``cause`` (``runtime/ettr.py``)."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self._accounted_s = time.time()
+            self.wall.charge(cause, self._accounted_s - start)
 
     def relayout(self, *, tp: int, pp: int, vpp: int | None = None, stage_layers: list[int] | None = None,
                  replica_microbatches: list[int] | None = None, rank_order: list[int] | None = None) -> dict[str, Any]:
@@ -319,7 +335,15 @@ class Trainer:
         return self.ctx.layout.name
 
     # --- one iteration ---------------------------------------------------------------------
+    def mark_progress(self, point: str, iteration: int | None = None, *, long: bool = False) -> None:
+        """The training thread got to ``point``: the fault-tolerance core's hang watch
+        (``ft/liveness.py``, ``Progress``) names a rank without progress as hung. A clock read."""
+        if self.ft is not None:
+            self.ft.progress.mark(point, iteration, long=long)
+
     def _forward_step(self, data_iterator, model):
+        self.microbatch += 1
+        self.mark_progress(f"the forward of micro-batch {self.microbatch}")
         batch = next(data_iterator)
         dev = self.ctx.device
         tokens = batch["tokens"].to(dev, non_blocking=True)
@@ -399,16 +423,21 @@ class Trainer:
 
     def train_step(self) -> IterationMetrics:
         it = self.iteration + 1
+        self._accounted_s = time.time()  # what came before (logging, hooks) is the account's "other"
         # What a failure in the middle needs to settle this iteration (``FaultTolerance.settle``).
         self.step_record = (self.ft.start_step(self) if self.ft is not None
                             else StepRecord(iteration=it, consumed_samples=self.train_stream.consumed_samples))
+        self.mark_progress("the iteration's start", it)
         for ext in self.extensions:
             ext.before_iteration(self, it)
         self.step_timers = {}
         start = time.perf_counter()
         # --rampup-batch-size: this iteration's global batch, from the data position it starts at.
         batch = self.train_stream.global_batch = self.cfg.training.global_batch_at(self.train_stream.consumed_samples)
+        self.mark_progress("the data fetch")
+        self.fault_point("data")
         batches = self.train_stream.next_iteration()
+        self.microbatch = 0
         self.last_batches = batches
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
         losses, applied, grad_norm = self._train_batches(batches)
@@ -428,6 +457,8 @@ class Trainer:
             num_zeros_in_grad=getattr(self, "num_zeros_in_grad", None))
         for ext in self.extensions:
             ext.after_iteration(self, metrics)
+        if self.ft is not None:
+            self.ft.progress.iteration_done(elapsed)
         return metrics
 
     def params_norm(self) -> float:
@@ -459,6 +490,7 @@ class Trainer:
     def commit_update(self) -> None:
         """Right before this rank's optimizer update: no rank updates before every rank is ready
         to (``ft/ledger.py``); raises ``RankLost`` when the iteration is abandoned."""
+        self.mark_progress("the commit vote")
         self.fault_point("step")
         if self.ft is not None:
             self.ft.vote(self.step_record.iteration)
@@ -468,6 +500,7 @@ class Trainer:
 
     def _optimizer_step(self) -> tuple[bool, float | None]:
         self.commit_update()
+        self.mark_progress("the optimizer step")
         out = self.optimizer.step()
         self.update_applied()
         # megatron's optimizers (and CPUOptimizer) return (applied, grad norm, zeros in the gradient)
@@ -481,6 +514,10 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.valid_stream is None:
             return None
+        with self._charged("evaluation"):
+            return self._evaluate()
+
+    def _evaluate(self) -> float | None:
         self.model.eval()
         losses = []
         with torch.no_grad(), self.housekeeping.validation():
@@ -498,14 +535,22 @@ class Trainer:
         return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vpp": self.ctx.vpp or 1}
 
     def save_checkpoint(self) -> str:
+        with self._charged("checkpoint"):
+            return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> str:
+        # The run's time account so far travels with it: a later launch resumed from it reports the whole run.
         state = ckpt.TrainState(iteration=self.iteration, consumed_samples=self.train_stream.consumed_samples,
-                                scheduler=self.scheduler.state_dict())
+                                scheduler=self.scheduler.state_dict(),
+                                extra={"ettr": self.wall.to_state(self.iteration)})
         self.saving = True  # a fail-stop during the save saves again after the survivors regroup
+        self.mark_progress("a checkpoint save", long=True)  # as long as a collective may take
         path = ckpt.save(self.cfg.checkpoint.save, model=self.model, optimizer=self.optimizer, state=state,
                          config=self.cfg.flat(), layout=self.layout_dict(), keep_last=self.cfg.checkpoint.keep_last,
                          on_written=lambda: self.fault_point("save"), ckpt_format=self.cfg.checkpoint.ckpt_format,
                          samples_per_step=self.samples_per_scheduler_step())
         self.saving = False
+        self.mark_progress("the checkpoint saved")
         return path
 
     def samples_per_scheduler_step(self) -> int:
@@ -559,6 +604,8 @@ class Trainer:
             return
         self.iteration = state.iteration
         self.train_stream.consumed_samples = state.consumed_samples
+        if path == self.cfg.checkpoint.load:  # a later launch of the same run (not a fail-stop rollback)
+            self.wall.resume(state.extra.get("ettr"))
         if load_optim and state.scheduler:
             self._warn_schedule_change(state.scheduler)
             self.scheduler.load_state_dict(state.scheduler)
@@ -606,6 +653,8 @@ class Trainer:
         t, lg, ck = cfg.training, cfg.logging, cfg.checkpoint
         times: list[float] = []
         finished = ending = False
+        self._accounted_s = time.time()
+        self.wall.charge("setup", self._accounted_s - self.wall.start_s)
         self.housekeeping.start()
         try:
             if self.ft is not None and self.ft.is_spare and not self.ft.wait_as_spare(self):
@@ -618,8 +667,14 @@ class Trainer:
                 except Exception as exc:
                     if self.ft is None:
                         raise
-                    if not self.ft.on_failure(self, exc):
-                        return self.history  # left out, then the job finished while this rank waited
+                    failed = time.time()
+                    self.wall.charge("detection", failed - self._accounted_s)
+                    try:
+                        if not self.ft.on_failure(self, exc):
+                            return self.history  # left out, then the job finished while this rank waited
+                    finally:
+                        self._accounted_s = time.time()
+                        self.wall.charge("pause", self._accounted_s - failed)
                     times.clear()
             if leave is None and lg.eval_iters > 0:
                 self._log_eval(self.evaluate(), final=True)
@@ -629,6 +684,7 @@ class Trainer:
                 logger.info("exiting after iteration %d of %d (%s)%s", self.iteration, t.train_iters, leave,
                             f"; resume with --load {ck.save}" if ck.save else " without a checkpoint (no --save)")
             finished = True
+            self._report_wall_time()
         except (RankEnded, JobFailed, RestartNeeded):
             # This process ends at once (the entry point exits without teardown): no extension may
             # wait on a collective with the others or report a run this rank no longer takes part in.
@@ -644,6 +700,14 @@ class Trainer:
                     ext.teardown(self)
             self.close_outputs(finish=True)
         return self.history
+
+    def _report_wall_time(self) -> None:
+        """The run's time account (``runtime/ettr.py``): one line and one metrics row, by the logging rank."""
+        if not self.ctx.is_logging_rank:
+            return
+        summary = self.wall.summary()
+        print(f" {ettr.describe(summary)}", flush=True)
+        self.log.record("ettr", {"iteration": self.iteration, **summary}, history=False)
 
     def _exit_reason(self) -> str | None:
         """Why every rank leaves after this iteration (``runtime/exits.py``), or None."""
@@ -664,6 +728,8 @@ class Trainer:
         checkpoint)."""
         t, lg, ck = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
         m = self.train_step()
+        self.wall.iteration(m.iteration, m.iter_time_s)
+        self._accounted_s = time.time()
         self.housekeeping.after_iteration(self.iteration)
         times.append(m.iter_time_s)
         recent = times[-20:]

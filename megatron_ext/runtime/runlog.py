@@ -190,9 +190,13 @@ class RunLog:
             rundir.truncate_metrics(self.cfg.metrics_file, iteration, kinds=("train", "valid"))
 
     # --- rows -------------------------------------------------------------------------------
-    def record(self, kind: str, payload: dict[str, Any]) -> None:
+    def record(self, kind: str, payload: dict[str, Any], *, history: bool = True) -> None:
+        """One metrics row; ``history`` False: the metrics file only (a summary after the last
+        iteration, which a caller reading the returned history's last row as an iteration's must not
+        meet)."""
         row = {"kind": kind, **payload}
-        self.history.append(row)
+        if history:
+            self.history.append(row)
         if kind == "layout_change":
             # Another change before this one settled: only the newest is reported.
             self._unsettled = [(row, self._last_change)]

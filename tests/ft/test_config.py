@@ -46,6 +46,11 @@ def test_both_names_at_once_is_one_error():
     ({"ft_continue_timeout_s": 5.0}, "--ft-continue-timeout-s (5.0) must exceed --ft-heartbeat-timeout-s (10.0)"),
     ({"ft_heartbeat_interval_s": 0.0}, "--ft-heartbeat-interval-s must be > 0, got 0.0"),
     ({"ft_respawn": -1}, "--ft-respawn must be >= 0, got -1"),
+    ({"ft_hang_timeout_s": -1.0}, "--ft-hang-timeout-s must be >= 0 (0: derived), got -1.0"),
+    ({"ft_grace_s": 0.0}, "--ft-grace-s must be > 0, got 0.0"),
+    ({"ft_on_stop": "continue", "ft_hang_timeout_s": 120.0},
+     "--ft-hang-timeout-s (120) must be below --ft-continue-timeout-s (120): the survivors' collectives with a hung "
+     "rank would time out before it is named"),
 ])
 def test_bad_values_are_named(values, message):
     with pytest.raises(ConfigError) as err:

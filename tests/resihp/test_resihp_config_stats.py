@@ -18,7 +18,7 @@ def test_flag_list_is_pinned():
         "resihp_calibration_window", "resihp_refit_every", "resihp_rank_bias_max", "resihp_common_mode",
         "resihp_noise_floor",
         "resihp_p2p_latency_s", "resihp_links", "resihp_link_floor_ms", "resihp_nic_probe_interval", "resihp_nic_probe_kb",
-        "resihp_trace_out", "resihp_verdicts_out", "resihp_act", "resihp_act_reshape",
+        "resihp_trace_out", "resihp_verdicts_out", "resihp_control_file", "resihp_act", "resihp_act_reshape",
         "resihp_act_min_gain",
         "resihp_act_horizon"]
 
