@@ -37,6 +37,7 @@ LAUNCHED: dict[str, list[str]] = {
     "bench_parallel": ["pretrain_gpt.py"],
     "bench_relayout": ["pretrain_gpt.py", "tools/relayout_live_worker.py"],
     "bench_squeezer": ["pretrain_gpt.py", "configs/squeeze_tiny.yaml"],
+    "chaos": ["pretrain_gpt.py"],
     "gpu_check": ["pretrain_gpt.py"],
 }
 # Data a module reads by path (package data included), counted for every benchmark that loads it.
@@ -45,9 +46,9 @@ READS: dict[str, list[str]] = {
     "megatron_ext/resilience/validate.py": ["tests/resihp/data", "tests/resilience/data",
                                             "docs/figures/resihp_relayout"],
 }
-KEEPS_FIGURES = ("gpu_check",)
+KEEPS_FIGURES = ("gpu_check", "chaos")
 """Tools other than ``tools/bench_*.py`` whose figures are kept (``gpu_check --record`` writes to
-docs/figures/gpu/)."""
+docs/figures/gpu/; the chaos soak, ``tools/chaos.py``, to docs/figures/chaos/)."""
 
 UNVERSIONED = "UNVERSIONED.md"
 SUPERSEDED = "superseded"

@@ -718,7 +718,9 @@ class FaultTolerance:
         incarnations = {**{m: expected.get(m, 0) for m in survivors}, **spares}
         rolled = [i.get("rolled_back") for m, i in joined.items() if m in survivors and i.get("rolled_back")]
         lay = trainer.ctx.layout
+        wall = getattr(trainer, "wall", None)
         return {"target": target.to_dict(), "cause": cause, "plan": plan,
+                "wall": wall.export() if wall is not None and spares else None,  # the job's time account
                 "old_members": list(self.members), "old_tp": lay.tp, "old_pp": lay.pp,
                 "old_name": trainer.layout_name(),
                 "iteration": base["iteration"], "consumed_samples": base["consumed_samples"],
@@ -769,6 +771,8 @@ class FaultTolerance:
             raise SecondFault(f"rank(s) {sorted(gone())} lost before round {r} began")
         self.phase = "changing"
         self.members = {m: incarnations[m] for m in target.members}
+        if held is None and decision.get("wall") and getattr(trainer, "wall", None) is not None:
+            trainer.wall.adopt(decision["wall"])  # a process joining the job takes the job's time account
         try:
             apply(trainer, change, held, liveness=self)
         except (RestartNeeded, JobFailed):
@@ -811,8 +815,8 @@ class FaultTolerance:
             self.heartbeat.stop()
             self.heartbeat = None
         trainer.drop_model()
-        ms.register_spare(self.base, self.member, self.incarnation, kind=kind)
-        last = self.round
+        stale = ms.register_spare(self.base, self.member, self.incarnation, kind=kind)
+        last = max(self.round, stale)
         while True:
             r = ms.wait_for_invite(self.base, self.member, after_round=last,
                                    give_up=lambda: ms.is_done(self.base) or ms.job_end(self.base) is not None)

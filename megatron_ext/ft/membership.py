@@ -214,15 +214,19 @@ def is_done(base: Any) -> bool:
 
 # --- spares -------------------------------------------------------------------------------------
 
-def register_spare(base: Any, member: int, incarnation: int, *, kind: str) -> None:
+def register_spare(base: Any, member: int, incarnation: int, *, kind: str) -> int:
     """This process waits for a place. ``kind``: "respawn" (a new process: it may be worth growing
-    the job for it) or "idle" (left out of a layout; invited when a loss or a growth needs it)."""
+    the job for it) or "idle" (left out of a layout; invited when a loss or a growth needs it).
+    Returns the round of the last invite this member had (0: none): an invite of an earlier process of
+    the same member (a rank lost, respawned, taken in and lost again) is not this one's to take."""
     keys = store_lib.job_keys(base, "spares")
+    stale = int(keys.get(f"invite/{member}")) if keys.check([f"invite/{member}"]) else 0
     keys.set(f"state/{member}", json.dumps({"incarnation": incarnation, "kind": kind, "state": "waiting"}))
     seq = keys.add("count", 1) - 1
     keys.set(f"seq/{seq}", str(member))
     if kind == "respawn":
         keys.add("arrivals", 1)
+    return stale
 
 
 def arrivals(base: Any) -> int:

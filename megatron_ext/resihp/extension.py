@@ -157,6 +157,7 @@ class ResiHPExtension(Extension):
         self.ring_throttle = None                 # an injected slow NIC on the gradient all-reduce
         self.hang_injector = None                 # --inject-hang of this rank
         self.control = None                       # --resihp-control-file (resihp/control.py)
+        self.joined_after = 0                     # a replacement joined after this iteration (faults before it are not its)
         self._nic_bytes_per_s: float | None = None
 
     # --- setup -----------------------------------------------------------------------------
@@ -169,7 +170,11 @@ class ResiHPExtension(Extension):
             if not joining:  # fault ranks are launch ranks: checked against the world at launch
                 self.faults.check_world(trainer.ctx.world_size)
             trainer.fault_points.append(self._fault_point)
-            hang = [f for f in self.faults.hang if f.rank == trainer.ctx.member]
+            # A replacement (--ft-respawn) meets the faults of its rank from after the iteration it
+            # joins at: one that ran an earlier iteration again (a rollback) does not meet the fault
+            # that ended the process it replaces a second time.
+            self.joined_after = trainer.iteration if joining else 0
+            hang = [f for f in self.faults.hang if f.rank == trainer.ctx.member and f.at > self.joined_after]
             if hang:
                 self.hang_injector = HangInjector(hang[0], model_chunks(trainer), pp=trainer.ctx.layout.pp)
             mine = [f for f in self.faults.slow if f.rank == trainer.ctx.member]
@@ -383,6 +388,8 @@ class ResiHPExtension(Extension):
             self._place_detector(trainer, trace_mode="a")
 
     def _fault_point(self, point: str, iteration: int) -> None:
+        if iteration <= self.joined_after:
+            return
         if self.hang_injector is not None:
             self.hang_injector.fault_point(point, iteration)
         for f in self.faults.stop:

@@ -13,7 +13,9 @@ cleanup, as a lost device or node would), at POINT: ``start`` (default, before t
 ``step`` (gradients reduced, before the optimizer update), ``save`` (inside a checkpoint save that
 iteration, after writing its own files) or ``relayout`` (inside a layout change that starts before
 iteration ITER, once the new process groups exist: a second fault during a regroup, or a loss
-during a fail-slow re-layout). RANK is the rank at launch, also after a fail-stop renumbered the ranks.
+during a fail-slow re-layout). RANK is the rank at launch, also after a fail-stop renumbered the ranks. A replacement started in a lost
+rank's place (``--ft-respawn``) meets that rank's faults from after the iteration it joins at, so
+the fault that ended the process it replaces is not met a second time after a rollback.
 ``--inject-error RANK:ITER[:KIND]`` — at the start of iteration ITER rank RANK raises an exception:
 ``value`` (default; ``ValueError("injected error")``, an ordinary bug in one rank) or ``collective``
 (a ``RuntimeError`` as a failed gloo collective raises, while no rank is lost). The message is the

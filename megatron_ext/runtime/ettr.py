@@ -88,6 +88,31 @@ class WallAccount:
         seconds["redone"] += later
         return {"saved_at_s": self.clock(), "wall_s": s["wall_s"], "seconds": seconds}
 
+    KEEP = 1000
+    """Iterations an exported account names one by one (older ones count as one productive total)."""
+
+    def export(self) -> dict[str, Any]:
+        """The account for a process that joins the job (a replacement takes the job's account, not
+        its own process's): JSON."""
+        recent = sorted(self.iterations)[-self.KEEP:]
+        older = sum(t for i, t in self.iterations.items() if i not in set(recent))
+        return {"start_s": self.start_s, "spent": dict(self.spent), "carried": dict(self.carried),
+                "carried_wall_s": self.carried_wall_s, "older_productive_s": older,
+                "iterations": {str(i): self.iterations[i] for i in recent}}
+
+    def adopt(self, account: dict[str, Any] | None) -> None:
+        """Take the job's account (``export`` of a member) in place of this process's own."""
+        if not account:
+            return
+        self.start_s = float(account["start_s"])
+        self.spent = {c: float(account["spent"].get(c, 0.0)) for c in self.spent}
+        self.carried = {c: float(v) for c, v in account.get("carried", {}).items()}
+        self.carried_wall_s = float(account.get("carried_wall_s", 0.0))
+        self.iterations = {int(i): float(t) for i, t in account["iterations"].items()}
+        older = float(account.get("older_productive_s", 0.0))
+        if older:
+            self.carried["productive"] = self.carried.get("productive", 0.0) + older
+
     def resume(self, state: dict[str, Any] | None) -> None:
         """This launch resumes from a checkpoint whose account is ``state``: carry it, and count the
         time from that save to this process's start as a restart."""

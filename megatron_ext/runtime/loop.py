@@ -539,10 +539,13 @@ class Trainer:
             return self._save_checkpoint()
 
     def _save_checkpoint(self) -> str:
-        # The run's time account so far travels with it: a later launch resumed from it reports the whole run.
+        # The run's time account so far travels with it: a later launch resumed from it reports the
+        # whole run. Rank 0's, on every rank: the checkpoint's common state is the same everywhere.
+        account = [self.wall.to_state(self.iteration)]
+        if dist.is_initialized() and self.ctx.world_size > 1:
+            dist.broadcast_object_list(account, src=0)
         state = ckpt.TrainState(iteration=self.iteration, consumed_samples=self.train_stream.consumed_samples,
-                                scheduler=self.scheduler.state_dict(),
-                                extra={"ettr": self.wall.to_state(self.iteration)})
+                                scheduler=self.scheduler.state_dict(), extra={"ettr": account[0]})
         self.saving = True  # a fail-stop during the save saves again after the survivors regroup
         self.mark_progress("a checkpoint save", long=True)  # as long as a collective may take
         path = ckpt.save(self.cfg.checkpoint.save, model=self.model, optimizer=self.optimizer, state=state,

@@ -152,6 +152,13 @@ def test_a_vote_commits_and_says_when_a_replacement_arrived(store):
     assert ms.waiting_spares(base) == {1: 0, 3: 1}
     ms.report_exit(base, 3, 1, code=-9, reason="killed by signal 9", by="launcher")
     assert ms.waiting_spares(base) == {1: 0}, "a spare that died is no spare"
+    # Rank 3's first replacement was invited into round 4 and lost later; the next one it is replaced
+    # with must not take round 4's (long past) invitation for its own.
+    ms.invite(base, 3, 4)
+    assert ms.register_spare(base, 3, 2, kind="respawn") == 4
+    assert ms.wait_for_invite(base, 3, after_round=4, poll_s=0.0, give_up=lambda: True) is None
+    ms.invite(base, 3, 7)
+    assert ms.wait_for_invite(base, 3, after_round=4, poll_s=0.0, give_up=lambda: True) == 7
 
 
 def test_exit_reports_name_each_process_once_and_the_first_report_wins(store):

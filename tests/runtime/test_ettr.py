@@ -63,3 +63,20 @@ def test_a_later_launch_carries_the_account_and_counts_the_gap_as_a_restart():
     second.resume({"seconds": "garbled"})      # an account this version cannot read changes nothing
     assert second.summary()["seconds"]["restarts"] == 88.0
     assert set(s["seconds"]) == set(CAUSES)
+
+
+def test_a_process_joining_the_job_takes_the_jobs_account():
+    clock = Clock(200.0)
+    job = WallAccount(start_s=100.0, clock=clock)
+    job.charge("setup", 5.0)
+    for it in range(1, 1006):
+        job.iteration(it, 0.05)
+    exported = job.export()
+    assert len(exported["iterations"]) == WallAccount.KEEP   # older iterations travel as one total
+    replacement = WallAccount(start_s=190.0, clock=clock)     # its own process started later
+    replacement.adopt(exported)
+    replacement.iteration(1005, 0.07)                         # a rollback redoes the job's last iteration
+    s, j = replacement.summary(), job.summary()
+    assert s["wall_s"] == j["wall_s"] == 100.0 and s["seconds"]["setup"] == 5.0
+    assert s["seconds"]["productive"] == pytest.approx(j["seconds"]["productive"] + 0.02)
+    assert s["seconds"]["redone"] == pytest.approx(0.05)
