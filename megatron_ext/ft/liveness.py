@@ -22,7 +22,8 @@ collective with a hung peer is that peer's victim, not hung itself), is **hung**
 last progress point, how long, and where its stack is). The timeout is ``--ft-hang-timeout-s``, or
 derived: ``HANG_FACTOR`` times the median of the recent iteration times, at least
 ``HANG_FLOOR_S``, so a slow rank (fail-slow, ResiHP's) is never called hung; it is armed once
-``ARM_AFTER`` iterations ran since the layout was built (the first ones compile and warm up).
+``ARM_AFTER`` iterations ran since the layout was built (the first ones compile and warm up), and
+before that only the cap applies where there is one (under ``--ft-on-stop continue``).
 """
 from __future__ import annotations
 
@@ -281,9 +282,13 @@ class Progress:
         self.at = self.clock()
 
     def timeout(self) -> float | None:
-        """The hang timeout now; None while not armed."""
-        if self.paused or self.iterations_since_arm < ARM_AFTER:
+        """The hang timeout now; None while not armed. Before ``ARM_AFTER`` iterations of a layout
+        (a compile, a warm-up) the cap alone, where there is one: under ``continue`` the survivors'
+        collectives with a rank hung in its first iterations would time out first."""
+        if self.paused:
             return None
+        if self.iterations_since_arm < ARM_AFTER:
+            return None if self.cap_s is None else max(self.cap_s, self.timeout_s)
         if self.timeout_s > 0:
             t = self.timeout_s
         else:

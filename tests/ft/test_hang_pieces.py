@@ -77,6 +77,7 @@ def test_the_timeout_is_derived_from_the_iteration_times_with_a_floor_and_armed_
     p.rearm()                                          # a new layout warms up again
     assert p.timeout() is None
     capped = Progress(clock=clock, cap_s=45.0)
+    assert capped.timeout() == 45.0                    # warming up under continue: the cap alone
     for _ in range(3):
         capped.iteration_done(30.0)
     assert capped.timeout() == 45.0                    # under continue: below the collectives' timeout
