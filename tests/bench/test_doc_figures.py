@@ -32,7 +32,7 @@ def test_every_quote_of_a_stale_figure_in_the_docs_is_marked_and_the_report_prin
 def test_every_benchmark_has_a_derived_file_list_and_every_path_exists():
     benches = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "tools", "bench_*.py")))
     files = derive_bench_files(ROOT)
-    assert sorted(files) == sorted([*benches, "gpu_check"])   # gpu_check --record keeps figures too
+    assert sorted(files) == sorted([*benches, "gpu_check", "chaos"])   # gpu_check --record and the soak keep figures too
     for bench, paths in files.items():
         assert f"tools/{bench}.py" in paths
         for p in paths:
@@ -52,7 +52,7 @@ def test_the_derived_lists_hold_what_the_hand_kept_one_missed():
         assert under("bench_cluster", prefix), prefix
     # a bench that launches pretrain_gpt.py runs every extension setup.py registers
     extensions = [m.replace(".", "/") for m in entry_points(ROOT)["megatron_ext.extensions"]]
-    for bench in ("bench_parallel", "bench_relayout", "bench_squeezer", "bench_detector", "gpu_check"):
+    for bench in ("bench_parallel", "bench_relayout", "bench_squeezer", "bench_detector", "gpu_check", "chaos"):
         assert "pretrain_gpt.py" in files[bench]
         for ext in extensions:
             assert under(bench, ext + ".py") or under(bench, ext + "/__init__.py"), (bench, ext)
