@@ -79,8 +79,9 @@ class ControlFile:
             cfg.resihp_threshold, cfg.resihp_window = threshold, window
             if hasattr(detector, "_persistence") and getattr(detector, "persist", None) is not None:
                 detector.persist = detector._persistence()  # the new levels, each rank's history from here
-            lines.append(f"{where}: threshold {before[0]:g} -> {threshold:g}, window {before[1]} -> {window} "
-                         "(each rank's persistence starts again)")
+            changed = ([f"threshold {before[0]:g} -> {threshold:g}"] if threshold != before[0] else []) + (
+                [f"window {before[1]} -> {window}"] if window != before[1] else [])
+            lines.append(f"{where}: {', '.join(changed)} (each rank's persistence starts again)")
         if "status" in data and data["status"] != self._status:
             self._status = data["status"]
             out = status_path(self.path)

@@ -34,10 +34,14 @@ def test_the_file_turns_detection_off_and_on_changes_the_levels_and_writes_the_s
         f"control file {path} at iteration 9: fail-slow detection on",
         f"control file {path} at iteration 9: threshold 1.25 -> 2, window 8 -> 3 (each rank's persistence starts again)"]
     assert (d.cfg.resihp_threshold, d.cfg.resihp_window, d.persist) == (2.0, 3, ("new", 2.0, 3))
+    write(path, {"detection": True, "threshold": 2.5, "window": 3}, 4)
+    assert c.poll(10, d, []) == [f"control file {path} at iteration 10: threshold 2 -> 2.5 (each rank's persistence "
+                                 "starts again)"]                           # only what changed is named
     v = Verdict(kind="fail_slow", rank=2, stage=1, iteration=8, factor=2.5, confidence=0.9, detector="resihp",
                 time_s=0.0)
-    write(path, {"detection": True, "threshold": 2.0, "window": 3, "status": 1}, 3)
-    (line,) = c.poll(12, d, [v])
+    write(path, {"detection": True, "threshold": 2.0, "window": 3, "status": 1}, 5)
+    changed, line = c.poll(12, d, [v])
+    assert changed.endswith("threshold 2.5 -> 2 (each rank's persistence starts again)")
     assert line == f"control file {path} at iteration 12: status written to {status_path(str(path))} (1 verdict(s))"
     status = json.loads(open(status_path(str(path))).read())
     assert (status["iteration"], status["detection"], status["threshold"], status["window"], status["request"]) == (
