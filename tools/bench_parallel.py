@@ -187,7 +187,7 @@ def single_rank_curve(iters: int, tmp: str) -> list[float]:
     for k, v in BASE.items():
         args += [f"--{k.replace('_', '-')}", str(v).lower() if isinstance(v, bool) else str(v)]
     subprocess.run(args, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    return [json.loads(line)["loss"] for line in open(metrics, encoding="utf-8")]
+    return [r["loss"] for r in map(json.loads, open(metrics, encoding="utf-8")) if r["kind"] == "train"]
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
                "--progress", "false",
                "--global-batch-size", "8", "--micro-batch-size", "2", "--lr-decay-style", "constant",
                "--lr", "2e-3", "--split", "949,50,1", "--metrics-file", str(single))
-    results["single"] = [json.loads(line)["loss"] for line in single.read_text().splitlines()]
+    results["single"] = [r["loss"] for r in map(json.loads, single.read_text().splitlines()) if r["kind"] == "train"]
     records = {}
     for name in [*TIMELINES, "ds_tp2pp2"]:
         with open(out / f"{name}.pkl", "rb") as fh:

@@ -22,7 +22,7 @@ def launch(tmp_path_factory):
 @pytest.fixture(scope="module")
 def curves(launch):
     out, _ = launch
-    return {name: [json.loads(line)["loss"] for line in (out / f"{name}.jsonl").read_text().splitlines()]
+    return {name: [r["loss"] for r in map(json.loads, (out / f"{name}.jsonl").read_text().splitlines()) if r["kind"] == "train"]
             for name in ("eager", "helix_tiled", "helix")}
 
 
