@@ -22,7 +22,8 @@ The soak passes when every fault got its verdict, no fault lost more iterations 
 states (0, but a stage with no copy goes back to its checkpoint, and a corrupt checkpoint to the one
 before it), the job finished, and its loss curve equals a straight single-rank run's within 1e-5 or
 within 3x the same job's without faults (the global batch is kept throughout; over a soak's length
-float reduction order in the 4-rank layouts alone exceeds 1e-5, and both figures are reported). ETTR comes from the last launch's account (``runtime/ettr.py``),
+float reduction order in the 4-rank layouts alone exceeds 1e-5, and both figures are reported).
+ETTR comes from the last launch's account (``runtime/ettr.py``),
 which carries the earlier launches'.
 """
 from __future__ import annotations
@@ -34,6 +35,8 @@ import os
 import random
 import shutil
 import signal
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -222,12 +225,13 @@ def soak(seed: int, faults: int, out: str, *, log=print) -> dict:
             flag, *values = f.flags() or [None]
             if flag:
                 grouped.setdefault(flag, []).extend(values)
-        argv = [*base, *[x for flag, values in grouped.items() for x in (flag, *values)]]
+        flags = [x for flag, values in grouped.items() for x in (flag, *values)]
+        argv = [*base, *flags]
+        log(f"chaos: launch {k + 1} of {n_launches}: {' '.join(flags) or 'no fault'}"
+            + (f"; SIGTERM at iteration {requeue.at}" if requeue else ""))
         done = threading.Event()
         if requeue is not None:
             signal_at(metrics, requeue.at, done)
-        log(f"chaos: launch {k + 1} of {n_launches}: {' '.join(' '.join(f.flags()) or f.kind for f in mine) or 'no fault'}"
-            + (f"; SIGTERM at iteration {requeue.at}" if requeue else ""))
         ranks = launch_ranks(argv, 4, cwd=ROOT, timeout_s=900, respawn=respawn, grace_s=10.0)
         done.set()
         launches.append({"codes": [r.incarnations for r in ranks], "job": job_exit_code(ranks)})
@@ -241,10 +245,8 @@ def soak(seed: int, faults: int, out: str, *, log=print) -> dict:
         if launches[-1]["job"] != 0:
             break
     wall = time.monotonic() - t0
-    score(plan, metrics, verdicts, logs, save)
+    score(plan, metrics, verdicts, logs)
     straight = os.path.join(out, "straight.jsonl")
-    import subprocess
-
     subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, "--train-iters", str(iters),
                     "--metrics-file", straight], cwd=ROOT, capture_output=True, check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
@@ -275,7 +277,7 @@ def max_rel(live: dict[int, float], ref: dict[int, float]) -> float | None:
     return max((abs(live[i] - ref[i]) / abs(ref[i]) for i in common), default=None)
 
 
-def score(plan: list[Fault], metrics: str, verdicts: str, logs: list[str], save: str) -> None:
+def score(plan: list[Fault], metrics: str, verdicts: str, logs: list[str]) -> None:
     """Each fault's verdict, delay, action and iterations lost, from what the job wrote."""
     changes = rows(metrics, "layout_change")
     found = rows(verdicts)
@@ -287,8 +289,8 @@ def score(plan: list[Fault], metrics: str, verdicts: str, logs: list[str], save:
                         and c["iteration"] < f.at + GAP), None)
             if hit is not None:
                 why = hit["lost_why"].get(str(f.rank), "")
-                f.verdict = "hang" if why.startswith("hung") else "stop" if why.startswith(("killed", "process ended")) \
-                    else f"other ({why[:40]})"
+                stopped = why.startswith(("killed", "process ended"))
+                f.verdict = "hang" if why.startswith("hung") else "stop" if stopped else f"other ({why[:40]})"
                 if f.verdict == "hang":
                     stalled = float(why.split("no progress for ")[1].split(" s")[0])
                     f.delay = f"{stalled - HANG_TIMEOUT_S:+.1f} s after the timeout"
@@ -315,7 +317,7 @@ def score(plan: list[Fault], metrics: str, verdicts: str, logs: list[str], save:
                 f.action = "reported (--resihp-act off)"
                 f.lost = 0
         elif kind == "requeue":
-            if f"resumed from" in everything:
+            if "resumed from" in everything:
                 f.verdict = "resumed"
                 f.action = "saved, exit 0, relaunched with --load"
                 f.lost = 0
@@ -367,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     faults = [f for r in results for f in r["faults"]]
     hang_delays = [float(f["delay"].split()[0]) for f in faults if f["verdict"] == "hang" and f["delay"]]
     figures = {"seeds": seeds, "faults_per_seed": args.faults, "soaks": results,
-               "right_verdict_share": round(sum(f["verdict"] == f["expected"] for f in faults) / max(len(faults), 1), 4),
-               "hang_delay_after_timeout_s": {"median": sorted(hang_delays)[len(hang_delays) // 2] if hang_delays else None,
+               "right_verdict_share": round(sum(f["verdict"] == f["expected"] for f in faults) / max(len(faults), 1),
+                                            4),
+               "hang_delay_after_timeout_s": {"median": statistics.median(hang_delays) if hang_delays else None,
                                               "max": max(hang_delays, default=None)},
                "ettr": {r["seed"]: (r["ettr"] or {}).get("ettr") for r in results},
                "loss_max_rel_diff": max((r["loss_max_rel_diff"] or 0.0) for r in results) if results else None,

@@ -257,10 +257,8 @@ class Progress:
         self.thread: int | None = None
         self.point, self.iteration, self.long = "setup", 0, False
         self.at = clock()
-        self.marks = 0
         self.iterations_since_arm = 0
         self.iteration_times: list[float] = []
-        self.paused = False
 
     def mark(self, point: str, iteration: int | None = None, *, long: bool = False) -> None:
         """Training thread: it got to ``point`` (of ``iteration``, else the current one)."""
@@ -268,7 +266,6 @@ class Progress:
         self.point, self.long = point, long
         if iteration is not None:
             self.iteration = iteration
-        self.marks += 1
         self.at = self.clock()
 
     def iteration_done(self, seconds: float) -> None:
@@ -285,8 +282,6 @@ class Progress:
         """The hang timeout now; None while not armed. Before ``ARM_AFTER`` iterations of a layout
         (a compile, a warm-up) the cap alone, where there is one: under ``continue`` the survivors'
         collectives with a rank hung in its first iterations would time out first."""
-        if self.paused:
-            return None
         if self.iterations_since_arm < ARM_AFTER:
             return None if self.cap_s is None else max(self.cap_s, self.timeout_s)
         if self.timeout_s > 0:

@@ -157,7 +157,7 @@ class ResiHPExtension(Extension):
         self.ring_throttle = None                 # an injected slow NIC on the gradient all-reduce
         self.hang_injector = None                 # --inject-hang of this rank
         self.control = None                       # --resihp-control-file (resihp/control.py)
-        self.joined_after = 0                     # a replacement joined after this iteration (faults before it are not its)
+        self.joined_after = 0                     # a replacement joined after this iteration: earlier faults are not its
         self._nic_bytes_per_s: float | None = None
 
     # --- setup -----------------------------------------------------------------------------
