@@ -57,13 +57,13 @@ def _check(cfg, world: int, *, launcher: bool = False) -> None:
     cfg.validate_launch(world)
     preflight.check(cfg, world, launcher=launcher)
     if int(os.environ.get("MEGATRON_EXT_INCARNATION", "0")) > 0:
-        _engine_check(cfg)
+        _engine_check(cfg, world)
         return  # a replacement process joins the running job: the outputs are that job's own
     demo = os.path.basename(cfg.source) == "demo.yaml"
     check_outputs(save=cfg.checkpoint.save, load=cfg.checkpoint.load, metrics_file=cfg.logging.metrics_file,
                   tensorboard_dir=cfg.logging.tensorboard_dir, clean_hint=" (make clean-demo)" if demo else "",
                   ckpt_format=cfg.checkpoint.ckpt_format)
-    _engine_check(cfg)
+    _engine_check(cfg, world)
 
 
 def _saved_config(load_dir: str):
@@ -73,12 +73,12 @@ def _saved_config(load_dir: str):
     return saved_config(load_dir)
 
 
-def _engine_check(cfg) -> None:
+def _engine_check(cfg, world: int) -> None:
     from megatron_ext.engines import engine
 
     spec = engine(cfg.parallel.engine)
     if spec.check is not None:
-        spec.load("check")(cfg)
+        spec.load("check")(cfg, world)
 
 
 def _launch(nproc: int, argv: list[str]) -> int:

@@ -206,6 +206,12 @@ class TransformerLayerPipe(nn.Module):
         if tp.sequence_parallel:
             _mark_sequence_parallel(*self.input_layernorm.parameters(), *self.pre_mlp_layernorm.parameters(),
                                     self.linear_proj.bias, self.linear_fc2.bias)
+        if tp.size > 1:
+            # DeepSpeed's gradient norms count a parameter without this mark on TP rank 0 only
+            # (runtime.utils.is_model_parallel_parameter; megatron's attribute of the same name)
+            for p in (*self.linear_qkv.parameters(), *self.linear_fc1.parameters(), self.linear_proj.weight,
+                      self.linear_fc2.weight):
+                p.tensor_model_parallel = True
         self.rotary_inv_freq: torch.Tensor | None = None
         if m.position_embedding_type == "rope":
             d = self.head_dim  # megatron's RotaryEmbedding(kv_channels, rotary_percent=1.0)
@@ -405,6 +411,75 @@ def build_gpt_pipeline(model_cfg: Any, *, vocab_size: int, num_stages: int, seed
     module.tensor_parallel = tp
     init_entries(module.shard_entries(), seed=seed, std=std, num_layers=model_cfg.num_layers)
     return module
+
+
+class TiedHead(nn.Module):
+    """The output head tied to ``embedding``'s word embedding, as a module of its own so that ZeRO-3
+    gathers the weight when the head runs (the embedding is its child: one parameter, two users)."""
+
+    def __init__(self, embedding: EmbeddingPipe) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return output_logits(self.embedding, hidden)
+
+
+class GPTModule(nn.Module):
+    """The same GPT as one module for DeepSpeed's plain engine (one pipeline stage): embedding, layers,
+    final norm and head of ``layer_specs``, each a direct child (shard entries and ZeRO-3's leaf
+    modules find them), the loss inside ``forward``."""
+
+    def __init__(self, model_cfg: Any, vocab_size: int, tp: TensorParallel, grid: Any) -> None:
+        super().__init__()
+        m = model_cfg
+        eps = 1e-5  # megatron TransformerConfig.layernorm_epsilon default
+        self._grid = grid
+        self.embedding = EmbeddingPipe(vocab_size, m.hidden_size, m.max_position_embeddings, m.hidden_dropout,
+                                       m.position_embedding_type == "learned_absolute", tp)
+        self.num_layers = m.num_layers
+        for i in range(m.num_layers):
+            self.add_module(f"layer{i:03d}", TransformerLayerPipe(i, m, eps, tp))
+        self.final_norm = FinalNormPipe(m.normalization, m.hidden_size, eps, tp)
+        self.head = (OutputHeadPipe(m.hidden_size, vocab_size, tp) if m.untie_embeddings_and_output_weights
+                     else TiedHead(self.embedding))
+        self.tied_modules = nn.ModuleDict()  # none: the head holds the embedding itself
+        self.tensor_parallel = tp
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                loss_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embedding((tokens, position_ids))
+        for i in range(self.num_layers):
+            x = getattr(self, f"layer{i:03d}")(x)
+        return lm_loss(self.head(self.final_norm(x)), (labels, loss_mask))
+
+    def shard_entries(self) -> list[ShardEntry]:
+        return gpt_shard_entries(self)
+
+
+def build_gpt_model(model_cfg: Any, *, vocab_size: int, seed: int, std: float, tensor_parallel: int = 1) -> GPTModule:
+    """The GPT of this rank's TP rank for DeepSpeed's plain engine, initialised by global name (the same
+    weights as the megatron engine's and the pipeline's). Its grid is DeepSpeed's
+    ``PipelineParallelGrid`` with one stage (TP fastest, then DP), handed to DeepSpeed as its ``mpu``."""
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % tensor_parallel:
+        raise ValueError(f"world size {world} is not divisible by the tensor-parallel size {tensor_parallel}")
+    topo = PipeModelDataParallelTopology(num_pp=1, num_mp=tensor_parallel, num_dp=world // tensor_parallel)
+    grid = PipelineParallelGrid(topology=topo)
+    tp = TensorParallel(tensor_parallel, grid.get_slice_parallel_rank(),
+                        grid.get_slice_parallel_group() if tensor_parallel > 1 else None)
+    module = GPTModule(model_cfg, vocab_size, tp, grid)
+    init_entries(module.shard_entries(), seed=seed, std=std, num_layers=model_cfg.num_layers)
+    return module
+
+
+def z3_leaf_classes() -> list[type]:
+    """The modules whose parameters ZeRO-3 gathers whole before they run: each reads its children's
+    weights directly (``_linear``), not by calling them."""
+    return [EmbeddingPipe, TransformerLayerPipe, FinalNormPipe, OutputHeadPipe, TiedHead]
 
 
 def _stage_modules(module: Any) -> Iterator[nn.Module]:

@@ -36,8 +36,8 @@ class EngineSpec:
     teardown: str
     """``module:function``: ``() -> None``, after the run."""
     check: str | None = None
-    """``module:function``: ``(RunConfig) -> None``, checks that need the engine's code, run before
-    any rank starts."""
+    """``module:function``: ``(RunConfig, world size or None) -> None``, checks that need the engine's
+    code, run before any rank starts."""
     refusals: dict[str, str] = dataclasses.field(default_factory=dict)
     """Feature (``FEATURES``) -> the one line that refuses it."""
 
@@ -108,8 +108,8 @@ DEEPSPEED = register_engine(EngineSpec(
                                       "(no --virtual-pipeline-model-parallel-size)",
         "mixture_of_experts": "--engine deepspeed does not train mixture-of-experts models (--num-experts): "
                               "DeepSpeed's PipelineModule here is a dense GPT; use --engine megatron",
-        "bf16": "--engine deepspeed trains in fp32: drop --bf16 or use --engine megatron",
-        "fp16": "--engine deepspeed trains in fp32: drop --fp16 or use --engine megatron",
+        "fp16": "--engine deepspeed trains in fp32 or bf16 (the config's bf16 section, or --bf16): drop --fp16 "
+                "or use --engine megatron",
         "per_token_loss": "--calculate-per-token-loss needs --engine megatron (DeepSpeed's engine averages over "
                           "micro-batches)",
         "num_zeros_in_grad": "--log-num-zeros-in-grad needs --engine megatron (DeepSpeed's engine steps its own "

@@ -243,6 +243,19 @@ class ParallelConfig:
     device: str = doc("Where to train; auto = cuda when available.", "auto", choices=("auto", "cpu", "cuda"))
     engine: str = doc("Training engine (megatron_ext/engines.py): megatron-core schedules, or DeepSpeed's "
                       "PipelineEngine (PP x DP).", "megatron", choices=("megatron", "deepspeed"))
+    deepspeed: bool = doc("Megatron-DeepSpeed's switch: train on DeepSpeed (--engine deepspeed), with the user's "
+                          "--deepspeed_config.", False)
+    deepspeed_config: str | None = doc(
+        "DeepSpeed's config (Megatron-DeepSpeed's flag): a ds_config.json path, or the JSON itself. Its "
+        "optimizer, scheduler, gradient_clipping, bf16 and zero_optimization sections are what runs; the batch "
+        "sizes must agree with the Megatron flags (docs/pipeline.md, 'A DeepSpeed user's config').", None,
+        aliases=("--deepspeed_config",))
+    zero_stage: int | None = doc("ZeRO stage (Megatron-DeepSpeed's flag): must agree with the config's "
+                                 "zero_optimization.stage; unset = the config's, else 0. Stages 0-1 with "
+                                 "pipeline parallelism, 0-3 without.", None)
+    no_pipeline_parallel: bool = doc("Megatron-DeepSpeed's flag: DeepSpeed's plain engine instead of its "
+                                     "PipelineEngine (needs --pipeline-model-parallel-size 1; ZeRO-1 and above "
+                                     "with one stage take the plain engine anyway).", False)
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
@@ -254,6 +267,15 @@ class ParallelConfig:
         if vpp is not None and (vpp < 1 or (vpp > 1 and self.pipeline_model_parallel_size < 2)):
             raise ConfigError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size >= 2 "
                               f"and a value >= 1, got {vpp}")
+        if self.deepspeed:
+            self.engine = "deepspeed"
+        if self.deepspeed_config is not None and self.engine != "deepspeed":
+            raise ConfigError("--deepspeed_config needs --deepspeed (or --engine deepspeed)")
+        if self.zero_stage is not None and (self.zero_stage not in (0, 1, 2, 3) or self.engine != "deepspeed"):
+            raise ConfigError(f"--zero-stage {self.zero_stage}: needs --deepspeed and a stage of 0, 1, 2 or 3")
+        if self.no_pipeline_parallel and (self.engine != "deepspeed" or self.pipeline_model_parallel_size > 1):
+            raise ConfigError("--no-pipeline-parallel (DeepSpeed's plain engine) needs --deepspeed and "
+                              f"--pipeline-model-parallel-size 1, got {self.pipeline_model_parallel_size}")
         spec = engine(self.engine)
         if self.use_distributed_optimizer:
             spec.refuse("distributed_optimizer")
@@ -729,8 +751,10 @@ class CheckpointConfig:
                            "fresh ones, as in Megatron-LM).", True)
     load_rng: bool = doc("Restore the RNG states from --load (in the same layout).", True)
     ckpt_format: str = doc("Format of the checkpoints --save writes: torch_dist, Megatron-LM's (its default; "
-                           "megatron.core.dist_checkpointing, loadable by Megatron-LM in any layout), or megatron_ext, "
-                           "the project's former own format. Loading reads either, whatever this says.",
+                           "megatron.core.dist_checkpointing, loadable by Megatron-LM in any layout), megatron_ext, "
+                           "the project's former own format, or deepspeed (DeepSpeed's global_stepN/ and latest, "
+                           "--engine deepspeed only; ZeRO-1 and above always write it). Loading reads any of them, "
+                           "whatever this says.",
                            "torch_dist")
     ckpt_step: int | None = doc("Load this iteration of --load instead of its newest (Megatron-LM's flag).", None)
     use_checkpoint_args: bool = doc("Take the model's flags from the checkpoint --load holds, as Megatron-LM does: "
@@ -757,13 +781,13 @@ class CheckpointConfig:
         for key in ("exit_duration_in_mins", "exit_interval"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
-        if self.ckpt_format not in ("torch_dist", "megatron_ext"):
+        if self.ckpt_format not in ("torch_dist", "megatron_ext", "deepspeed"):
             other = {"torch": "Megatron-LM's legacy per-rank files", "zarr": "a deprecated dist_checkpointing backend",
                      "torch_dcp": "PyTorch DCP without megatron's metadata",
                      "fsdp_dtensor": "Megatron-FSDP's DTensor layout"}.get(self.ckpt_format)
             raise ConfigError(f"--ckpt-format {self.ckpt_format}" + (f" ({other})" if other else "") +
-                              " is not written here: use torch_dist (Megatron-LM's default, which it loads) or "
-                              "megatron_ext")
+                              " is not written here: use torch_dist (Megatron-LM's default, which it loads), "
+                              "megatron_ext, or deepspeed (DeepSpeed's own, --engine deepspeed)")
         if self.ckpt_step is not None and self.ckpt_step < 0:
             raise ConfigError(f"--ckpt-step must be >= 0, got {self.ckpt_step}")
         if self.exit_signal_handler:

@@ -46,7 +46,7 @@ OWN = "megatron_ext"
 FORMATS = ("torch_dist", OWN)
 
 
-def _deepspeed_tag(path: str) -> str | None:
+def deepspeed_tag(path: str) -> str | None:
     """The ``global_stepN`` a DeepSpeed (or Megatron-DeepSpeed) save directory's ``latest`` names."""
     latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
@@ -67,11 +67,11 @@ def format_of(path: str) -> str | None:
         return None
     if dist_ckpt.holds(path):
         return dist_ckpt.FORMAT
-    tag = _deepspeed_tag(path)
+    tag = deepspeed_tag(path)
     if tag is not None:
         raise CheckpointError(f"{path}: a DeepSpeed checkpoint ({tag}/: DeepSpeed's own layout, as DeepSpeed and "
-                              "Megatron-DeepSpeed write it), which this runtime does not read: resume it with the "
-                              "program that wrote it, or convert its weights with DeepSpeed's zero_to_fp32.py and "
+                              "Megatron-DeepSpeed write it), which only --engine deepspeed reads (--deepspeed): resume it "
+                              "there, or convert its weights with DeepSpeed's zero_to_fp32.py and "
                               "tools/convert_checkpoint.py import")
     if os.path.isfile(os.path.join(path, "meta.json")) or os.path.isfile(os.path.join(path, LATEST)):
         return OWN

@@ -172,10 +172,13 @@ _PARALLEL_FLAGS = ("tensor_model_parallel_size", "expert_model_parallel_size", "
                    "sequence_parallel", "device", "bf16", "fp16", "calculate_per_token_loss")
 
 
-def check_config(cfg: RunConfig) -> None:
+def check_config(cfg: RunConfig, world: int | None = None) -> None:
     """The megatron engine's check before any rank starts (``engines.py``): build megatron-core's
     TransformerConfig of the run as a rank would (device and virtual stages resolved the same way),
     so that what megatron-core refuses is one line here instead of a traceback from every rank."""
+    del world  # nothing here depends on it
+    if cfg.checkpoint.ckpt_format == "deepspeed":
+        raise ConfigError("--ckpt-format deepspeed (DeepSpeed's own checkpoints) needs --engine deepspeed")
     build_transformer_config(cfg, on_gpu=_on_gpu(cfg))
 
 

@@ -40,8 +40,10 @@ def _checkpoint_in(save_dir: str) -> str | None:
 def _format_in(save_dir: str) -> str | None:
     if os.path.isfile(os.path.join(save_dir, "latest_checkpointed_iteration.txt")):
         return "torch_dist"
-    if os.path.isfile(os.path.join(save_dir, "latest")):
-        return "megatron_ext"
+    latest = os.path.join(save_dir, "latest")
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as fh:
+            return "deepspeed" if fh.read().strip().startswith("global_step") else "megatron_ext"
     return None
 
 
@@ -61,7 +63,9 @@ def check_outputs(*, save: str | None, load: str | None, metrics_file: str | Non
     if save is not None and ckpt_format is not None and os.path.isdir(save):
         held = _format_in(save)
         # torch_dist may follow megatron_ext checkpoints (an import, an older run): its tracker wins on load
-        if held is not None and held != ckpt_format and not (held == "megatron_ext" and ckpt_format == "torch_dist"):
+        # torch_dist is also the default of a DeepSpeed run whose ZeRO optimizer writes DeepSpeed's format
+        if held is not None and held != ckpt_format and not (held in ("megatron_ext", "deepspeed")
+                                                             and ckpt_format == "torch_dist"):
             raise ConfigError(f"--save {save} holds {held} checkpoints and this run writes --ckpt-format {ckpt_format}: "
                               f"give --ckpt-format {held} to keep one format there, or save elsewhere")
     if save is not None:

@@ -184,7 +184,14 @@ def _main(argv, monkeypatch, capsys, world: int = 1):
     (["--num-experts", "2"], 1,
      "--engine deepspeed does not train mixture-of-experts models (--num-experts): DeepSpeed's PipelineModule "
      "here is a dense GPT; use --engine megatron (model flags: --num-experts)"),
-    (["--bf16"], 1, "--engine deepspeed trains in fp32: drop --bf16 or use --engine megatron"),
+    (["--fp16"], 1, "--engine deepspeed trains in fp32 or bf16 (the config's bf16 section, or --bf16): drop --fp16 "
+                    "or use --engine megatron"),
+    (["--deepspeed_config", '{"train_micro_batch_size_per_gpu": 4}', "--micro-batch-size", "2"], 1,
+     "--deepspeed_config (inline JSON): train_micro_batch_size_per_gpu 4 disagrees with --micro-batch-size 2: the "
+     "run owns it, so give the same value or drop the key"),
+    (["--zero-stage", "2", "--pipeline-model-parallel-size", "2"], 2,
+     "ZeRO-2 with --pipeline-model-parallel-size 2: DeepSpeed's pipeline engine runs ZeRO stages 0 and 1 only; use "
+     "ZeRO-1, or one pipeline stage (DeepSpeed's plain engine)"),
     (["--doc-length-dist", "fixed:16"], 1,
      "--doc-length-dist (packed documents) is not supported by --engine deepspeed yet: use --engine megatron"),
     (["--pipeline-model-parallel-size", "2", "--inject-slow-link", "0:1:5:1"], 2,
