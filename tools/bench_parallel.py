@@ -16,6 +16,10 @@ Use a multiple of 3 rounds so that each arm goes first equally often. The bare l
 with the runtime's step: it fetches its own micro-batches from the same megatron GPTDataset, has its
 own forward step and loss, and calls megatron-core's schedule, the optimizer and the LR scheduler
 directly (the same model and optimizer objects).
+ZeRO: DeepSpeed's plain engine at stages 1, 2 and 3 in DP4 and its pipeline engine at ZeRO-1 in PP2xDP2,
+each in blocks interleaved with megatron's on the same layout and an A/A arm of megatron's (step-time
+ratio, parity with the single-rank curve, and the bytes of tensors each rank holds after a step against
+ZeRO's theory for fp32 AdamW).
 Prints a table, then one JSON line (with the commit, a dirty-tree flag, the command line and the
 load average before and after).
 """
@@ -174,10 +178,163 @@ def worker(out_path: str, iters: int, rounds: int) -> None:
                           warmup=1)
     result["engine_samples"] = measured.samples
     result["engine_orders"] = measured.orders
+    del tr, dtr, runtime_block
+    result["zero"] = zero_section(iters, rounds, curve_of, steps_block, trainer_for)
     if ctx.rank == 0:
         with open(out_path, "w", encoding="utf-8") as fh:
             json.dump(result, fh)
     distributed.teardown()
+
+
+def model_state_bytes(trainer) -> dict:
+    """Bytes of the tensors this rank's model, optimizer and engine hold after a step, each storage
+    counted once: everything reachable from them through attributes, lists, tuples and dicts (the
+    parameters and their gradients, megatron's gradient buffers, ZeRO's flat partitions and buckets,
+    the optimizer's moments), and ZeRO-3's partitions of the parameters. ``params``: of those, the
+    model's parameters as this rank holds them (whole, or ZeRO-3's partition)."""
+    import torch
+
+    seen_storage: set[int] = set()
+    seen: set[int] = set()
+    total = 0
+
+    def add(t) -> int:
+        nonlocal total
+        if t.device.type != "cpu":
+            return 0
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if not ptr or ptr in seen_storage:
+            return 0
+        seen_storage.add(ptr)
+        total += storage.nbytes()
+        return storage.nbytes()
+
+    def walk(obj, depth: int = 0) -> None:
+        if depth > 12 or id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            add(obj)
+            for attr in ("grad", "main_grad", "ds_tensor"):
+                extra = getattr(obj, attr, None)
+                if isinstance(extra, torch.Tensor):
+                    walk(extra, depth + 1)
+            return
+        if isinstance(obj, dict):
+            items = list(obj.keys()) + list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            items = list(obj)
+        elif type(obj).__module__.startswith(("torch.distributed", "builtins", "logging", "threading")):
+            return
+        elif hasattr(obj, "__dict__"):
+            items = list(vars(obj).values())
+        else:
+            return
+        for item in items:
+            walk(item, depth + 1)
+
+    params = 0
+    for p in trainer.model.parameters():
+        params += add(p.ds_tensor) if hasattr(p, "ds_tensor") else add(p)
+    for root in (trainer.model, trainer.optimizer, getattr(trainer, "engine", None)):
+        walk(root)
+    return {"total": total, "params": params}
+
+
+ZERO_ARMS = {"megatron": None, "zero1": 1, "zero2": 2, "zero3": 3}
+"""DP4 on 4 ranks: megatron's DDP and CPU AdamW, DeepSpeed's plain engine at ZeRO stages 1-3."""
+
+
+def zero_section(iters: int, rounds: int, curve_of, steps_block, trainer_for) -> dict:
+    """ZeRO on DeepSpeed's plain engine (DP4) and ZeRO-1 under its pipeline engine (PP2 x DP2), each
+    beside the megatron engine on the same layout: loss curves from the initialisation, blocks of steps
+    interleaved in rotated order with an A/A arm of megatron's, and the bytes each rank holds."""
+    import torch.distributed as dist
+
+    from deepspeed_patches import trainer as ds
+    from megatron_ext.bench.harness import interleave
+    from megatron_ext.config.run import config_from_values
+
+    def deepspeed_trainer(train_iters: int, stage: int, pp: int = 1):
+        c = config_from_values({**BASE, "train_iters": train_iters, "deepspeed": True, "zero_stage": stage,
+                                "pipeline_model_parallel_size": pp})
+        return ds.DeepSpeedTrainer(c, ds.setup_distributed(c.parallel, seed=c.training.seed)).setup()
+
+    def held(trainer) -> list[dict]:
+        mine = model_state_bytes(trainer)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {**mine, "stage": trainer.ctx.coord.pp})
+        return everyone
+
+    out: dict = {"curves": {}, "bytes": {}, "params": None}
+    for layout, arms in (("dp4", ZERO_ARMS), ("pp2dp2", {"megatron": None, "zero1": 1})):
+        pp = 2 if layout == "pp2dp2" else 1
+        trainers = {}
+        for arm, stage in arms.items():
+            name = f"{arm} {layout}"
+            fresh = trainer_for("tp1" if pp == 1 else "pp2dp2", iters) if stage is None else \
+                deepspeed_trainer(iters, stage, pp)
+            out["curves"][name] = curve_of(fresh)
+            out["bytes"][name] = held(fresh)
+            del fresh
+            # the megatron trainer last (trainer_for re-lays out megatron's global parallel state)
+        for arm, stage in [a for a in arms.items() if a[1] is not None] + [("megatron", None)]:
+            trainers[arm] = trainer_for("tp1" if pp == 1 else "pp2dp2", 10**6) if stage is None else \
+                deepspeed_trainer(10**6, stage, pp)
+        if out["params"] is None:
+            out["params"] = sum(p.numel() for p in trainers["megatron"].model.parameters())
+        blocks = {arm: steps_block(trainers[arm]) for arm in arms}
+        measured = interleave(blocks, rounds, aa="megatron", warmup=1)
+        out[f"samples {layout}"] = measured.samples
+        out[f"orders {layout}"] = measured.orders
+        del trainers, blocks
+    return out
+
+
+def zero_lines(zero: dict, reference: list[float]) -> tuple[list[str], dict]:
+    """The ZeRO rows: step time against megatron's on the same layout (with the A/A floor), parity with
+    the single-rank curve, and the largest bytes a rank holds against ZeRO's theory for fp32 AdamW."""
+    from megatron_ext.bench.harness import compare, format_comparison, ratio_interval
+
+    psi = zero["params"]
+    lines = ["", f"ZeRO on DeepSpeed (fp32 AdamW, {psi} parameters; DP4: the plain engine, PP2xDP2: the pipeline "
+                 "engine), blocks of 6 steps beside megatron's on the same layout:"]
+    figures: dict = {"params": psi, "rows": {}}
+    # Model states per rank in fp32 (4 bytes each of weights, gradients, and AdamW's two moments),
+    # ZeRO's theory over N data-parallel ranks: stage 1 shards the moments and DeepSpeed's fp32 copy of
+    # the weights, stage 2 also the gradients, stage 3 also the weights.
+    theory = {"megatron": 16, "zero1": 8 + 12 / 4, "zero2": 4 + 16 / 4, "zero3": 20 / 4}
+    lines.append(f"{'arm':<16} {'step / megatron':>16} {'90 % interval':>17} {'A/A':>7} {'parity':>9} "
+                 f"{'max bytes/rank':>15} {'x params x4':>12} {'theory':>7}")
+    for layout in ("dp4", "pp2dp2"):
+        samples = zero[f"samples {layout}"]
+        cmp = compare(samples, "megatron", higher_is_better=False)
+        floor = cmp["noise_floor"]
+        for arm in samples:
+            if arm.endswith("(A/A)"):
+                continue
+            name = f"{arm} {layout}"
+            ratio = ratio_interval(samples[arm], samples["megatron"])
+            curve = zero["curves"][name]["losses"]
+            parity = max(abs(a - b) / abs(b) for a, b in zip(curve, reference))
+            per_rank = zero["bytes"][name]
+            top = max(r["total"] for r in per_rank)
+            multiple = top / (4 * psi)
+            expect = theory[arm] / 4 / (2 if layout == "pp2dp2" else 1)
+            figures["rows"][name] = {"step_ratio": ratio["median"], "interval": ratio["interval"],
+                                     "aa": floor["ratio"], "aa_interval": floor["interval"],
+                                     "parity_max_rel_diff": parity, "bytes_per_rank": [r["total"] for r in per_rank],
+                                     "stage_of_rank": [r["stage"] for r in per_rank],
+                                     "params_bytes_per_rank": [r["params"] for r in per_rank],
+                                     "held_over_4psi": multiple, "theory_over_4psi": expect}
+            lines.append(f"{name:<16} {ratio['median']:>16.3f} {ratio['interval'][0]:>8.3f}..{ratio['interval'][1]:<8.3f}"
+                         f"{floor['ratio']:>7.3f} {parity:>9.1e} {top:>15,d} {multiple:>12.2f} {expect:>7.2f}")
+        lines += [format_comparison(cmp, "s")]
+    lines.append("bytes/rank: every CPU tensor a rank holds after a step, each storage once (weights, gradients, "
+                 "optimizer state, ZeRO's buffers, the last batch); theory: model states only, in units of 4 bytes x "
+                 "parameters (a PP2 stage holds half the model)")
+    return lines, figures
 
 
 def single_rank_curve(iters: int, tmp: str) -> list[float]:
@@ -248,6 +405,8 @@ def main() -> int:
                    noise_floor={"ratio": floor["ratio"], "interval": floor["interval"]},
                    rounds=cmp["rounds"], orders=result["overhead_orders"],
                    data_fetch_share=result["data_fetch_share"])
+    zlines, figures["zero"] = zero_lines(result["zero"], reference)
+    lines += zlines
     report.emit(figures, "\n".join(lines))
     return 0
 

@@ -61,6 +61,14 @@ def test_a_deepspeed_checkpoint_resumes_exactly(runs, name):
     assert max_rel(res["from5"], res["straight"][5:]) < 1e-6
 
 
+def test_the_detector_and_the_timeline_run_at_zero1(runs):
+    res = runs["zero1_detector"]
+    assert res["layout"] == "deepspeed zero1 pp2dp2"
+    found = [v for v in res["verdicts"] if v["kind"] == "fail_slow"]
+    assert found and {v["rank"] for v in found} == {2} and found[0]["iteration"] >= 20
+    assert sorted(res["bubbles"]) == ["bubble_s0", "bubble_s1"]
+
+
 def test_a_megatron_deepspeed_launch_line_trains(tmp_path):
     """``pretrain_gpt.py --deepspeed --deepspeed_config ds.json --zero-stage 1`` with a user's config
     (ZeRO-1, PP2, a bf16 section, AdamW, WarmupLR): it trains, says what it took from the config, and

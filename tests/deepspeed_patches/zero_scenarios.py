@@ -5,7 +5,8 @@ In the same 4 processes: the megatron engine's PP2 x DP2 curve (the reference); 
 under the pipeline engine (PP2 x DP2) with the Megatron flags' optimizer and with a config's AdamW
 section; ZeRO-2 (DP4) and ZeRO-3 (TP2 x DP2) on DeepSpeed's plain engine; a config's WarmupLR schedule;
 bf16 from a config's section; and resumes from DeepSpeed checkpoints (global_stepN/) at ZeRO-1 under
-the pipeline and at ZeRO-3 on the plain engine, each against its straight run.
+the pipeline and at ZeRO-3 on the plain engine, each against its straight run; and the ResiHP detector
+with the timeline at ZeRO-1 (a slow rank named).
 Rank 0 writes ``results.json`` into the output directory.
 """
 from __future__ import annotations
@@ -25,8 +26,8 @@ from deepspeed_patches import trainer as ds  # noqa: E402
 from megatron_ext.config.run import config_from_values  # noqa: E402
 from megatron_ext.runtime import distributed  # noqa: E402
 from megatron_ext.runtime.extension import build_extensions  # noqa: E402
-from tests.deepspeed_patches.ds_scenarios import megatron_curve  # noqa: E402
-from tests.scenario_helpers import CURVE, curve  # noqa: E402
+from tests.deepspeed_patches.ds_scenarios import RESIHP, megatron_curve  # noqa: E402
+from tests.scenario_helpers import CURVE, curve, from_logging_rank  # noqa: E402
 
 PP2 = {"pipeline_model_parallel_size": 2}
 TP2 = {"tensor_model_parallel_size": 2}
@@ -40,10 +41,11 @@ def adamw_section() -> dict:
                                         "weight_decay": t.weight_decay}}
 
 
-def run(values: dict, *, config: dict | None = None, load: str | None = None) -> ds.DeepSpeedTrainer:
+def run(values: dict, *, config: dict | None = None, load: str | None = None, base: dict = CURVE
+        ) -> ds.DeepSpeedTrainer:
     extra = {"deepspeed": True, **({"deepspeed_config": json.dumps(config)} if config is not None else {}),
              **({"load": load} if load else {})}
-    cfg = config_from_values({**CURVE, **values, **extra})
+    cfg = config_from_values({**base, **values, **extra})
     world = int(os.environ["WORLD_SIZE"])
     cfg.validate(world)
     ds.check_config(cfg, world)
@@ -82,7 +84,14 @@ def main() -> None:
         res[f"resume_{name}"]["from5"] = curve(from_five)
         if rank == 0:
             res[f"resume_{name}"]["files"] = sorted(os.listdir(save))
+    # The detector and the timeline at ZeRO-1 under the pipeline: rank 2 (stage 1) 3x slower from iteration 20.
+    verdicts = os.path.join(out_dir, "zero1.verdicts.jsonl")
+    trainer = run({"zero_stage": 1, "timeline": True, "resihp_verdicts_out": verdicts}, base=RESIHP)
+    logged = [k for k in trainer.history[-1] if k.startswith("bubble_s")] if trainer.ctx.is_logging_rank else None
+    res["zero1_detector"] = {"layout": trainer.layout_name(), "bubbles": from_logging_rank(trainer.ctx, logged)}
     if rank == 0:
+        res["zero1_detector"]["verdicts"] = [json.loads(line) for line in open(verdicts, encoding="utf-8")] \
+            if os.path.exists(verdicts) else []
         with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as fh:
             json.dump(res, fh)
     distributed.teardown()

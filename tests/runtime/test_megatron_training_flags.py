@@ -51,7 +51,8 @@ def test_the_rotary_options_reach_gptmodel(ctx):
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16 (gradients are reduced in the model's "
      "precision)"),
     (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
-    (["--fp16", "--engine", "deepspeed"], "--engine deepspeed trains in fp32: drop --fp16 or use --engine megatron"),
+    (["--fp16", "--engine", "deepspeed"], "--engine deepspeed trains in fp32 or bf16 (the config's bf16 section, or "
+     "--bf16): drop --fp16 or use --engine megatron"),
 ])
 def test_bad_training_flags_are_one_line(argv, message):
     with pytest.raises(ConfigError) as err:
