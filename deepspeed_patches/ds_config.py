@@ -56,6 +56,8 @@ class DeepSpeedPlan:
     clip: float
     bf16: bool
     notes: list[str] = dataclasses.field(default_factory=list)
+    universal: bool = False
+    """--load holds a universal checkpoint (DeepSpeed's checkpoint.load_universal)."""
 
     @property
     def deepspeed_optimizer(self) -> bool:
@@ -210,6 +212,15 @@ def plan(cfg: Any, dp: int, *, device_type: str = "cpu") -> DeepSpeedPlan:
     deepspeed_optimizer = engine == "plain" or stage >= 1 or bf16
     # ClippedAdamW clips under the pipeline engine at ZeRO-0 (see the module docstring).
     config["gradient_clipping"] = clip if deepspeed_optimizer else 0.0
+    section = config.get("checkpoint") or {}
+    if par.universal_checkpoint:
+        section = {**section, "load_universal": True}
+    if section:
+        config["checkpoint"] = section
+    universal = bool(section.get("load_universal"))
+    if universal and stage == 3:
+        raise ConfigError("--universal-checkpoint at ZeRO-3: DeepSpeed loads universal checkpoints at ZeRO 1 and 2 "
+                          "(and bf16); use one of those")
     config.setdefault("steps_per_print", 2**62)  # progress lines are the Trainer's
     config.setdefault("wall_clock_breakdown", False)
     if engine == "pipeline":
@@ -223,6 +234,9 @@ def plan(cfg: Any, dp: int, *, device_type: str = "cpu") -> DeepSpeedPlan:
     if deepspeed_optimizer and optimizer is None and stage >= 1:
         # The Megatron flags' AdamW is handed to DeepSpeed (a client optimizer), as Megatron-DeepSpeed does.
         config.setdefault("zero_allow_untested_optimizer", True)
+    if universal and not deepspeed_optimizer:
+        raise ConfigError("--universal-checkpoint needs DeepSpeed's optimizer (ZeRO 1 or 2, or bf16): at ZeRO-0 in "
+                          "fp32 under the pipeline engine this run's optimizer is ClippedAdamW")
     return DeepSpeedPlan(config=config, source=source, zero_stage=stage, engine=engine,
                          optimizer_from_config=optimizer is not None, scheduler_from_config=scheduler is not None,
-                         clip=clip, bf16=bool(bf16), notes=notes)
+                         clip=clip, bf16=bool(bf16), notes=notes, universal=universal)

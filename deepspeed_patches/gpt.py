@@ -508,6 +508,41 @@ def gpt_shard_entries(module: Any) -> list[ShardEntry]:
     return entries
 
 
+def universal_patterns(module: Any) -> dict[str, list[str]]:
+    """How DeepSpeed's universal checkpoint (``ds_to_universal``, and its loader) merges and splits this
+    rank's parameters over TP, by DeepSpeed's ``universal_checkpoint_info`` keys, each parameter named
+    exactly (its name in ``module.named_parameters()``, which is DeepSpeed's). By the parameter's role in
+    megatron's split, whatever this run's TP size (a TP1 checkpoint loads into TP2 by the same roles):
+    row-parallel weights (``linear_proj``, ``linear_fc2``) split along columns; SwiGLU's ``linear_fc1``
+    as two halves split along rows; the other column-parallel ones (``linear_qkv``, a GELU
+    ``linear_fc1``) along rows, DeepSpeed's default; everything else whole on every TP rank. The tied
+    embedding's copy on the last stage is pipeline-replicated."""
+    out: dict[str, list[str]] = {"tp_replicated_parameter_patterns": [],
+                                 "parameter_with_row_parallelism_patterns": [],
+                                 "parameter_with_2_sub_params_cat_dim_0": [],
+                                 "pipeline_replicated_parameter_patterns": []}
+    for name, _ in module.named_parameters():
+        parts = name.split(".")
+        owner, attr = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+        if owner in ("linear_proj", "linear_fc2") and attr == "weight":
+            kind = "parameter_with_row_parallelism_patterns"
+        elif owner == "linear_fc1" and module_swiglu(module):
+            kind = "parameter_with_2_sub_params_cat_dim_0"
+        elif owner in ("linear_qkv", "linear_fc1"):
+            kind = None   # column parallel: DeepSpeed's default split
+        else:
+            kind = "tp_replicated_parameter_patterns"
+        if kind is not None:
+            out[kind].append(name)
+        if name.startswith("tied_modules."):
+            out["pipeline_replicated_parameter_patterns"].append(name)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def module_swiglu(module: Any) -> bool:
+    return any(getattr(m, "swiglu", False) for m in module.modules() if isinstance(m, TransformerLayerPipe))
+
+
 def init_entries(entries: list[ShardEntry], *, seed: int, std: float, num_layers: int) -> None:
     """megatron_ext's initialisation by global name (runtime/model.py) applied to shard entries."""
     with torch.no_grad():

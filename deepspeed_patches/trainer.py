@@ -442,6 +442,7 @@ class DeepSpeedTrainer(Trainer):
             "consumed_samples": self.train_stream.consumed_samples, "layout": self.layout_dict(),
             "scheduler": None if self.plan.scheduler_from_config else self.scheduler.state_dict(),
             "ettr": account[0], "config": self.cfg.flat()}}
+        client["universal_checkpoint_info"] = self._universal_info()
         self.saving = True
         self.mark_progress("a checkpoint save", long=True)
         tag = f"global_step{it}"
@@ -460,22 +461,62 @@ class DeepSpeedTrainer(Trainer):
         self.mark_progress("the checkpoint saved")
         return os.path.join(save_dir, tag)
 
+    def _check_universal(self, where: str) -> None:
+        """Every parameter of this rank has its state in the universal checkpoint (``zero/<name>/``),
+        on every rank, before DeepSpeed reads any: the names are the engine's (the pipeline engine's
+        ``3.linear_qkv.weight`` is the plain engine's ``layer002.linear_qkv.weight``)."""
+        missing = [n for n, _ in self.model.named_parameters() if not os.path.isdir(os.path.join(where, "zero", n))]
+        problem = None
+        if missing:
+            have = sorted(os.listdir(os.path.join(where, "zero")))[:3]
+            problem = (f"{where}: no state for {missing[0]} ({len(missing)} parameters of rank {self.ctx.rank} "
+                       f"missing; it holds {', '.join(have)}, ...): a universal checkpoint loads into the engine "
+                       "that wrote it (the pipeline engine's and the plain engine's parameter names differ)")
+        problems = [problem]
+        if dist.is_initialized() and self.ctx.world_size > 1:
+            problems = [None] * self.ctx.world_size
+            dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise ckpt.CheckpointError(first)
+
+    def _universal_info(self) -> dict[str, Any]:
+        """DeepSpeed's ``universal_checkpoint_info`` of the whole model (collective: every rank's
+        parameters, by exact name), so that ``ds_to_universal`` merges TP slices and pipeline copies
+        (``gpt.universal_patterns``)."""
+        import re
+
+        from deepspeed_patches.gpt import universal_patterns
+
+        mine = universal_patterns(self.model)
+        everyone = [mine]
+        if dist.is_initialized() and self.ctx.world_size > 1:
+            everyone = [None] * self.ctx.world_size
+            dist.all_gather_object(everyone, mine)
+        merged = {k: sorted({n for part in everyone for n in part[k]}) for k in mine}
+        return {k: [f"^{re.escape(n)}$" for n in v] for k, v in merged.items() if v}
+
     def load_checkpoint(self, path: str, *, finetune: bool = False, load_optim: bool = True,
                         load_rng: bool = True) -> None:
         tag = ckpt.deepspeed_tag(path)
+        if self.plan.universal:
+            tag = _universal_tag(path, self.cfg.checkpoint.ckpt_step if path == self.cfg.checkpoint.load else None)
         if tag is None:
             if self.plan.deepspeed_optimizer:
                 self._load_weights_into_deepspeed(path, finetune=finetune)
                 return
             super().load_checkpoint(path, finetune=finetune, load_optim=load_optim, load_rng=load_rng)
             return
-        load_dir = path if os.path.isfile(os.path.join(path, ckpt.LATEST)) else os.path.dirname(os.path.normpath(path))
+        load_dir = path if self.plan.universal or os.path.isfile(os.path.join(path, ckpt.LATEST)) \
+            else os.path.dirname(os.path.normpath(path))
         step = self.cfg.checkpoint.ckpt_step if path == self.cfg.checkpoint.load else None
-        if step is not None:
+        if step is not None and not self.plan.universal:
             tag = f"global_step{step}"
         if not os.path.isdir(os.path.join(load_dir, tag)):
             raise ckpt.CheckpointError(f"{load_dir}: no DeepSpeed checkpoint {tag}/ (its latest names "
                                        f"{ckpt.deepspeed_tag(load_dir)})")
+        if self.plan.universal:
+            self._check_universal(os.path.join(load_dir, tag))
         load_optim = load_optim and not finetune
         _, client = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optim,
                                                 load_lr_scheduler_states=load_optim,
@@ -489,7 +530,8 @@ class DeepSpeedTrainer(Trainer):
                 logger.info("fine-tuning from the weights of %s: iteration 0, a fresh optimizer and schedule",
                             os.path.join(load_dir, tag))
             return
-        self.iteration = int(client.get("iteration", int(tag[len("global_step"):])))
+        iteration = client.get("iteration")
+        self.iteration = int(iteration if iteration is not None else tag[len("global_step"):].split("_")[0])
         # Megatron-DeepSpeed keeps the consumed samples in its args; a plain DeepSpeed save has neither
         args = client.get("args")
         consumed = ours.get("consumed_samples", getattr(args, "consumed_train_samples", None))
@@ -571,6 +613,25 @@ class DeepSpeedTrainer(Trainer):
         if not self.ctx.is_last_stage or loss is None:
             return None
         return float(loss)
+
+
+def _universal_tag(path: str, step: int | None) -> str:
+    """The universal checkpoint of save directory ``path``: ``global_step{step}_universal`` for
+    ``--ckpt-step``, else what its ``latest_universal`` names (ds_to_universal writes it)."""
+    if step is not None:
+        tag = f"global_step{step}_universal"
+    else:
+        latest = os.path.join(path, "latest_universal")
+        if not os.path.isfile(latest):
+            raise ckpt.CheckpointError(f"{path}: --universal-checkpoint, but no latest_universal there: convert a "
+                                       "checkpoint first (python -m deepspeed.checkpoint.ds_to_universal "
+                                       f"--input_folder {path}/global_stepN --output_folder "
+                                       f"{path}/global_stepN_universal)")
+        with open(latest, encoding="utf-8") as fh:
+            tag = fh.read().strip()
+    if not os.path.isdir(os.path.join(path, tag, "zero")):
+        raise ckpt.CheckpointError(f"{os.path.join(path, tag)}: not a universal checkpoint (no zero/ directory)")
+    return tag
 
 
 def _as_float(value: Any) -> float | None:

@@ -187,7 +187,7 @@ def worker(out_path: str, iters: int, rounds: int) -> None:
 
 
 def model_state_bytes(trainer) -> dict:
-    """Bytes of the tensors this rank's model, optimizer and engine hold after a step, each storage
+    """Bytes of the tensors this rank's model, optimizer and engine hold when called, each storage
     counted once: everything reachable from them through attributes, lists, tuples and dicts (the
     parameters and their gradients, megatron's gradient buffers, ZeRO's flat partitions and buckets,
     the optimizer's moments), and ZeRO-3's partitions of the parameters. ``params``: of those, the
@@ -262,7 +262,19 @@ def zero_section(iters: int, rounds: int, curve_of, steps_block, trainer_for) ->
         return ds.DeepSpeedTrainer(c, ds.setup_distributed(c.parallel, seed=c.training.seed)).setup()
 
     def held(trainer) -> list[dict]:
-        mine = model_state_bytes(trainer)
+        """Each rank's bytes at the optimizer step (the commit vote, right before the update: the
+        gradients are reduced and the optimizer's state exists), one more step into the run."""
+        snapshot: dict = {}
+        vote = trainer.commit_update
+
+        def measured_vote() -> None:
+            snapshot.update(model_state_bytes(trainer))
+            vote()
+
+        trainer.commit_update = measured_vote
+        trainer.train_step()
+        del trainer.commit_update
+        mine = snapshot
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {**mine, "stage": trainer.ctx.coord.pp})
         return everyone
@@ -276,7 +288,7 @@ def zero_section(iters: int, rounds: int, curve_of, steps_block, trainer_for) ->
             fresh = trainer_for("tp1" if pp == 1 else "pp2dp2", iters) if stage is None else \
                 deepspeed_trainer(iters, stage, pp)
             out["curves"][name] = curve_of(fresh)
-            out["bytes"][name] = held(fresh)
+            out["bytes"][name] = held(fresh)   # after the curve: the optimizer's state exists
             del fresh
             # the megatron trainer last (trainer_for re-lays out megatron's global parallel state)
         for arm, stage in [a for a in arms.items() if a[1] is not None] + [("megatron", None)]:
@@ -331,9 +343,10 @@ def zero_lines(zero: dict, reference: list[float]) -> tuple[list[str], dict]:
             lines.append(f"{name:<16} {ratio['median']:>16.3f} {ratio['interval'][0]:>8.3f}..{ratio['interval'][1]:<8.3f}"
                          f"{floor['ratio']:>7.3f} {parity:>9.1e} {top:>15,d} {multiple:>12.2f} {expect:>7.2f}")
         lines += [format_comparison(cmp, "s")]
-    lines.append("bytes/rank: every CPU tensor a rank holds after a step, each storage once (weights, gradients, "
-                 "optimizer state, ZeRO's buffers, the last batch); theory: model states only, in units of 4 bytes x "
-                 "parameters (a PP2 stage holds half the model)")
+    lines.append("bytes/rank: the tensors a rank's model, optimizer and engine hold at the optimizer step (right "
+                 "before the update), each storage once: weights, gradients, optimizer state, and what the engine "
+                 "keeps besides (ZeRO's buckets, pipeline buffers); theory: model states only, in units of 4 bytes x "
+                 "parameters (a PP2 stage holds about half the model)")
     return lines, figures
 
 

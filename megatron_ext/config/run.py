@@ -253,6 +253,9 @@ class ParallelConfig:
     zero_stage: int | None = doc("ZeRO stage (Megatron-DeepSpeed's flag): must agree with the config's "
                                  "zero_optimization.stage; unset = the config's, else 0. Stages 0-1 with "
                                  "pipeline parallelism, 0-3 without.", None)
+    universal_checkpoint: bool = doc("Megatron-DeepSpeed's flag: --load holds DeepSpeed's universal checkpoint "
+                                     "(ds_to_universal's output, named by its latest_universal), loaded into this "
+                                     "run's TP / DP layout (DeepSpeed's checkpoint.load_universal).", False)
     no_pipeline_parallel: bool = doc("Megatron-DeepSpeed's flag: DeepSpeed's plain engine instead of its "
                                      "PipelineEngine (needs --pipeline-model-parallel-size 1; ZeRO-1 and above "
                                      "with one stage take the plain engine anyway).", False)
@@ -273,6 +276,8 @@ class ParallelConfig:
             raise ConfigError("--deepspeed_config needs --deepspeed (or --engine deepspeed)")
         if self.zero_stage is not None and (self.zero_stage not in (0, 1, 2, 3) or self.engine != "deepspeed"):
             raise ConfigError(f"--zero-stage {self.zero_stage}: needs --deepspeed and a stage of 0, 1, 2 or 3")
+        if self.universal_checkpoint and self.engine != "deepspeed":
+            raise ConfigError("--universal-checkpoint (DeepSpeed's universal checkpoint) needs --deepspeed")
         if self.no_pipeline_parallel and (self.engine != "deepspeed" or self.pipeline_model_parallel_size > 1):
             raise ConfigError("--no-pipeline-parallel (DeepSpeed's plain engine) needs --deepspeed and "
                               f"--pipeline-model-parallel-size 1, got {self.pipeline_model_parallel_size}")

@@ -23,7 +23,7 @@ CORE_FLAGS = [
     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_stage_layers",
     "data_parallel_microbatches",
     "sequence_parallel", "overlap_grad_reduce", "use_distributed_optimizer", "distributed_timeout_minutes",
-    "distributed_backend", "device", "engine", "deepspeed", "deepspeed_config", "zero_stage", "no_pipeline_parallel",
+    "distributed_backend", "device", "engine", "deepspeed", "deepspeed_config", "zero_stage", "universal_checkpoint", "no_pipeline_parallel",
     "micro_batch_size", "global_batch_size", "train_iters", "train_samples", "rampup_batch_size", "lr", "min_lr",
     "lr_warmup_iters", "lr_decay_iters", "lr_warmup_samples", "lr_decay_samples", "lr_warmup_fraction",
     "lr_warmup_init",

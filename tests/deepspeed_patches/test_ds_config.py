@@ -36,6 +36,7 @@ def test_the_launch_line_flags_parse_under_megatron_deepspeeds_names(tmp_path):
     (["--deepspeed_config", "x.json"], "--deepspeed_config needs --deepspeed (or --engine deepspeed)"),
     (["--deepspeed", "--zero-stage", "4"], "--zero-stage 4: needs --deepspeed and a stage of 0, 1, 2 or 3"),
     (["--zero-stage", "1"], "--zero-stage 1: needs --deepspeed"),
+    (["--universal-checkpoint"], "--universal-checkpoint (DeepSpeed's universal checkpoint) needs --deepspeed"),
     (["--deepspeed", "--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"],
      "--no-pipeline-parallel (DeepSpeed's plain engine) needs --deepspeed and --pipeline-model-parallel-size 1"),
     (["--ckpt-format", "torch"], "use torch_dist (Megatron-LM's default, which it loads), megatron_ext, or deepspeed"),
@@ -102,10 +103,20 @@ def test_the_configs_sections_are_what_runs():
     ({"zero_optimization": {"stage": 5}}, {}, "zero_optimization.stage 5"),
     ({"zero_optimization": {"stage": 1}}, {"sequence_parallel": True, "tensor_model_parallel_size": 2},
      "--sequence-parallel on --engine deepspeed runs at ZeRO-0"),
+    (None, {"universal_checkpoint": True, "zero_stage": 3}, "--universal-checkpoint at ZeRO-3"),
+    (None, {"universal_checkpoint": True, "pipeline_model_parallel_size": 2},
+     "--universal-checkpoint needs DeepSpeed's optimizer"),
 ])
 def test_sections_that_cannot_run_are_one_line(config, values, message):
     with pytest.raises(ConfigError, match=message):
         plan(config, **values)
+
+
+def test_universal_loading_from_the_flag_or_the_config():
+    assert plan(universal_checkpoint=True, zero_stage=1).config["checkpoint"] == {"load_universal": True}
+    p = plan({"checkpoint": {"load_universal": True, "tag_validation": "Warn"}}, zero_stage=2)
+    assert p.universal and p.config["checkpoint"]["tag_validation"] == "Warn"
+    assert not plan(zero_stage=1).universal
 
 
 def test_precision_from_the_config_or_the_flag():

@@ -61,6 +61,23 @@ def test_a_deepspeed_checkpoint_resumes_exactly(runs, name):
     assert max_rel(res["from5"], res["straight"][5:]) < 1e-6
 
 
+@pytest.mark.parametrize("name, layout", [
+    ("gpt_pp2dp2_to_tp2pp2", "deepspeed zero1 tp2pp2dp1"),
+    ("llama_pp2dp2_to_tp2pp2", "deepspeed zero1 tp2pp2dp1"),
+    ("llama_tp2dp2_to_dp4", "deepspeed plain zero2 pp1dp4"),
+])
+def test_a_universal_checkpoint_loads_into_another_layout(runs, name, layout):
+    res = runs[f"universal_{name}"]
+    assert res["layout"] == layout
+    assert max_rel(res["moved"], res["straight"][5:]) < 1e-5
+
+
+def test_a_universal_checkpoint_of_the_other_engine_is_refused_by_name(runs):
+    msg = runs["universal_across_engines"]
+    assert msg is not None and "no state for embedding.word_embeddings.weight" in msg
+    assert "a universal checkpoint loads into the engine that wrote it" in msg
+
+
 def test_the_detector_and_the_timeline_run_at_zero1(runs):
     res = runs["zero1_detector"]
     assert res["layout"] == "deepspeed zero1 pp2dp2"
