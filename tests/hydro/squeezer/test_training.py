@@ -1,5 +1,5 @@
 """``pretrain_gpt.py --squeeze``: the main job trains exactly as without guests, and a real Optuna
-study finishes trials in its bubbles, on both engines."""
+study finishes trials in its bubbles, on both engines (DeepSpeed's at ZeRO-1)."""
 from __future__ import annotations
 
 import json
@@ -28,10 +28,14 @@ def _losses(path: str) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
+# DeepSpeed's pipeline engine at ZeRO-1 (DeepSpeed's ZeRO optimizer steps; the bubbles are the engine's)
+ENGINE = {"megatron": ["--engine", "megatron"], "deepspeed": ["--deepspeed", "--zero-stage", "1"]}
+
+
 def _squeezed(tmp_path, engine: str):
     study = tiny_study(tmp_path, name=f"sq_{engine}", n_trials=4, trial_steps=20, pruner="successive_halving")
     metrics = os.path.join(str(tmp_path), f"{engine}_squeeze.jsonl")
-    proc = run_torchrun("pretrain_gpt.py", *COMMON, "--engine", engine, "--train-iters", ITERS, "--squeeze", study,
+    proc = run_torchrun("pretrain_gpt.py", *COMMON, *ENGINE[engine], "--train-iters", ITERS, "--squeeze", study,
                         "--squeeze-start-iter", "2", "--metrics-file", metrics, nproc=2)
     storage = f"sqlite:///{tmp_path}/hydro/sq_{engine}.db"
     trials = optuna.load_study(study_name=f"sq_{engine}", storage=storage).get_trials(deepcopy=False)
@@ -43,7 +47,7 @@ def _squeezed(tmp_path, engine: str):
 def _plain(tmp_path, engine: str) -> str:
     """The same job without --squeeze, 60 iterations: the reference loss curve."""
     plain = os.path.join(str(tmp_path), f"{engine}_plain.jsonl")
-    run_torchrun("pretrain_gpt.py", *COMMON, "--engine", engine, "--train-iters", "60", "--metrics-file", plain,
+    run_torchrun("pretrain_gpt.py", *COMMON, *ENGINE[engine], "--train-iters", "60", "--metrics-file", plain,
                  nproc=2)
     return plain
 
