@@ -246,6 +246,11 @@ ZERO_ARMS = {"megatron": None, "zero1": 1, "zero2": 2, "zero3": 3}
 """DP4 on 4 ranks: megatron's DDP and CPU AdamW, DeepSpeed's plain engine at ZeRO stages 1-3."""
 
 
+ZERO3_SIZED = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 500000, "stage3_prefetch_bucket_size": 500000,
+                                     "stage3_param_persistence_threshold": 0}}
+"""ZeRO-3 with DeepSpeed's buckets sized to the bench's model (a memory-only row)."""
+
+
 def zero_section(iters: int, rounds: int, curve_of, steps_block, trainer_for) -> dict:
     """ZeRO on DeepSpeed's plain engine (DP4) and ZeRO-1 under its pipeline engine (PP2 x DP2), each
     beside the megatron engine on the same layout: loss curves from the initialisation, blocks of steps
@@ -256,9 +261,10 @@ def zero_section(iters: int, rounds: int, curve_of, steps_block, trainer_for) ->
     from megatron_ext.bench.harness import interleave
     from megatron_ext.config.run import config_from_values
 
-    def deepspeed_trainer(train_iters: int, stage: int, pp: int = 1):
+    def deepspeed_trainer(train_iters: int, stage: int, pp: int = 1, config: dict | None = None):
+        extra = {"deepspeed_config": json.dumps(config)} if config else {}
         c = config_from_values({**BASE, "train_iters": train_iters, "deepspeed": True, "zero_stage": stage,
-                                "pipeline_model_parallel_size": pp})
+                                "pipeline_model_parallel_size": pp, **extra})
         return ds.DeepSpeedTrainer(c, ds.setup_distributed(c.parallel, seed=c.training.seed)).setup()
 
     def held(trainer) -> list[dict]:
@@ -301,6 +307,14 @@ def zero_section(iters: int, rounds: int, curve_of, steps_block, trainer_for) ->
         out[f"samples {layout}"] = measured.samples
         out[f"orders {layout}"] = measured.orders
         del trainers, blocks
+        if layout == "dp4":
+            # Memory only: ZeRO-3 with its buffers sized to this model. DeepSpeed's defaults keep a
+            # reduce bucket of 5e8 elements (2 GB in fp32) and every parameter under 1e5 elements
+            # whole on every rank, which hides the partitioning in a model this small.
+            fresh = deepspeed_trainer(iters, 3, 1, config=ZERO3_SIZED)
+            out["curves"]["zero3 sized dp4"] = curve_of(fresh)
+            out["bytes"]["zero3 sized dp4"] = held(fresh)
+            del fresh
     return out
 
 
@@ -342,11 +356,25 @@ def zero_lines(zero: dict, reference: list[float]) -> tuple[list[str], dict]:
                                      "held_over_4psi": multiple, "theory_over_4psi": expect}
             lines.append(f"{name:<16} {ratio['median']:>16.3f} {ratio['interval'][0]:>8.3f}..{ratio['interval'][1]:<8.3f}"
                          f"{floor['ratio']:>7.3f} {parity:>9.1e} {top:>15,d} {multiple:>12.2f} {expect:>7.2f}")
+        if layout == "dp4" and "zero3 sized dp4" in zero["bytes"]:
+            name = "zero3 sized dp4"
+            curve = zero["curves"][name]["losses"]
+            parity = max(abs(a - b) / abs(b) for a, b in zip(curve, reference))
+            per_rank = zero["bytes"][name]
+            top = max(r["total"] for r in per_rank)
+            figures["rows"][name] = {"parity_max_rel_diff": parity, "bytes_per_rank": [r["total"] for r in per_rank],
+                                     "params_bytes_per_rank": [r["params"] for r in per_rank],
+                                     "held_over_4psi": top / (4 * psi), "theory_over_4psi": theory["zero3"] / 4,
+                                     "config": ZERO3_SIZED}
+            lines.append(f"{name:<16} {'(memory only)':>16} {'':>17}{'':>7} {parity:>9.1e} {top:>15,d} "
+                         f"{top / (4 * psi):>12.2f} {theory['zero3'] / 4:>7.2f}")
         lines += [format_comparison(cmp, "s")]
     lines.append("bytes/rank: the tensors a rank's model, optimizer and engine hold at the optimizer step (right "
                  "before the update), each storage once: weights, gradients, optimizer state, and what the engine "
                  "keeps besides (ZeRO's buckets, pipeline buffers); theory: model states only, in units of 4 bytes x "
-                 "parameters (a PP2 stage holds about half the model)")
+                 "parameters (a PP2 stage holds about half the model). zero3 sized: ZeRO-3 with "
+                 f"{json.dumps(ZERO3_SIZED['zero_optimization'])} (DeepSpeed's defaults keep a 5e8-element reduce "
+                 "bucket and every parameter under 1e5 elements whole)")
     return lines, figures
 
 
