@@ -240,3 +240,21 @@ def plan(cfg: Any, dp: int, *, device_type: str = "cpu") -> DeepSpeedPlan:
     return DeepSpeedPlan(config=config, source=source, zero_stage=stage, engine=engine,
                          optimizer_from_config=optimizer is not None, scheduler_from_config=scheduler is not None,
                          clip=clip, bf16=bool(bf16), notes=notes, universal=universal)
+
+
+# DeepSpeed's ZeRO-3 default (runtime/zero/config.py: reduce_bucket_size)
+ZERO3_DEFAULT_REDUCE_BUCKET = 500_000_000
+
+
+def check_zero3_buckets(plan: DeepSpeedPlan, num_parameters: int, device_type: str) -> None:
+    """On CPU, DeepSpeed 0.19.8's ZeRO-3 fails once a reduce bucket fills in the middle of a backward: it
+    calls ``Tensor.record_stream`` with the CPU accelerator's stream, which is None (``stage3.py``'s
+    gradient bucketing). One line naming the setting, before the engine is built."""
+    if device_type != "cpu" or plan.zero_stage != 3:
+        return
+    bucket = int((plan.config.get("zero_optimization") or {}).get("reduce_bucket_size", ZERO3_DEFAULT_REDUCE_BUCKET))
+    if bucket < num_parameters:
+        raise ConfigError(f"{plan.source or 'the DeepSpeed config'}: zero_optimization.reduce_bucket_size {bucket} is "
+                          f"below this rank's {num_parameters} parameters: on CPU DeepSpeed's ZeRO-3 fails when a "
+                          "reduce bucket fills during the backward (record_stream on the CPU accelerator); give "
+                          f"reduce_bucket_size >= {num_parameters}")

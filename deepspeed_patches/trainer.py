@@ -390,6 +390,7 @@ class DeepSpeedTrainer(Trainer):
         if got != (ctx.coord.dp, ctx.coord.tp):
             raise RuntimeError(f"rank {ctx.rank}: DeepSpeed grid (dp, tp) {got} != layout {ctx.coord}")
         if self.plan.zero_stage == 3:
+            ds_config.check_zero3_buckets(self.plan, sum(p.numel() for p in self.model.parameters()), ctx.device.type)
             set_z3_leaf_modules(self.model, z3_leaf_classes())
         self.model.to(ctx.device)
         self._initialize(self.model, mpu=grid)

@@ -163,3 +163,12 @@ def test_the_megatron_engine_refuses_deepspeeds_checkpoint_format():
 
     with pytest.raises(ConfigError, match="--ckpt-format deepspeed .* needs --engine deepspeed"):
         megatron_check(config_from_values({"ckpt_format": "deepspeed"}))
+
+
+def test_zero3_buckets_smaller_than_the_model_are_refused_on_cpu():
+    small = plan({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}})
+    with pytest.raises(ConfigError, match="reduce_bucket_size 1000 is below this rank's 5000 parameters: on CPU"):
+        ds_config.check_zero3_buckets(small, 5000, "cpu")
+    ds_config.check_zero3_buckets(small, 5000, "cuda")                 # a GPU has streams
+    ds_config.check_zero3_buckets(plan(zero_stage=3), 5000, "cpu")      # DeepSpeed's default: 5e8
+    ds_config.check_zero3_buckets(plan({"zero_optimization": {"stage": 2, "reduce_bucket_size": 10}}), 5000, "cpu")
