@@ -655,4 +655,8 @@ class EngineScheduler:
         return self.engine.lr_scheduler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.engine.lr_scheduler.load_state_dict(state)
+        sched = self.engine.lr_scheduler
+        sched.load_state_dict(state)
+        # DeepSpeed's schedules set the groups' rate only when stepped: re-apply the restored step's
+        # (a resume from the project's formats restores no optimizer param groups).
+        sched.step(sched.last_batch_iteration)

@@ -61,6 +61,14 @@ def test_a_deepspeed_checkpoint_resumes_exactly(runs, name):
     assert max_rel(res["from5"], res["straight"][5:]) < 1e-6
 
 
+def test_a_configs_schedule_resumes_from_the_projects_format(runs):
+    res = runs["resume_zero0_config_schedule"]
+    straight, resumed = res["straight"], res["from5"]
+    assert straight["optimizer"] == "ClippedAdamW" and "zero" not in straight["layout"]
+    assert resumed["lr"] == straight["lr"][5:]             # the restored step's rate, not the schedule's first
+    assert max_rel(resumed["loss"], straight["loss"][5:]) < 1e-6
+
+
 @pytest.mark.parametrize("name, layout", [
     ("gpt_pp2dp2_to_tp2pp2", "deepspeed zero1 tp2pp2dp1"),
     ("llama_pp2dp2_to_tp2pp2", "deepspeed zero1 tp2pp2dp1"),

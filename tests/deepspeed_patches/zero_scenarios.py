@@ -98,6 +98,13 @@ def main() -> None:
     res["warmup_lr"] = summary(run({**PP2, "zero_stage": 1}, config={"scheduler": {"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4, "warmup_type": "linear"}}}))
     res["bf16_zero1_pp2dp2"] = summary(run({**PP2, "zero_stage": 1}, config={"bf16": {"enabled": True}}))
+    # A config's schedule at ZeRO-0 (ClippedAdamW), resumed from the project's checkpoint format.
+    warmup = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                             "warmup_num_steps": 8, "warmup_type": "linear"}}}
+    save = os.path.join(out_dir, "ckpt_zero0_warmup")
+    straight = run({**PP2, "save": save, "save_interval": 5}, config=warmup)
+    resumed = run({**PP2, "ckpt_step": 5}, config=warmup, load=save)
+    res["resume_zero0_config_schedule"] = {"straight": summary(straight), "from5": summary(resumed)}
     for name, values in (("zero1_pp2dp2", PP2), ("zero3_tp2dp2", TP2)):
         stage = 3 if name.startswith("zero3") else 1
         save = os.path.join(out_dir, f"ckpt_{name}")
