@@ -43,7 +43,18 @@ class HelixConfig:
                           "always keep it (parity checks, comparisons); baseline: compile without "
                           "any pass.", "auto", choices=MODES)
 
+    helix_select_rounds: int = doc("Measured selection: at the start (and after a re-layout) the job runs the "
+                                   "untiled graph and the --helix-mode schedule one iteration each, then this many "
+                                   "rounds of one iteration each in rotated order, and keeps the schedule resolved "
+                                   "faster than the untiled graph by the rounds' own spread, else the untiled graph "
+                                   "(helix/selection.py). 0: the simulator's choice alone.", 0)
+
     def __post_init__(self) -> None:
+        if self.helix_select_rounds < 0:
+            raise ConfigError(f"--helix-select-rounds must be >= 0, got {self.helix_select_rounds}")
+        if self.helix_select_rounds and self.helix_mode == "baseline":
+            raise ConfigError("--helix-select-rounds compares the untiled graph with the --helix-mode schedule: "
+                              "--helix-mode baseline leaves nothing to compare")
         if self.helix_tiles < 1:
             raise ConfigError(f"--helix-tiles must be >= 1, got {self.helix_tiles}")
         if self.helix_memory_budget_gb is not None and self.helix_memory_budget_gb <= 0:
