@@ -23,6 +23,9 @@ as the noise floor; same process, same weights; 30 rounds by default):
   baseline  the graph as captured (aot_eager-style execution, no pass)
   inductor  Inductor's own overlap scheduler (fx_passes/overlap_scheduling) on the same graphs
   helix     tiling (K=2) + segmented round-robin + bucketing; the simulator may keep the baseline
+  measured  the graph the job's measured selection keeps (--helix-select-rounds, helix/selection.py):
+            untiled or helix, from --select-rounds rounds of its own before the measured rounds; its
+            cost is reported (the selection's steps, and their time beyond as many untiled steps)
 Helix gets a memory budget of the baseline's measured peak + 5 % (its predicted peak when none
 was measured).
 
@@ -83,6 +86,7 @@ from megatron_ext.helix.blocks import MoELayer, TPEPLayer, TPTransformerLayer, c
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.bench.harness import Report, aa_name, ratio_interval, rotated_order  # noqa: E402
 from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
+from megatron_ext.helix.selection import MeasuredSelection  # noqa: E402
 from megatron_ext.helix.measure import (UnclosedAccounting, all_ranks_agree, step_peak_bytes, timed_step,  # noqa: E402
                                         train_step)
 from megatron_ext.runtime.distributed import free_port  # noqa: E402
@@ -90,6 +94,7 @@ from megatron_ext.runtime.distributed import free_port  # noqa: E402
 LINKS = {"intra": "intra_node", "xnode": "cross_node"}
 VARIANTS = ("baseline", "inductor", "helix")
 AA = aa_name("baseline")   # the baseline stepped twice per round: the noise floor
+MEASURED = "measured"      # the graph the measured selection kept (helix/selection.py)
 
 
 def build(case: str, args: argparse.Namespace, g: GroupRef) -> torch.nn.Module:
@@ -257,10 +262,19 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
     fns["helix"] = torch.compile(models["helix"], backend=backends["helix"])
     for _ in range(args.warmup):
         step("helix")()
+    # Measured selection (--helix-select-rounds, helix/selection.py): the job's own choice between the
+    # untiled graph and Helix's, from rounds of its own; the "measured" arm then steps the graph it kept.
+    selection = MeasuredSelection(["baseline", "helix"], args.select_rounds)
+    for i in range(selection.done_after):
+        selection.record(i, timed_step(step(selection.candidate(i)), dist.barrier).step_s)
+    agreed = torch.tensor(selection.vector(), dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    decision = selection.decide(agreed.tolist())
+    fns["measured"], models["measured"] = fns[decision.chosen], models[decision.chosen]
     # Rounds of one step per arm, the arms' order rotated by the round (every arm first equally
     # often; the same order on every rank, as the collectives need), and an A/A arm: the baseline
     # stepped a second time in each round, whose ratio to the baseline is the noise floor.
-    arms = [*VARIANTS, AA]
+    arms = [*VARIANTS, MEASURED, AA]
     samples = {name: [] for name in arms}
     for r in range(args.steps):
         for name in rotated_order(arms, r):
@@ -294,6 +308,12 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
         if name == "helix" and case == "tp" and link == "xnode":
             out["timeline"] = {"baseline": summ[0].baseline, "helix": summ[0].helix}
     out[AA] = {"step_s": [s.step_s for s in samples[AA]]}
+    # Its cost: the selection's iterations, and the time they took beyond as many untiled steps.
+    base_step = statistics.median(out["baseline"]["step_s"])
+    out[MEASURED] = {"step_s": [s.step_s for s in samples[MEASURED]], "chosen": decision.chosen,
+                     "select_iterations": decision.iterations,
+                     "select_extra_s": sum(agreed.tolist()) - decision.iterations * base_step,
+                     "decision": decision.line()}
     return out, ctx
 
 
@@ -328,7 +348,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, cases: li
                         res[name][key] = [max(r[name][key][i] for r in gathered) for i in range(args.steps)]
                     peaks = [r[name]["peak"] for r in gathered]
                     res[name]["peak"] = None if None in peaks else max(peaks)
-                res[AA]["step_s"] = [max(r[AA]["step_s"][i] for r in gathered) for i in range(args.steps)]
+                for arm in (AA, MEASURED):
+                    res[arm]["step_s"] = [max(r[arm]["step_s"][i] for r in gathered) for i in range(args.steps)]
                 results[block][f"{case}_{link}"] = res
                 if rank == 0:
                     print(f"  done {case}_{link} ({block})", file=sys.stderr, flush=True)
@@ -425,7 +446,8 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
         predicted = round(abs(h["sim_compile_s"] - t_h) / t_h, 4)
         # Speedups as medians of the paired per-round ratios (baseline / arm) with 90 % bootstrap
         # intervals, beside the A/A arm's (baseline / baseline again): the noise floor.
-        spd = {name: ratio_interval(b["step_s"], res[name]["step_s"]) for name in ("inductor", "helix", AA)}
+        spd = {name: ratio_interval(b["step_s"], res[name]["step_s"]) for name in ("inductor", "helix", MEASURED, AA)}
+        m = res[MEASURED]
         rnd = lambda iv: [round(x, 4) for x in iv]  # noqa: E731
         out[key] = {
             "exposed_comm_reduction": round(1 - exp_h / exp_b, 4) if exp_b > 0 else 0.0,
@@ -434,6 +456,11 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
             "speedup_inductor": round(spd["inductor"]["median"], 4),
             "speedup_inductor_interval": rnd(spd["inductor"]["interval"]),
             "aa_ratio": round(spd[AA]["median"], 4), "aa_interval": rnd(spd[AA]["interval"]),
+            # the measured selection's arm: the graph it kept, its speedup and what choosing cost
+            "speedup_measured": round(spd[MEASURED]["median"], 4),
+            "speedup_measured_interval": rnd(spd[MEASURED]["interval"]),
+            "measured_choice": m["chosen"], "measured_select_iterations": m["select_iterations"],
+            "measured_select_extra_s": round(m["select_extra_s"], 4),
             "rounds": len(b["step_s"]),
             "sim_makespan_err": round(abs(h["sim_makespan_s"] - t_h) / t_h, 4),
             # The compile-time prediction (what decided the schedule), before any rescaling to
@@ -449,7 +476,10 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
         print(f"{'':<15}-> exposed comm {-out[key]['exposed_comm_reduction']:+.1%}, speedup {out[key]['speedup']:.3f}x "
               f"90 % {iv('speedup_interval')} (inductor {out[key]['speedup_inductor']:.3f}x "
               f"{iv('speedup_inductor_interval')}; A/A {out[key]['aa_ratio']:.3f}x {iv('aa_interval')}; "
-              f"{out[key]['rounds']} rotated rounds), sim err makespan {out[key]['sim_makespan_err']:.1%} "
+              f"{out[key]['rounds']} rotated rounds; measured selection kept {m['chosen']}: "
+              f"{out[key]['speedup_measured']:.3f}x {iv('speedup_measured_interval')}, choosing cost "
+              f"{m['select_iterations']} steps, {m['select_extra_s'] * 1e3:+.1f} ms beyond untiled ones), "
+              f"sim err makespan {out[key]['sim_makespan_err']:.1%} "
               f"(predicted at compile time {predicted:.1%}) "
               f"peak {_pct(out[key]['sim_peak_mem_err'])}, budget {res['budget'] / 2**20:.2f} MiB; link "
               f"{res['link']['bandwidth_Bps'] / 1e6:.0f} MB/s + {res['link']['latency_s'] * 1e6:.0f} us "
@@ -468,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiles", type=int, default=2)
     p.add_argument("--steps", type=int, default=30, help="measured rounds (one step per arm each, order rotated)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--select-rounds", type=int, default=4,
+                   help="rounds of the measured selection's own (untiled vs Helix), before the measured rounds")
     p.add_argument("--cost-model", default="calibrated", choices=["calibrated", "analytical"])
     p.add_argument("--cost-cache", default=None, help="micro-benchmark cache file (default: user cache dir)")
     p.add_argument("--interference", type=float, default=0.18,
