@@ -4,7 +4,7 @@ candidate graphs and keeps the fastest, as autotuners do, instead of trusting th
 The candidates are whole compiled forwards of the model: the untiled graph (the Helix backend with
 no pass, ``mode="baseline"``) first, then the schedule the simulator chose (``--helix-mode``). The
 job runs one candidate per iteration: each once to compile and warm up (not timed), then ``N``
-rounds in which every candidate runs once, the order rotated each round (``bench.harness``'s
+rounds in which every candidate runs once, the order rotated each round (``runtime/rounds.py``'s
 ``rotated_order``: each candidate goes first equally often over a multiple of their count), so that
 a drift of the machine's load lands on every candidate alike. Every rank contributes its iteration
 times; the slowest rank's time of each iteration is the sample (all-reduce MAX: every rank decides
@@ -21,7 +21,7 @@ import dataclasses
 import statistics
 from typing import Sequence
 
-from megatron_ext.bench.harness import ratio_interval, rotated_order
+from megatron_ext.runtime.rounds import ratio_interval, rotated_order
 
 
 @dataclasses.dataclass
