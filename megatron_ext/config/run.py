@@ -255,7 +255,7 @@ class ParallelConfig:
                                  "pipeline parallelism, 0-3 without.", None)
     universal_checkpoint: bool = doc("Megatron-DeepSpeed's flag: --load holds DeepSpeed's universal checkpoint "
                                      "(ds_to_universal's output, named by its latest_universal), loaded into this "
-                                     "run's TP / DP layout (DeepSpeed's checkpoint.load_universal).", False)
+                                     "run's TP / PP / DP layout (DeepSpeed's checkpoint.load_universal).", False)
     no_pipeline_parallel: bool = doc("Megatron-DeepSpeed's flag: DeepSpeed's plain engine instead of its "
                                      "PipelineEngine (needs --pipeline-model-parallel-size 1; ZeRO-1 and above "
                                      "with one stage take the plain engine anyway).", False)
