@@ -411,7 +411,12 @@ class ResiHPExtension(Extension):
             v = Verdict.fail_stop(silence, stage=stage, launch_rank=loss.member)
             v = Verdict(**{**v.to_dict(), "detail": {**v.detail, **detail}})
         else:
-            v = Verdict(kind="hang" if loss.how == "hang" else "fail_stop", rank=loss.member, stage=None,
+            # named by another path than its heartbeat (an exit report, the launcher): its stage still
+            # comes from the layout it was lost in
+            ctx = self.trainer.ctx
+            members = list(getattr(ctx, "members", None) or range(ctx.world_size))
+            stage = ctx.layout.coord(members.index(loss.member)).pp if loss.member in members else None
+            v = Verdict(kind="hang" if loss.how == "hang" else "fail_stop", rank=loss.member, stage=stage,
                         iteration=loss.iteration, factor=None,
                         confidence=1.0, detector=loss.how, time_s=time.time(), detail=detail)
         self.verdicts.append(v)
