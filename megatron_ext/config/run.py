@@ -390,6 +390,10 @@ class TrainingConfig:
     rampup_batch_size: list[int] | None = doc(
         "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT up to --global-batch-size over "
         "the first SAMPLES samples (megatron-core's micro-batch calculator); the schedule counts samples.", None)
+    skip_train: bool = doc("Megatron-LM's --skip-train: no training iteration; the validation (--eval-iters "
+                           "iterations) runs at the loaded checkpoint's iteration and the job exits, saving "
+                           "nothing. The optimizer's state is not loaded (as --no-load-optim). Also "
+                           "--eval-only.", False, aliases=("--eval-only",))
     lr: float = doc("Peak learning rate.", 1e-3)
     min_lr: float = doc("Learning rate at the end of decay.", 0.0)
     lr_warmup_iters: int = doc("Linear warm-up iterations.", 0)
@@ -859,6 +863,9 @@ class RunConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         dp = world_size // (tp * pp)
+        if self.training.skip_train and self.logging.eval_iters == 0:
+            raise ConfigError("--skip-train runs only the validation, and --eval-iters 0 turns it off: give "
+                              "--eval-iters N (N > 0)")
         vpp = self.parallel.virtual_pipeline_model_parallel_size or 1
         stages = self.parallel.pipeline_stage_layers
         if stages is not None and sum(stages) != self.model.num_layers:

@@ -45,6 +45,8 @@ from megatron_ext.helix.simulator import SimResult, interference_of, simulate, s
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "helix", "baseline", "inductor_overlap")
+MAX_PREFILL_TILES = 16
+"""The finest sequence tiling a forward-only graph over its memory budget is tried at."""
 
 
 def _mib(b: int) -> str:
@@ -365,6 +367,9 @@ class HelixBackend:
             logger.info("%s", summary.line())
             return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward),
                                 bw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+        # A forward-only graph with sequence tiling (prefill, evaluation): tiles along the sequence
+        # bound its activation memory, so they are worth taking without collectives to overlap.
+        prefill = self.seq_tiling and not torch.is_grad_enabled()
         self._base, self._decision_cost = None, None
         base = self._trace(gm, example_inputs, tiled=False)
         self._base = base
@@ -381,38 +386,10 @@ class HelixBackend:
                                      (f" (failed: {base.error})" if base.error else ""))
         elif self.tiles < 2:
             summary.refused.append("tiling: tiles=1")
-        elif summary.collectives == 0:
+        elif summary.collectives == 0 and not prefill:
             summary.refused.append("tiling: no collectives to overlap")
         else:
-            tgm, trep = tile_graph(gm, self.tiles, self.input_dims, self.seq_tiling, self.batch_size)
-            summary.tiling = trep
-            missing = trep.missing_rules()
-            if missing:
-                summary.refused.append("no tiling rule for " + ", ".join(
-                    f"{op} ({n} call{'s' if n > 1 else ''})" for op, n in sorted(missing.items())))
-            summary.refused += [f"tile join before {node} ({op}): {why}" for node, op, why in trep.joins]
-            if not trep.applied:
-                summary.refused.append(f"tiling: {trep.reason}")
-            else:
-                helix = self._trace(tgm, example_inputs, tiled=True)
-                if self._decision_cost is not None:  # re-price the baseline with the same table
-                    gs = self._group_size()
-                    base.sim = simulate(step_ops(GraphIR(base.fw, gs), GraphIR(base.bw, gs) if base.bw is not None
-                                                 else None, self._decision_cost), record=True,
-                                        interference=interference_of(self._decision_cost))
-                    summary.baseline = base.sim
-                    self._scale = helix.scale
-                summary.helix, summary.reorder, summary.bucketing = helix.sim, helix.reorder, helix.bucketing
-                ok, why = self._accept(base.sim, helix.sim)
-                if ok:
-                    chosen = helix
-                    summary.tiled = True
-                    summary.decisions.append(f"tiling into {self.tiles} streams + round-robin ({why})")
-                    if helix.bucketing is not None:
-                        summary.decisions += [f"bucket {c}" for c in helix.bucketing.taken]
-                        summary.refused += [f"bucket {c}: {r}" for c, r in helix.bucketing.refused]
-                else:
-                    summary.refused.insert(0, f"tiled schedule: {why}")
+            chosen = self._tile_and_decide(gm, example_inputs, summary, base, prefill)
         if chosen.compiled is None:
             raise RuntimeError(f"helix: compiling graph {summary.index} failed: {chosen.error}")
         chosen.emulate = self.emulating
@@ -424,13 +401,67 @@ class HelixBackend:
         logger.info("%s", summary.line())
         return chosen.compiled
 
-    def _accept(self, base: SimResult, helix: SimResult) -> tuple[bool, str]:
+    def _tile_and_decide(self, gm: fx.GraphModule, example_inputs: Sequence[Any], summary: GraphSummary,
+                         base: _Variant, prefill: bool) -> _Variant:
+        """Tile ``gm``, schedule and simulate it, and return the variant to run: the tiled one when
+        :meth:`_accept` takes it, else ``base``. A forward-only graph over the memory budget is
+        tiled finer (twice the tiles each time) until its predicted peak fits."""
+        tiles, budget = self.tiles, self.memory_budget_bytes
+        tgm, trep = tile_graph(gm, tiles, self.input_dims, self.seq_tiling, self.batch_size)
+        helix = self._trace(tgm, example_inputs, tiled=True) if trep.applied else None
+        while (prefill and budget is not None and helix is not None and helix.sim.peak_bytes > budget
+               and tiles * 2 <= MAX_PREFILL_TILES):
+            finer_gm, finer_rep = tile_graph(gm, tiles * 2, self.input_dims, self.seq_tiling, self.batch_size)
+            if not finer_rep.applied:
+                summary.refused.append(f"{tiles * 2} tiles: {finer_rep.reason}")
+                break
+            finer = self._trace(finer_gm, example_inputs, tiled=True)
+            if finer.sim.peak_bytes >= helix.sim.peak_bytes:
+                summary.refused.append(f"{tiles * 2} tiles: predicted peak {_mib(finer.sim.peak_bytes)}, no lower")
+                break
+            summary.refused.append(f"{tiles} tiles: predicted peak {_mib(helix.sim.peak_bytes)} over the budget "
+                                   f"{_mib(budget)}")
+            tiles, trep, helix = tiles * 2, finer_rep, finer
+        summary.tiling = trep
+        missing = trep.missing_rules()
+        if missing:
+            summary.refused.append("no tiling rule for " + ", ".join(
+                f"{op} ({n} call{'s' if n > 1 else ''})" for op, n in sorted(missing.items())))
+        summary.refused += [f"tile join before {node} ({op}): {why}" for node, op, why in trep.joins]
+        if not trep.applied:
+            summary.refused.append(f"tiling: {trep.reason}")
+            return base
+        if self._decision_cost is not None:  # re-price the baseline with the same table
+            gs = self._group_size()
+            base.sim = simulate(step_ops(GraphIR(base.fw, gs), GraphIR(base.bw, gs) if base.bw is not None
+                                         else None, self._decision_cost), record=True,
+                                interference=interference_of(self._decision_cost))
+            summary.baseline = base.sim
+            self._scale = helix.scale
+        summary.helix, summary.reorder, summary.bucketing = helix.sim, helix.reorder, helix.bucketing
+        ok, why = self._accept(base.sim, helix.sim, prefill)
+        if not ok:
+            summary.refused.insert(0, f"tiled schedule: {why}")
+            return base
+        summary.tiled = True
+        along = "the sequence" if any(d == 1 for d in trep.tiled_inputs.values()) and prefill else None
+        summary.decisions.append(f"tiling into {tiles} streams{' along ' + along if along else ''} + round-robin "
+                                 f"({why})")
+        if helix.bucketing is not None:
+            summary.decisions += [f"bucket {c}" for c in helix.bucketing.taken]
+            summary.refused += [f"bucket {c}: {r}" for c, r in helix.bucketing.refused]
+        return helix
+
+    def _accept(self, base: SimResult, helix: SimResult, prefill: bool = False) -> tuple[bool, str]:
         gain = (base.makespan_s - helix.makespan_s) / base.makespan_s if base.makespan_s > 0 else 0.0
         budget = self.memory_budget_bytes
         if budget is not None and helix.peak_bytes > budget and helix.peak_bytes > base.peak_bytes:
             return False, f"predicted peak {_mib(helix.peak_bytes)} over the budget {_mib(budget)}"
         if self.mode == "helix":
             return True, f"forced; predicted gain {gain:+.1%}"
+        if prefill and budget is not None and base.peak_bytes > budget and helix.peak_bytes < base.peak_bytes:
+            return True, (f"untiled predicted peak {_mib(base.peak_bytes)} over the budget {_mib(budget)}, tiled "
+                          f"{_mib(helix.peak_bytes)}; predicted gain {gain:+.1%}")
         if gain < self.min_gain:
             return False, f"predicted gain {gain:+.1%} below {self.min_gain:.0%}"
         return True, f"predicted gain {gain:+.1%}"

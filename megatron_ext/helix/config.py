@@ -25,8 +25,11 @@ class HelixConfig:
     helix_memory_budget_gb: float | None = doc("Peak-memory budget of one compiled graph step in GiB; "
                                                "schedules predicted above it are refused. Unset = no "
                                                "limit.", None)
-    helix_seq_tiling: bool = doc("Also tile along the sequence dimension inside regions the model "
-                                 "declares safe (helix.seq_tileable()).", False)
+    helix_seq_tiling: bool = doc("Also tile along the sequence where the batch does not split (micro-batch 1). "
+                                 "In forward-only graphs (validation, --skip-train) each query tile attends to "
+                                 "every key and the causal mask is made per tile, so one tile's attention "
+                                 "scores are live at a time; with --helix-memory-budget-gb such a graph over "
+                                 "the budget is tiled finer until its predicted peak fits.", False)
     helix_bucketing: bool = doc("Merge tile collectives back where the simulator predicts a gain.", True)
     helix_min_gain: float = doc("Keep the tiled schedule only when the simulator predicts at least "
                                 "this relative makespan gain over the untiled graph.", 0.02)

@@ -107,7 +107,8 @@ class Trainer:
             logger.info("--load %s holds no checkpoint yet: starting from scratch (it is also --save: the next "
                         "launch of this line resumes from what this one saves)", ck.load)
         if source is not None:
-            self.load_checkpoint(source, finetune=finetune, load_optim=ck.load_optim, load_rng=ck.load_rng)
+            self.load_checkpoint(source, finetune=finetune, load_optim=ck.load_optim and not cfg.training.skip_train,
+                                 load_rng=ck.load_rng)
         else:
             self.scheduler.step(0)
         self.prepare_schedule()
@@ -663,7 +664,9 @@ class Trainer:
             if self.ft is not None and self.ft.is_spare and not self.ft.wait_as_spare(self):
                 return self.history  # the job finished while this process waited for a place
             leave = None
-            while self.iteration < t.train_iters and leave is None:
+            if t.skip_train and self.ctx.rank == 0:
+                logger.info("skipping training (--skip-train is on): validation at iteration %d", self.iteration)
+            while not t.skip_train and self.iteration < t.train_iters and leave is None:
                 try:
                     self._iterate(times)
                     leave = self._exit_reason()
@@ -681,7 +684,7 @@ class Trainer:
                     times.clear()
             if leave is None and lg.eval_iters > 0:
                 self._log_eval(self.evaluate(), final=True)
-            if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
+            if ck.save and not t.skip_train and not (ck.save_interval and self.iteration % ck.save_interval == 0):
                 self.save_checkpoint()
             if leave is not None and self.ctx.rank == 0:
                 logger.info("exiting after iteration %d of %d (%s)%s", self.iteration, t.train_iters, leave,

@@ -72,7 +72,8 @@ def feeds_collective(graph: fx.Graph, tiles: dict[fx.Node, int | None], segment:
 
 
 def segment_priorities(graph: fx.Graph, tiles: dict[fx.Node, int | None]) -> dict[fx.Node, tuple]:
-    """Priority (segment, phase, stream, position, own position) of every node; smaller runs first.
+    """Priority (segment, phase, stream, position, own stream, own position) of every node;
+    smaller runs first.
 
     Phase 0 is a segment's critical path (what its collective needs, the wait that opens it
     included), phase 1 the rest: in each round the streams issue their collectives first, then do
@@ -91,31 +92,52 @@ def segment_priorities(graph: fx.Graph, tiles: dict[fx.Node, int | None]) -> dic
     prio: dict[fx.Node, tuple] = {}
     for n in nodes:
         if n.op == "placeholder":
-            prio[n] = (-1, 0, 0, pos[n], pos[n])
+            prio[n] = (-1, 0, 0, pos[n], 0, pos[n])
         elif n in segment:
-            prio[n] = (segment[n], 0 if n in crit else 1, tiles[n], pos[n], pos[n])
+            prio[n] = (segment[n], 0 if n in crit else 1, tiles[n], pos[n], tiles[n], pos[n])
     late: list[fx.Node] = []
     for n in reversed(nodes):
         if n in prio:
             continue
         if n.op == "output":
-            prio[n] = (_INF, _INF, _INF, pos[n], pos[n])
+            prio[n] = (_INF, _INF, _INF, pos[n], 0, pos[n])
             continue
         # An untiled node needed by a stream runs just before its earliest consumer.
         users = [prio[u] for u in n.users if u in prio]
         p = min(users) if users else (_INF,)
         if p[0] == _INF:
             late.append(n)
-            prio[n] = (_INF, _INF, _INF, pos[n], pos[n])
+            prio[n] = (_INF, _INF, _INF, pos[n], 0, pos[n])
         else:
-            prio[n] = (*p[:4], pos[n])
+            prio[n] = (*p[:5], pos[n])
     # Untiled nodes that only untiled nodes need (joins, weight-gradient sums, untiled regions)
     # run as soon as their inputs are there, which frees tile results early.
     for n in reversed(late):
         ins = [prio[a] for a in n.all_input_nodes]
-        p = max(ins) if ins else (-1, 0, 0, pos[n], pos[n])
-        prio[n] = (*p[:4], pos[n])
+        p = max(ins) if ins else (-1, 0, 0, pos[n], 0, pos[n])
+        prio[n] = (*p[:5], pos[n])
+    # A stream's node that another stream's earlier work waits for (through a join: the keys and
+    # values a query tile reads whole) runs with that work's priority, not after its own stream's
+    # later work; several streams' such nodes run stream after stream (a query tile's keys come
+    # from every stream: each stream's work before them runs whole, one stream at a time).
+    for n in reversed(nodes):
+        if n in segment:
+            urgent = [prio[u] for u in n.users if u in prio and prio[u][:4] < prio[n][:4]]
+            if urgent:
+                prio[n] = (*min(urgent)[:4], tiles[n], pos[n])
     return prio
+
+
+def lazy_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that read no tensor computed in the graph (a constant fill, a causal mask made from
+    one, their casts): they are made just before their first consumer runs, not as early as they
+    could be -- a stream's mask would otherwise be allocated whenever its stream stalls."""
+    lazy: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and not is_impure(n) and all(a in lazy for a in n.all_input_nodes) \
+                and collective_kind(n) is None and not is_wait(n):
+            lazy.add(n)
+    return lazy
 
 
 def schedule(graph: fx.Graph, prio: dict[fx.Node, tuple]) -> list[fx.Node]:
@@ -132,18 +154,35 @@ def schedule(graph: fx.Graph, prio: dict[fx.Node, tuple]) -> list[fx.Node]:
     for n, ds in deps.items():
         for d in ds:
             users[d].append(n)
-    missing = {n: len(ds) for n, ds in deps.items()}
-    ready = [(prio[n], i, n) for i, n in enumerate(nodes) if missing[n] == 0]
+    lazy = lazy_nodes(graph) - {out_node}
+    lazy = {n for n in lazy if deps[n] <= lazy}  # an impure predecessor makes a node eager
+    # a lazy node counts as there for its consumers; it is emitted right before the first of them
+    missing = {n: len(ds - lazy) for n, ds in deps.items()}
+    ready = [(prio[n], i, n) for i, n in enumerate(nodes) if missing[n] == 0 and n not in lazy]
     heapq.heapify(ready)
     index = {n: i for i, n in enumerate(nodes)}
     order = []
+    done: set[fx.Node] = set()
+
+    def emit(n: fx.Node) -> None:
+        for d in sorted(deps[n] & lazy, key=index.__getitem__):
+            if d not in done:
+                emit(d)
+        done.add(n)
+        order.append(n)
+
     while ready:
         _, _, n = heapq.heappop(ready)
-        order.append(n)
+        emit(n)
         for u in users[n]:
+            if u in lazy:
+                continue
             missing[u] -= 1
             if missing[u] == 0:
                 heapq.heappush(ready, (prio[u], index[u], u))
+    for n in nodes:  # lazy nodes nothing reads (dead code): where they were
+        if n not in done:
+            emit(n)
     if len(order) != len(nodes):
         raise DependencyError("helix reorder: the graph has a cycle")
     return order

@@ -137,6 +137,10 @@ def choose_input_dims(gm: fx.GraphModule, tiles: int, input_dims: Mapping[str, i
             return out, ""
     reason = "inputs have no dim to tile"
     for dim in ((0, 1) if seq_tiling else (0,)):
+        if dim == 0 and batch_size is not None and batch_size % tiles:
+            # the batch is known not to split: another input's dim 0 (a rotary table) is no batch
+            reason = f"batch size {batch_size} is not divisible by {tiles} tiles"
+            continue
         sizes = collections.Counter(int(value_of(n).shape[dim]) for n in cands
                                     if value_of(n).dim() > dim and value_of(n).shape[dim] > 1)
         if not sizes:
@@ -174,7 +178,41 @@ def tile_graph(gm: fx.GraphModule, tiles: int = 2, input_dims: Mapping[str, int]
         report.reason, report.tiled_calls, report.joins = str(exc), 0, []
         logger.info("helix tiling: graph left untiled: %s", exc)
         return gm, report
+    for node in reversed(list(streams.graph.nodes)):
+        if node in streams.unused and not node.users:
+            streams.graph.erase_node(node)
     return _finish(gm, streams.graph, report), report
+
+
+_CREATE = (torch.ones, torch.zeros, torch.full)
+_CASTS = {("method", "bool"), ("method", "float"), ("method", "to"), ("method", "half"), ("method", "bfloat16")}
+
+
+def created_pattern(a: fx.Node) -> list[fx.Node] | None:
+    """The nodes that make ``a`` from nothing -- a constant fill, at most one triangle (``triu``/
+    ``tril``, megatron's causal mask), then casts -- creation first; None for anything else. Such
+    a tensor's tiles can be made per tile instead of sliced from the whole."""
+    chain, n = [], a
+    while True:
+        chain.append(n)
+        if n.op == "call_function" and n.target in _CREATE:
+            if n.all_input_nodes or any(isinstance(v, torch.SymInt) for v in n.args):
+                return None
+            break
+        key = ("method", n.target) if n.op == "call_method" else n.target
+        if not (key in _CASTS or key in (torch.triu, torch.tril)) or len(n.all_input_nodes) != 1:
+            return None
+        if key in _CASTS and any(isinstance(v, fx.Node) for v in (*n.args[1:], *n.kwargs.values())):
+            return None
+        if key in (torch.triu, torch.tril) and sum(m.target in (torch.triu, torch.tril) for m in chain) > 1:
+            return None
+        n = n.args[0]
+        if not isinstance(n, fx.Node):
+            return None
+    chain.reverse()
+    if len(value_of(chain[0]).shape) < 2 and any(m.target in (torch.triu, torch.tril) for m in chain):
+        return None
+    return chain
 
 
 def _refusal(gm: fx.GraphModule, tiles: int) -> str:
@@ -229,6 +267,7 @@ class _TileStreams:
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.split_cache: dict[tuple[fx.Node, int], list[fx.Node]] = {}
+        self.unused: set[fx.Node] = set()  # whole copies replaced by per-tile creations (dropped if unread)
         self.aliases: Aliases | None = None   # built at the first in-place update: most graphs have none
         self.same_tensor: dict[fx.Node, set[fx.Node]] = {}  # node -> every node that *is* its tensor (update chains)
 
@@ -335,6 +374,8 @@ class _TileStreams:
         untiled input the plan splits, a detached input whose gradient must count once (every tile
         after the first; ``detached`` shares one detach per call), or the untiled input whole."""
         st = self.env[a]
+        if a in plan.whole:
+            return self.full(a)
         if isinstance(st, (_Tiled, _TiledTuple)):
             return st.tiles[k]
         if a in plan.split:
@@ -367,11 +408,36 @@ class _TileStreams:
         by every call that splits it."""
         key = (a, dim)
         if key not in self.split_cache:
-            src = self.full(a)
             size = int(value_of(a).shape[dim]) // self.tiles
-            self.split_cache[key] = [_tag(self.graph.call_function(torch.narrow, (src, dim, j * size, size)), None, j)
-                                     for j in range(self.tiles)]
+            chain = created_pattern(a)
+            if chain is not None:  # made per tile: the whole one is never allocated
+                self.split_cache[key] = [self.create_tile(chain, dim, j, size) for j in range(self.tiles)]
+                self.unused.update(self.env[m] for m in chain)
+            else:
+                src = self.full(a)
+                self.split_cache[key] = [_tag(self.graph.call_function(torch.narrow, (src, dim, j * size, size)),
+                                              None, j) for j in range(self.tiles)]
         return self.split_cache[key][k]
+
+    def create_tile(self, chain: list[fx.Node], dim: int, k: int, size: int) -> fx.Node:
+        """Tile ``k`` (rows ``k * size`` on along ``dim``) of the tensor ``chain`` creates from
+        nothing: the creation with that dim shrunk, a triangle's diagonal shifted by the rows or
+        columns the tile starts at, the casts as they were."""
+        fill, *rest = chain
+        nd = len(value_of(fill).shape)
+        shape = list(value_of(fill).shape)
+        shape[dim] = size
+        args = (tuple(shape), *fill.args[1:]) if fill.target is torch.full else tuple(shape)
+        kwargs = {key: v for key, v in fill.kwargs.items() if key != "size"}
+        node = _tag(self.graph.call_function(fill.target, args, kwargs), fill, k)
+        for m in rest:
+            if m.target in (torch.triu, torch.tril):
+                diag = m.kwargs.get("diagonal", m.args[1] if len(m.args) > 1 else 0)
+                diag += k * size if dim == nd - 2 else -k * size if dim == nd - 1 else 0
+                node = _tag(self.graph.call_function(m.target, (node,), {"diagonal": diag}), m, k)
+            else:
+                node = _tag(self.graph.create_node(m.op, m.target, (node, *m.args[1:]), dict(m.kwargs)), m, k)
+        return node
 
     # -- in-place updates (the module docstring) --------------------------------------------------
     def copy_update(self, n: fx.Node, mut: Mutation, tiled: Mapping[fx.Node, Any]) -> None:

@@ -38,6 +38,8 @@ class Plan:
     # detached (a gradient attachment such as an auxiliary loss riding on an activation).
     once: frozenset = frozenset()
     rewrite: Callable[[int, tuple, dict], tuple[tuple, dict]] | None = None
+    # Tiled inputs every tile reads whole (joined): the keys and values of a query tile.
+    whole: frozenset = frozenset()
     op: str | None = None
     target: Any = None
 
@@ -268,6 +270,12 @@ def _matmul_plan(ctx: RuleCtx, a: fx.Node, b: fx.Node, extra: list[fx.Node] = ()
         if da == len(sa) - 1:
             raise Refuse("left operand tiled along the contraction dim")
         want = o - 2 if da == len(sa) - 2 else da + o - len(sa)
+    if want == o - 2 and db is not None and db >= len(sb) - 2:
+        # Row tiles of the left operand against a right operand tiled along its own rows or columns
+        # (attention's scores and context under sequence tiling: a query tile against every key):
+        # row i of the product reads row i of the left and all of the right, so each tile reads
+        # the right operand joined.
+        return dataclasses.replace(_matmul_plan(_without(ctx, b), a, b, extra), whole=frozenset({b}))
     if db is not None:
         if db == len(sb) - 2:
             raise Refuse("right operand tiled along the contraction dim")
@@ -303,6 +311,11 @@ def _matmul_plan(ctx: RuleCtx, a: fx.Node, b: fx.Node, extra: list[fx.Node] = ()
                 raise Refuse(f"added operand {x.name} has size {s[j]} along the tile dim")
             split[x] = j
     return Plan(out_dim=want, split=split)
+
+
+def _without(ctx: RuleCtx, a: fx.Node) -> RuleCtx:
+    """``ctx`` with ``a`` seen as untiled (a plan that reads it joined)."""
+    return RuleCtx(node=ctx.node, dims={k: v for k, v in ctx.dims.items() if k is not a}, tiles=ctx.tiles)
 
 
 @rule(torch.matmul, operator.matmul, torch.bmm, torch.mm, ("method", "matmul"), ("method", "bmm"),
