@@ -62,6 +62,19 @@ Prints a table, then one JSON line:
    "peak_mem_bytes": {"baseline": ..., "helix": ...}}, ...},
    "gpu_interference": {"share": 0.18, "cases": {"tp_xnode": {...same keys...}, ...}}}
 ``--timeline PNG`` also draws the simulated before/after timeline of tp_xnode.
+
+Long-context activation memory (``--long-seqs``, default 4096 8192 16384 32768; none skips it; run
+first, on 2 ranks): a small GPT of megatron-core (2 layers, hidden 64, 2 heads, rotary, TP=2) in
+forward-only mode, one sequence per call, compiled untiled and with sequence tiles (each
+``--long-tiles`` K, forced: query tiles against every key, the causal mask made per tile, one tile
+at a time). Per arm: the peak allocation of one forward on the fullest rank (profiler allocator
+events, ``measure.forward_peak_bytes``; megatron's own [b*np, s, s] score buffer is allocated
+before and held in every arm, so it is not in the peak), the simulator's compile-time prediction,
+the largest difference of the outputs from the untiled graph's, and the forward time over
+``--long-rounds`` rounds in rotated order with an A/A arm. An arm whose predicted peak would not fit
+in 80 % of the host's available memory on every rank at once is predicted and not run (the table
+says so). JSON: ``"long_context": {"16384": {"seq-k2": {"peak_bytes", "predicted_peak_bytes",
+"peak_cut", "sim_peak_err", "max_abs_diff", "speedup", ...}}}``.
 """
 from __future__ import annotations
 
@@ -382,6 +395,152 @@ def _spawn(world: int, args: argparse.Namespace, cases: list[str]) -> dict:
     return results
 
 
+# -- long-context activation memory (forward only, sequence tiles) ---------------------------------
+def long_context_values(args: argparse.Namespace, seq: int) -> dict:
+    """A small GPT of megatron-core (its local spec, as ``--helix`` builds it), TP=2, rotary
+    positions, one sequence of ``seq`` tokens per micro-batch."""
+    return {**FORMER_DEFAULTS, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 2,
+            "position_embedding_type": "rope", "seq_length": seq, "max_position_embeddings": seq,
+            "tensor_model_parallel_size": 2, "micro_batch_size": 1, "global_batch_size": 1,
+            "hidden_dropout": 0.0, "attention_dropout": 0.0, "seed": 1234}
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class _Predicted(Exception):
+    pass
+
+
+def _predicted_peak(model: torch.nn.Module, backend: HelixBackend, ids: torch.Tensor, pos: torch.Tensor) -> int:
+    """The compile-time predicted peak of ``backend``'s graph of the forward, from compiling it
+    without running it (the backend's result is discarded before Dynamo could call it)."""
+    def predict(gm, example_inputs):
+        backend(gm, example_inputs)
+        raise _Predicted()
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model.forward, backend=predict, dynamic=False)(ids, pos, None)
+    except Exception as exc:  # Dynamo wraps the backend's exception
+        if not isinstance(exc, _Predicted) and not isinstance(exc.__cause__, _Predicted) \
+                and "_Predicted" not in repr(exc):
+            raise
+    torch._dynamo.reset()
+    return backend.summaries[-1].chosen.peak_bytes
+
+
+def long_context_worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    """Per sequence length: compile the forward of the same model untiled and with sequence tiles
+    (each --long-tiles K, forced), measure each arm's peak allocation of one forward (the
+    profiler's running sum, ``measure.forward_peak_bytes``) beside the simulator's compile-time
+    prediction, the outputs' difference from the untiled graph's, and the forward time over rounds
+    in rotated order with an A/A arm. An arm whose predicted peak on every rank would not fit in
+    80 % of the host's available memory is compiled and predicted, not run."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    torch.set_num_threads(1)
+    if args.pin and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    logging.basicConfig(level=logging.INFO if (rank == 0 and args.verbose) else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.config.run import config_from_values
+    from megatron_ext.helix.adapter import make_traceable, prefill_first_call_state
+    from megatron_ext.helix.measure import forward_peak_bytes
+    from megatron_ext.runtime import distributed
+    from megatron_ext.runtime.model import build_model, unwrap
+
+    seqs = sorted(args.long_seqs)
+    cfg = config_from_values(long_context_values(args, seqs[-1]))
+    ctx = distributed.setup(cfg.parallel, seed=cfg.training.seed)
+    model = unwrap(build_model(cfg, ctx, vocab_size=256, wrap_ddp=False).chunks[0])
+    make_traceable(model)
+    model.eval()
+    agree = all_ranks_agree()
+    arms = ["untiled", *[f"seq-k{k}" for k in args.long_tiles]]
+    results = {}
+    for seq in seqs:
+        prefill_first_call_state(model, 1, seq)  # megatron's score buffer [b*np, s, s]: held by megatron, both arms
+        gen = torch.Generator().manual_seed(seq)
+        ids = torch.randint(0, 256, (1, seq), generator=gen)
+        pos = torch.arange(seq).unsqueeze(0)
+        res: dict = {"arms": {}}
+        compiled, outs = {}, {}
+        for arm in arms:
+            backend = (HelixBackend(mode="baseline") if arm == "untiled" else
+                       HelixBackend(tiles=int(arm.split("k")[1]), seq_tiling=True, mode="helix", batch_size=1))
+            predicted = _predicted_peak(model, backend, ids, pos)
+            need = torch.tensor([float(predicted)])
+            dist.all_reduce(need, op=dist.ReduceOp.MAX)
+            avail = _mem_available()
+            fits = agree(avail is None or need.item() * world <= 0.8 * avail)
+            res["arms"][arm] = {"predicted_peak": int(need.item()), "peak": None, "run": fits, "why_not": None if fits
+                                else f"predicted {need.item() / 2**30:.2f} GiB per rank x {world} ranks over 80 % "
+                                     f"of the {avail / 2**30:.1f} GiB available"}
+            compiled[arm] = backend
+        runnable = [a for a in arms if res["arms"][a]["run"]]
+        fns = {}
+        for arm in runnable:
+            backend = compiled[arm]
+            with torch.no_grad():
+                f = fns[arm] = torch.compile(model.forward, backend=backend, dynamic=False)
+                outs[arm] = f(ids, pos, None).detach().clone()  # compiles (the same graph again) and warms up
+                summary = backend.summaries[-1]
+                res["arms"][arm]["tiles"] = summary.tiling.tiles if summary.tiled else 1
+                res["arms"][arm]["predicted_peak"] = summary.chosen.peak_bytes
+                try:
+                    res["arms"][arm]["peak"] = forward_peak_bytes(lambda: f(ids, pos, None), agree=agree)
+                except UnclosedAccounting:
+                    res["arms"][arm]["peak"] = None
+        ref = outs.get("untiled")
+        for arm in runnable:
+            a = res["arms"][arm]
+            a["max_abs_diff"] = None if ref is None else float((outs[arm] - ref).abs().max())
+            # the slowest rank's figures: the job needs what its fullest rank needs
+            vals = torch.tensor([float(-1 if a["peak"] is None else a["peak"]), float(a["predicted_peak"]),
+                                 -1.0 if a["max_abs_diff"] is None else a["max_abs_diff"]], dtype=torch.float64)
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+            a["peak"] = None if vals[0] < 0 else int(vals[0])
+            a["predicted_peak"] = int(vals[1])
+            a["max_abs_diff"] = None if vals[2] < 0 else float(vals[2])
+        # forward times: rounds of one call per arm (and an A/A arm), order rotated by the round
+        timing = runnable + ([aa_name("untiled")] if "untiled" in runnable else [])
+        times = {a: [] for a in timing}
+        for r in range(args.long_rounds):
+            for a in rotated_order(timing, r):
+                f = fns[a if a in fns else "untiled"]
+                dist.barrier()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    f(ids, pos, None)
+                dt = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                times[a].append(dt.item())
+        res["forward_s"] = times
+        results[seq] = res
+        if rank == 0:
+            print(f"  done long context {seq}", file=sys.stderr, flush=True)
+        del outs, compiled, fns
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def plot_timeline(tl: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -487,9 +646,78 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
     return out
 
 
+def summarise_long(results: dict, args: argparse.Namespace) -> dict:
+    """The long-context table: per sequence length and arm, the measured and predicted peak of one
+    forward (the fullest rank), the cut against the untiled graph, the outputs' largest difference
+    and the median forward time with its ratio to the untiled graph's (A/A beside it)."""
+    med = statistics.median
+    print(f"\nLONG-CONTEXT ACTIVATION MEMORY: forward only, {long_context_values(args, 0)['num_layers']} layers, "
+          f"hidden {long_context_values(args, 0)['hidden_size']}, TP=2 on 2 ranks, one sequence per call; peak = "
+          f"the fullest rank's allocation above what was live before the call (megatron's own [b*np, s, s] score "
+          f"buffer, held in both arms, excluded); {args.long_rounds} rounds in rotated order")
+    hdr = (f"{'seq':>7} {'arm':<9}{'peak MiB':>10}{'sim MiB':>10}{'sim err':>9}{'cut':>8}{'max |diff|':>12}"
+           f"{'fwd s':>8}{'fwd x':>16}")
+    print(hdr)
+    print("-" * len(hdr))
+    out: dict = {}
+    for seq, res in results.items():
+        base = res["arms"]["untiled"]
+        times = res["forward_s"]
+        row_out = {}
+        for arm, a in res["arms"].items():
+            peak, sim = a["peak"], a["predicted_peak"]
+            err = None if peak is None or not peak else abs(sim - peak) / peak
+            cut = None if peak is None or base["peak"] is None else 1 - peak / base["peak"]
+            sim_cut = 1 - sim / base["predicted_peak"] if base["predicted_peak"] else None
+            fwd = med(times[arm]) if times.get(arm) else None
+            ratio = (ratio_interval(times["untiled"], times[arm]) if arm != "untiled" and fwd is not None
+                     and times.get("untiled") else None)
+            aa = ratio_interval(times["untiled"], times[aa_name("untiled")]) if times.get(aa_name("untiled")) else None
+            shown = ratio if arm != "untiled" else aa
+            diff = "n/a" if a.get("max_abs_diff") is None else f"{a['max_abs_diff']:.1e}"
+            speed = "" if not shown else f"{shown['median']:.3f}x" + (" A/A" if arm == "untiled" else "")
+            if not a["run"]:
+                print(f"{seq:>7} {arm:<9}{'not run':>10}{_mib(sim):>10}{'':>9}{_pct(sim_cut) + '*':>8}  {a['why_not']}")
+            else:
+                print(f"{seq:>7} {arm:<9}{_mib(peak):>10}{_mib(sim):>10}{_pct(err):>9}"
+                      f"{(_pct(-cut) if cut is not None else 'n/a'):>8}"
+                      f"{diff:>12}"
+                      f"{(f'{fwd:.2f}' if fwd is not None else 'n/a'):>8}"
+                      f"{speed:>16}")
+            row_out[arm] = {"peak_bytes": peak, "predicted_peak_bytes": sim, "sim_peak_err": err,
+                            "peak_cut": cut, "predicted_peak_cut": sim_cut, "max_abs_diff": a.get("max_abs_diff"),
+                            "tiles": a.get("tiles"), "run": a["run"], "why_not": a["why_not"],
+                            "forward_s_median": fwd, "speedup": None if ratio is None else ratio["median"],
+                            "speedup_interval": None if ratio is None else ratio["interval"],
+                            "aa": None if aa is None else aa["median"],
+                            "aa_interval": None if aa is None else aa["interval"]}
+        out[str(seq)] = row_out
+    print("cut: the measured peak's reduction against the untiled graph's (* where only predicted); fwd x: the untiled "
+          "forward's time over the arm's, median of the per-round ratios (untiled row: its A/A)")
+    return out
+
+
+def _spawn_long(args: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = mp.spawn(long_context_worker, args=(2, free_port(), args, queue), nprocs=2, join=False)
+    results = None
+    while results is None:
+        if not queue.empty():
+            results = queue.get()
+        elif procs.join(timeout=1):
+            if queue.empty():
+                raise RuntimeError("bench_helix: the long-context ranks exited without results")
+            results = queue.get()
+    while not procs.join():
+        pass
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="+", default=list(CASE_WORLD), choices=list(CASE_WORLD))
+    p.add_argument("--cases", nargs="*", default=list(CASE_WORLD), choices=list(CASE_WORLD),
+                   help="the layer cases (none: only the long-context table)")
     p.add_argument("--links", nargs="+", default=["xnode", "intra"], choices=list(LINKS))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
@@ -508,7 +736,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", default=None, help="write the simulated tp_xnode before/after timeline PNG here")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin each rank to its own core")
     p.add_argument("--verbose", action="store_true", help="log each graph's Helix summary (rank 0)")
+    p.add_argument("--long-seqs", nargs="*", type=int, default=[4096, 8192, 16384, 32768],
+                   help="sequence lengths of the long-context memory table (none: skip it)")
+    p.add_argument("--long-tiles", nargs="+", type=int, default=[2, 4], help="sequence tiles K of its tiled arms")
+    p.add_argument("--long-rounds", type=int, default=3, help="its forward-time rounds (one call per arm each)")
     args = p.parse_args(argv)
+    if any(k < 2 for k in args.long_tiles) or any(s % (2 * k) for s in args.long_seqs for k in args.long_tiles):
+        p.error("--long-tiles must be >= 2 and divide every --long-seqs length (times the TP size, 2)")
     if args.timeline and ("tp" not in args.cases or "xnode" not in args.links):
         p.error("--timeline needs the tp case and the xnode link")
     if not 0.0 <= args.interference < 1.0:
@@ -516,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = Report("bench_helix")  # the load average before anything starts
     results: dict[str, dict] = {"plain": {}, "interference": {}}
+    long_context = _spawn_long(args) if args.long_seqs else None
     for world in sorted({CASE_WORLD[c] for c in args.cases}):
         part = _spawn(world, args, [c for c in args.cases if CASE_WORLD[c] == world])
         for block in results:
@@ -529,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         out["gpu_interference"] = {"share": args.interference,
                                    "cases": summarise(results["interference"], args,
                                                       f" WITH GPU INTERFERENCE {args.interference:.0%}")}
+    if long_context is not None:
+        out["long_context"] = summarise_long(long_context, args)
     if args.timeline:
         tl = results["plain"]["tp_xnode"]["timeline"]
         plot_timeline(tl, args.timeline)

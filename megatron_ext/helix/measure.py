@@ -110,6 +110,26 @@ def step_peak_bytes(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                              f"steps (frees made on threads the profiler does not record)")
 
 
+def forward_peak_bytes(fn: Callable[[], object], attempts: int = 50,
+                       agree: Callable[[bool], bool] | None = None) -> int:
+    """Peak memory of one forward-only call whose result is dropped at once: a call's accounting
+    closes when its running sum ends at zero. A call whose last free of a collective's buffer
+    happened on gloo's worker thread (which the profiler does not record) does not close; the call
+    is repeated -- every rank together (``agree``), until each rank has one call that closed -- and
+    each rank reports the peak of its first closed call."""
+    def call() -> None:
+        fn()  # the result is dropped here, inside the profiled region
+
+    found: int | None = None
+    for _ in range(attempts):
+        peak, net = _profile_memory(call)
+        if found is None and net == 0:
+            found = peak
+        if (agree(found is not None) if agree is not None else found is not None):
+            return found
+    raise UnclosedAccounting(f"forward_peak_bytes: allocator accounting did not close in {attempts} profiled calls")
+
+
 def timed_step(step: Callable[[], None], barrier: Callable[[], None] | None = None) -> StepSample:
     if barrier is not None:
         barrier()

@@ -100,6 +100,8 @@ def _is_model_state(ph: fx.Node) -> bool:
             return True
         if name and not name.startswith("L["):
             return True  # globals and other non-argument tensors are weights, not activations
+        if name.startswith("L['self']"):
+            return True  # a tensor attribute of the module (a rotary table): state, not an argument
     return isinstance(value_of(ph), torch.nn.Parameter)
 
 
