@@ -12,6 +12,8 @@ from megatron_ext.config.base import ConfigError, doc
 INTERCONNECTS = ("none", "intra_node", "cross_node")
 COST_MODELS = ("analytical", "calibrated")
 MODES = ("auto", "tiled", "baseline")
+DEFAULT_SELECT_ROUNDS = 4
+"""Measured-selection rounds of ``--helix-mode auto`` when ``--helix-select-rounds`` is unset."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -46,14 +48,16 @@ class HelixConfig:
                           "always keep it (parity checks, comparisons); baseline: compile without "
                           "any pass.", "auto", choices=MODES)
 
-    helix_select_rounds: int = doc("Measured selection: at the start (and after a re-layout) the job runs the "
-                                   "untiled graph and the --helix-mode schedule one iteration each, then this many "
-                                   "rounds of one iteration each in rotated order, and keeps the schedule resolved "
-                                   "faster than the untiled graph by the rounds' own spread, else the untiled graph "
-                                   "(helix/selection.py). 0: the simulator's choice alone.", 0)
+    helix_select_rounds: int | None = doc(
+        "Measured selection: at the start (and after a re-layout) the job runs the untiled graph and the "
+        "--helix-mode schedule one iteration each, then this many rounds of one iteration each in rotated order, "
+        "and keeps the schedule resolved faster than the untiled graph by the rounds' own spread, else the "
+        "untiled graph (helix/selection.py). Unset: 4 with --helix-mode auto, so that --helix never keeps a "
+        "schedule slower than not using it; 0 with tiled or baseline (the schedule as forced). 0: the "
+        "simulator's choice alone.", None)
 
     def __post_init__(self) -> None:
-        if self.helix_select_rounds < 0:
+        if self.helix_select_rounds is not None and self.helix_select_rounds < 0:
             raise ConfigError(f"--helix-select-rounds must be >= 0, got {self.helix_select_rounds}")
         if self.helix_select_rounds and self.helix_mode == "baseline":
             raise ConfigError("--helix-select-rounds compares the untiled graph with the --helix-mode schedule: "
@@ -82,6 +86,13 @@ class HelixConfig:
         return {"local_layer_spec": "--helix",
                 "no_shared_experts": "--helix: Helix's traceable MoE dispatch (helix/adapter_moe.py) does not "
                                      "implement shared experts"}
+
+    @property
+    def select_rounds(self) -> int:
+        """``--helix-select-rounds`` as it applies: its default depends on ``--helix-mode``."""
+        if self.helix_select_rounds is not None:
+            return self.helix_select_rounds
+        return DEFAULT_SELECT_ROUNDS if self.helix_mode == "auto" else 0
 
     @property
     def memory_budget_bytes(self) -> int | None:

@@ -48,7 +48,7 @@ class HelixExtension(Extension):
             raise ConfigError("--helix needs the megatron engine (--engine megatron)")
         # Calibration agrees over the world group: here, where every rank is (see prepare()).
         self.backend = backend_from_config(self.cfg, batch_size=trainer.cfg.training.micro_batch_size).prepare()
-        if self.cfg.helix_select_rounds:
+        if self.cfg.select_rounds:
             import dataclasses
 
             # the untiled candidate: no pass, so no decision for a calibrated cost model to make
@@ -92,7 +92,7 @@ class HelixExtension(Extension):
         if self.untiled_backend is not None:
             from megatron_ext.helix.selection import MeasuredSelection
 
-            self.selection = MeasuredSelection([UNTILED, self.schedule_name], self.cfg.helix_select_rounds)
+            self.selection = MeasuredSelection([UNTILED, self.schedule_name], self.cfg.select_rounds)
             self.step, self.decision = 0, None
 
     @property
@@ -111,9 +111,34 @@ class HelixExtension(Extension):
             return
         self.selection.record(self.step, metrics.iter_time_s)
         self.step += 1
+        if self.step == len(self.selection.names) and not self.any_graph_tiled(trainer):
+            # every candidate has compiled: where the simulator tiled no graph they are one schedule
+            self.selection = None
+            self.decision = None
+            if trainer.ctx.rank == 0:
+                logger.info("helix: the simulator kept every graph untiled: nothing to measure, the untiled "
+                            "graph runs")
+            for model, compiled in zip(self.models, self.candidates):
+                model.forward = compiled[UNTILED]
+            return
         if self.step < self.selection.done_after:
             return
         self.decide(trainer)
+
+    def any_graph_tiled(self, trainer: "Trainer") -> bool:
+        """Whether the schedule kept a tiled graph on any rank (all ranks agree: a stage whose
+        graphs stayed untiled must still measure beside a stage whose graphs did not)."""
+        import torch
+        import torch.distributed as dist
+
+        tiled = any(s.tiled for s in self.backend.summaries)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return tiled
+        from megatron_ext.runtime.distributed import collective_device
+
+        t = torch.tensor([int(tiled)], device=collective_device(trainer.ctx))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def decide(self, trainer: "Trainer") -> None:
         """Every rank's samples, the slowest of each iteration (all-reduce MAX), decide: every rank

@@ -72,6 +72,7 @@ def test_the_extension_runs_each_candidate_in_turn_and_keeps_the_faster(monkeypa
     graphs = {UNTILED: object(), ext.schedule_name: object()}
     ext.models, ext.candidates = models, [dict(graphs) for _ in models]
     ext.selection = MeasuredSelection([UNTILED, ext.schedule_name], 3)
+    ext.backend = types.SimpleNamespace(summaries=[types.SimpleNamespace(tiled=True)])
     trainer = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=0))
     speed = {UNTILED: 0.30, ext.schedule_name: 0.18}
     ran = []
@@ -92,6 +93,28 @@ def test_the_extension_runs_each_candidate_in_turn_and_keeps_the_faster(monkeypa
         running = next(n for n, g in graphs.items() if models[0].forward is g)
         ext.after_iteration(trainer, types.SimpleNamespace(iter_time_s=speed[running]))
     assert ext.decision.chosen == UNTILED and models[1].forward is graphs[UNTILED]
+
+
+def test_selection_is_the_default_of_auto_and_ends_at_once_where_no_graph_was_tiled():
+    assert HelixConfig(helix=True).select_rounds == 4
+    assert HelixConfig(helix=True, helix_mode="tiled").select_rounds == 0
+    assert HelixConfig(helix=True, helix_mode="tiled", helix_select_rounds=2).select_rounds == 2
+    assert HelixConfig(helix=True, helix_select_rounds=0).select_rounds == 0
+    ext = HelixExtension(HelixConfig(helix=True))
+    models = [types.SimpleNamespace(forward=None)]
+    graphs = {UNTILED: object(), ext.schedule_name: object()}
+    ext.models, ext.candidates = models, [dict(graphs)]
+    ext.selection = MeasuredSelection([UNTILED, ext.schedule_name], 4)
+    ext.backend = types.SimpleNamespace(summaries=[types.SimpleNamespace(tiled=False)] * 2)
+    trainer = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=0))
+    ran = []
+    for it in range(5):
+        ext.before_iteration(trainer, it)
+        ran.append(next(n for n, g in graphs.items() if models[0].forward is g))
+        ext.after_iteration(trainer, types.SimpleNamespace(iter_time_s=0.1))
+    # both candidates compiled once; the simulator tiled nothing: the untiled graph from then on
+    assert ran == [UNTILED, ext.schedule_name, UNTILED, UNTILED, UNTILED]
+    assert ext.selection is None and ext.decision is None
 
 
 @pytest.mark.multirank
