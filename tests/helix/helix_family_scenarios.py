@@ -127,7 +127,9 @@ def parity_case(ctx, name: str) -> tuple[object, dict]:
     if ref_values is None:
         ref_loss, ref_grads = _loss_and_grads(lambda: model(ids, pos, None, labels=labels), params)
     if name == "moe/tp2ep2sp":
-        hcfg = HelixConfig(helix=True, helix_tiles=2, helix_interconnect="cross_node",
+        # the simulator's own decision, checked on the graphs it compiled: no measured selection here
+        # (its rounds are training iterations; this case steps the model without a trainer)
+        hcfg = HelixConfig(helix=True, helix_tiles=2, helix_interconnect="cross_node", helix_select_rounds=0,
                            helix_cost_cache=os.path.join(sys.argv[1], "helix_costs.json"))
     else:
         hcfg = HelixConfig(helix=True, helix_tiles=2, helix_cost_model="analytical", helix_mode="tiled")
