@@ -28,17 +28,13 @@ from megatron_ext.resihp.planner_types import PlanningError
 from megatron_ext.resihp.verdicts import Verdict
 from megatron_ext.resilience.detector import LinkVerdict
 from megatron_ext.resilience.job import Job, from_plan_layout, memory_bytes, to_plan_layout
-from megatron_ext.resilience.policies import (BASELINES, TABLE, CheckpointRestart, Policy, _reroute_note,
-                                              move_pause_s, nodes_of, reroute)
+from megatron_ext.resilience.policies import (BASELINES, READMIT_AFTER_S, TABLE, CheckpointRestart, Policy,
+                                              _reroute_note, move_pause_s, nodes_of, reroute)
 from megatron_ext.resilience.run import Action, Context
 from megatron_ext.resilience.shapes import ModelShape
 
 logger = logging.getLogger(__name__)
 
-READMIT_AFTER_S = 3600.0
-"""A slow device the layout left out counts as healthy again after this long unwatched: the fault
-model's slow-device episodes (``setting.mixed_day``: Pareto from 10 minutes, shape 1.5) are over
-within the hour nine times in ten."""
 
 
 def model_spec(shape: ModelShape) -> ModelSpec:
@@ -100,9 +96,12 @@ class ResiHP(Policy):
         job = super().start(ctx)
         self.fallback = CheckpointRestart()
         self.fallback.start(ctx)
+        planner, layout = self.planner(ctx), to_plan_layout(job)
+        # The window in iterations of the healthy job as the planner's own model times it (it used
+        # to ask the simulator, which no policy may: issue #47).
         readmit = 0 if self.readmit_after_s is None else \
-            max(1, math.ceil(self.readmit_after_s / ctx.sim.healthy(ctx.start).time_s))
-        self.policy = PlanPolicy(self.planner(ctx), to_plan_layout(job), ctx.num_devices,
+            max(1, math.ceil(self.readmit_after_s / planner.iteration_s(layout, np.ones(ctx.num_devices))))
+        self.policy = PlanPolicy(planner, layout, ctx.num_devices,
                                  recover_after=self.recover_after, readmit_after=readmit)
         return job
 
