@@ -123,7 +123,7 @@ class ResiHP(Policy):
 
     def react(self, ctx, t, it, verdicts, links):
         if self.nics:
-            verdicts = list(verdicts) + self._nic_verdicts(ctx, it, links)
+            verdicts = list(verdicts) + self._nic_verdicts(ctx, it, links) + self._readmit_nics(t, it)
         if self.reroute_first:
             return self._reroute_or_plan(ctx, it, verdicts)
         return self.decide(ctx, it, verdicts)
@@ -172,6 +172,22 @@ class ResiHP(Policy):
         self.job = new
         return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape} layers "
                       f"{'/'.join(map(str, plan.new.stage_layers))}{why}")
+
+    def _readmit_nics(self, t: float, it: int) -> list[Verdict]:
+        """A slow NIC whose device the layout left out is readmitted like a slow device (the same
+        ``READMIT_AFTER_S`` out of the job; nothing observes it there): a ``nic_recovered``
+        verdict, which the policy's hysteresis then applies. The detector names it again if it is
+        still slow once its device is back in the job. (Until issue #47 the detector model reported
+        such a NIC recovered the moment its device left the job.)"""
+        inside = set(self.job.devices)
+        out = getattr(self, "_nics_out", {})
+        self._nics_out = {d: out.get(d, t) for d in self.policy.nics if d not in inside}
+        back = [d for d, since in self._nics_out.items() if t - since >= self.readmit_after_s] \
+            if self.readmit_after_s is not None else []
+        for d in back:
+            del self._nics_out[d]
+        return [Verdict(kind="nic_recovered", rank=int(d), stage=None, iteration=it, factor=None, confidence=1.0,
+                        detector="readmission") for d in sorted(back)]
 
     def _nic_verdicts(self, ctx: Context, it: int, links: list[LinkVerdict]) -> list[Verdict]:
         """The detector model's NIC verdicts as the live ring probe gives them (``resihp/nic.py``:

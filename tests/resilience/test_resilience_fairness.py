@@ -132,3 +132,16 @@ def test_a_link_out_of_the_job_is_not_reported_recovered_and_is_named_again_when
     det.observe(11, without, st)
     st.nic[5] = 1.0
     assert [(lv.factor) for lv in det.observe(12, ctx.start, st)[1]] == [1.0]
+
+
+def test_resihp_readmits_a_slow_nic_whose_device_it_left_out_after_the_same_window(ctx):
+    pol = resihp_policy.make("resihp")
+    pol.start(ctx.for_policy())
+    pol.policy.nics[5] = ctx.hw.nic_bytes_per_s / 4
+    pol.policy.nics[20] = ctx.hw.nic_bytes_per_s / 4
+    pol.job = Job(tuple(p for p in ctx.start.pipelines if 5 not in p.devices))   # 20 stays in the job
+    assert pol._readmit_nics(100.0, 10) == []
+    assert pol._readmit_nics(100.0 + READMIT - 1, 11) == []
+    (v,) = pol._readmit_nics(100.0 + READMIT, 12)
+    assert (v.kind, v.rank, v.detector) == ("nic_recovered", 5, "readmission")
+    assert pol._readmit_nics(100.0 + 2 * READMIT, 13) == []
