@@ -1,5 +1,6 @@
-"""ResiHP against the resilient-training systems it claims to beat, in the seed's setting, scored by an
-independent simulator (``megatron_ext.resilience``; docs/resilience.md).
+"""ResiHP against the resilient-training systems it claims to beat, in the seed's setting, scored by a
+simulator written apart from ResiHP's planner (``megatron_ext.resilience``; docs/resilience.md says
+what the two share), and again by a perturbed scorer whose truths no policy is told.
 
 256 GPUs (32 nodes of 8, A100-like, NVLink in a node, a 200 Gb/s NIC per GPU) plus one spare node;
 LLaMA-2-7B/13B/70B, Qwen2.5-14B and Qwen2-57B-A14B (MoE) shapes on usual TP x PP x DP layouts, a
@@ -20,11 +21,24 @@ after a 30 s heartbeat timeout; a slow NIC or path after 7 iterations, used by A
 link detector, and by ResiHP for NICs: its ring probe, ``--resihp-nic-probe-interval``). ``--start tuned`` starts every policy from the simulator's fastest healthy layout
 instead of the usual one, so that no policy gains from a better shape that needed no fault.
 
-Prints the table (throughput relative to the healthy job, per model, scenario and policy; the best
-baseline; ResiHP's speedup over it), the simulator's error against recorded CPU runs, then one JSON
-line: {"scenarios": {model/scenario: {policy: x}}, "speedup_vs_best": {...} (resihp over the best
-baseline), "geomean_speedup_vs_best": x, "before": {policy: {...}}, "glue": {...},
-"sim_err": {"median": .., "p95": ..}, ...}.
+Issue #47: every cell also runs the oracle (``oracle.py``: each fault known at once at its true
+size, layout changes free, the best layout the scorer finds among every policy's and ResiHP's
+knobs), and each policy's throughput is given as a fraction of it. ``--perturb 0.2`` (default)
+adds a table of the baselines and ``resihp`` scored on per-device efficiency and NIC, NVLink and
+the document mix drawn per run (``perturb.py``; ``--perturb-seed``; 0: off). ``--heldout-seeds 5``
+(default) adds mixed days whose seeds derive from the hash of ``--seed-from`` (default HEAD), none
+of them the studied seed 22. Last, the goals: ResiHP against the best baseline in every cell, its
+fraction of the oracle, the stretch 1.13x, and per fault kind the ceiling (the oracle over the
+best baseline).
+
+Prints the table (throughput relative to the healthy job, per model, scenario and policy, the
+oracle; the best baseline; ResiHP's speedup over it; ResiHP's and the best baseline's fraction of
+the oracle), the perturbed and held-out tables, the goals, the simulator's error against recorded
+CPU runs, then one JSON line: {"scenarios": {model/scenario: {policy: x, "oracle": y}},
+"speedup_vs_best": {...} (resihp over the best baseline), "geomean_speedup_vs_best": x, "oracle":
+{...}, "oracle_fraction": {"cells": {policy: {...}}, "geomean": {...}}, "perturbed": {...} (null when
+off), "heldout": {"commit", "seeds", "per_seed", ...} (null when off), "goals": {...}, "by_kind":
+{...}, "before": {policy: {...}}, "glue": {...}, "sim_err": {"median": .., "p95": ..}, ...}.
 """
 from __future__ import annotations
 
