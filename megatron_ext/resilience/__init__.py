@@ -1,4 +1,6 @@
-"""Resilient training under faults, simulated independently of ResiHP's planner.
+"""Resilient training under faults, simulated apart from ResiHP's planner (not independently of it:
+both run megatron's 1F1B order compiled by ``pipeline.pipesim`` and FLOPs counts held equal by a
+test; ``perturb`` scores on truths the planner is not told, ``oracle`` bounds every policy).
 
 An event-level simulator of one training job (``sim``): per micro-batch forward and backward on
 each device at that device's speed, the pipeline schedule compiled by ``pipeline.pipesim``, TP

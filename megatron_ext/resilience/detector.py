@@ -10,10 +10,13 @@
   back into the job is watched afresh: named again if it is still slow, ``recovered`` if not.
 * fail-stop (every policy): named when the loop notices the job hangs (after the heartbeat
   timeout, which ``run`` charges).
-* slow links (only for a policy that has a link detector: ADAPTRA's, or ResiHP with item 4 of
-  issue #22): a NIC or a node-to-node path used by the job at ``1 / factor`` of its bandwidth,
-  after ``delay`` iterations. ResiHP's detector today scores compute time only; a slow link shows
-  up there as waiting, which it does not score.
+* slow links (given to every policy; used by those whose design can act on them: ADAPTRA's link
+  detector, ResiHP's ring probe for NICs, torchft dropping the replica group behind the link): a
+  NIC or a node-to-node path used by the job at ``1 / factor`` of its bandwidth, after ``delay``
+  iterations; ``factor`` 1.0 when it is healthy again. A link outside the job (the NIC of a device
+  the job left, a path between nodes it no longer spans) is not observed; a named one that comes
+  back into the job is watched afresh, like a device. ResiHP's compute detector scores compute
+  time only; a slow link shows up there as waiting, which it does not score.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class DetectorModel:
         self.rename = np.zeros(num_devices, dtype=bool)   # convicted, out of the job, back in it
         self.link_for: dict[tuple, int] = {}
         self.link_named: dict[tuple, float] = {}
+        self.link_out: set[tuple] = set()   # named links outside the job (unobserved)
 
     def observe(self, it: int, job: Job, state: ClusterState) -> tuple[list[Verdict], list[LinkVerdict]]:
         devs = np.asarray(job.devices)
@@ -92,11 +96,29 @@ class DetectorModel:
             if state.nic[d] < 1.0 / self.threshold:
                 seen[("slow_nic", d)] = 1.0 / state.nic[d]
         nodes = {d // self.g for d in job.devices}
+        devs = set(job.devices)
         for (a, b), f in state.path.items():
             if a in nodes and b in nodes and f < 1.0 / self.threshold:
                 seen[("slow_path", (a, b))] = 1.0 / f
         out = []
         for key in set(self.link_for) | set(seen):
+            watched = (key[1] in devs) if key[0] == "slow_nic" else (key[1][0] in nodes and key[1][1] in nodes)
+            if not watched:
+                # Out of the job: not observed, so neither slow nor recovered (a dropped replica
+                # group's NIC used to read as recovered the moment it left the job).
+                if key in self.link_named:
+                    self.link_out.add(key)
+                continue
+            if key in self.link_out:
+                # A named link back in the job is watched afresh: named again if still slow,
+                # recovered at once if not.
+                self.link_out.discard(key)
+                self.link_for[key] = 0
+                del self.link_named[key]
+                if key not in seen:
+                    self.link_for.pop(key)
+                    out.append(LinkVerdict(key[0], key[1], 1.0, it))
+                    continue
             if key in seen:
                 self.link_for[key] = self.link_for.get(key, 0) + 1
                 if self.link_for[key] >= self.delay and key not in self.link_named:

@@ -21,11 +21,18 @@ import numpy as np
 
 from megatron_ext.resihp.verdicts import Verdict
 from megatron_ext.resilience.detector import LinkVerdict
-from megatron_ext.resilience.job import Job, Pipeline, balanced_layers, move_bytes, stage_memory_bytes
+from megatron_ext.resilience.job import Job, Pipeline, balanced_layers, move_bytes, stage_memory_bytes, stage_params
 from megatron_ext.resilience.run import Action, Context
 from megatron_ext.resilience.shapes import BWD_ATTENTION, BWD_LINEAR
 
 logger = logging.getLogger(__name__)
+
+READMIT_AFTER_S = 3600.0
+"""A slow device (or node, or replica group) a policy left out of the job counts as healthy again
+after this long unwatched: the fault model's slow-device episodes (``setting.mixed_day``: Pareto
+from 10 minutes, shape 1.5) are over within the hour nine times in ten. The one readmission signal
+of every policy that readmits (ResiHP, ``ckpt_restart``, ``torchft``): out of the job, nothing
+observes the device, so no ``recovered`` verdict can come for it."""
 
 
 # ---- shared helpers: each system's own analytical view ----------------------------------------
@@ -134,6 +141,8 @@ class CheckpointRestart(Policy):
         job = super().start(ctx)
         g = ctx.hw.gpus_per_node
         self.free_nodes = sorted(nodes_of(ctx.spares, g))
+        self.excluded: dict[int, float] = {}     # slow node left out -> since when
+        self.dropped: list[Pipeline] = []         # pipelines a restart without a spare gave up
         return job
 
     def restart_without(self, ctx: Context, bad_nodes: set[int], why: str) -> Action:
@@ -153,9 +162,8 @@ class CheckpointRestart(Policy):
             keep = [p for p in job.pipelines if not nodes_of(p.devices, g) & left]
             if not keep:
                 raise RuntimeError(f"{self.name}: no pipeline left without node(s) {sorted(left)}")
-            total = job.microbatches
-            base, extra = divmod(total, len(keep))
-            job = Job(tuple(dataclasses.replace(p, microbatches=base + (1 if i < extra else 0)) for i, p in enumerate(keep)))
+            self.dropped += [p for p in job.pipelines if nodes_of(p.devices, g) & left]
+            job = _spread(keep, job.microbatches)
         self.job = job
         return Action(job, restart_pause_s(ctx, job), rollback=True, note=f"restart {why}")
 
@@ -170,8 +178,53 @@ class CheckpointRestart(Policy):
             factor = max(v.factor for v in slow)
             cost = restart_pause_s(ctx, self.job) + ctx.costs.checkpoint_interval_s / 2
             if (1 - 1 / factor) * self.horizon_s > cost:
-                return self.restart_without(ctx, {v.rank // g for v in slow}, f"without slow node(s) x{factor:.2f}")
-        return None
+                bad = {v.rank // g for v in slow}
+                for n in bad & nodes_of(self.job.devices, g):
+                    self.excluded.setdefault(n, t)
+                return self.restart_without(ctx, bad, f"without slow node(s) x{factor:.2f}")
+        return self.readmit(ctx, t)
+
+    def readmit(self, ctx: Context, t: float) -> Action | None:
+        """A slow node left out for ``READMIT_AFTER_S`` joins the free nodes again (believed
+        healthy; named again if it is not once it computes). When the job runs on fewer pipelines
+        than it started with (a loss without a spare), a free node lets a dropped pipeline come
+        back at the next restart: taken when the hour's gain pays for the restart and the lost work,
+        the same rule as leaving a slow node out."""
+        g = ctx.hw.gpus_per_node
+        for n, since in sorted(self.excluded.items()):
+            if t - since >= READMIT_AFTER_S:
+                del self.excluded[n]
+                devs = self.speed[n * g:(n + 1) * g]
+                devs[devs > 0] = 1.0
+                if (devs > 0).all() and n not in self.free_nodes:
+                    self.free_nodes = sorted([*self.free_nodes, n])
+        if not self.dropped or not self.free_nodes:
+            return None
+        back, rest, free = [], [], list(self.free_nodes)
+        for p in self.dropped:
+            bad = sorted(n for n in nodes_of(p.devices, g) if (self.speed[n * g:(n + 1) * g] < 1).any())
+            if len(bad) > len(free):
+                rest.append(p)
+                continue
+            back.append(remap_nodes(Job((p,)), dict(zip(bad, free)), g).pipelines[0])
+            free = free[len(bad):]
+        if not back:
+            return None
+        k = len(self.job.pipelines)
+        cost = restart_pause_s(ctx, self.job) + ctx.costs.checkpoint_interval_s / 2
+        if (1 - k / (k + len(back))) * self.horizon_s <= cost:
+            return None
+        self.dropped = rest
+        self.free_nodes = free
+        self.job = _spread([*self.job.pipelines, *back], self.job.microbatches)
+        return Action(self.job, restart_pause_s(ctx, self.job), rollback=True,
+                      note=f"restart on {len(self.job.pipelines)} pipelines ({len(back)} back on readmitted node(s))")
+
+
+def _spread(pipes: Sequence[Pipeline], total: int) -> Job:
+    """``pipes`` with ``total`` micro-batches spread evenly (the first ones take the remainder)."""
+    base, extra = divmod(total, len(pipes))
+    return Job(tuple(dataclasses.replace(p, microbatches=base + (1 if i < extra else 0)) for i, p in enumerate(pipes)))
 
 
 # ---- Oobleck -------------------------------------------------------------------------------------
@@ -419,39 +472,126 @@ class Adaptra(CheckpointRestart):
 
 class TorchFT(Policy):
     """Replica groups (here: pipelines) leave the quorum when they fail; the others step on without
-    them (a smaller global batch) after a quorum change. A slow replica group is left out when the
-    job is faster without it, and rejoins (state from a peer) when it recovers."""
+    them (a smaller global batch) after a quorum change. A group that lost a device is started again
+    on the spare node in the lost node's place (the launcher restarts its processes while the others
+    train) and joins with its state from a peer. A group that is slow, or behind a slow NIC or path,
+    is left out when its own estimate says the job is faster without it, and rejoins on the same
+    signal as ResiHP's readmission: after ``READMIT_AFTER_S`` out of the job (nothing observes it
+    there), named again if it is still slow."""
 
     name = "torchft"
 
     def start(self, ctx: Context) -> Job:
         job = super().start(ctx)
-        self.out: set[int] = set()
+        g = ctx.hw.gpus_per_node
+        self.groups = list(ctx.start.pipelines)
+        self.lost: set[int] = set()                 # groups with a lost device and no spare for it
+        self.ready_at: dict[int, float] = {}        # groups restarting on the spare node
+        self.out_since: dict[int, float] = {}       # groups left out for slowness
+        self.free_nodes = sorted(nodes_of(ctx.spares, g))
+        self.nic = np.ones(ctx.num_devices)
+        self.path: dict[tuple[int, int], float] = {}
         return job
 
+    def _believe_links(self, links: Sequence[LinkVerdict]) -> bool:
+        changed = False
+        for lv in links:
+            f = 1.0 / lv.factor
+            if lv.kind == "slow_nic":
+                changed |= bool(self.nic[lv.target] != f)
+                self.nic[lv.target] = f
+            else:
+                key = tuple(sorted(lv.target))
+                changed |= self.path.get(key, 1.0) != f
+                if f >= 1.0:
+                    self.path.pop(key, None)
+                else:
+                    self.path[key] = f
+        return changed
+
+    def group_s(self, ctx: Context, q: int) -> float:
+        """torchft's estimate of a step of group ``q`` alone (its own view, at the believed speeds):
+        1F1B's ``(m + p - 1)`` slowest micro-batches, the gradient all-reduce across groups through
+        the group's slowest NIC, and a slow path inside the group paid by every send over it. A
+        slow path between two groups' nodes is charged to the group on its higher node: one group
+        leaving the ring takes the path out of it."""
+        p, g, hw = self.groups[q], ctx.hw.gpus_per_node, ctx.hw
+        v = stage_speeds(p, self.speed)
+        compute = (p.microbatches + p.pp - 1) * max(stage_mb_s(ctx, p, k, s) for k, s in enumerate(v))
+        grads = 2.0 * max(stage_params(ctx.shape, p, k) for k in range(p.pp)) / p.tp
+        slow = 1.0 / float(self.nic[list(p.devices)].min())
+        nodes = nodes_of(p.devices, g)
+        sends = 0.0
+        hop = 2.0 * ctx.data.tokens * ctx.shape.hidden_size / p.tp / hw.nic_bytes_per_s
+        for (a, b), f in self.path.items():
+            if a in nodes and b in nodes:
+                sends += 2 * p.microbatches * hop * (1.0 / f - 1.0)
+            elif max(a, b) in nodes:
+                slow = max(slow, 1.0 / f)
+        return compute + sends + 2.0 * grads / (hw.nic_bytes_per_s / slow)
+
+    def _lose(self, ctx: Context, q: int, t: float) -> None:
+        """Group ``q`` lost a device: started again on free nodes in its lost nodes' place, or lost."""
+        g = ctx.hw.gpus_per_node
+        p = self.groups[q]
+        bad = sorted(n for n in nodes_of(p.devices, g) if (self.speed[n * g:(n + 1) * g] <= 0).any())
+        free = [n for n in self.free_nodes if (self.speed[n * g:(n + 1) * g] > 0).all()]
+        self.out_since.pop(q, None)
+        if len(bad) > len(free):
+            self.lost.add(q)
+            return
+        self.free_nodes = [n for n in self.free_nodes if n not in free[:len(bad)]]
+        self.groups[q] = remap_nodes(Job((p,)), dict(zip(bad, free)), g).pipelines[0]
+        self.ready_at[q] = t + ctx.costs.restart_s
+
     def react(self, ctx, t, it, verdicts, links):
-        if not self.believe(verdicts):
+        changed = bool(self.believe(verdicts)) | self._believe_links(links)
+        g = ctx.hw.gpus_per_node
+        for q, p in enumerate(self.groups):
+            if q not in self.lost and q not in self.ready_at and (self.speed[list(p.devices)] <= 0).any():
+                self._lose(ctx, q, t)
+                changed = True
+        for q, when in sorted(self.ready_at.items()):
+            if t >= when:
+                del self.ready_at[q]
+                changed = True
+        for q, since in sorted(self.out_since.items()):
+            if t - since >= READMIT_AFTER_S:
+                # Readmitted: believed healthy again, its links with it.
+                devs = list(self.groups[q].devices)
+                self.speed[devs] = np.where(self.speed[devs] > 0, 1.0, 0.0)
+                self.nic[devs] = 1.0
+                nodes = nodes_of(devs, g)
+                self.path = {k: f for k, f in self.path.items() if not set(k) & nodes}
+                del self.out_since[q]
+                changed = True
+        if not changed:
             return None
-        pipes = ctx.start.pipelines
-        d = len(pipes)
-        # A step waits for the slowest replica group in the quorum and trains one share of the
-        # batch per group: keep the k fastest groups for the k that maximises k x (slowest speed).
-        v = [min(stage_speeds(p, self.speed)) for p in pipes]
-        order = sorted((q for q in range(d) if v[q] > 0), key=lambda q: (-v[q], q))
-        if not order:
+        # A step waits for the slowest group in the quorum and trains each group's share: keep the
+        # k groups of the shortest estimated steps for the k that trains the most per second.
+        live = [q for q in range(len(self.groups)) if q not in self.lost and q not in self.ready_at]
+        if not live:
             raise RuntimeError("torchft: no replica group left")
-        k = max(range(1, len(order) + 1), key=lambda k: (k * v[order[k - 1]], k))
+        est = {q: self.group_s(ctx, q) for q in live}
+        order = sorted(live, key=lambda q: (est[q], q))
+        mb = [self.groups[q].microbatches for q in order]
+        k = max(range(1, len(order) + 1), key=lambda k: (sum(mb[:k]) / est[order[k - 1]], k))
         keep = sorted(order[:k])
-        new = Job(tuple(pipes[q] for q in keep))
+        for q in order[k:]:
+            self.out_since.setdefault(q, t)
+        for q in keep:
+            self.out_since.pop(q, None)
+        new = Job(tuple(self.groups[q] for q in keep))
         if new == self.job:
             return None
-        rejoin = set(keep) - set(q for q, p in enumerate(pipes) if p in self.job.pipelines)
+        rejoin = [self.groups[q] for q in keep if self.groups[q] not in self.job.pipelines]
         pause = ctx.costs.quorum_s
         if rejoin:
             pause += 16.0 * max(ctx.shape.layer_params() * max(p.layers) + 2 * ctx.shape.embedding_params()
-                                for p in pipes) / new.tp / ctx.hw.nic_bytes_per_s
+                                for p in rejoin) / new.tp / ctx.hw.nic_bytes_per_s
         self.job = new
-        return Action(new, pause, note=f"quorum of {len(keep)}/{d} replica groups")
+        return Action(new, pause, note=f"quorum of {len(keep)}/{len(self.groups)} replica groups"
+                      + (f" ({len(rejoin)} joining)" if rejoin else ""))
 
 
 BASELINES = ("ckpt_restart", "oobleck", "recycle", "malleus", "adaptra", "torchft")

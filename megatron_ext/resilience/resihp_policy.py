@@ -28,17 +28,13 @@ from megatron_ext.resihp.planner_types import PlanningError
 from megatron_ext.resihp.verdicts import Verdict
 from megatron_ext.resilience.detector import LinkVerdict
 from megatron_ext.resilience.job import Job, from_plan_layout, memory_bytes, to_plan_layout
-from megatron_ext.resilience.policies import (BASELINES, TABLE, CheckpointRestart, Policy, _reroute_note,
-                                              move_pause_s, nodes_of, reroute)
+from megatron_ext.resilience.policies import (BASELINES, READMIT_AFTER_S, TABLE, CheckpointRestart, Policy,
+                                              _reroute_note, move_pause_s, nodes_of, reroute)
 from megatron_ext.resilience.run import Action, Context
 from megatron_ext.resilience.shapes import ModelShape
 
 logger = logging.getLogger(__name__)
 
-READMIT_AFTER_S = 3600.0
-"""A slow device the layout left out counts as healthy again after this long unwatched: the fault
-model's slow-device episodes (``setting.mixed_day``: Pareto from 10 minutes, shape 1.5) are over
-within the hour nine times in ten."""
 
 
 def model_spec(shape: ModelShape) -> ModelSpec:
@@ -100,9 +96,12 @@ class ResiHP(Policy):
         job = super().start(ctx)
         self.fallback = CheckpointRestart()
         self.fallback.start(ctx)
+        planner, layout = self.planner(ctx), to_plan_layout(job)
+        # The window in iterations of the healthy job as the planner's own model times it (it used
+        # to ask the simulator, which no policy may: issue #47).
         readmit = 0 if self.readmit_after_s is None else \
-            max(1, math.ceil(self.readmit_after_s / ctx.sim.healthy(ctx.start).time_s))
-        self.policy = PlanPolicy(self.planner(ctx), to_plan_layout(job), ctx.num_devices,
+            max(1, math.ceil(self.readmit_after_s / planner.iteration_s(layout, np.ones(ctx.num_devices))))
+        self.policy = PlanPolicy(planner, layout, ctx.num_devices,
                                  recover_after=self.recover_after, readmit_after=readmit)
         return job
 
@@ -124,7 +123,7 @@ class ResiHP(Policy):
 
     def react(self, ctx, t, it, verdicts, links):
         if self.nics:
-            verdicts = list(verdicts) + self._nic_verdicts(ctx, it, links)
+            verdicts = list(verdicts) + self._nic_verdicts(ctx, it, links) + self._readmit_nics(t, it)
         if self.reroute_first:
             return self._reroute_or_plan(ctx, it, verdicts)
         return self.decide(ctx, it, verdicts)
@@ -173,6 +172,22 @@ class ResiHP(Policy):
         self.job = new
         return Action(new, pause, note=f"plan [{', '.join(plan.actions)}] {plan.new.shape} layers "
                       f"{'/'.join(map(str, plan.new.stage_layers))}{why}")
+
+    def _readmit_nics(self, t: float, it: int) -> list[Verdict]:
+        """A slow NIC whose device the layout left out is readmitted like a slow device (the same
+        ``READMIT_AFTER_S`` out of the job; nothing observes it there): a ``nic_recovered``
+        verdict, which the policy's hysteresis then applies. The detector names it again if it is
+        still slow once its device is back in the job. (Until issue #47 the detector model reported
+        such a NIC recovered the moment its device left the job.)"""
+        inside = set(self.job.devices)
+        out = getattr(self, "_nics_out", {})
+        self._nics_out = {d: out.get(d, t) for d in self.policy.nics if d not in inside}
+        back = [d for d, since in self._nics_out.items() if t - since >= self.readmit_after_s] \
+            if self.readmit_after_s is not None else []
+        for d in back:
+            del self._nics_out[d]
+        return [Verdict(kind="nic_recovered", rank=int(d), stage=None, iteration=it, factor=None, confidence=1.0,
+                        detector="readmission") for d in sorted(back)]
 
     def _nic_verdicts(self, ctx: Context, it: int, links: list[LinkVerdict]) -> list[Verdict]:
         """The detector model's NIC verdicts as the live ring probe gives them (``resihp/nic.py``:

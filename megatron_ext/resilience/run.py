@@ -39,9 +39,25 @@ class Action:
     note: str = ""
 
 
+class _NoSimulator:
+    """Stands in for the simulator in the context a policy is handed: a policy decides from the
+    detector's verdicts and its own model; the simulator is the scorer's."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"a policy asked the simulator for {name!r}: policies decide from the detector's "
+                           "verdicts and their own model; the simulator only scores (docs/resilience.md)")
+
+    def __repr__(self) -> str:
+        return "NO_SIMULATOR"
+
+
+NO_SIMULATOR = _NoSimulator()
+
+
 @dataclasses.dataclass
 class Context:
-    """What every policy knows about the job and the cluster (not the faults)."""
+    """What every policy knows about the job and the cluster (not the faults). ``sim`` is the
+    nominal simulator; ``run_policy`` hands policies ``for_policy()``, where it is absent."""
 
     shape: ModelShape
     hw: Hardware
@@ -56,6 +72,10 @@ class Context:
     """A device more than this many times slower is named after ``detector_severe_delay`` iterations
     (ResiHP's detector, ``--resihp-severe-factor``); 0: off (every fault waits ``detector_delay``)."""
     detector_severe_delay: int = 4
+
+    def for_policy(self) -> "Context":
+        """This context without the simulator: what a policy is handed."""
+        return dataclasses.replace(self, sim=NO_SIMULATOR)
 
     @property
     def spares(self) -> list[int]:
@@ -72,20 +92,26 @@ class RunResult:
     restarts: int
     pause_s: float
     events: list[str]
+    jobs: tuple = ()
+    """Every job the policy ran, in order of first use (the oracle's candidates)."""
 
 
 def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure_from_s: float = 0.0,
                healthy_tokens_per_s: float | None = None,
-               on_iteration: Callable[[float, float], None] | None = None) -> RunResult:
+               on_iteration: Callable[[float, float], None] | None = None,
+               scorer: Simulator | None = None) -> RunResult:
     """``on_iteration(t, tokens)``: called after every iteration that finished, with its end time and
     its tokens (not for the one cut off at ``end_s``, nor for one lost to a device loss; a rollback
-    takes back tokens already reported)."""
+    takes back tokens already reported). ``scorer``: the simulator that times the iterations
+    (default ``ctx.sim``; ``perturb.perturbed`` gives one whose truths the policies are not told).
+    The policy is handed ``ctx.for_policy()``: the same context without any simulator."""
     if not 0 <= measure_from_s < end_s:
         raise ValueError(f"run_policy: need 0 <= measure_from_s ({measure_from_s}) < end_s ({end_s})")
     if trace.n != ctx.num_devices:
         raise ValueError(f"run_policy: the trace covers {trace.n} devices, the context {ctx.num_devices}")
-    sim, costs = ctx.sim, ctx.costs
-    job = policy.start(ctx)
+    sim, costs = scorer or ctx.sim, ctx.costs
+    pctx = ctx.for_policy()
+    job = policy.start(pctx)
     if healthy_tokens_per_s is None:
         h = sim.healthy(ctx.start)
         healthy_tokens_per_s = h.tokens / h.time_s
@@ -97,6 +123,7 @@ def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure
     relayouts = restarts = 0
     paused = 0.0
     events: list[str] = []
+    jobs: list[Job] = [job]
     last = None
 
     def apply(action, when: float) -> None:
@@ -110,6 +137,8 @@ def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure
             relayouts += 1
         if action.job is not None:
             job = action.job
+            if job not in jobs:
+                jobs.append(job)
         t += action.pause_s
         paused += action.pause_s
         events.append(f"{when:.0f}s it{it}: {policy.name}: {action.note} (pause {action.pause_s:.0f} s"
@@ -134,7 +163,7 @@ def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure
             t += costs.heartbeat_timeout_s
             paused += costs.heartbeat_timeout_s
             verdicts = det.stops(it, job, trace.state(t))
-            action = policy.react(ctx, t, it, verdicts, [])
+            action = policy.react(pctx, t, it, verdicts, [])
             if action is None or action.job is None:
                 raise RuntimeError(f"policy {policy.name} left the job on a lost device at {t:.0f} s")
             apply(action, t)
@@ -166,10 +195,11 @@ def run_policy(policy, ctx: Context, trace: FaultTrace, *, end_s: float, measure
             next_ckpt += costs.checkpoint_interval_s
         verdicts, links = det.observe(it, job, state)
         # Every iteration, verdicts or not: a policy may keep a clock (ResiHP's recovery hysteresis).
-        apply(policy.react(ctx, t, it, verdicts, links), t)
+        apply(policy.react(pctx, t, it, verdicts, links), t)
     span = end_s - measure_from_s
     done = tokens - (at_measure if at_measure is not None else tokens)
-    return RunResult(policy.name, done / (healthy_tokens_per_s * span), tokens, relayouts, restarts, paused, events)
+    return RunResult(policy.name, done / (healthy_tokens_per_s * span), tokens, relayouts, restarts, paused, events,
+                     tuple(jobs))
 
 
 def _hits(fault, used: set[int], g: int) -> bool:
@@ -178,4 +208,4 @@ def _hits(fault, used: set[int], g: int) -> bool:
     return any(d in used for d in range(fault.target * g, (fault.target + 1) * g))
 
 
-__all__ = ["Action", "Context", "RunResult", "run_policy"]
+__all__ = ["Action", "Context", "NO_SIMULATOR", "RunResult", "run_policy"]

@@ -328,13 +328,18 @@ class Simulator:
             return 0.0
         worst = 0.0
         done: set[tuple] = set()
-        for p in job.pipelines:
-            for k, (a, b) in enumerate(p.layer_ranges()):
+        ranges = [p.layer_ranges() for p in job.pipelines]
+        holders: dict[int, list[tuple[int, ...]]] = {}   # layer -> the TP groups holding it, by pipeline
+        for q, p in enumerate(job.pipelines):
+            for k, (a, b) in enumerate(ranges[q]):
                 mid = (a + b - 1) // 2
                 if _off(p, k):
                     continue
+                if mid not in holders:
+                    holders[mid] = [h for h in (_holder(o, mid, r) for o, r in zip(job.pipelines, ranges))
+                                    if h is not None]
                 for t in range(p.tp):
-                    ring = tuple(h[t] for h in (_holder(other, mid) for other in job.pipelines) if h is not None)
+                    ring = tuple(h[t] for h in holders[mid])
                     key = (ring, a, b, k == 0, k == p.pp - 1)
                     if key in done:
                         continue
@@ -367,8 +372,8 @@ def computing_devices(job: Job) -> list[int]:
     return [d for p in job.pipelines for k, g in enumerate(p.stages) if not _off(p, k) for d in g]
 
 
-def _holder(p: Pipeline, layer: int) -> tuple[int, ...] | None:
-    for k, (a, b) in enumerate(p.layer_ranges()):
+def _holder(p: Pipeline, layer: int, ranges: list[tuple[int, int]] | None = None) -> tuple[int, ...] | None:
+    for k, (a, b) in enumerate(ranges or p.layer_ranges()):
         if a <= layer < b:
             return None if _off(p, k) else p.stages[k]
     return None

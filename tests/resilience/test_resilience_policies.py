@@ -61,9 +61,11 @@ def test_after_a_loss_every_policy_runs_without_the_lost_device(ctx):
         from megatron_ext.resilience.sim import computing_devices
         assert dead not in computing_devices(pol.job), name
         assert 0 < r.throughput_vs_healthy < 1.1, name
-        if name != "torchft":   # torchft steps on with fewer replicas: a smaller global batch
-            assert pol.job.microbatches == ctx.start.microbatches, name
-    assert out["torchft"].tokens < out["oobleck"].tokens
+        assert pol.job.microbatches == ctx.start.microbatches, name
+    # torchft stepped on with fewer replicas (a smaller global batch) while the lost group restarted
+    # on the spare node; then it joined again.
+    assert "quorum of 15/16 replica groups" in out["torchft"].events[0]
+    assert "quorum of 16/16 replica groups (1 joining)" in out["torchft"].events[1]
     # A restart rolls back to the checkpoint; a live change does not.
     assert out["ckpt_restart"].restarts == 1 and out["oobleck"].restarts == 0
     assert out["ckpt_restart"].throughput_vs_healthy < out["oobleck"].throughput_vs_healthy
