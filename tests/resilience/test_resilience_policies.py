@@ -162,6 +162,10 @@ def test_the_simulator_is_validated_against_recorded_runs():
     # The composition alone (each window's own op times) is given for every case.
     assert all(math.isfinite(c["rel_error_composition"]) for c in err["detail"])
     assert 0 <= err["composition"]["median"] <= err["composition"]["p95"]
+    # Bounds, so that a regression fails (issue #47, item 5): the 1F1B composition's median error
+    # within 5 %, the whole simulator's within 15 % (1.4 % and 11.2 % when the bounds were set).
+    assert err["composition"]["median"] <= 0.05, err["composition"]
+    assert err["median"] <= 0.15, (err["median"], err["p95"])
 
 
 def _moe_record(it: int, slow: bool) -> dict:
