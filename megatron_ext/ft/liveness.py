@@ -33,6 +33,7 @@ import logging
 import os
 import statistics
 import sys
+import sysconfig
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -195,6 +196,7 @@ COMM_MODULES = ("torch.distributed", "megatron.core.pipeline_parallel.p2p_commun
 """A thread whose innermost Python frame is in one of these modules waits on a peer (a collective, a
 pipeline message, the job's store): when it makes no progress, the peer is to blame."""
 WAIT_LINE_MODULES = ("torch.", "megatron.", "deepspeed.", "megatron_ext.")
+_STDLIB = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
 """In these packages a line calling ``.wait(`` waits on an asynchronous collective's handle (a user's
 own ``event.wait()`` elsewhere is not taken for one)."""
 
@@ -229,8 +231,22 @@ def waits_on_peer(frame: Any) -> bool:
     module = str(frame.f_globals.get("__name__", ""))
     if module.startswith(COMM_MODULES):
         return True
-    return module.startswith(WAIT_LINE_MODULES) and ".wait(" in linecache.getline(frame.f_code.co_filename,
-                                                                                   frame.f_lineno)
+    if module.startswith(WAIT_LINE_MODULES) and ".wait(" in linecache.getline(frame.f_code.co_filename,
+                                                                               frame.f_lineno):
+        return True
+    # A standard-library helper (an environment lookup, a condition's wait) called from a
+    # communication module: the caller says where the thread is. A rank waiting for its hung peer,
+    # caught inside ``os.environ`` as the job's store keys were read, was named hung itself.
+    outer = frame
+    while outer is not None and _in_stdlib(outer):
+        outer = outer.f_back
+    return outer is not frame and outer is not None and \
+        str(outer.f_globals.get("__name__", "")).startswith(COMM_MODULES)
+
+
+def _in_stdlib(frame: Any) -> bool:
+    path = frame.f_code.co_filename
+    return path.startswith("<frozen ") or (path.startswith(_STDLIB) and "site-packages" not in path)
 
 
 def stack_summary(frame: Any, depth: int = 3) -> str:

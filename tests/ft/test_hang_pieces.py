@@ -170,6 +170,22 @@ def test_a_thread_waiting_on_a_peer_is_not_hung(tmp_path):
     assert not waits_on_peer(None) and liveness.frames_of(None) is None
 
 
+def test_a_standard_library_frame_is_judged_by_its_caller(tmp_path):
+    # a thread inside the standard library (a queue's condition wait here; an os.environ lookup in
+    # the failure seen) counts where its first caller outside it is: the job's store code waits on
+    # a peer, a user's module does not
+    source = "import queue\ndef wait(stop):\n    stop.q = queue.Queue()\n    stop.q.get()\n"
+    for name, peer in (("megatron_ext.ft.fake_store", True), ("user_code", False)):
+        t, stop = stuck_thread(_in_module(name, source, tmp_path))
+        try:
+            frame = sys._current_frames()[t.ident_]
+            assert frame.f_code.co_filename.endswith("threading.py")  # innermost: the stdlib
+            assert waits_on_peer(frame) is peer, name
+        finally:
+            stop.q.put(None)
+            t.join(5)
+
+
 @pytest.mark.parametrize("spec,message", [
     ("2:14", "--inject-hang '2:14': expected RANK:ITER:WHERE, e.g. 2:14:compute"),
     ("2:0:compute", "--inject-hang '2:0:compute': need RANK >= 0 and ITER >= 1"),
