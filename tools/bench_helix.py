@@ -99,6 +99,7 @@ from megatron_ext.helix.blocks import MoELayer, TPEPLayer, TPTransformerLayer, c
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.bench.harness import Report, aa_name, ratio_interval, rotated_order  # noqa: E402
 from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
+from megatron_ext.helix.config import DEFAULT_SELECT_ROUNDS  # noqa: E402
 from megatron_ext.helix.selection import MeasuredSelection  # noqa: E402
 from megatron_ext.helix.measure import (UnclosedAccounting, all_ranks_agree, step_peak_bytes, timed_step,  # noqa: E402
                                         train_step)
@@ -726,8 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiles", type=int, default=2)
     p.add_argument("--steps", type=int, default=30, help="measured rounds (one step per arm each, order rotated)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--select-rounds", type=int, default=4,
-                   help="rounds of the measured selection's own (untiled vs Helix), before the measured rounds")
+    p.add_argument("--select-rounds", type=int, default=DEFAULT_SELECT_ROUNDS,
+                   help="rounds of the measured selection's own (untiled vs Helix), before the measured rounds "
+                        "(default: the job's, --helix-select-rounds unset in auto mode)")
     p.add_argument("--cost-model", default="calibrated", choices=["calibrated", "analytical"])
     p.add_argument("--cost-cache", default=None, help="micro-benchmark cache file (default: user cache dir)")
     p.add_argument("--interference", type=float, default=0.18,

@@ -12,7 +12,7 @@ from megatron_ext.config.base import ConfigError, doc
 INTERCONNECTS = ("none", "intra_node", "cross_node")
 COST_MODELS = ("analytical", "calibrated")
 MODES = ("auto", "tiled", "baseline")
-DEFAULT_SELECT_ROUNDS = 4
+DEFAULT_SELECT_ROUNDS = 8
 """Measured-selection rounds of ``--helix-mode auto`` when ``--helix-select-rounds`` is unset."""
 
 
@@ -52,7 +52,7 @@ class HelixConfig:
         "Measured selection: at the start (and after a re-layout) the job runs the untiled graph and the "
         "--helix-mode schedule one iteration each, then this many rounds of one iteration each in rotated order, "
         "and keeps the schedule resolved faster than the untiled graph by the rounds' own spread, else the "
-        "untiled graph (helix/selection.py). Unset: 4 with --helix-mode auto, so that --helix never keeps a "
+        "untiled graph (helix/selection.py). Unset: 8 with --helix-mode auto, so that --helix never keeps a "
         "schedule slower than not using it; 0 with tiled or baseline (the schedule as forced). 0: the "
         "simulator's choice alone.", None)
 

@@ -96,7 +96,7 @@ def test_the_extension_runs_each_candidate_in_turn_and_keeps_the_faster(monkeypa
 
 
 def test_selection_is_the_default_of_auto_and_ends_at_once_where_no_graph_was_tiled():
-    assert HelixConfig(helix=True).select_rounds == 4
+    assert HelixConfig(helix=True).select_rounds == 8
     assert HelixConfig(helix=True, helix_mode="tiled").select_rounds == 0
     assert HelixConfig(helix=True, helix_mode="tiled", helix_select_rounds=2).select_rounds == 2
     assert HelixConfig(helix=True, helix_select_rounds=0).select_rounds == 0
