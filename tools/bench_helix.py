@@ -378,9 +378,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, cases: li
 
 
 def _spawn(world: int, args: argparse.Namespace, cases: list[str]) -> dict:
+    return _spawn_ranks(worker, world, (args, cases), "the ranks")
+
+
+def _spawn_ranks(target, world: int, extra: tuple, what: str) -> dict:
+    """Run ``target(rank, world, port, *extra, queue)`` on ``world`` spawned ranks; rank 0's results."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = mp.spawn(worker, args=(world, free_port(), args, cases, queue), nprocs=world, join=False)
+    procs = mp.spawn(target, args=(world, free_port(), *extra, queue), nprocs=world, join=False)
     # Read before joining: rank 0 blocks in put() until the pipe is drained, and the results
     # (two blocks, simulated timelines) are larger than its buffer.
     results = None
@@ -389,7 +394,7 @@ def _spawn(world: int, args: argparse.Namespace, cases: list[str]) -> dict:
             results = queue.get()
         elif procs.join(timeout=1):  # every rank exited (a failed one raises here)
             if queue.empty():
-                raise RuntimeError("bench_helix: the ranks exited without results")
+                raise RuntimeError(f"bench_helix: {what} exited without results")
             results = queue.get()
     while not procs.join():
         pass
@@ -699,20 +704,7 @@ def summarise_long(results: dict, args: argparse.Namespace) -> dict:
 
 
 def _spawn_long(args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = mp.spawn(long_context_worker, args=(2, free_port(), args, queue), nprocs=2, join=False)
-    results = None
-    while results is None:
-        if not queue.empty():
-            results = queue.get()
-        elif procs.join(timeout=1):
-            if queue.empty():
-                raise RuntimeError("bench_helix: the long-context ranks exited without results")
-            results = queue.get()
-    while not procs.join():
-        pass
-    return results
+    return _spawn_ranks(long_context_worker, 2, (args,), "the long-context ranks")
 
 
 def main(argv: list[str] | None = None) -> int:
