@@ -13,7 +13,8 @@ from megatron_ext.resihp.jsonl import JsonLinesWriter
 
 logger = logging.getLogger(__name__)
 
-VERDICT_KINDS = ("fail_slow", "fail_stop", "hang", "recovered", "slow_link", "link_recovered", "slow_nic", "nic_recovered")
+VERDICT_KINDS = ("fail_slow", "fail_stop", "hang", "recovered", "slow_link", "link_recovered", "slow_nic", "nic_recovered",
+                 "slow_path", "path_recovered")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,11 @@ class Verdict:
     None, and ``detail["extra_s_per_message"]`` what the link adds to each message.
     ``slow_nic`` / ``nic_recovered`` (``nic.py``) name a device whose sends are slow, found by the
     ring probe; ``detail["mbps"]`` is its estimated bandwidth.
+    ``slow_path`` / ``path_recovered`` (``nic.py``) name the network path between two devices,
+    ``launch_rank`` and ``detail["peer_launch_rank"]``, found by the ring probe: both directions'
+    messages are slow while neither device's sends to its other neighbour are;
+    ``detail["mbps"]`` is the path's estimated bandwidth. The planner charges it to the
+    data-parallel ring that has the two devices as neighbours, and to pipeline messages between them.
     """
 
     kind: str
@@ -57,8 +63,8 @@ class Verdict:
 
     @property
     def link(self) -> tuple[int, int] | None:
-        """The pair of devices (launch ranks, smaller first) a link verdict names; None otherwise."""
-        if self.kind not in ("slow_link", "link_recovered"):
+        """The pair of devices (launch ranks, smaller first) a link or path verdict names; None otherwise."""
+        if self.kind not in ("slow_link", "link_recovered", "slow_path", "path_recovered"):
             return None
         a, b = self.launch_rank, int(self.detail["peer_launch_rank"])
         return (min(a, b), max(a, b))
@@ -116,6 +122,13 @@ class Verdict:
                     f"{1e3 * d.get('baseline_s', 0):.1f} ms healthy)")
         elif self.kind == "nic_recovered":
             what = "NIC recovered"
+        elif self.kind == "slow_path":
+            d = self.detail
+            mbps = f", about {d['mbps']:g} MB/s" if d.get("mbps") else ""
+            what = (f"slow path to launch rank {d.get('peer_launch_rank')} (+{1e3 * d.get('extra_s_per_message', 0):.1f} "
+                    f"ms per {d.get('probe_bytes', 0) // 1024} KB probe message both ways{mbps})")
+        elif self.kind == "path_recovered":
+            what = f"path to launch rank {self.detail.get('peer_launch_rank')} recovered"
         elif self.kind == "fail_stop":
             what = "fail-stop (heartbeat lost)"
         elif self.kind == "hang":
