@@ -14,11 +14,12 @@ Policies: ``ckpt_restart`` (Megatron + NVRx in-job restart with a spare node), `
 size, given the NIC verdicts of its ring probe), ``resihp-nodeless`` (the planner before it knew
 nodes: the "before" of that change), ``resihp-nicless`` (the planner before it took NIC verdicts),
 ``resihp-noreadmit`` (before slow devices left out of the job were readmitted after an hour and DP
-could grow back onto them) and ``resihp+rr`` (glue: reroutes a faulty stage's micro-batches to its peers at once and
+could grow back onto them), ``resihp-pathless`` (before it took the ring probe's path verdicts and
+reordered the data-parallel rings around a slow path) and ``resihp+rr`` (glue: reroutes a faulty stage's micro-batches to its peers at once and
 re-lays out only when the planner predicts that beats rerouting).
 Every policy gets the same detector model (a compute fail-slow named after 7 iterations, a loss
 after a 30 s heartbeat timeout; a slow NIC or path after 7 iterations, used by ADAPTRA, which has a
-link detector, and by ResiHP for NICs: its ring probe, ``--resihp-nic-probe-interval``). ``--start tuned`` starts every policy from the simulator's fastest healthy layout
+link detector, and by ResiHP for NICs and paths: its ring probe, ``--resihp-nic-probe-interval``). ``--start tuned`` starts every policy from the simulator's fastest healthy layout
 instead of the usual one, so that no policy gains from a better shape that needed no fault.
 
 Issue #47: every cell also runs the oracle (``oracle.py``: each fault known at once at its true
@@ -68,7 +69,8 @@ STRETCH = 1.13
 """The seed article's lowest claimed speedup over the state of the art: the stretch goal."""
 SHORT = {"ckpt_restart": "ckpt", "oobleck": "oobleck", "recycle": "recycle", "malleus": "malleus",
          "adaptra": "adaptra", "torchft": "torchft", "resihp-nodeless": "nodeless", "resihp": "resihp",
-         "resihp-nicless": "nicless", "resihp-noreadmit": "noreadm", "resihp+rr": "+rr"}
+         "resihp-nicless": "nicless", "resihp-noreadmit": "noreadm", "resihp-pathless": "pathless",
+         "resihp+rr": "+rr"}
 
 
 def planner_healthy_gain(ctx) -> float:
@@ -254,6 +256,7 @@ def main() -> int:
     gm = {n: geomean(speedups[n].values()) for n in RESIHP}
     what = {"resihp-nodeless": "before: no nodes in the planner", "resihp-nicless": "before: no NIC verdicts",
             "resihp-noreadmit": "before: left-out slow devices never readmitted, no DP growth",
+            "resihp-pathless": "before: no path verdicts, rings never reordered",
             "resihp": "as it is", "resihp+rr": "glue: + reroute first"}
     lines.append("over the best baseline, geometric mean (min, max): " + "; ".join(
         f"{n} ({what[n]}) {gm[n]:.3f}x ({min(speedups[n].values()):.3f}, {max(speedups[n].values()):.3f})"

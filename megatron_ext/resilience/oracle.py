@@ -81,8 +81,11 @@ def candidates(ctx: Context, scorer: Simulator, state: ClusterState, seen: Itera
         out.append(("quorum", Job(tuple(groups))))
     if planner is not None:
         nics = {int(d): float(ctx.hw.nic_bytes_per_s * state.nic[d]) for d in np.flatnonzero(state.nic < 1)}
+        g = ctx.hw.gpus_per_node
+        paths = {(a, b): float(ctx.hw.nic_bytes_per_s * f) for (na, nb), f in state.path.items() if f < 1
+                 for a in range(na * g, (na + 1) * g) for b in range(nb * g, (nb + 1) * g)}
         try:
-            best, _ = planner.best_layout(to_plan_layout(ctx.start), state.speed, nics=nics)
+            best, _ = planner.best_layout(to_plan_layout(ctx.start), state.speed, nics=nics, paths=paths)
             out.append(("planner", from_plan_layout(best)))
         except PlanningError as exc:
             logger.debug("oracle: the planner has no layout: %s", exc)

@@ -10,6 +10,8 @@ and this package's glue around them (issue #22 item 5), each variant a row of th
 * ``resihp-noreadmit``: the policy as it was before it readmitted slow devices left out of the
   job (``PlanPolicy(readmit_after=...)``: a left-out device is not watched, so without it the
   policy believes it slow for the rest of the run) and before the planner grew DP back onto them;
+* ``resihp-pathless``: the policy as it was before it took the ring probe's path verdicts (issue
+  #47 item 6: the planner reorders the data-parallel rings around a slow path);
 * ``resihp+rr``: also reroutes a faulty stage's micro-batches to its peers at once (ReCycle's
   mechanism) and re-lays out only when the planner predicts its plan beats that.
 """
@@ -58,7 +60,8 @@ class ResiHP(Policy):
     name = "resihp"
 
     def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, nodes: bool = True,
-                 nics: bool = True, reroute_first: bool = False, readmit_after_s: float | None = READMIT_AFTER_S) -> None:
+                 nics: bool = True, reroute_first: bool = False, readmit_after_s: float | None = READMIT_AFTER_S,
+                 paths: bool = True) -> None:
         self.config = config or PlannerConfig()
         if readmit_after_s is None:
             self.config = dataclasses.replace(self.config, grow_replicas=False)
@@ -67,12 +70,15 @@ class ResiHP(Policy):
         self.nodes = nodes
         self.nics = nics
         self.reroute_first = reroute_first
+        self.paths = paths
         if not nodes:
             self.name = "resihp-nodeless"
         elif not nics:
             self.name = "resihp-nicless"
         elif readmit_after_s is None:
             self.name = "resihp-noreadmit"
+        elif not paths:
+            self.name = "resihp-pathless"
         elif reroute_first:
             self.name = "resihp+rr"
 
@@ -148,7 +154,8 @@ class ResiHP(Policy):
         grid = np.asarray(base.devices).reshape(base.pp, base.dp, base.tp)
         gone = [d for d in range(base.dp) if (self.policy.speeds[grid[:, d, :]] <= 0).any(axis=1).all()]
         share = base.num_microbatches / max(1, base.num_microbatches - sum(base.microbatches[d] for d in gone))
-        rerouted_s = self.policy.planner.iteration_s(base, hidden, self.policy.links, self.policy.nics) * share
+        rerouted_s = self.policy.planner.iteration_s(base, hidden, self.policy.links, self.policy.nics,
+                                                     self.policy.paths) * share
         if plan is not None and plan.iteration_s_after + plan.move_s / plan.horizon_iterations < rerouted_s:
             return self._adopt(ctx, plan, " (beats rerouting)")
         try:
@@ -190,11 +197,24 @@ class ResiHP(Policy):
                         detector="readmission") for d in sorted(back)]
 
     def _nic_verdicts(self, ctx: Context, it: int, links: list[LinkVerdict]) -> list[Verdict]:
-        """The detector model's NIC verdicts as the live ring probe gives them (``resihp/nic.py``:
-        ``slow_nic`` with the NIC's bandwidth in ``detail["mbps"]``, ``nic_recovered``). Paths
-        between nodes carry no device: ResiHP has no verdict for them."""
+        """The detector model's NIC and path verdicts as the live ring probe gives them
+        (``resihp/nic.py``: ``slow_nic`` with the NIC's bandwidth in ``detail["mbps"]``,
+        ``nic_recovered``; ``slow_path`` / ``path_recovered`` for a pair of devices). A slow path
+        between two nodes slows every pair of devices across them: one path verdict per pair."""
         out = []
+        g = ctx.hw.gpus_per_node
         for lv in links:
+            if lv.kind == "slow_path":
+                if not self.paths:
+                    continue
+                recovered = lv.factor == 1.0
+                na, nb = lv.target
+                detail = {} if recovered else {"mbps": ctx.hw.nic_bytes_per_s / lv.factor / 1e6}
+                out += [Verdict(kind="path_recovered" if recovered else "slow_path", rank=a, stage=None, iteration=it,
+                                factor=None, confidence=1.0, detector="link-model",
+                                detail={"launch_rank": a, "peer_launch_rank": b, **detail})
+                        for a in range(na * g, (na + 1) * g) for b in range(nb * g, (nb + 1) * g)]
+                continue
             if lv.kind != "slow_nic":
                 continue
             recovered = lv.factor == 1.0
@@ -204,12 +224,13 @@ class ResiHP(Policy):
         return out
 
 
-BEFORE = ("resihp-nodeless", "resihp-nicless", "resihp-noreadmit")
+BEFORE = ("resihp-nodeless", "resihp-nicless", "resihp-noreadmit", "resihp-pathless")
 """ResiHP as it was before a change of ``megatron_ext.resihp``, kept as rows for the before/after."""
 GLUE = ("resihp+rr",)
 """ResiHP's decisions with this package's glue (docs/resilience.md, "Policy glue")."""
 _FLAGS = {"resihp": {}, "resihp-nodeless": {"nodes": False, "nics": False}, "resihp-nicless": {"nics": False},
           "resihp-noreadmit": {"readmit_after_s": None},
+          "resihp-pathless": {"paths": False},
           "resihp+rr": {"reroute_first": True}}
 
 
