@@ -46,10 +46,13 @@ from megatron_ext.resihp.planner_types import (HEALTHY_EPS, Cluster, MemoryModel
 
 __all__ = ["Cluster", "MemoryModel", "Plan", "PlanLayout", "Planner", "PlannerConfig", "PlanningError", "Workload",
            "capacity_optimum_s", "default_memory_model", "layer_params", "link_seconds", "node_local_groups",
-           "predict_iteration_s", "ring_factors",
+           "predict_iteration_s", "ring_factors", "ring_order",
            "spans_nodes", "stage_params", "stage_speeds", "state_move_bytes"]
 
 logger = logging.getLogger(__name__)
+
+MAX_PATH_SWAPS = 8
+"""Single swaps around slow ring hops scored per search (``Planner._avoid_paths``)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,6 +117,13 @@ class _Costs:
         msg = self.message_bytes / tp
         return {int(d): max(0.0, msg / bw - self.nic_allreduce_s / tp) for d, bw in nics.items()}
 
+    def path_extra_s(self, paths: "Paths | None", tp: int) -> dict[tuple[int, int], float]:
+        """Seconds a slow path adds to each pipeline message between its two devices at TP ``tp``."""
+        if not paths:
+            return {}
+        msg = self.message_bytes / tp
+        return {_pair(*k): max(0.0, msg / bw - self.nic_allreduce_s / tp) for k, bw in paths.items()}
+
     def layer(self, tp: int, across_nodes: bool = False) -> tuple[float, float]:
         """Seconds per layer and micro-batch on one device of a TP group of ``tp``: the FLOPs
         divided by ``tp``, plus megatron's two activation all-reduces per layer forward and two
@@ -151,20 +161,113 @@ Nics = Mapping[int, float]
 gradient all-reduce of every ring the device is in crosses it."""
 
 
-def ring_factors(layout: PlanLayout, nics: Nics | None, link_bytes_per_s: float) -> np.ndarray:
-    """(pp,) how many times longer each stage's gradient all-reduce takes than with healthy NICs:
-    a stage has one ring per TP rank (over the replicas), every ring carries the same bytes, and a
-    ring finishes at its slowest member's NIC. 1 everywhere without replicas or slow NICs."""
+Paths = Mapping[tuple[int, int], float]
+"""Slow network paths: (device, device) with the smaller first -> the path's bandwidth in bytes/s.
+It carries the data-parallel ring's traffic where the two devices are neighbours on a ring (the
+ring's order is the replicas' order), and the pipeline messages between them."""
+
+
+def ring_factors(layout: PlanLayout, nics: Nics | None, link_bytes_per_s: float,
+                 paths: Paths | None = None) -> np.ndarray:
+    """(pp,) how many times longer each stage's gradient all-reduce takes than with healthy links:
+    a stage has one ring per TP rank (over the replicas, in replica order, closed), every ring
+    carries the same bytes, and a ring finishes at its slowest hop: the slower NIC of its two ends,
+    or a slow path between them. 1 everywhere without replicas or slow NICs and paths."""
     out = np.ones(layout.pp)
-    if not nics or layout.dp == 1:
+    if (not nics and not paths) or layout.dp == 1:
         return out
     grid = layout.grid()
-    for d, bw in nics.items():
+    for d, bw in (nics or {}).items():
         if not bw > 0:
             raise PlanningError(f"NIC of device {d}: bandwidth must be > 0 bytes/s, got {bw!r}")
         for s in np.unique(np.argwhere(grid == int(d))[:, 0]):
             out[s] = max(out[s], link_bytes_per_s / min(float(bw), link_bytes_per_s))
+    if paths:
+        hop = _ring_hop_factors(grid, {_pair(*k): bw for k, bw in paths.items()}, link_bytes_per_s)      # (pp, dp): hop d -> d + 1
+        out = np.maximum(out, hop.max(axis=1))
     return out
+
+
+def _ring_hop_factors(grid: np.ndarray, paths: Paths, link_bytes_per_s: float) -> np.ndarray:
+    """(pp, dp) the slowdown of each ring hop from replica d to d + 1 (closed), the worst TP rank's."""
+    pp, dp, tp = grid.shape
+    out = np.ones((pp, dp))
+    if dp == 1:
+        return out
+    for s in range(pp):
+        for d in range(dp):
+            e = (d + 1) % dp
+            for t in range(tp):
+                bw = paths.get(_pair(grid[s, d, t], grid[s, e, t]))
+                if bw is not None:
+                    if not bw > 0:
+                        raise PlanningError(f"path {_pair(grid[s, d, t], grid[s, e, t])}: bandwidth must be > 0 "
+                                            f"bytes/s, got {bw!r}")
+                    out[s, d] = max(out[s, d], link_bytes_per_s / min(float(bw), link_bytes_per_s))
+    return out
+
+
+def ring_order(layout: PlanLayout, paths: Paths, link_bytes_per_s: float) -> PlanLayout:
+    """``layout`` with its replicas reordered so that the data-parallel rings' slowest hop is as
+    fast as the slow ``paths`` allow (then the fewest slow hops; the old order among equals).
+    Replicas hold the same state, so a new order moves nothing: every ring is rebuilt over the same
+    devices. Exhaustive up to 8 replicas; beyond, a greedy walk that keeps the old successor where
+    its hop is healthy, then segment reversals (2-opt) while they lower the cost."""
+    dp = layout.dp
+    if dp < 3 or not paths:
+        return layout                                  # a ring of 2 has one hop, whatever the order
+    paths = {_pair(*k): bw for k, bw in paths.items()}
+    grid = layout.grid()
+    pp, _, tp = grid.shape
+    bad = np.ones((dp, dp))
+    for i in range(dp):
+        for j in range(i + 1, dp):
+            f = 1.0
+            for s in range(pp):
+                for t in range(tp):
+                    bw = paths.get(_pair(grid[s, i, t], grid[s, j, t]))
+                    if bw is not None and bw > 0:
+                        f = max(f, link_bytes_per_s / min(float(bw), link_bytes_per_s))
+            bad[i, j] = bad[j, i] = f
+
+    def cost(order: Sequence[int]) -> tuple[float, int]:
+        hops = [bad[order[k], order[(k + 1) % dp]] for k in range(dp)]
+        return (max(hops), sum(h > 1.0 for h in hops))
+
+    best = list(range(dp))
+    best_c = cost(best)
+    if best_c[1] == 0:
+        return layout
+    if dp <= 8:
+        import itertools
+        for rest in itertools.permutations(range(1, dp)):
+            order = [0, *rest]
+            c = cost(order)
+            if c < best_c:
+                best, best_c = order, c
+    else:
+        left, order = list(range(1, dp)), [0]
+        while left:
+            nxt = next((j for j in left if bad[order[-1], j] <= 1.0), left[0])
+            order.append(nxt)
+            left.remove(nxt)
+        c = cost(order)
+        improved = True
+        while improved:
+            improved = False
+            for i in range(1, dp - 1):
+                for j in range(i + 1, dp):
+                    cand = order[:i] + order[i:j + 1][::-1] + order[j + 1:]
+                    cc = cost(cand)
+                    if cc < c:
+                        order, c, improved = cand, cc, True
+        if c < best_c:
+            best, best_c = order, c
+    if best == list(range(dp)):
+        return layout
+    new = grid[:, best, :]
+    return dataclasses.replace(layout, devices=tuple(int(x) for x in new.reshape(-1)),
+                               microbatches=tuple(layout.microbatches[d] for d in best))
 
 
 def _pair(a: int, b: int) -> tuple[int, int]:
@@ -181,21 +284,25 @@ def _hops(layout: PlanLayout) -> list[tuple[int, int, int]]:
     return out
 
 
-def link_seconds(layout: PlanLayout, links: Links | None, nic_extra: Mapping[int, float] | None = None) -> np.ndarray:
+def link_seconds(layout: PlanLayout, links: Links | None, nic_extra: Mapping[int, float] | None = None,
+                 path_extra: Mapping[tuple[int, int], float] | None = None) -> np.ndarray:
     """(pp, dp) seconds per micro-batch that slow links add to each TP group: a sender is held for
     its link (the activation downstream, the gradient upstream), and a hop is as slow as its
     slowest TP rank's link. ``nic_extra``: what a slow NIC adds to each message of its device
     (``_Costs.nic_extra_s``); a hop takes the larger of that and its link's own figure (a link
-    verdict measured across a slow NIC is the NIC)."""
+    verdict measured across a slow NIC is the NIC). ``path_extra``: what a slow path adds to each
+    message between its two devices (``_Costs.path_extra_s``), taken the same way."""
     grid = layout.grid()
     out = np.zeros(grid.shape[:2])
-    if not links and not nic_extra:
+    if not links and not nic_extra and not path_extra:
         return out
     links = {_pair(*k): float(v) for k, v in (links or {}).items()}
     ne = nic_extra or {}
+    pe = path_extra or {}
     for s, t, n in _hops(layout):
         for d in range(layout.dp):
-            worst = max(max(links.get(_pair(a, b), 0.0), ne.get(int(a), 0.0), ne.get(int(b), 0.0))
+            worst = max(max(links.get(_pair(a, b), 0.0), pe.get(_pair(a, b), 0.0), ne.get(int(a), 0.0),
+                            ne.get(int(b), 0.0))
                         for a, b in zip(grid[s, d], grid[t, d]))
             out[s, d] += worst * n
             out[t, d] += worst * n
@@ -203,17 +310,17 @@ def link_seconds(layout: PlanLayout, links: Links | None, nic_extra: Mapping[int
 
 
 def stage_speeds(layout: PlanLayout, speeds: np.ndarray, costs: _Costs, devices_per_node: int | None,
-                 links: Links | None = None, nics: "Nics | None" = None) -> np.ndarray:
+                 links: Links | None = None, nics: "Nics | None" = None, paths: "Paths | None" = None) -> np.ndarray:
     """(pp, dp) effective speed of each TP group: its slowest member, divided by how much longer a
     layer takes when the group's all-reduces cross the NIC (a whole-group slowdown, as a slow
-    member is), and by what slow links and slow NICs add to its micro-batches (``link_seconds``,
+    member is), and by what slow links, NICs and paths add to its micro-batches (``link_seconds``,
     against the group's healthy seconds per micro-batch)."""
     out = speeds[layout.grid()].min(axis=2)
     across = spans_nodes(layout, devices_per_node)
     if across.any():
         inside, over = sum(costs.layer(layout.tp)), sum(costs.layer(layout.tp, across_nodes=True))
         out = np.where(across, out * inside / over, out)
-    extra = link_seconds(layout, links, costs.nic_extra_s(nics, layout.tp))
+    extra = link_seconds(layout, links, costs.nic_extra_s(nics, layout.tp), costs.path_extra_s(paths, layout.tp))
     if extra.any():
         fwd, bwd = _chunk_seconds(costs, layout.layers, layout.tp)
         c = (fwd + bwd).sum(axis=1)[:, None]                       # (pp, 1) healthy seconds per micro-batch
@@ -309,19 +416,21 @@ def _simulate_layout(layout: PlanLayout, stage_speed: np.ndarray, fwd: np.ndarra
 
 
 def predict_iteration_s(layout: PlanLayout, spec: ModelSpec, speeds: Sequence[float], cluster: Cluster,
-                        workload: Workload, links: Links | None = None, nics: Nics | None = None) -> float:
+                        workload: Workload, links: Links | None = None, nics: Nics | None = None,
+                        paths: Paths | None = None) -> float:
     """Predicted iteration seconds of ``layout`` at ``speeds`` (pipeline simulator + FLOPs model),
-    with slow pipeline ``links`` and slow ``nics``; infinite when a device of the layout is dead."""
+    with slow pipeline ``links``, slow ``nics`` and slow ``paths``; infinite when a device of the
+    layout is dead."""
     sp = _check_speeds(speeds, layout)
     if layout.num_layers != spec.num_layers:
         raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {spec.num_layers}")
     costs = _costs(spec, workload, cluster)
-    stage_speed = stage_speeds(layout, sp, costs, cluster.devices_per_node, links, nics)
+    stage_speed = stage_speeds(layout, sp, costs, cluster.devices_per_node, links, nics, paths)
     if (stage_speed <= 0).any():
         return math.inf
     fwd, bwd = _chunk_seconds(costs, layout.layers, layout.tp)
     tail = _tail_seconds(spec, workload, cluster, layout.tp, layout.dp, layout.stage_layers,
-                         ring_factors(layout, nics, cluster.link_bytes_per_s))
+                         ring_factors(layout, nics, cluster.link_bytes_per_s, paths))
     return _simulate_layout(layout, stage_speed, fwd, bwd, tail, cluster.p2p_latency_s)
 
 
@@ -451,12 +560,14 @@ def _allocate_microbatches(a: np.ndarray, b: np.ndarray, total: int, unit: int) 
 
 @dataclasses.dataclass(frozen=True)
 class _SlowPaths:
-    """The slow pipeline links ((device, device) -> extra seconds per message) and slow NICs
-    (device -> bytes/s) one search plans around: handed to each of its steps, never kept on the
-    planner (a planner is reused across searches with other faults)."""
+    """The slow pipeline links ((device, device) -> extra seconds per message), slow NICs
+    (device -> bytes/s) and slow paths ((device, device) -> bytes/s) one search plans around:
+    handed to each of its steps, never kept on the planner (a planner is reused across searches
+    with other faults)."""
 
     links: dict[tuple[int, int], float]
     nics: dict[int, float]
+    paths: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -484,10 +595,11 @@ class Planner:
     # ---- scoring ----
 
     def iteration_s(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None,
-                    nics: Nics | None = None) -> float:
-        """Predicted seconds per iteration with these device speeds, slow pipeline links and slow
-        NICs (none by default)."""
-        return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload, links or {}, nics or {})
+                    nics: Nics | None = None, paths: Paths | None = None) -> float:
+        """Predicted seconds per iteration with these device speeds, slow pipeline links, slow
+        NICs and slow paths (none by default)."""
+        return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload, links or {}, nics or {},
+                                   paths or {})
 
     def fits(self, layout: PlanLayout, memory: np.ndarray) -> bool:
         need = self.memory_model(self.spec, self.workload, layout.tp, layout.pp, layout.stage_layers, layout.dp)
@@ -497,20 +609,21 @@ class Planner:
         fwd, bwd = _chunk_seconds(self.costs, layout.layers, layout.tp)
         a, b = _closed_form(fwd, bwd, stage_speed, layout.vp, self.cluster.p2p_latency_s)
         tail = _tail_seconds(self.spec, self.workload, self.cluster, layout.tp, layout.dp, layout.stage_layers,
-                             ring_factors(layout, slow.nics, self.cluster.link_bytes_per_s))
+                             ring_factors(layout, slow.nics, self.cluster.link_bytes_per_s, slow.paths))
         m = np.asarray(layout.microbatches, dtype=float)
         return float((a + (m - 1) * b).max() + tail.max())
 
     # ---- the search ----
 
     def plan(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None,
-             nics: Nics | None = None) -> Plan | None:
+             nics: Nics | None = None, paths: Paths | None = None) -> Plan | None:
         """The best re-layout of ``layout`` for devices at ``speeds`` (indexed by rank; ranks not
         in the layout are spares), slow pipeline ``links`` ((device, device) -> extra seconds
-        per message) and slow ``nics`` (device -> bytes/s), or None when none gains more than
+        per message), slow ``nics`` (device -> bytes/s) and slow ``paths`` ((device, device) ->
+        bytes/s), or None when none gains more than
         ``min_gain``. Raises ``PlanningError`` when the layout has a dead device and no layout runs
         on the rest."""
-        best, current_s, speeds_arr, slow = self._search(layout, speeds, links=links, nics=nics)
+        best, current_s, speeds_arr, slow = self._search(layout, speeds, links=links, nics=nics, paths=paths)
         if best is None:
             return None
         horizon = self.config.horizon_iterations
@@ -522,10 +635,10 @@ class Planner:
         return self._to_plan(layout, best, current_s, speeds_arr, slow)
 
     def best_layout(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None,
-                    nics: Nics | None = None) -> tuple[PlanLayout, float]:
+                    nics: Nics | None = None, paths: Paths | None = None) -> tuple[PlanLayout, float]:
         """The best layout the allowed knobs reach (no threshold, no amortization) and its
         predicted iteration seconds; ``layout`` itself when nothing is better."""
-        best, current_s, _, _ = self._search(layout, speeds, amortize=False, links=links, nics=nics)
+        best, current_s, _, _ = self._search(layout, speeds, amortize=False, links=links, nics=nics, paths=paths)
         if best is None or best.sim_s >= current_s:
             return layout, current_s
         return best.layout, best.sim_s
@@ -541,18 +654,20 @@ class Planner:
                     horizon_iterations=self.config.horizon_iterations,
                     optimum_s=capacity_optimum_s(healthy_s, sp[list(layout.devices)], layout.world_size),
                     speeds={int(r): float(sp[r]) for r in range(n_dev) if abs(sp[r] - 1.0) > HEALTHY_EPS
-                            and (r in members or sp[r] < 1.0)}, links=dict(slow.links), nics=dict(slow.nics))
+                            and (r in members or sp[r] < 1.0)}, links=dict(slow.links), nics=dict(slow.nics),
+                    paths=dict(slow.paths))
 
     def _healthy_s(self, layout: PlanLayout, slow: _SlowPaths) -> float:
         ones = np.ones(max(layout.devices) + 1)
         even = PlanLayout.even(num_layers=self.spec.num_layers, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                                num_microbatches=layout.num_microbatches, vp=layout.vp, schedule=layout.schedule,
                                devices=layout.devices)
-        return min(self.iteration_s(layout, ones, slow.links, slow.nics),
-                   self.iteration_s(even, ones, slow.links, slow.nics))
+        return min(self.iteration_s(layout, ones, slow.links, slow.nics, slow.paths),
+                   self.iteration_s(even, ones, slow.links, slow.nics, slow.paths))
 
     def _search(self, layout: PlanLayout, speeds: Sequence[float], amortize: bool = True, links: Links | None = None,
-                nics: Nics | None = None) -> tuple[_Candidate | None, float, np.ndarray, _SlowPaths]:
+                nics: Nics | None = None, paths: Paths | None = None
+                ) -> tuple[_Candidate | None, float, np.ndarray, _SlowPaths]:
         """The best candidate (None: none runs), the current layout's seconds, the speeds checked,
         and the slow paths this search planned around (threaded through its steps, not kept)."""
         sp = _check_speeds(speeds, layout)
@@ -561,13 +676,20 @@ class Planner:
             if not (math.isfinite(float(bw)) and float(bw) > 0) or not 0 <= int(d) < sp.shape[0]:
                 raise PlanningError(f"slow NIC of device {d} at {bw!r} bytes/s: need a device of the "
                                     f"{sp.shape[0]} known and a finite bandwidth > 0")
+        for k, bw in (paths or {}).items():
+            if not (math.isfinite(float(bw)) and float(bw) > 0) or len(set(k)) != 2 or \
+                    not all(0 <= int(d) < sp.shape[0] for d in k):
+                raise PlanningError(f"slow path {k} at {bw!r} bytes/s: need two devices of the {sp.shape[0]} known "
+                                    "and a finite bandwidth > 0")
         slow = _SlowPaths(slow_links, {int(d): float(bw) for d, bw in (nics or {}).items()
-                                       if float(bw) < self.cluster.link_bytes_per_s})
+                                       if float(bw) < self.cluster.link_bytes_per_s},
+                          {_pair(*k): float(bw) for k, bw in (paths or {}).items()
+                           if float(bw) < self.cluster.link_bytes_per_s})
         if layout.num_layers != self.spec.num_layers:
             raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {self.spec.num_layers}")
         n_dev = sp.shape[0]
         memory = self.cluster.memory_of(n_dev)
-        current_s = self.iteration_s(layout, sp, slow.links, slow.nics)
+        current_s = self.iteration_s(layout, sp, slow.links, slow.nics, slow.paths)
         cands = self._candidates(layout, sp, memory, slow)
         if not cands:
             if math.isinf(current_s):
@@ -591,7 +713,7 @@ class Planner:
         for c in cands[:self.config.simulate_top]:
             # The closed form ranks well; only near-ties are worth a simulation each.
             if c is cands[0] or c.closed_s + c.move_s / horizon <= first * (1 + self.config.simulate_margin):
-                c.sim_s = self.iteration_s(c.layout, sp, slow.links, slow.nics)
+                c.sim_s = self.iteration_s(c.layout, sp, slow.links, slow.nics, slow.paths)
         scored = [c for c in cands if c.sim_s is not None]
         best = min(scored, key=lambda c: c.sim_s + c.move_s / horizon)
         return best, current_s, sp, slow
@@ -611,7 +733,7 @@ class Planner:
                 return
             if not cfg.uneven_microbatches and len(set(lay.microbatches)) > 1:
                 return
-            stage_speed = stage_speeds(lay, sp, self.costs, g, slow.links, slow.nics)
+            stage_speed = stage_speeds(lay, sp, self.costs, g, slow.links, slow.nics, slow.paths)
             if (stage_speed <= 0).any() or not self.fits(lay, memory):
                 return
             seen.add(lay)
@@ -635,6 +757,8 @@ class Planner:
                 placements += [(p, tag + ("tp_regroup",)) for p in self._packings(base, sp)]
             if cfg.link_avoid and slow.links:
                 placements += [(p, tag + ("link_avoid",)) for p in self._avoid_links(base, slow)]
+            if cfg.link_avoid and slow.paths:
+                placements += [(p, tag + acts) for p, acts in self._avoid_paths(base, slow)]
             for lay, acts in placements:
                 for lay2, acts2 in self._fill(lay, layout, sp, memory, acts, slow, same_shape=True):
                     add(lay2, acts2)
@@ -740,6 +864,48 @@ class Planner:
             out.append(combined)
         return out
 
+    def _avoid_paths(self, layout: PlanLayout, slow: _SlowPaths) -> list[tuple[PlanLayout, tuple[str, ...]]]:
+        """Around slow paths on the data-parallel rings: the replicas reordered so that the rings'
+        slowest hop is as fast as it can be (``ring_order``, ``ring_order``: nothing moves); and,
+        where the order cannot help (a ring of 2 or 3 replicas has every pair as neighbours), one
+        end of each slow ring hop swapped with the device of its own replica at the same TP rank of
+        another stage, or at another TP rank of the same stage (``path_avoid``: state moves), so the
+        two ends are on different rings."""
+        out: list[tuple[PlanLayout, tuple[str, ...]]] = []
+        ordered = ring_order(layout, slow.paths, self.cluster.link_bytes_per_s)
+        if ordered != layout:
+            out.append((ordered, ("ring_order",)))
+        grid = ordered.grid()
+        pp, dp, tp = grid.shape
+        if dp == 1:
+            return out
+        hop = _ring_hop_factors(grid, slow.paths, self.cluster.link_bytes_per_s)
+        if pp * tp == 1 or not (hop > 1.0).any():
+            return out
+        acts = (("ring_order",) if ordered != layout else ()) + ("path_avoid",)
+        combined = grid.copy()
+        singles: list[PlanLayout] = []
+        for s, d in zip(*np.nonzero(hop > 1.0)):
+            e = (int(d) + 1) % dp
+            for t in range(tp):
+                if _pair(grid[s, d, t], grid[s, e, t]) not in slow.paths:
+                    continue
+                others = [(s2, t) for s2 in range(pp) if s2 != s] + [(s, t2) for t2 in range(tp) if t2 != t]
+                for end in (e, int(d)):
+                    for s2, t2 in others:
+                        g = grid.copy()
+                        g[s, end, t], g[s2, end, t2] = g[s2, end, t2], g[s, end, t]
+                        singles.append(dataclasses.replace(ordered, devices=tuple(int(x) for x in g.reshape(-1))))
+                s2, t2 = others[0]
+                if combined[s, e, t] == grid[s, e, t] and combined[s2, e, t2] == grid[s2, e, t2]:
+                    combined[s, e, t], combined[s2, e, t2] = grid[s2, e, t2], grid[s, e, t]
+        # Each swap is scored in full (partitions, splits): a handful, and every one at once.
+        for lay in singles[:MAX_PATH_SWAPS] + [dataclasses.replace(ordered, devices=tuple(
+                int(x) for x in combined.reshape(-1)))]:
+            if lay != ordered and all(lay != o for o, _ in out):
+                out.append((lay, acts))
+        return out
+
     def _packings(self, layout: PlanLayout, sp: np.ndarray) -> list[PlanLayout]:
         """Slow devices packed by replica or by stage, into the stage of the slowest device or, when
         that is the last stage (it carries the output layer), into the first."""
@@ -798,7 +964,7 @@ class Planner:
         if self.cluster.devices_per_node is not None:
             placed = node_local_groups(placed, self.cluster.devices_per_node, sp)
         stage_speed = stage_speeds(placed, sp, self.costs, self.cluster.devices_per_node, slow.links,
-                                   slow.nics)   # (pp, dp)
+                                   slow.nics, slow.paths)   # (pp, dp)
         if (stage_speed <= 0).any():
             return
         layer_opts: list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]] = []
@@ -810,7 +976,7 @@ class Planner:
             layer_opts.append((even, ("pp_repartition",) if same_shape else ()))
         if cfg.pp_repartition or not same_shape:
             cap = self._layer_cap(placed, memory)
-            ring = ring_factors(placed, slow.nics, self.cluster.link_bytes_per_s)
+            ring = ring_factors(placed, slow.nics, self.cluster.link_bytes_per_s, slow.paths)
             for agg in (stage_speed.min(axis=1), stage_speed.mean(axis=1)):
                 for r in ((None, ring) if (ring > 1).any() else (None,)):
                     per = self._partition(agg, placed, cap, r)

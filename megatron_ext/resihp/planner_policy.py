@@ -17,6 +17,10 @@ keeps a *believed* speed per device and only re-plans when that belief changes:
 * ``slow_nic`` (a device, ``nic.py``) sets the bandwidth of its NIC (``detail["mbps"]``) at
   once, and ``nic_recovered`` clears it after ``recover_after`` iterations; the planner charges a
   slow NIC to the gradient all-reduce of every data-parallel ring the device is in;
+* ``slow_path`` (a pair of devices, ``nic.py``'s ring probe) sets the path's bandwidth
+  (``detail["mbps"]``) at once, and ``path_recovered`` clears it after ``recover_after``
+  iterations; the planner charges it to a data-parallel ring that has the two devices as
+  neighbours and to pipeline messages between them, and reorders the rings around it;
 * a slow device the layout left out is no longer watched, so no ``recovered`` verdict can come for
   it; with ``readmit_after`` it counts as healthy again once it has been out that many iterations
   (the fault's expected duration is over): the planner may take it back, and if it is still slow
@@ -64,6 +68,8 @@ class PlanPolicy:
         self._links_recovering: dict[tuple[int, int], int] = {}
         self.nics: dict[int, float] = {}                          # device -> its NIC's bytes/s
         self._nics_recovering: dict[int, int] = {}
+        self.paths: dict[tuple[int, int], float] = {}            # (device, device) -> the path's bytes/s
+        self._paths_recovering: dict[tuple[int, int], int] = {}
         self.plans: list[tuple[int, Plan]] = []
 
     def believed(self, rank: int) -> float:
@@ -83,6 +89,9 @@ class PlanPolicy:
         if self.nics or self._nics_recovering:
             out["nics"] = {str(d): float(x) for d, x in self.nics.items()}
             out["nics_recovering"] = {str(d): int(it) for d, it in self._nics_recovering.items()}
+        if self.paths or self._paths_recovering:
+            out["paths"] = {f"{a}-{b}": float(x) for (a, b), x in self.paths.items()}
+            out["paths_recovering"] = {f"{a}-{b}": int(it) for (a, b), it in self._paths_recovering.items()}
         return out
 
     def restore(self, beliefs: dict[str, dict[str, float]]) -> None:
@@ -103,6 +112,8 @@ class PlanPolicy:
         self._links_recovering.update({pair(k): int(it) for k, it in beliefs.get("links_recovering", {}).items()})
         self.nics.update({int(d): float(x) for d, x in beliefs.get("nics", {}).items()})
         self._nics_recovering.update({int(d): int(it) for d, it in beliefs.get("nics_recovering", {}).items()})
+        self.paths.update({pair(k): float(x) for k, x in beliefs.get("paths", {}).items()})
+        self._paths_recovering.update({pair(k): int(it) for k, it in beliefs.get("paths_recovering", {}).items()})
 
     def observe(self, iteration: int, verdicts: Iterable[Verdict] = (), *, adopt: bool = True) -> Plan | None:
         """Take this iteration's verdicts; return a plan when the belief changed and the planner
@@ -111,7 +122,7 @@ class PlanPolicy:
         changed = self.update_beliefs(iteration, verdicts)
         if not changed:
             return None
-        plan = self.planner.plan(self.layout, self.speeds, links=self.links, nics=self.nics)
+        plan = self.planner.plan(self.layout, self.speeds, links=self.links, nics=self.nics, paths=self.paths)
         if plan is None:
             logger.info("resihp policy iteration %d: %s; no re-layout gains more than %.0f %%", iteration,
                         "; ".join(changed), 100 * self.planner.config.min_gain)
@@ -170,6 +181,20 @@ class PlanPolicy:
                     changed.append(f"NIC of {r} at {mbps:.4g} MB/s")
             elif v.kind == "nic_recovered" and r in self.nics:
                 self._nics_recovering.setdefault(r, iteration)
+            elif v.kind == "slow_path":
+                path, mbps = v.link, v.detail.get("mbps")
+                if not (isinstance(mbps, (int, float)) and math.isfinite(mbps) and mbps > 0):
+                    raise PlanningError(f"slow_path verdict for devices {path} at iteration {v.iteration} has no "
+                                        f"usable bandwidth (detail mbps {mbps!r})")
+                if path[0] == path[1] or path[1] >= self.speeds.shape[0]:
+                    raise PlanningError(f"slow_path verdict at iteration {v.iteration} names devices {path}; need two "
+                                        f"different devices of the {self.speeds.shape[0]} known")
+                self._paths_recovering.pop(path, None)
+                if self.paths.get(path) != 1e6 * mbps:
+                    self.paths[path] = 1e6 * float(mbps)
+                    changed.append(f"path {path[0]}-{path[1]} at {mbps:.4g} MB/s")
+            elif v.kind == "path_recovered" and v.link in self.paths:
+                self._paths_recovering.setdefault(v.link, iteration)
         for r, since in sorted(self._recovering.items()):
             if iteration - since >= self.recover_after:
                 del self._recovering[r]
@@ -187,6 +212,11 @@ class PlanPolicy:
                 del self._nics_recovering[d]
                 self.nics.pop(d, None)
                 changed.append(f"NIC of {d} healthy since iteration {since}")
+        for path, since in sorted(self._paths_recovering.items()):
+            if iteration - since >= self.recover_after:
+                del self._paths_recovering[path]
+                self.paths.pop(path, None)
+                changed.append(f"path {path[0]}-{path[1]} healthy since iteration {since}")
         return changed
 
     def _readmit(self, iteration: int) -> list[str]:

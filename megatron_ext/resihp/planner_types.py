@@ -315,6 +315,8 @@ class Plan:
     """The slow pipeline links it was made for ((device, device) -> extra seconds per message)."""
     nics: dict[int, float] = dataclasses.field(default_factory=dict)
     """The slow NICs it was made for (device -> bytes/s)."""
+    paths: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+    """The slow network paths it was made for ((device, device) -> bytes/s)."""
 
     @property
     def gain(self) -> float:
@@ -354,7 +356,10 @@ class Plan:
             slow += f", +{len(self.speeds) - 6}"
         links = ", ".join(f"link {a}-{b} +{1e3 * x:.1f} ms" for (a, b), x in list(self.links.items())[:4])
         nics = ", ".join(f"NIC {d} {_rate(x)}" for d, x in list(self.nics.items())[:4])
-        slow = ", ".join(x for x in (slow, links, nics) if x)
+        paths = ", ".join(f"path {a}-{b} {_rate(x)}" for (a, b), x in list(self.paths.items())[:4])
+        if len(self.paths) > 4:
+            paths += f", +{len(self.paths) - 4} paths"
+        slow = ", ".join(x for x in (slow, links, nics, paths) if x)
         before = "inf" if math.isinf(self.iteration_s_before) else f"{self.iteration_s_before:.3g} s"
         gain = "" if math.isinf(self.iteration_s_before) else \
             f"-{100 * (1 - self.iteration_s_after / self.iteration_s_before):.1f} %, "
@@ -371,7 +376,8 @@ class Plan:
                 "horizon_iterations": self.horizon_iterations, "optimum_s": _num(self.optimum_s),
                 "speeds": {str(k): v for k, v in self.speeds.items()},
                 **({"links": {f"{a}-{b}": x for (a, b), x in self.links.items()}} if self.links else {}),
-                **({"nics": {str(d): x for d, x in self.nics.items()}} if self.nics else {})}
+                **({"nics": {str(d): x for d, x in self.nics.items()}} if self.nics else {}),
+                **({"paths": {f"{a}-{b}": x for (a, b), x in self.paths.items()}} if self.paths else {})}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -386,7 +392,7 @@ class Plan:
             raise PlanningError(f"plan: expected format {PLAN_FORMAT!r}, got {data.get('format')!r}")
         want = {"old", "new", "actions", "iteration_s_before", "iteration_s_after", "bytes_to_move",
                 "max_bytes_per_device", "move_s", "horizon_iterations", "optimum_s", "speeds"}
-        missing, unknown = sorted(want - set(data)), sorted(set(data) - want - {"format", "links", "nics"})
+        missing, unknown = sorted(want - set(data)), sorted(set(data) - want - {"format", "links", "nics", "paths"})
         if missing or unknown:
             raise PlanningError(f"plan: missing keys {missing}, unknown keys {unknown}")
         return cls(old=PlanLayout.from_dict(data["old"], "plan.old"), new=PlanLayout.from_dict(data["new"], "plan.new"),
@@ -396,7 +402,8 @@ class Plan:
                    horizon_iterations=int(data["horizon_iterations"]), optimum_s=float(data["optimum_s"]),
                    speeds={int(k): float(v) for k, v in data["speeds"].items()},
                    links={tuple(int(x) for x in k.split("-")): float(v) for k, v in data.get("links", {}).items()},
-                   nics={int(k): float(v) for k, v in data.get("nics", {}).items()})
+                   nics={int(k): float(v) for k, v in data.get("nics", {}).items()},
+                   paths={tuple(int(x) for x in k.split("-")): float(v) for k, v in data.get("paths", {}).items()})
 
 
 def _num(x: float) -> float | str:
