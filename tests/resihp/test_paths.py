@@ -85,6 +85,8 @@ def test_a_slow_nic_is_not_named_as_a_path_nor_are_a_paths_neighbours():
 def test_a_ring_of_two_gives_no_path_verdict():
     found, nics, paths = run(lambda it: [0, 1], lambda it: {"paths": {(0, 1): 0.03}} if it >= 8 else {}, 25)
     assert [v for v in found if v.kind in ("slow_path", "path_recovered")] == []
+    # ...each device's egress is both of its messages there: the NIC watch names both devices instead.
+    assert {v.launch_rank for v in found if v.kind == "slow_nic"} == {0, 1}
     assert paths.base_s is None and paths.last == {}
 
 
