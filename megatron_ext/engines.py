@@ -20,7 +20,7 @@ from megatron_ext.errors import ConfigError
 
 FEATURES = ("tensor_parallel", "virtual_pipeline", "distributed_optimizer", "data_parallel_microbatches",
             "mixture_of_experts", "bf16", "packed_documents", "overlap_grad_reduce", "helix", "slow_link_injection",
-            "slow_nic_injection", "transformer_config_flags", "batch_size_rampup", "fp16", "per_token_loss",
+            "slow_nic_injection", "slow_path_injection", "transformer_config_flags", "batch_size_rampup", "fp16", "per_token_loss",
             "decoupled_lr", "num_zeros_in_grad")
 """What an engine may refuse (each engine's ``refusals`` names the ones it does, with why)."""
 
@@ -123,6 +123,8 @@ DEEPSPEED = register_engine(EngineSpec(
         "helix": "--helix compiles megatron-core's GPTModel: use it with --engine megatron",
         "slow_link_injection": "--inject-slow-link throttles megatron-core's p2p calls: use it with --engine megatron",
         "slow_nic_injection": "--inject-slow-nic throttles megatron-core's p2p calls: use it with --engine megatron",
+        "slow_path_injection": "--inject-slow-path throttles megatron-core's p2p calls and gradient finalisation: "
+                               "use it with --engine megatron",
         "transformer_config_flags": "--engine deepspeed builds its own GPT block, which megatron-core's "
                                     "TransformerConfig and GPTModel flags do not reach: use --engine megatron",
         "batch_size_rampup": "--rampup-batch-size needs --engine megatron: DeepSpeed's engine fixes its batch "

@@ -118,6 +118,10 @@ def injection_outcome(faults: FaultInjectionConfig, verdicts: list["Verdict"], l
                    None)
         lines.append(outcome(f"injected: rank {f.rank}'s NIC at {f.mbps:g} MB/s from iteration {f.since}; ", f.since,
                              hit, f"about {hit.detail.get('mbps')} MB/s" if hit else ""))
+    for f in faults.slow_path:
+        hit = next((v for v in verdicts if v.kind == "slow_path" and v.link == f.pair and v.iteration >= f.since), None)
+        lines.append(outcome(f"injected: path {f.a}-{f.b} at {f.mbps:g} MB/s from iteration {f.since}; ", f.since, hit,
+                             f"+{1e3 * hit.detail['extra_s_per_message']:.1f} ms per message" if hit else ""))
     for f in faults.hang:
         hit = next((v for v in verdicts if v.launch_rank == f.rank and v.kind in ("hang", "fail_stop")), None)
         lines.append(f"injected: rank {f.rank} hung at iteration {f.at} ({f.where}); "
@@ -158,7 +162,7 @@ class ResiHPExtension(Extension):
         self.hang_injector = None                 # --inject-hang of this rank
         self.control = None                       # --resihp-control-file (resihp/control.py)
         self.joined_after = 0                     # a replacement joined after this iteration: earlier faults are not its
-        self._nic_bytes_per_s: float | None = None
+        self._ring_bytes_per_s: float | None = None   # this rank's injected share of the gradient ring (NIC, path)
 
     # --- setup -----------------------------------------------------------------------------
     def setup(self, trainer: "Trainer") -> None:
@@ -180,7 +184,7 @@ class ResiHPExtension(Extension):
             mine = [f for f in self.faults.slow if f.rank == trainer.ctx.member]
             if mine:
                 self.throttle = Throttle(model_chunks(trainer), mine[0].factor, self.faults.inject_slow_mode)
-            if (any(trainer.ctx.member in (f.a, f.b) for f in self.faults.slow_link)
+            if (any(trainer.ctx.member in (f.a, f.b) for f in self.faults.slow_link + self.faults.slow_path)
                     or any(trainer.ctx.member == f.rank for f in self.faults.slow_nic)):
                 self.link_throttle = LinkThrottle({}, lambda: trainer.ctx.members)
             self._install_ring_throttle(trainer)
@@ -237,6 +241,14 @@ class ResiHPExtension(Extension):
                 self.detector.nic_detector = NicDetector(
                     nbytes=1024 * self.cfg.resihp_nic_probe_kb, warmup=self.cfg.nic_probe_warmup,
                     window=self.cfg.resihp_window, floor_s=self.cfg.resihp_link_floor_ms / 1e3)
+            if self.cfg.resihp_nic_probe_interval and getattr(self.detector, "path_detector", None) is None:
+                from megatron_ext.resihp.nic import PathDetector
+
+                # Slow paths between probe-ring neighbours, from the same probe rows; handed over
+                # with the detector as the NIC detector is.
+                self.detector.path_detector = PathDetector(
+                    nbytes=1024 * self.cfg.resihp_nic_probe_kb, warmup=self.cfg.nic_probe_warmup,
+                    window=self.cfg.resihp_window, floor_s=self.cfg.resihp_link_floor_ms / 1e3)
             if self.trace_writer is None and self.cfg.resihp_trace_out:
                 self.trace_writer = JsonLinesWriter(self.cfg.resihp_trace_out, trace_mode)
             if self.verdict_log is None and self.cfg.resihp_verdicts_out:
@@ -286,20 +298,38 @@ class ResiHPExtension(Extension):
         nics = getattr(detector, "nic_detector", None)
         if nics is not None:
             slow += [f"NIC of launch rank {d} +{1e3 * s:.1f} ms/probe" for d, s in nics.known_slow().items()]
+        paths = getattr(detector, "path_detector", None)
+        if paths is not None:
+            slow += [f"path {a}-{b} +{1e3 * s:.1f} ms/probe" for (a, b), s in paths.known_slow().items()]
         slow = ", ".join(slow) or "none"
         print(f" resihp: detector handed over with the logging rank from launch rank {old} to launch rank {new} "
               f"(known slow: {slow})", flush=True)
         return detector
 
     def _install_ring_throttle(self, trainer: "Trainer") -> None:
-        """This rank's injected slow NIC also holds its share of the gradient all-reduce (the
-        model's config is rebuilt by a re-layout: installed again in ``attach``)."""
-        if not any(trainer.ctx.member == f.rank for f in self.faults.slow_nic):
+        """This rank's injected slow NIC, or a slow path of which it is the smaller end, also holds
+        its share of the gradient all-reduce (the model's config is rebuilt by a re-layout:
+        installed again in ``attach``; whether the path's ends are ring neighbours is decided each
+        iteration, ``_ring_bandwidth``)."""
+        me = trainer.ctx.member
+        if not (any(me == f.rank for f in self.faults.slow_nic) or any(me == f.pair[0] for f in self.faults.slow_path)):
             return
         from megatron_ext.resihp.injection import GradRingThrottle, gradient_bytes
 
         self.ring_throttle = GradRingThrottle(trainer.model.config, gradient_bytes(model_chunks(trainer)),
-                                              trainer.ctx.layout.dp, lambda: self._nic_bytes_per_s)
+                                              trainer.ctx.layout.dp, lambda: self._ring_bytes_per_s)
+
+    def _ring_bandwidth(self, trainer: "Trainer", iteration: int) -> float | None:
+        """Bytes/s of this rank's share of the gradient ring this iteration: its injected slow NIC,
+        and each injected slow path of which it is the smaller end while the two ends are
+        neighbours on a data-parallel ring of the layout in force (the slowest; None: healthy)."""
+        from megatron_ext.resihp.injection import dp_ring_neighbours
+
+        me, layout = trainer.ctx.member, trainer.ctx.layout
+        found = [f.mbps * 1e6 for f in self.faults.slow_nic if f.rank == me and iteration >= f.since]
+        found += [f.mbps * 1e6 for f in self.faults.slow_path if f.pair[0] == me and iteration >= f.since
+                  and dp_ring_neighbours(layout, *f.pair)]
+        return min(found) if found else None
 
     def _install_moe_probe(self, trainer: "Trainer") -> None:
         """MoE models on the megatron engine: routed counts and dispatcher collective time per op
@@ -442,17 +472,20 @@ class ResiHPExtension(Extension):
                 self.throttle.active = iteration >= since
             if self.link_throttle is not None:
                 me = trainer.ctx.member
-                links = {f.b if f.a == me else f.a: f.mbps * 1e6 for f in self.faults.slow_link
-                         if me in (f.a, f.b) and iteration >= f.since}
-                self._nic_bytes_per_s = None
+                links = {}
+                for f in self.faults.slow_link + self.faults.slow_path:   # a path: its probe messages too
+                    if me in (f.a, f.b) and iteration >= f.since:
+                        peer = f.b if f.a == me else f.a
+                        links[peer] = min(links.get(peer, float("inf")), f.mbps * 1e6)
                 for f in self.faults.slow_nic:       # a slow NIC: every send of the device crosses it
                     if f.rank == me and iteration >= f.since:
-                        self._nic_bytes_per_s = f.mbps * 1e6
                         for m in trainer.ctx.members:
                             if m != me:
                                 links[m] = min(links.get(m, float("inf")), f.mbps * 1e6)
                 self.link_throttle.links = links
                 self.link_throttle.active = bool(links)
+            if self.ring_throttle is not None:
+                self._ring_bytes_per_s = self._ring_bandwidth(trainer, iteration)
         if self.moe_probe is not None:
             self.moe_probe.reset()
 
@@ -517,6 +550,11 @@ class ResiHPExtension(Extension):
             found += nics.observe(probe, trainer.ctx.members, metrics.iteration)
             if nics.last:
                 metrics.extra["resihp_nic_egress_ms"] = round(1e3 * max(nics.last.values()), 2)
+        paths = getattr(self.detector, "path_detector", None)
+        if paths is not None and probe is not None:
+            found += paths.observe(probe, trainer.ctx.members, metrics.iteration)
+            if paths.last:
+                metrics.extra["resihp_path_ms"] = round(1e3 * max(paths.last.values()), 2)
         links = getattr(self.detector, "link_detector", None)
         if links is not None and record.num_stages > 1:
             # after the NIC probe: a link verdict a suspected NIC may explain waits for it
@@ -571,13 +609,15 @@ class ResiHPExtension(Extension):
 def _factory(cfg) -> ResiHPExtension | None:
     resihp = cfg.ext("resihp")
     faults = cfg.ext("faults")
-    if faults is not None and (faults.slow_link or faults.slow_nic):
+    if faults is not None and (faults.slow_link or faults.slow_nic or faults.slow_path):
         from megatron_ext.engines import engine
 
         if faults.slow_link:
             engine(cfg.parallel.engine).refuse("slow_link_injection")
         if faults.slow_nic:
             engine(cfg.parallel.engine).refuse("slow_nic_injection")
+        if faults.slow_path:
+            engine(cfg.parallel.engine).refuse("slow_path_injection")
     if (resihp is not None and resihp.resihp) or (faults is not None and faults.any):
         return ResiHPExtension(resihp, faults)
     return None

@@ -34,6 +34,14 @@ sender is held ``bytes / (MBPS * 1e6)`` seconds inside megatron-core's p2p call 
 send (``LinkThrottle``; megatron engine). Nothing computes slower: the receiver waits for the
 message, the sender for its link, which is what ResiHP's link detector (``links.py``) looks for.
 
+``--inject-slow-path A:B:ITER:MBPS`` — from iteration ITER on, the network path between ranks A and B
+(launch ranks) carries MBPS megabytes per second both ways: their ring-probe messages to each
+other and their pipeline messages (``LinkThrottle``) are held ``bytes / (MBPS * 1e6)`` seconds before
+they leave, and while A and B are neighbours on the same data-parallel ring (``dp_ring_neighbours``:
+their DP group in group-rank order, cyclic), the smaller of the two is held before the gradient
+all-reduce for a ring's share of its gradient bytes at MBPS (``GradRingThrottle``, as for a slow NIC).
+A re-layout that parts them on the ring ends that hold. Megatron engine.
+
 ``fail_at`` / ``slow_from`` / ``slow_link_from`` build the same specs for tests.
 """
 from __future__ import annotations
@@ -100,6 +108,18 @@ class SlowNicFault:
     rank: int
     since: int
     mbps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowPathFault:
+    a: int
+    b: int
+    since: int
+    mbps: float
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        return (min(self.a, self.b), max(self.a, self.b))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +194,35 @@ def parse_slow_nic(spec: str, where: str = "--inject-slow-nic") -> SlowNicFault:
     return fault
 
 
+def parse_slow_path(spec: str, where: str = "--inject-slow-path") -> SlowPathFault:
+    fault = SlowPathFault(*_fields(spec, where, (int, int, int, float), "A:B:ITER:MBPS (two ranks, the first "
+                                   "iteration, megabytes per second), e.g. 0:1:20:3"))
+    if min(fault.a, fault.b) < 0:
+        raise ConfigError(f"{where} {spec!r}: need ranks >= 0")
+    if fault.a == fault.b:
+        raise ConfigError(f"{where} {spec!r}: need two different ranks A != B (a path joins two devices)")
+    if fault.since < 1:
+        raise ConfigError(f"{where} {spec!r}: need ITER >= 1")
+    if not 0 < fault.mbps < float("inf"):
+        raise ConfigError(f"{where} {spec!r}: need 0 < MBPS < inf")
+    return fault
+
+
+def dp_ring_neighbours(layout: Any, a: int, b: int) -> bool:
+    """Whether devices ``a`` and ``b`` (launch ranks) are neighbours on one data-parallel ring of
+    ``layout`` (a ``Layout``): the same DP group, adjacent in its group-rank order, cyclically (a
+    ring of two counts; a ring of one is none)."""
+    members = list(layout.members)
+    if a not in members or b not in members or a == b:
+        return False
+    for group in layout.dp_groups():
+        ring = [members[r] for r in group]
+        if a in ring and b in ring:
+            n, i, j = len(ring), ring.index(a), ring.index(b)
+            return n > 1 and (i - j) % n in (1, n - 1)
+    return False
+
+
 def slow_link_from(a: int, b: int, iteration: int, mbps: float) -> str:
     return f"{a}:{b}:{iteration}:{mbps}"
 
@@ -211,6 +260,11 @@ class FaultInjectionConfig:
                                             "MBPS megabytes/s: held bytes/MBPS before each pipeline message and each "
                                             "ResiHP ring-probe message, and its ring share of the gradient all-reduce "
                                             "(megatron engine; repeatable).", None)
+    inject_slow_path: list[str] | None = doc("A:B:ITER:MBPS — from ITER on, the network path between ranks A and B "
+                                             "(launch ranks) carries MBPS megabytes/s both ways: their ring-probe "
+                                             "and pipeline messages to each other are held bytes/MBPS, and while "
+                                             "they are data-parallel ring neighbours their gradient all-reduce too "
+                                             "(megatron engine; repeatable).", None)
     inject_slow_mode: str = doc("How a slow rank is slowed: 'throttle' (held idle inside each op) or 'work' "
                                 "(extra real matrix multiplies inside each op).", "throttle",
                                 choices=("throttle", "work"))
@@ -222,12 +276,16 @@ class FaultInjectionConfig:
         self.hang = [parse_hang(s) for s in self.inject_hang or []]
         self.slow_link = [parse_slow_link(s) for s in self.inject_slow_link or []]
         self.slow_nic = [parse_slow_nic(s) for s in self.inject_slow_nic or []]
+        self.slow_path = [parse_slow_path(s) for s in self.inject_slow_path or []]
         ranks = [f.rank for f in self.slow]
         if len(ranks) != len(set(ranks)):
             raise ConfigError(f"--inject-slow names rank(s) more than once: {self.inject_slow}")
         pairs = [f.pair for f in self.slow_link]
         if len(pairs) != len(set(pairs)):
             raise ConfigError(f"--inject-slow-link names a pair of ranks more than once: {self.inject_slow_link}")
+        paths = [f.pair for f in self.slow_path]
+        if len(paths) != len(set(paths)):
+            raise ConfigError(f"--inject-slow-path names a pair of ranks more than once: {self.inject_slow_path}")
         nics = [f.rank for f in self.slow_nic]
         if len(nics) != len(set(nics)):
             raise ConfigError(f"--inject-slow-nic names rank(s) more than once: {self.inject_slow_nic}")
@@ -244,14 +302,17 @@ class FaultInjectionConfig:
                 if f.rank >= world_size:
                     raise ConfigError(f"{flag} {spec} names rank {f.rank}, but the world has {world_size} ranks "
                                       f"(0..{world_size - 1})")
-        for spec, f in zip(self.inject_slow_link or [], self.slow_link):
-            if max(f.a, f.b) >= world_size:
-                raise ConfigError(f"--inject-slow-link {spec} names rank {max(f.a, f.b)}, but the world has "
-                                  f"{world_size} ranks (0..{world_size - 1})")
+        for flag, specs, faults in (("--inject-slow-link", self.inject_slow_link, self.slow_link),
+                                    ("--inject-slow-path", self.inject_slow_path, self.slow_path)):
+            for spec, f in zip(specs or [], faults):
+                if max(f.a, f.b) >= world_size:
+                    raise ConfigError(f"{flag} {spec} names rank {max(f.a, f.b)}, but the world has "
+                                      f"{world_size} ranks (0..{world_size - 1})")
 
     @property
     def any(self) -> bool:
-        return bool(self.slow or self.stop or self.error or self.hang or self.slow_link or self.slow_nic)
+        return bool(self.slow or self.stop or self.error or self.hang or self.slow_link or self.slow_nic
+                    or self.slow_path)
 
 
 def burn(seconds: float, *, size: int = 96) -> None:

@@ -24,6 +24,16 @@ What the planner does with it (``planner_policy``, ``planner.ring_factors``): th
 slows the gradient all-reduce of every data-parallel ring its device is in, and every pipeline
 message the device sends; the planner replaces the device by a spare, moves layers off its stage,
 or (``--resihp-act-reshape``) takes a shape without a ring over it (docs/resihp.md, "Slow NICs").
+
+The same probe names a slow *path* between two ring neighbours (``PathDetector``): a path between
+devices a and b slows a's message to b and b's to a, and neither device's message to its other
+neighbour, so the egress rule above flags neither device. Per pair of ring neighbours and probe its
+value is the smaller of its two directions' times; the pair is flagged when that value exceeds the
+threshold (both directions slow) while neither end's egress does (a slow NIC at an end explains
+it), and named ``slow_path`` / ``path_recovered`` by the same persistence rule. On a ring of two
+devices both messages of each device go to the one neighbour: a path and a NIC look alike there,
+and no path verdict is given. A pair no longer adjacent on the probe ring (a re-layout moved them
+apart) is not observed: its verdict stands, as a link's does.
 """
 from __future__ import annotations
 
@@ -81,6 +91,17 @@ def _global(rank: int, group) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def path_times(arrivals: Sequence[Sequence[float]]) -> dict[tuple[int, int], tuple[float, float]]:
+    """Per pair of ring neighbours (rank r, rank r + 1 modulo the ring), the times of r's message to
+    r + 1 (there, "from previous") and of r + 1's message to r (at r, "from next"). Empty for a ring
+    of fewer than three ranks (with two, both messages of a rank go to the same neighbour)."""
+    a = np.asarray(arrivals, dtype=float)
+    w = a.shape[0]
+    if w < 3:
+        return {}
+    return {(r, (r + 1) % w): (float(a[(r + 1) % w, 0]), float(a[r, 1])) for r in range(w)}
+
+
 def egress_times(arrivals: Sequence[Sequence[float]]) -> np.ndarray:
     """Per rank, its egress time of one probe: ``arrivals[r]`` is rank r's (from previous, from
     next); rank r's message to its next neighbour arrives there as that one's "from previous", its
@@ -135,3 +156,68 @@ class NicDetector(ExcessWatch):
             detail["mbps"] = round(self.nbytes / extra / 1e6, 3) if extra > 0 else None
         return Verdict(kind=kind, rank=rank, stage=None, iteration=iteration, factor=None, confidence=1.0,
                        detector="resihp-nic", detail=detail)
+
+
+Pair = tuple[int, int]
+
+
+class PathDetector(ExcessWatch):
+    """``observe(arrivals, members, iteration)`` once per probe on the detector's rank (the same rows
+    as ``NicDetector``); returns the probe's ``slow_path`` / ``path_recovered`` verdicts. Pairs of
+    devices by launch rank, smaller first. The baseline is the pooled pair values (the smaller of a
+    pair's two message times) of the warm-up probes; an end's egress is judged against the same
+    threshold. Picklable: it travels with the detector when the logging rank moves."""
+
+    name = "PathDetector"
+
+    def __init__(self, *, nbytes: int, warmup: int = 20, window: int = 8, zscore: float = 4.0,
+                 floor_s: float = 0.01) -> None:
+        if nbytes < 4:
+            raise ValueError(f"PathDetector: need nbytes >= 4, got {nbytes}")
+        super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s)
+        self.nbytes = nbytes
+        self.last: dict[Pair, float] = {}          # this probe's pair values (for the log)
+
+    def observe(self, arrivals: Sequence[Sequence[float]], members: Sequence[int], iteration: int) -> list[Verdict]:
+        if len(arrivals) != len(members):
+            raise ValueError(f"PathDetector.observe: {len(arrivals)} probe rows for {len(members)} ranks")
+        times = path_times(arrivals)
+        if not times:              # a ring of two (or one): a path cannot be told from a NIC
+            self.last = {}
+            return []
+        eg = egress_times(arrivals)
+        rank_of = {int(m): r for r, m in enumerate(members)}
+        pairs = {}
+        for (r, s), (there, back) in times.items():
+            a, b = int(members[r]), int(members[s])
+            key = (min(a, b), max(a, b))
+            fwd, bwd = (there, back) if a < b else (back, there)
+            pairs[key] = (min(fwd, bwd), (fwd, bwd), (eg[r], eg[s]))
+        self.last = {k: v[0] for k, v in pairs.items()}
+        if self._calibrating(self.last.values()):
+            return []
+        limit = self.threshold_s()
+        out = []
+        for key, (t, both, ends) in sorted(pairs.items()):
+            # an end whose own sends are slow explains both directions: not the path's (the pair's
+            # value is kept out of its record, neither flagged nor clean)
+            if max(ends) > limit:
+                continue
+            change = self._step(key, t)
+            if change is not None:
+                out.append(self._verdict("slow_path" if change == "slow" else "path_recovered", key, rank_of,
+                                         iteration, t, both))
+        return out
+
+    def _verdict(self, kind: str, pair: Pair, rank_of: dict[int, int], iteration: int, t: float,
+                 both: tuple[float, float]) -> Verdict:
+        a, b = pair
+        detail = {"launch_rank": a, "peer_launch_rank": b, "path_s": round(t, 6),
+                  "message_s": [round(x, 6) for x in both], "baseline_s": round(self.base_s, 6),
+                  "probe_bytes": self.nbytes}
+        if kind == "slow_path":
+            extra = self._extra(self.watched[pair])
+            detail["extra_s_per_message"] = round(extra, 6)
+            detail["mbps"] = round(self.nbytes / extra / 1e6, 3) if extra > 0 else None
+        return Verdict(kind=kind, rank=rank_of.get(a, a), stage=None, iteration=iteration, factor=None,
+                       confidence=1.0, detector="resihp-path", detail=detail)

@@ -7,8 +7,12 @@ pipeline link between ranks 0 and 2 (replica 0's stage 0 -> 1) carries 2 MB/s fr
 64 KB activation: +33 ms per message), with the planner acting on the verdict. Scenario "nic": every
 send of rank 1 at 4 MB/s from iteration 20 (+16 ms per 64 KB message, and its share of the gradient
 all-reduce), the ring probe on (as in "healthy", where it must name nothing), and the planner
-allowed other shapes over the same ranks. Verdicts and traces
-go to files under OUT; a second argument names the scenarios to run (comma-separated; default all).
+allowed other shapes over the same ranks. Scenario "path" (its own run: ``ALONE``): pure data
+parallelism (DP 4, TP = PP = 1), the network path between launch ranks 0 and 1 (neighbours on the DP
+ring and on the probe ring) at 3 MB/s both ways from iteration 20 (+21.8 ms per 64 KB probe message,
+and the gradient all-reduce held for a ring's share at 3 MB/s while 0 and 1 are ring neighbours),
+probing every iteration, the planner acting on the verdict. Verdicts and traces go to files under
+OUT; a second argument names the scenarios to run (comma-separated; default all but ``ALONE``).
 """
 from __future__ import annotations
 
@@ -42,18 +46,26 @@ SCENARIOS = {
     # named by the ring probe as that device's; the planner reshapes around it (--resihp-act-reshape).
     "nic": {"train_iters": 40, "inject_slow_nic": ["1:20:4"], "resihp_nic_probe_interval": 1, "resihp_act": "relayout",
             "resihp_act_reshape": True},
+    # A slow path on the data-parallel ring (0-1 at 3 MB/s both ways), named as the path between
+    # two devices, not as either device's NIC; the planner reorders the ring so 0 and 1 are no
+    # longer neighbours.
+    "path": {"train_iters": 50, "pipeline_model_parallel_size": 1, "inject_slow_path": ["0:1:20:3"],
+             "resihp_nic_probe_interval": 1, "resihp_act": "relayout"},
 }
+ALONE = ("path",)
+"""Scenarios the default run leaves out: test_live.py runs each in its own launch."""
 
 
 def main() -> None:
     out = sys.argv[1]
     ctx = distributed.setup(config_from_values(dict(BASE)).parallel, seed=1234)
-    names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SCENARIOS)
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else [n for n in SCENARIOS if n not in ALONE]
     for name in names:
         values = SCENARIOS[name]
         cfg = config_from_values({**BASE, **values, "resihp_verdicts_out": os.path.join(out, f"{name}.verdicts.jsonl"),
                                   "resihp_trace_out": os.path.join(out, f"{name}.trace.jsonl")})
-        ctx = distributed.relayout(ctx, tp=1, pp=2, vpp=None, seed=cfg.training.seed)
+        ctx = distributed.relayout(ctx, tp=1, pp=cfg.parallel.pipeline_model_parallel_size, vpp=None,
+                                   seed=cfg.training.seed)
         trainer = Trainer(cfg, ctx, build_extensions(cfg)).setup()
         trainer.run()
         ctx = trainer.ctx  # a re-layout rebuilt it

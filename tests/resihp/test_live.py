@@ -249,6 +249,7 @@ def test_a_slow_nic_is_named_by_the_ring_probe_as_that_device(live):
     assert 20 <= first["iteration"] <= 45
     assert 8e-3 < first["detail"]["extra_s_per_message"] < 40e-3, first   # 16.4 ms injected
     assert not [v for v in rows if v["kind"] == "fail_slow"], "the slow NIC was taken for a slow device"
+    assert not [v for v in rows if v["kind"] == "slow_path"], "the slow NIC was taken for a slow path"
     assert "injected: rank 1's NIC at 4 MB/s from iteration 20; named at iteration" in (live / "log.txt").read_text()
 
 
@@ -270,3 +271,49 @@ def test_the_planner_takes_the_data_parallel_ring_off_a_slow_nic_live(live):
     (rec,) = done["recovery"]
     assert rec["during_ms"] > rec["before_ms"], rec             # the NIC's ring share made iterations slower (1.7x-2.2x seen)
     assert rec["after_ms"] < rec["during_ms"], rec              # the re-layout helped
+
+
+@pytest.fixture(scope="module")
+def live_path(tmp_path_factory):
+    """The ``path`` scenario (pure data parallelism: its own launch)."""
+    out = tmp_path_factory.mktemp("resihp_live_path")
+    proc = run_torchrun("tests/resihp/live_scenarios.py", str(out), "path")
+    (out / "log.txt").write_text(proc.stdout + proc.stderr)
+    return out
+
+
+@pytest.mark.multirank
+def test_a_slow_path_on_the_data_parallel_ring_is_named_as_that_path(live_path):
+    # DP 4 (TP = PP = 1): the path between launch ranks 0 and 1, neighbours on the DP ring and on
+    # the probe ring, at 3 MB/s both ways from iteration 20 (+21.8 ms per 64 KB probe message; the
+    # gradient all-reduce held for a ring's share while they are neighbours). Nothing computes
+    # slower and neither device's sends to its other neighbour are slow.
+    rows = verdicts(live_path / "path.verdicts.jsonl")
+    named = [v for v in rows if v["kind"] == "slow_path"]
+    assert len(named) == 1, rows
+    (v,) = named
+    assert {v["detail"]["launch_rank"], v["detail"]["peer_launch_rank"]} == {0, 1} and 20 <= v["iteration"] <= 40, v
+    assert 10e-3 < v["detail"]["extra_s_per_message"] < 40e-3, v                 # 21.8 ms injected
+    assert 1.6 < v["detail"]["mbps"] < 6.5, v                                      # 3 MB/s injected
+    assert not [v for v in rows if v["kind"] in ("slow_nic", "fail_slow", "path_recovered")], rows
+    assert "injected: path 0-1 at 3 MB/s from iteration 20; named at iteration" in (live_path / "log.txt").read_text()
+
+
+@pytest.mark.multirank
+def test_the_planner_takes_a_slow_path_off_the_data_parallel_ring_live(live_path):
+    # --resihp-act relayout: the path's bandwidth reaches the planner, which reorders the ring so
+    # that launch ranks 0 and 1 are no longer neighbours; the gradient all-reduce no longer crosses
+    # the path and the measured iterations get their time back.
+    rows = verdicts(live_path / "path.verdicts.jsonl")
+    plans = [v for v in rows if v["kind"] == "plan"]
+    assert plans, rows
+    done = json.loads((live_path / "path.relayouts.json").read_text())
+    (first,) = done["relayouts"]
+    m = first["members"]                                # DP 4: the ring runs through the ranks in order
+    assert sorted(m) == [0, 1, 2, 3] and first["to"].startswith("tp1pp1"), first
+    i, j = m.index(0), m.index(1)
+    assert (i - j) % 4 == 2, f"0 and 1 are still ring neighbours: {m}"
+    assert done["iterations"] == done["train_rows"] == 50
+    (rec,) = done["recovery"]
+    assert rec["during_ms"] > rec["before_ms"], rec    # the path's ring share made iterations slower
+    assert rec["after_ms"] < rec["during_ms"], rec     # the re-layout helped
