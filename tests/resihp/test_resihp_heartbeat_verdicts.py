@@ -38,7 +38,7 @@ def test_verdict_json_roundtrip_and_log(tmp_path):
 
 
 def test_verdict_validation():
-    with pytest.raises(ValueError, match="verdict kind must be one of fail_slow, fail_stop, hang, recovered, slow_link, link_recovered, slow_nic, nic_recovered, got 'slow'"):
+    with pytest.raises(ValueError, match="verdict kind must be one of fail_slow, fail_stop, hang, recovered, slow_link, link_recovered, slow_nic, nic_recovered, slow_path, path_recovered, got 'slow'"):
         Verdict(kind="slow", rank=0, stage=0, iteration=1, factor=1.0, confidence=0.5, detector="x")
     with pytest.raises(ValueError, match=r"verdict confidence must lie in \[0, 1\], got 1.5"):
         Verdict(kind="fail_stop", rank=0, stage=0, iteration=1, factor=None, confidence=1.5, detector="x")
