@@ -455,7 +455,7 @@ def live_runs(slow_at: int = 30, stop_at: int = 8) -> dict[str, tuple[list[str],
     """Part (b)'s runs by name: pretrain_gpt.py's arguments, and the fault they inject as the
     project's own parser reads the flag (``resihp/injection.py``), so a figure derived from the
     fault is what the run was given."""
-    from megatron_ext.resihp.injection import parse_slow, parse_slow_link, parse_slow_nic, parse_stop
+    from megatron_ext.resihp.injection import parse_slow, parse_slow_link, parse_slow_nic, parse_slow_path, parse_stop
 
     common = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
               "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "1",
@@ -474,6 +474,10 @@ def live_runs(slow_at: int = 30, stop_at: int = 8) -> dict[str, tuple[list[str],
         "link": (common + probe + short, "--inject-slow-link", f"0:2:{slow_at}:2", parse_slow_link),
         # A slow NIC (nic.py): every send of rank 1.
         "nic": (common + probe + short, "--inject-slow-nic", f"1:{slow_at}:4", parse_slow_nic),
+        # A slow path (nic.py's PathDetector) between ranks 0 and 1, neighbours on the data-parallel
+        # ring of a pure DP 4 job (no pipeline: only the ring and the probe cross it).
+        "path": ([x for x in common if x not in ("--pipeline-model-parallel-size", "2")] + probe + short,
+                 "--inject-slow-path", f"0:1:{slow_at}:3", parse_slow_path),
     }
     return {name: (argv + [flag, spec], parse(spec)) for name, (argv, flag, spec, parse) in runs.items()}
 
@@ -488,14 +492,16 @@ def pipeline_message_bytes(cfg) -> int:
     return cfg.model.seq_length // tp * cfg.training.micro_batch_size * cfg.model.hidden_size * dtype.itemsize
 
 
-def injected_s(runs: dict[str, tuple[list[str], Any]]) -> tuple[float, float]:
-    """Seconds the slow link adds to each pipeline message of its run, and the slow NIC to each
-    ring-probe message (ResiHPConfig's default size) of its run: from the runs' own flags."""
+def injected_s(runs: dict[str, tuple[list[str], Any]]) -> tuple[float, float, float]:
+    """Seconds the slow link adds to each pipeline message of its run, the slow NIC to each
+    ring-probe message (ResiHPConfig's default size) of its run, and the slow path to each probe
+    message between its two devices: from the runs' own flags."""
     from megatron_ext.config.run import parse_run_config
 
-    (link_argv, link), (_, nic) = runs["link"], runs["nic"]
+    (link_argv, link), (_, nic), (_, path) = runs["link"], runs["nic"], runs["path"]
     probe_bytes = ResiHPConfig().resihp_nic_probe_kb * 1024
-    return pipeline_message_bytes(parse_run_config(link_argv[1:])) / (link.mbps * 1e6), probe_bytes / (nic.mbps * 1e6)
+    return (pipeline_message_bytes(parse_run_config(link_argv[1:])) / (link.mbps * 1e6), probe_bytes / (nic.mbps * 1e6),
+            probe_bytes / (path.mbps * 1e6))
 
 
 def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
@@ -505,8 +511,9 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs = live_runs(slow_at, stop_at)
-    slow_fault, stop_fault, link_fault, nic_fault = (runs[name][1] for name in ("slow", "stop", "link", "nic"))
-    link_injected_s, nic_injected_s = injected_s(runs)
+    slow_fault, stop_fault, link_fault, nic_fault, path_fault = (runs[name][1] for name in
+                                                                 ("slow", "stop", "link", "nic", "path"))
+    link_injected_s, nic_injected_s, path_injected_s = injected_s(runs)
     probe_kb = ResiHPConfig().resihp_nic_probe_kb
     verdicts = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -515,7 +522,9 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
             # The stop run: nothing reports the dead rank's exit (as under srun), only the heartbeat names it.
             launch_ranks(argv + ["--resihp-verdicts-out", out], LIVE_RANKS, cwd=root, report_exits=name != "stop")
             verdicts[name] = [json.loads(x) for x in open(out)] if os.path.exists(out) else []
-    slow, stop, link, nic = verdicts["slow"], verdicts["stop"], verdicts["link"], verdicts["nic"]
+    slow, stop, link, nic, path = (verdicts[k] for k in ("slow", "stop", "link", "nic", "path"))
+    path_v = [v for v in path if v["kind"] == "slow_path"]
+    pfirst = path_v[0] if path_v else None
     slow_v = [v for v in slow if v["kind"] == "fail_slow"]
     link_v = [v for v in link if v["kind"] == "slow_link"]
     lfirst = link_v[0] if link_v else None
@@ -548,6 +557,15 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
         "slow_nic_verdicts_in_device_run": sum(v["kind"] == "slow_nic" for v in slow),
         "slow_nic_verdicts_in_link_run": sum(v["kind"] == "slow_nic" for v in link),
         "fail_slow_verdicts_in_nic_run": sum(v["kind"] == "fail_slow" for v in nic),
+        "path_detected": bool(path_v),
+        "path_pair_ok": bool(path_v and all({v["detail"]["launch_rank"], v["detail"]["peer_launch_rank"]} ==
+                                            {path_fault.a, path_fault.b} for v in path_v)),
+        "path_delay_iters": (pfirst["iteration"] - path_fault.since) if pfirst else None,
+        "path_extra_ms_per_message": round(1e3 * pfirst["detail"]["extra_s_per_message"], 2) if pfirst else None,
+        "path_injected_ms_per_message": round(1e3 * path_injected_s, 2),
+        # the wrong kind: a path verdict where none was injected, a NIC or device taken for the path
+        "slow_path_verdicts_in_other_runs": sum(v["kind"] == "slow_path" for r in (slow, link, nic) for v in r),
+        "slow_nic_or_fail_slow_verdicts_in_path_run": sum(v["kind"] in ("slow_nic", "fail_slow") for v in path),
     }
     print(f"\nlive ({LIVE_RANKS} CPU ranks, PP2 x DP2): fail-slow x{slow_fault.factor} on rank {slow_fault.rank} "
           f"from iteration {slow_fault.since}: detected {live['slow_detected']}, right rank {live['slow_rank_ok']}, "
@@ -567,6 +585,13 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
           f"{live['slow_nic_verdicts_in_device_run']} NIC verdict(s) in the slow-device run, "
           f"{live['slow_nic_verdicts_in_link_run']} in the slow-link run, {live['fail_slow_verdicts_in_nic_run']} "
           "fail-slow verdict(s) in the slow-NIC run")
+    print(f"live, DP 4 (no pipeline), ring probe every iteration: slow path {path_fault.a}-{path_fault.b} "
+          f"({path_fault.mbps:g} MB/s, +{live['path_injected_ms_per_message']} ms per {probe_kb} KB probe message) "
+          f"from iteration {path_fault.since}: detected {live['path_detected']}, right pair {live['path_pair_ok']}, "
+          f"delay {live['path_delay_iters']} iterations, estimated +{live['path_extra_ms_per_message']} ms per "
+          f"message; wrong kind: {live['slow_path_verdicts_in_other_runs']} path verdict(s) in the slow-device, "
+          f"slow-link and slow-NIC runs, {live['slow_nic_or_fail_slow_verdicts_in_path_run']} NIC or fail-slow "
+          "verdict(s) in the slow-path run")
     return live
 
 

@@ -116,11 +116,13 @@ def test_the_live_parts_figures_come_from_the_flags_its_runs_get():
     from megatron_ext.config.run import parse_run_config
 
     runs = bd.live_runs(slow_at=30, stop_at=8)
-    assert list(runs) == ["slow", "stop", "link", "nic"]
+    assert list(runs) == ["slow", "stop", "link", "nic", "path"]
     for name, (argv, fault) in runs.items():
         faults = parse_run_config(argv[1:]).ext("faults")   # what pretrain_gpt.py makes of the run's flags
-        assert {"slow": faults.slow, "stop": faults.stop, "link": faults.slow_link, "nic": faults.slow_nic}[name] \
-            == [fault]
-    # 256 x 1 x 64 fp32 activations at 2 MB/s; a 64 KiB probe message at 4 MB/s (docs/resihp.md quotes both)
-    link_s, nic_s = bd.injected_s(runs)
-    assert (round(1e3 * link_s, 2), round(1e3 * nic_s, 2)) == (32.77, 16.38)
+        assert {"slow": faults.slow, "stop": faults.stop, "link": faults.slow_link, "nic": faults.slow_nic,
+                "path": faults.slow_path}[name] == [fault]
+    # 256 x 1 x 64 fp32 activations at 2 MB/s; a 64 KiB probe message at 4 MB/s and at 3 MB/s
+    # (docs/resihp.md quotes them)
+    link_s, nic_s, path_s = bd.injected_s(runs)
+    assert (round(1e3 * link_s, 2), round(1e3 * nic_s, 2), round(1e3 * path_s, 2)) == (32.77, 16.38, 21.85)
+    assert "--pipeline-model-parallel-size" not in runs["path"][0]
