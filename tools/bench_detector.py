@@ -539,7 +539,11 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
         "slow_delay_iters": (first["iteration"] - slow_fault.since) if first else None,
         "stop_detected": bool(stop_v),
         "stop_rank_ok": bool(stop_v and stop_v[0]["rank"] == stop_fault.rank),
-        "stop_delay_s": round(stop_v[0]["detail"]["silent_s"], 3) if stop_v else None,
+        # seconds after its last heartbeat where the heartbeat named it; another path (a peer's
+        # broken collective, the launcher) carries no silence: None, and how it was named
+        "stop_delay_s": round(stop_v[0]["detail"]["silent_s"], 3) if stop_v and "silent_s" in stop_v[0]["detail"]
+        else None,
+        "stop_named_by": (stop_v[0]["detail"].get("how") or stop_v[0]["detector"]) if stop_v else None,
         "link_detected": bool(link_v),
         "link_pair_ok": bool(lfirst and {lfirst["detail"]["launch_rank"], lfirst["detail"]["peer_launch_rank"]} ==
                              set(link_fault.pair)),
@@ -570,8 +574,8 @@ def run_live(slow_at: int = 30, stop_at: int = 8) -> dict:
     print(f"\nlive ({LIVE_RANKS} CPU ranks, PP2 x DP2): fail-slow x{slow_fault.factor} on rank {slow_fault.rank} "
           f"from iteration {slow_fault.since}: detected {live['slow_detected']}, right rank {live['slow_rank_ok']}, "
           f"delay {live['slow_delay_iters']} iterations; fail-stop of rank {stop_fault.rank}: detected "
-          f"{live['stop_detected']}, right rank {live['stop_rank_ok']}, {live['stop_delay_s']} s after its last "
-          f"heartbeat; slow link {link_fault.a}-{link_fault.b} ({link_fault.mbps:g} MB/s, "
+          f"{live['stop_detected']}, right rank {live['stop_rank_ok']}, named by {live['stop_named_by']}, "
+          f"{live['stop_delay_s']} s after its last heartbeat; slow link {link_fault.a}-{link_fault.b} ({link_fault.mbps:g} MB/s, "
           f"+{live['link_injected_ms_per_message']} ms per message) from iteration {link_fault.since}: detected "
           f"{live['link_detected']}, right pair {live['link_pair_ok']}, delay {live['link_delay_iters']} iterations, "
           f"estimated +{live['link_extra_ms_per_message']} ms per message; wrong kind: "
