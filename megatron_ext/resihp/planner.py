@@ -729,6 +729,11 @@ class Planner:
         def add(lay: PlanLayout | None, actions: tuple[str, ...]) -> None:
             if lay is not None and g is not None:
                 lay = node_local_groups(lay, g, sp)
+            if lay is not None and slow.paths:
+                # Whatever the shape, its rings go around the known slow paths (nothing moves).
+                ordered = ring_order(lay, slow.paths, self.cluster.link_bytes_per_s)
+                if ordered is not lay:
+                    lay, actions = ordered, _dedupe(actions + ("ring_order",))
             if lay is None or lay in seen:
                 return
             if not cfg.uneven_microbatches and len(set(lay.microbatches)) > 1:
