@@ -49,6 +49,10 @@ class ResiHPConfig:
                              "their receiver waits is named slow_link.", True)
     resihp_link_floor_ms: float = doc("Smallest excess over the healthy round trip of a link's messages that "
                                       "flags it, in milliseconds.", 10.0)
+    resihp_link_severe_factor: float = doc("A pipeline link, NIC or path whose excess is at least this many times "
+                                           "its flag's margin (max(--resihp-link-floor-ms, 4 x noise)) in each of its "
+                                           "last --resihp-severe-window observations is named then, without waiting "
+                                           "for --resihp-window (0: off).", 2.0)
     resihp_nic_probe_interval: int = doc("Every N iterations, time a small message from each rank to both of its "
                                          "ring neighbours (nic.py) and name a device whose sends are slow (slow_nic); "
                                          "0: off. A collective of all ranks per probe.", 0)
@@ -89,6 +93,9 @@ class ResiHPConfig:
             raise ConfigError(f"--resihp-nic-probe-interval must be >= 0 (0: off), got {self.resihp_nic_probe_interval}")
         if self.resihp_nic_probe_kb < 1:
             raise ConfigError(f"--resihp-nic-probe-kb must be >= 1, got {self.resihp_nic_probe_kb}")
+        if self.resihp_link_severe_factor and not self.resihp_link_severe_factor > 1:
+            raise ConfigError(f"--resihp-link-severe-factor must be 0 (off) or > 1, got "
+                              f"{self.resihp_link_severe_factor}")
         if self.resihp_severe_window < 1:
             raise ConfigError(f"--resihp-severe-window must be >= 1, got {self.resihp_severe_window}")
         if self.resihp_warmup < 3:

@@ -234,13 +234,14 @@ class ResiHPExtension(Extension):
 
                 # An attribute of the detector, so it is handed over with it (``_hand_over``).
                 self.detector.link_detector = LinkDetector(warmup=self.cfg.resihp_warmup, window=self.cfg.resihp_window,
-                                                           floor_s=self.cfg.resihp_link_floor_ms / 1e3)
+                                                           floor_s=self.cfg.resihp_link_floor_ms / 1e3,
+                                                           **self._link_severe())
             if self.cfg.resihp_nic_probe_interval and getattr(self.detector, "nic_detector", None) is None:
                 from megatron_ext.resihp.nic import NicDetector
 
                 self.detector.nic_detector = NicDetector(
                     nbytes=1024 * self.cfg.resihp_nic_probe_kb, warmup=self.cfg.nic_probe_warmup,
-                    window=self.cfg.resihp_window, floor_s=self.cfg.resihp_link_floor_ms / 1e3)
+                    window=self.cfg.resihp_window, floor_s=self.cfg.resihp_link_floor_ms / 1e3, **self._link_severe())
             if self.cfg.resihp_nic_probe_interval and getattr(self.detector, "path_detector", None) is None:
                 from megatron_ext.resihp.nic import PathDetector
 
@@ -248,7 +249,7 @@ class ResiHPExtension(Extension):
                 # with the detector as the NIC detector is.
                 self.detector.path_detector = PathDetector(
                     nbytes=1024 * self.cfg.resihp_nic_probe_kb, warmup=self.cfg.nic_probe_warmup,
-                    window=self.cfg.resihp_window, floor_s=self.cfg.resihp_link_floor_ms / 1e3)
+                    window=self.cfg.resihp_window, floor_s=self.cfg.resihp_link_floor_ms / 1e3, **self._link_severe())
             if self.trace_writer is None and self.cfg.resihp_trace_out:
                 self.trace_writer = JsonLinesWriter(self.cfg.resihp_trace_out, trace_mode)
             if self.verdict_log is None and self.cfg.resihp_verdicts_out:

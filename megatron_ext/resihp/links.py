@@ -85,21 +85,31 @@ class _Watched:
     excess: collections.deque
     convicted: bool = False
     calm: int = 0
+    severe: int = 0          # consecutive observations past the severe margin
+    rule: str = ""           # the rule that convicted it: "window" or "severe"
 
 
 class ExcessWatch:
     """What the link and NIC detectors share: a baseline pooled over the warm-up's values (median,
     MAD as noise), a flag at ``max(floor_s, zscore x noise)`` above it, and per watched thing (a
     link, a device) the persistence rule: convicted when all but one of its last ``window``
-    observed values are flagged, released after ``window`` unflagged in a row."""
+    observed values are flagged, released after ``window`` unflagged in a row. The severe rule (the
+    fail-slow detector's, for links): with ``severe_factor`` > 0, a thing whose excess is at least
+    ``severe_factor`` times the flag's margin in each of its last ``severe_window`` observations
+    is convicted then, without waiting for the window (0: off)."""
 
     name = "ExcessWatch"
 
-    def __init__(self, *, warmup: int, window: int, zscore: float, floor_s: float) -> None:
+    def __init__(self, *, warmup: int, window: int, zscore: float, floor_s: float, severe_factor: float = 0.0,
+                 severe_window: int = 4) -> None:
         if warmup < 1 or window < 2 or zscore <= 0 or floor_s <= 0:
             raise ValueError(f"{self.name}: need warmup >= 1, window >= 2, zscore > 0 and floor_s > 0; got "
                              f"{warmup}, {window}, {zscore}, {floor_s}")
+        if severe_factor and not (severe_factor > 1 and 1 <= severe_window):
+            raise ValueError(f"{self.name}: need severe_factor 0 (off) or > 1 and severe_window >= 1; got "
+                             f"{severe_factor}, {severe_window}")
         self.warmup, self.window, self.zscore, self.floor_s = warmup, window, zscore, floor_s
+        self.severe_factor, self.severe_window = float(severe_factor), int(severe_window)
         self.healthy: list[float] = []        # pooled values of the warm-up
         self.base_s: float | None = None
         self.noise_s = 0.0
@@ -144,15 +154,21 @@ class ExcessWatch:
         if st is None:
             st = self.watched[key] = _Watched(collections.deque(maxlen=self.window),
                                               collections.deque(maxlen=self.window))
-        flagged = value > self.threshold_s()
+        limit = self.threshold_s()
+        flagged = value > limit
         st.flags.append(flagged)
         if flagged:
             st.excess.append(value - self.base_s)
             st.calm = 0
         else:
             st.calm += 1
+        severe = bool(self.severe_factor) and value - self.base_s >= self.severe_factor * (limit - self.base_s)
+        st.severe = st.severe + 1 if severe else 0
         if not st.convicted and len(st.flags) == self.window and sum(st.flags) >= self.window - 1:
-            st.convicted = True
+            st.convicted, st.rule = True, "window"
+            return "slow"
+        if not st.convicted and self.severe_factor and st.severe >= self.severe_window:
+            st.convicted, st.rule = True, "severe"
             return "slow"
         if st.convicted and st.calm >= self.window:
             st.convicted = False
@@ -169,8 +185,10 @@ class LinkDetector(ExcessWatch):
     name = "LinkDetector"
     excess_divisor = 2.0        # a round trip's excess: both directions, one of them slow
 
-    def __init__(self, *, warmup: int = 20, window: int = 8, zscore: float = 4.0, floor_s: float = 0.01) -> None:
-        super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s)
+    def __init__(self, *, warmup: int = 20, window: int = 8, zscore: float = 4.0, floor_s: float = 0.01,
+                 severe_factor: float = 0.0, severe_window: int = 4) -> None:
+        super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s, severe_factor=severe_factor,
+                         severe_window=severe_window)
         self.last: dict[Link, float] = {}      # this iteration's round trips (for the log)
         self.held: list[Verdict] = []          # slow_link verdicts waiting on the NIC probe
 
@@ -215,5 +233,6 @@ class LinkDetector(ExcessWatch):
                   "baseline_s": round(self.base_s, 6)}
         if kind == "slow_link":
             detail["extra_s_per_message"] = round(self._extra(self.watched[link]), 6)
+            detail["rule"] = self.watched[link].rule
         return Verdict(kind=kind, rank=rank_of.get(a, a), stage=None, iteration=iteration, factor=None,
                        confidence=1.0, detector="resihp-link", detail=detail)

@@ -123,10 +123,11 @@ class NicDetector(ExcessWatch):
     name = "NicDetector"
 
     def __init__(self, *, nbytes: int, warmup: int = 20, window: int = 8, zscore: float = 4.0,
-                 floor_s: float = 0.01) -> None:
+                 floor_s: float = 0.01, severe_factor: float = 0.0, severe_window: int = 4) -> None:
         if nbytes < 4:
             raise ValueError(f"NicDetector: need nbytes >= 4, got {nbytes}")
-        super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s)
+        super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s, severe_factor=severe_factor,
+                         severe_window=severe_window)
         self.nbytes = nbytes
         self.last: dict[int, float] = {}
 
@@ -154,6 +155,7 @@ class NicDetector(ExcessWatch):
             extra = self._extra(self.watched[dev])
             detail["extra_s_per_message"] = round(extra, 6)
             detail["mbps"] = round(self.nbytes / extra / 1e6, 3) if extra > 0 else None
+            detail["rule"] = self.watched[dev].rule
         return Verdict(kind=kind, rank=rank, stage=None, iteration=iteration, factor=None, confidence=1.0,
                        detector="resihp-nic", detail=detail)
 
@@ -171,10 +173,11 @@ class PathDetector(ExcessWatch):
     name = "PathDetector"
 
     def __init__(self, *, nbytes: int, warmup: int = 20, window: int = 8, zscore: float = 4.0,
-                 floor_s: float = 0.01) -> None:
+                 floor_s: float = 0.01, severe_factor: float = 0.0, severe_window: int = 4) -> None:
         if nbytes < 4:
             raise ValueError(f"PathDetector: need nbytes >= 4, got {nbytes}")
-        super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s)
+        super().__init__(warmup=warmup, window=window, zscore=zscore, floor_s=floor_s, severe_factor=severe_factor,
+                         severe_window=severe_window)
         self.nbytes = nbytes
         self.last: dict[Pair, float] = {}          # this probe's pair values (for the log)
 
@@ -219,5 +222,6 @@ class PathDetector(ExcessWatch):
             extra = self._extra(self.watched[pair])
             detail["extra_s_per_message"] = round(extra, 6)
             detail["mbps"] = round(self.nbytes / extra / 1e6, 3) if extra > 0 else None
+            detail["rule"] = self.watched[pair].rule
         return Verdict(kind=kind, rank=rank_of.get(a, a), stage=None, iteration=iteration, factor=None,
                        confidence=1.0, detector="resihp-path", detail=detail)

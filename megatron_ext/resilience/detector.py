@@ -13,7 +13,9 @@
 * slow links (given to every policy; used by those whose design can act on them: ADAPTRA's link
   detector, ResiHP's ring probe for NICs, torchft dropping the replica group behind the link): a
   NIC or a node-to-node path used by the job at ``1 / factor`` of its bandwidth, after ``delay``
-  iterations; ``factor`` 1.0 when it is healthy again. A link outside the job (the NIC of a device
+  iterations, or ``severe_delay`` when ``factor`` is more than ``severe_factor`` (the live link,
+  NIC and path watches' severe rule, ``--resihp-link-severe-factor``: the model assumes the probe
+  is sized so that a link's excess scales with its factor); ``factor`` 1.0 when it is healthy again. A link outside the job (the NIC of a device
   the job left, a path between nodes it no longer spans) is not observed; a named one that comes
   back into the job is watched afresh, like a device. ResiHP's compute detector scores compute
   time only; a slow link shows up there as waiting, which it does not score.
@@ -121,7 +123,10 @@ class DetectorModel:
                     continue
             if key in seen:
                 self.link_for[key] = self.link_for.get(key, 0) + 1
-                if self.link_for[key] >= self.delay and key not in self.link_named:
+                # the live watches' severe rule (``links.ExcessWatch``): far past the margin, named sooner
+                delay = self.severe_delay if self.severe_factor is not None and seen[key] > self.severe_factor \
+                    else self.delay
+                if self.link_for[key] >= delay and key not in self.link_named:
                     self.link_named[key] = seen[key]
                     out.append(LinkVerdict(key[0], key[1], seen[key], it))
             else:

@@ -189,3 +189,23 @@ def test_the_ring_probe_sends_from_the_device_it_is_given(monkeypatch):
         times = nic.ring_probe(4096, device=device)
         assert len(times) == 2 and all(t >= 0 for t in times)
         assert seen == [("recv", expected, 1024, 1), ("send", expected, 1024, 1)] * 2, seen
+
+
+def test_the_severe_rule_names_a_nic_far_past_the_margin_before_the_window():
+    # Window 8: the window rule needs 7 of 8 probes flagged. The severe rule (2x the margin, here
+    # the 10 ms floor, in each of 3 probes) names a 33 ms excess after 3; a 15 ms one (1.5x the
+    # margin) still waits for the window.
+    def named_at(extra: float, **severe) -> tuple[int, str]:
+        det = NicDetector(nbytes=65536, warmup=5, window=8, floor_s=0.01, **severe)
+        rng = np.random.default_rng(3)
+        for it in range(1, 40):
+            for v in det.observe(probe(4, {2: extra} if it >= 10 else {}, jitter=5e-4, rng=rng), [0, 1, 2, 3], it):
+                if v.kind == "slow_nic":
+                    return v.iteration, v.detail["rule"]
+        raise AssertionError("never named")
+
+    assert named_at(0.033) == (16, "window")
+    assert named_at(0.033, severe_factor=2.0, severe_window=3) == (12, "severe")
+    assert named_at(0.015, severe_factor=2.0, severe_window=3) == (16, "window")
+    with pytest.raises(ValueError, match=r"NicDetector: need severe_factor 0 \(off\) or > 1 and severe_window >= 1"):
+        NicDetector(nbytes=65536, severe_factor=0.5)

@@ -17,7 +17,8 @@ def test_flag_list_is_pinned():
         "resihp_severe_window", "resihp_warmup",
         "resihp_calibration_window", "resihp_refit_every", "resihp_rank_bias_max", "resihp_common_mode",
         "resihp_noise_floor",
-        "resihp_p2p_latency_s", "resihp_links", "resihp_link_floor_ms", "resihp_nic_probe_interval", "resihp_nic_probe_kb",
+        "resihp_p2p_latency_s", "resihp_links", "resihp_link_floor_ms", "resihp_link_severe_factor",
+        "resihp_nic_probe_interval", "resihp_nic_probe_kb",
         "resihp_trace_out", "resihp_verdicts_out", "resihp_control_file", "resihp_act", "resihp_act_reshape",
         "resihp_act_min_gain",
         "resihp_act_horizon"]
@@ -43,6 +44,7 @@ def test_flags_and_yaml_values_build():
     ({"resihp_window": 1}, "--resihp-window must be >= 2 while --resihp-links is on"),
     ({"resihp_severe_factor": 1.2}, "--resihp-severe-factor must be 0 (off) or >= --resihp-threshold (1.25), got 1.2"),
     ({"resihp_severe_window": 0}, "--resihp-severe-window must be >= 1, got 0"),
+    ({"resihp_link_severe_factor": 0.5}, "--resihp-link-severe-factor must be 0 (off) or > 1, got 0.5"),
     ({"resihp_nic_probe_interval": -1}, "--resihp-nic-probe-interval must be >= 0 (0: off), got -1"),
     ({"resihp_nic_probe_kb": 0}, "--resihp-nic-probe-kb must be >= 1, got 0"),
 ])
