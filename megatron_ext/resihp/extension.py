@@ -332,6 +332,10 @@ class ResiHPExtension(Extension):
                   and dp_ring_neighbours(layout, *f.pair)]
         return min(found) if found else None
 
+    def _link_severe(self) -> dict:
+        """The severe rule of the link, NIC and path watches (``links.ExcessWatch``)."""
+        return {"severe_factor": self.cfg.resihp_link_severe_factor, "severe_window": self.cfg.resihp_severe_window}
+
     def _install_moe_probe(self, trainer: "Trainer") -> None:
         """MoE models on the megatron engine: routed counts and dispatcher collective time per op
         (``moe_probe``) for the detector, and for an injected slow rank the collective time its
