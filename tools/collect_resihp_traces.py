@@ -3,7 +3,8 @@ healthy and with an injected fail-slow, on both engines and two layouts, and on 
 (PP2 x DP2 with EP2 in each stage, the all-to-all dispatcher: ``moe-pp2dp2ep2-*``; ``-noaux-``
 without the load-balancing loss, whose routers drift to one EP rank's experts); and megatron PP2 on
 2 ranks (``megatron-pp2-*``: one rank per core of a 2-core host, the resilience simulator's
-validation set, tests/resilience/data/).
+validation set, tests/resilience/data/), healthy, with a slow stage, or with the pipeline link
+between the two stages slowed (``megatron-pp2-link0-1at<MBPS>@<ITER>``, ``--inject-slow-link``).
 
     python tools/collect_resihp_traces.py OUT_DIR [--runs 2] [--iters 80] [--only NAME_SUBSTRING ...] [--gzip]
 
@@ -68,6 +69,10 @@ def scenarios(iters: int) -> dict[str, tuple[int, list[str]]]:
     out["megatron-pp2-healthy"] = (2, base)
     for factor, since in ((1.3, 30), (1.6, 35), (2.0, 25), (3.0, 40)):
         out[f"megatron-pp2-slow1x{factor:g}@{since}"] = (2, base + ["--inject-slow", f"1:{since}:{factor}"])
+    # A slow pipeline link between the two stages (each 64 KB message held 16.4 / 32.8 ms): the
+    # simulator's send model, validated.
+    for mbps, since in ((4, 30), (2, 25)):
+        out[f"megatron-pp2-link0-1at{mbps:g}@{since}"] = (2, base + ["--inject-slow-link", f"0:1:{since}:{mbps}"])
     out["moe-pp2dp2ep2-healthy"] = (4, MOE)
     out["moe-pp2dp2ep2-noaux-healthy"] = (4, MOE + ["--moe-aux-loss-coeff", "0"])
     for factor, since in ((1.6, 35), (2.0, 25), (3.0, 40)):

@@ -60,14 +60,20 @@ SETS = {"resihp-traces": "4 ranks on 2 cores (tests/resihp/data)",
         "relayout-timelines": "2 ranks on 2 cores (docs/figures/resihp_relayout)",
         "pp2-traces": "2 ranks on 2 cores (tests/resilience/data)"}
 TIMELINES = os.path.join(ROOT, "docs", "figures", "resihp_relayout", "timeline_iter{:07d}.json")
-_NAME = re.compile(r"^(?P<engine>megatron|moe)-.*?(?:slow(?P<rank>\d+)x(?P<factor>[\d.]+)@(?P<onset>\d+)|healthy)")
+_NAME = re.compile(r"^(?P<engine>megatron|moe)-.*?(?:slow(?P<rank>\d+)x(?P<factor>[\d.]+)@(?P<onset>\d+)|healthy|"
+                   r"link(?P<a>\d+)-(?P<b>\d+)at(?P<mbps>[\d.]+)@(?P<link_onset>\d+))")
+ACTIVATION_BYTES = 4
+"""Bytes per activation value of the recorded runs (fp32: ``collect_resihp_traces.py``'s model)."""
 
 
-def _pipeline_s(fwd: np.ndarray, bwd: np.ndarray) -> float:
-    """Makespan of 1F1B pipelines with these (replicas, stages, micro-batches) op seconds, no sends."""
+def _pipeline_s(fwd: np.ndarray, bwd: np.ndarray, send: np.ndarray | None = None) -> float:
+    """Makespan of 1F1B pipelines with these (replicas, stages, micro-batches) op seconds; ``send``
+    (replicas, stages - 1): each message's transfer across a stage boundary, both ways (none by
+    default). Megatron's sends hold the sending stage (``blocking``)."""
     dp, pp, m = fwd.shape
     c = compiled(pp, m)
-    ms, _ = run_pipelines(c, fwd, bwd, np.zeros((dp, pp - 1)), np.zeros((dp, pp - 1)), blocking=True)
+    s = np.zeros((dp, pp - 1)) if send is None else send
+    ms, _ = run_pipelines(c, fwd, bwd, s, s, blocking=True)
     return float(ms.max())
 
 
@@ -113,7 +119,24 @@ def trace_case(path: str) -> dict | None:
         return None
     pp, dp = lay["pp"], lay["dp"]
     warm = 5
-    if m.group("rank") is not None:
+    send = None
+    if m.group("a") is not None:
+        # A slow pipeline link (--inject-slow-link A:B:ITER:MBPS): from ITER on, each message
+        # between A and B is held bytes / bandwidth before it leaves; the bandwidth is the one the
+        # run was given, the bytes a micro-batch's activations (tokens x hidden, fp32). Nothing
+        # computes slower. The simulator's communication model prices it: a transfer on the link,
+        # the sending stage held for it.
+        onset, factor, rank = int(m.group("link_onset")), 1.0, None
+        where0 = [(int(s), int(d)) for s, d, _ in lay["ranks"]]
+        a, b = (where0[int(m.group(k))] for k in ("a", "b"))
+        tokens = sum(recs[0]["documents"][0][0])
+        hold = tokens * recs[0]["model"]["hidden_size"] * ACTIVATION_BYTES / (float(m.group("mbps")) * 1e6)
+        send = np.zeros((dp, pp - 1))
+        if a[1] == b[1] and abs(a[0] - b[0]) == 1:
+            send[a[1], min(a[0], b[0])] = hold
+        calib = [r for r in recs if warm <= r["iteration"] < onset]
+        target = [r for r in recs if r["iteration"] >= onset + 2]
+    elif m.group("rank") is not None:
         onset, factor, rank = int(m.group("onset")), float(m.group("factor")), int(m.group("rank"))
         calib = [r for r in recs if warm <= r["iteration"] < onset]
         target = [r for r in recs if r["iteration"] >= onset + 2]
@@ -130,8 +153,8 @@ def trace_case(path: str) -> dict | None:
     fc_med, bc_med = (np.median([o[i] for o in ops], axis=0) for i in (0, 1))
     where = ops[0][4]
 
-    def span(f: np.ndarray, b: np.ndarray) -> float:
-        return _pipeline_s(_grid(f, where, pp, dp), _grid(b, where, pp, dp))
+    def span(f: np.ndarray, b: np.ndarray, sends: np.ndarray | None = None) -> float:
+        return _pipeline_s(_grid(f, where, pp, dp), _grid(b, where, pp, dp), sends)
 
     # The part of an iteration outside the pipeline (optimizer, gradient reduce, the loop): the
     # recorded time minus the simulation of that iteration's own recorded op times.
@@ -142,7 +165,7 @@ def trace_case(path: str) -> dict | None:
     if rank is not None:
         f_pred[rank] += (factor - 1) * fc_med[rank]
         b_pred[rank] += (factor - 1) * bc_med[rank]
-    predicted = span(f_pred, b_pred) + tail
+    predicted = span(f_pred, b_pred, send) + tail
     observed = float(np.median([r["iteration_s"] for r in target]))
     # The host's load in the predicted window against the calibration window, from the healthy
     # ranks' own compute times (the detector's common-mode factor; without the dispatcher time,
@@ -155,10 +178,11 @@ def trace_case(path: str) -> dict | None:
     # The simulator's composition alone: each predicted iteration's own recorded op times (every
     # rank's, the slow one's included) through the pipeline, plus the calibrated tail. No device
     # speed is predicted here: it tells the simulator's error from the error of its inputs.
-    composed = float(np.median([span(o[0] + o[2], o[1] + o[3]) for o in later])) + tail
+    composed = float(np.median([span(o[0] + o[2], o[1] + o[3], send) for o in later])) + tail
     return {"case": os.path.basename(path).split(".trace")[0], "predicted_s": predicted, "observed_s": observed,
             "composed_s": composed, "rel_error_composition": (composed - observed) / observed,
             "set": "pp2-traces" if own_core else "resihp-traces", "one_rank_per_core": own_core,
+            "slow_link": send is not None,
             "rel_error": (predicted - observed) / observed, "host_load_factor": common,
             "rel_error_load_normalised": (predicted * common - observed) / observed}
 

@@ -292,3 +292,29 @@ def test_resihp_takes_the_nic_verdict_and_moves_the_ring_off_the_slow_nic():
     assert plain[1].throughput_vs_healthy > nicless[1].throughput_vs_healthy
     # Rerouting has nothing to offer a NIC: the glue takes the planner's plan as it stands.
     assert runs["resihp+rr"][0].policy.plans and runs["resihp+rr"][1].throughput_vs_healthy > nicless[1].throughput_vs_healthy
+
+
+def test_a_slow_link_is_predicted_from_the_injected_bandwidth_through_blocking_sends(tmp_path):
+    # PP2 over 2 ranks, one micro-batch: forward 0.1 s and backward 0.2 s on each stage, a 0.1 s
+    # tail. From iteration 10 the link 0-1 carries 4 MB/s: each 256-token x 64-wide fp32 message
+    # (65,536 bytes) is held 16.384 ms, once forward and once backward, and Megatron's sender waits.
+    import gzip
+    import json
+
+    from megatron_ext.resilience.validate import trace_case
+
+    hold = 256 * 64 * 4 / 4e6
+    path = tmp_path / "megatron-pp2-link0-1at4@10-r0.trace.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        for it in range(1, 21):
+            fh.write(json.dumps({
+                "iteration": it, "iteration_s": 0.7 + (2 * hold if it >= 10 else 0.0),
+                "layout": {"tp": 1, "pp": 2, "dp": 1, "vp": 1, "schedule": "1f1b", "num_microbatches": 1,
+                           "ranks": [[0, 0, 0], [1, 0, 0]]},
+                "model": {"hidden_size": 64}, "documents": [[[200, 56]]],
+                "fwd_s": [[[0.1]], [[0.1]]], "bwd_s": [[[0.2]], [[0.2]]]}) + "\n")
+    case = trace_case(str(path))
+    assert case["slow_link"] and case["set"] == "resihp-traces"
+    assert case["predicted_s"] == pytest.approx(0.7 + 2 * hold)
+    assert case["composed_s"] == pytest.approx(0.7 + 2 * hold)
+    assert case["rel_error"] == pytest.approx(0.0, abs=1e-12)
