@@ -33,7 +33,12 @@ Three detectors see the same traces with the same settings (defaults of ResiHPCo
     to the verdict (an upper bound of the time from the death); and one where the pipeline link
     between ranks 0 and 2 carries 2 MB/s from iteration 30 (--inject-slow-link), named by the link
     detector (links.py) as a link, with the wrong-kind counts (a link verdict in the slow-device run,
-    a fail-slow verdict in the slow-link run). ``--no-live`` skips it.
+    a fail-slow verdict in the slow-link run); one where rank 1's NIC carries 4 MB/s
+    (--inject-slow-nic), named by the ring probe (nic.py); and one on DP 4 (no pipeline) where the
+    path between ranks 0 and 1 carries 3 MB/s (--inject-slow-path), named by the probe's path
+    detector as that pair, with its wrong-kind counts. A lost rank named by another path than its
+    heartbeat carries no silence: stop_delay_s is then null and stop_named_by says how.
+    ``--no-live`` skips it.
 
 Tuning and evaluation. The detector's rules and thresholds were chosen on the synthetic jobs of
 seed 0 (the bench's only seed before this split: the persistence rule, the release level, the MoE
