@@ -305,3 +305,52 @@ def measure_collectives(group: str, group_size: int, kinds: Iterable[str], devic
             samples.append((payload, statistics.median(times)))
         out[kind] = samples
     return out
+
+
+def measure_host_interference(group: str, device: torch.device | str = "cpu", rounds: int = 7,
+                              payload_bytes: int = 4 << 20) -> float:
+    """The share of compute throughput a real collective of ``group`` takes from the compute it
+    overlaps on this rank (every rank of the group must call this, in step). On CPU ranks gloo
+    reduces and copies on the cores the compute needs; on a GPU the answer is 0 here (NCCL's SMs
+    are the emulated ``compute_interference``). A block of small matmuls about half as long as an
+    all-reduce of ``payload_bytes`` is timed alone and inside that all-reduce's flight, ``rounds``
+    times each, interleaved, each after a small all-reduce that lines the ranks up; the share is
+    ``1 - alone / inside`` of the medians, clipped to [0, 0.9]."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return 0.0
+    ops = torch.ops._c10d_functional
+    sync = torch.zeros(_SYNC, device=device)
+    x = torch.ones(max(payload_bytes // 4, 1), device=device)
+    a, b = torch.randn(128, 256, device=device), torch.randn(256, 256, device=device)
+
+    def line_up() -> None:
+        ops.wait_tensor(ops.all_reduce(sync, "sum", group))
+
+    def collective_s() -> float:
+        line_up()
+        t0 = time.perf_counter()
+        ops.wait_tensor(ops.all_reduce(x, "sum", group))
+        return time.perf_counter() - t0
+
+    def block(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.mm(a, b)
+        return time.perf_counter() - t0
+
+    collective_s()                                        # warm-up
+    t_coll = statistics.median(collective_s() for _ in range(3))
+    one = statistics.median(block(1) for _ in range(5))
+    n = max(1, int(0.5 * t_coll / max(one, 1e-7)))
+    alone, inside = [], []
+    for _ in range(rounds):
+        line_up()
+        alone.append(block(n))
+        line_up()
+        work = ops.all_reduce(x, "sum", group)
+        inside.append(block(n))
+        ops.wait_tensor(work)
+    a_med, i_med = statistics.median(alone), statistics.median(inside)
+    share = 1.0 - a_med / i_med if i_med > 0 else 0.0
+    return min(max(share, 0.0), 0.9)

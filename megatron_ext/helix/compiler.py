@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from megatron_ext.helix.calibrate import (CostCache, benchmark_graph_ops, benchmarkable, calibrate_device,
-                                         measure_collectives, time_graphs)
+                                         measure_collectives, measure_host_interference, time_graphs)
 from megatron_ext.helix.cost import (DEFAULT_CPU, AnalyticalCostModel, CostModel, DeviceSpec, Interconnect,
                                      InterconnectPreset, MeasuredCostModel, fit_link, op_signature,
                                      resolve_interconnect)
@@ -171,13 +171,17 @@ class HelixBackend:
                  seq_tiling: bool = False, bucketing: bool = True, min_gain: float = 0.02,
                  cost_model: str | CostModel = "analytical", cost_cache: str | None = None,
                  device: DeviceSpec | None = None, input_dims: Mapping[str, int] | None = None,
-                 batch_size: int | None = None, emulate: bool | None = None, mode: str = "auto") -> None:
+                 batch_size: int | None = None, emulate: bool | None = None, mode: str = "auto",
+                 host_interference: float | None = None) -> None:
         if tiles < 1:
             raise ValueError(f"helix backend: tiles must be >= 1, got {tiles}")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
             raise ValueError(f"helix backend: memory_budget_bytes must be > 0, got {memory_budget_bytes}")
         if mode not in MODES:
             raise ValueError(f"helix backend: mode must be one of {MODES}, got {mode!r}")
+        if host_interference is not None and not 0.0 <= host_interference < 1.0:
+            raise ValueError(f"helix backend: host_interference is a share of compute throughput in [0, 1), "
+                             f"got {host_interference}")
         if isinstance(cost_model, str) and cost_model not in ("analytical", "calibrated"):
             raise ValueError(f"helix backend: cost_model must be 'analytical', 'calibrated' or a CostModel, "
                              f"got {cost_model!r}")
@@ -200,6 +204,10 @@ class HelixBackend:
         self._base: _Variant | None = None
         self._decision_cost: CostModel | None = None
         self._links: dict[tuple[str, str], Interconnect] = {}  # measured real collectives
+        # The share of compute throughput a real collective takes from the compute it overlaps on
+        # this host (CPU ranks: gloo works on the same cores); None: measured with the links.
+        self.host_interference = host_interference
+        self._host_from: "HelixBackend | None" = None      # adopt_links: the backend that measures it
         self.link: Interconnect | None = None
 
     # -- setup -------------------------------------------------------------------------------------
@@ -286,7 +294,12 @@ class HelixBackend:
             return MeasuredCostModel(agreed_table, self._fallback(), scale=agreed[-1]), agreed[-1]
 
     def _fallback(self) -> AnalyticalCostModel:
-        return AnalyticalCostModel(self.device_spec, self.link, self._links)
+        return AnalyticalCostModel(self.device_spec, self.link, self._links, self._host_share() or 0.0)
+
+    def _host_share(self) -> float | None:
+        if self.host_interference is None and self._host_from is not None:
+            return self._host_from._host_share()
+        return self.host_interference
 
     def _measure_links(self, irs: list[GraphIR], device: str) -> None:
         """Fit ``latency + bytes / bandwidth`` to the real collectives of every (group, kind) in
@@ -315,7 +328,14 @@ class HelixBackend:
             link = fit_link(f"measured:{group}:{kind}", kind, size, samples)
             fits += [link.latency_s, 1.0 / link.bandwidth_Bps]
         groups = sorted({n.collective.group for ir in irs for n in ir.collectives()})
+        if self._host_share() is None:
+            # Once per backend, on the first group measured (the same on every rank), agreed below.
+            fits.append(measure_host_interference(todo[0][0], device))
         agreed = agree_max(fits, groups)
+        if len(agreed) > 2 * len(todo):
+            self.host_interference = agreed[-1]
+            logger.info("helix: a real collective takes %.1f %% of the compute it overlaps on this host",
+                        100 * self.host_interference)
         for i, (group, kind, _size) in enumerate(todo):
             lat, inv_bw = agreed[2 * i], agreed[2 * i + 1]
             self._links[(group, kind)] = Interconnect(f"measured:{group}:{kind}", latency_s=lat,
@@ -326,6 +346,7 @@ class HelixBackend:
         """Price real collectives with the fits ``other`` measured (shared dict: later measurements of
         either are seen by both). For comparing variants under one measurement of a noisy host."""
         self._links = other._links
+        self._host_from = other
 
     def simulate_compiled(self, index: int = 0, measured_compute_s: float | None = None) -> SimResult:
         """Simulate graph ``index`` exactly as compiled. With ``measured_compute_s`` (the compute
@@ -597,4 +618,4 @@ def backend_from_config(cfg: Any, batch_size: int | None = None) -> HelixBackend
     return HelixBackend(tiles=cfg.helix_tiles, memory_budget_bytes=cfg.memory_budget_bytes, interconnect=link,
                         seq_tiling=cfg.helix_seq_tiling, bucketing=cfg.helix_bucketing, min_gain=cfg.helix_min_gain,
                         cost_model=cfg.helix_cost_model, cost_cache=cfg.helix_cost_cache, batch_size=batch_size,
-                        mode=mode)
+                        mode=mode, host_interference=getattr(cfg, "helix_host_interference", None))

@@ -44,6 +44,11 @@ class HelixConfig:
     helix_interconnect: str = doc("Emulate an interconnect for collectives (CPU measurement "
                                   "harness; every figure measured with it is emulated).", "none",
                                   choices=INTERCONNECTS)
+    helix_host_interference: float | None = doc(
+        "Share of compute throughput a real collective takes from the compute it overlaps on this host, "
+        "charged by the simulator over the real collective's time (CPU ranks: gloo reduces and copies on the "
+        "cores the compute needs). Unset: measured once with the collectives (calibrated cost model; 0 on "
+        "GPUs, whose SMs the emulated interconnect's own share stands for). 0: off.", None)
     helix_mode: str = doc("auto: keep the tiled schedule where the simulator predicts a gain; tiled: "
                           "always keep it (parity checks, comparisons); baseline: compile without "
                           "any pass.", "auto", choices=MODES)
@@ -62,6 +67,8 @@ class HelixConfig:
         if self.helix_select_rounds and self.helix_mode == "baseline":
             raise ConfigError("--helix-select-rounds compares the untiled graph with the --helix-mode schedule: "
                               "--helix-mode baseline leaves nothing to compare")
+        if self.helix_host_interference is not None and not 0.0 <= self.helix_host_interference < 1.0:
+            raise ConfigError(f"--helix-host-interference must be in [0, 1), got {self.helix_host_interference}")
         if self.helix_tiles < 1:
             raise ConfigError(f"--helix-tiles must be >= 1, got {self.helix_tiles}")
         if self.helix_memory_budget_gb is not None and self.helix_memory_budget_gb <= 0:

@@ -185,10 +185,17 @@ class AnalyticalCostModel:
     """
 
     def __init__(self, device: DeviceSpec = DEFAULT_CPU, interconnect: Interconnect | None = None,
-                 measured: Mapping[tuple[str, str], Interconnect] | None = None) -> None:
+                 measured: Mapping[tuple[str, str], Interconnect] | None = None,
+                 host_interference: float = 0.0) -> None:
+        if not 0.0 <= host_interference < 1.0:
+            raise ValueError(f"host_interference is a share of compute throughput in [0, 1), got {host_interference}")
         self.device = device
         self.interconnect = interconnect
         self.measured = dict(measured or {})
+        # On CPU ranks the real collective runs on the cores the compute needs (gloo reduces and
+        # copies on the host): the share of compute throughput it takes while it works, measured
+        # once (``calibrate.measure_host_interference``); 0 elsewhere.
+        self.host_interference = float(host_interference)
 
     def compute_s(self, node: IRNode) -> float:
         d = self.device
@@ -203,6 +210,11 @@ class AnalyticalCostModel:
         t = 0.0 if self.interconnect is None else self.interconnect.time_of(info)
         real = self.measured.get((info.group, info.kind))
         return max(t, real.time_of(info)) if real is not None else t
+
+    def host_collective_s(self, info: CollectiveInfo) -> float:
+        """How long the real collective works (its measured fit; 0 where unmeasured)."""
+        real = self.measured.get((info.group, info.kind))
+        return real.time_of(info) if real is not None else 0.0
 
 
 def fit_link(name: str, kind: str, group_size: int, samples: list[tuple[int, float]]) -> Interconnect:
@@ -251,6 +263,7 @@ class MeasuredCostModel:
         self.scale = scale
         self.device = fallback.device
         self.interconnect = fallback.interconnect
+        self.host_interference = getattr(fallback, "host_interference", 0.0)
         self.misses = 0
 
     def compute_s(self, node: IRNode) -> float:
@@ -266,3 +279,6 @@ class MeasuredCostModel:
 
     def collective_s(self, info: CollectiveInfo) -> float:
         return self.fallback.collective_s(info)
+
+    def host_collective_s(self, info: CollectiveInfo) -> float:
+        return self.fallback.host_collective_s(info)

@@ -37,6 +37,8 @@ class SimOp:
     tile: int | None = None
     label: str = ""
     holds_inputs: bool = True       # collectives: the in-flight work reads its inputs until the wait
+    host_s: float = 0.0             # collectives: how long the real collective works on this host's cores
+    host_share: float = 0.0         # ...and the share of compute throughput it takes meanwhile (CPU ranks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,18 +152,25 @@ class InterferenceLedger:
 
 def simulate(ops: Sequence[SimOp], record: bool = False, interference: float = 0.0) -> SimResult:
     """Makespan, exposed communication and peak memory of ``ops`` in order; ``interference``:
-    the share of compute throughput lost while a collective is in flight (``InterferenceLedger``)."""
+    the share of compute throughput lost while a collective is in flight (``InterferenceLedger``).
+    The host's own share (``SimOp.host_share``, on CPU ranks: gloo reduces and copies on the cores
+    the compute needs) is charged by a second ledger over the first ``host_s`` of each collective's
+    window, the time the real collective works; the two charges add."""
     t = 0.0
     channel_free: dict[str, float] = {}
     coll_end: dict[int, float] = {}
     coll_start: dict[int, float] = {}
+    host_end: dict[int, float] = {}
     compute = comm = exposed = slowed = 0.0
     ledger = InterferenceLedger(interference)
+    host = InterferenceLedger(max((o.host_share for o in ops if o.kind == Kind.COLLECTIVE), default=0.0))
     events: list[Event] = []
     for i, op in enumerate(ops):
         if op.kind == Kind.WAIT and op.wait_of is not None:
             end = coll_end.get(op.wait_of, t)
             extra = ledger.charge(coll_start.get(op.wait_of, t), end, t) if op.wait_of in coll_end else 0.0
+            if op.wait_of in host_end:
+                extra += host.charge(coll_start[op.wait_of], host_end[op.wait_of], t)
             done = max(end, t + extra)
             if end > t:
                 exposed += end - t
@@ -172,6 +181,7 @@ def simulate(ops: Sequence[SimOp], record: bool = False, interference: float = 0
                 if record:
                     events.append(Event(op.name, "compute", max(end, t), done, "interference", op.tile))
             ledger.block(t, done)
+            host.block(t, done)
             t = done
         start = t
         t += op.compute_s
@@ -185,6 +195,8 @@ def simulate(ops: Sequence[SimOp], record: bool = False, interference: float = 0
             channel_free[ch] = c_end
             coll_end[i] = c_end
             coll_start[i] = c_start
+            if op.host_share > 0 and op.host_s > 0:
+                host_end[i] = c_start + min(op.host_s, op.comm_s)
             comm += op.comm_s
             if record:
                 events.append(Event(op.name, f"comm:{ch}", c_start, c_end, "collective", op.tile))
@@ -200,6 +212,7 @@ def _op_from_ir(n: IRNode, cost: CostModel, offset: int) -> SimOp:
                alias_of=None if n.alias_of is None else offset + n.alias_of, tile=n.tile, label=n.op)
     if n.kind == Kind.COLLECTIVE:
         op.comm_s = cost.collective_s(n.collective)
+        op.host_s, op.host_share = host_cost(cost, n.collective)
         op.channel = n.collective.group
         # The functional all-reduce reduces a clone of its input in place: the input may die at
         # the issue. Gathers, scatters and all-to-alls read their input while in flight.
@@ -274,6 +287,15 @@ def step_ops(fw: GraphIR, bw: GraphIR | None, cost: CostModel) -> list[SimOp]:
         if j is not None:
             ops[_root(ops, offset + j)].keep = True
     return ops
+
+
+def host_cost(cost: CostModel, info) -> tuple[float, float]:
+    """(seconds the real collective ``info`` works on the host, the share of compute throughput
+    it takes meanwhile): ``cost.host_collective_s`` and ``cost.host_interference`` where the cost
+    model has them (measured on CPU ranks, ``calibrate.measure_host_interference``), else none."""
+    share = float(getattr(cost, "host_interference", 0.0) or 0.0)
+    fn = getattr(cost, "host_collective_s", None)
+    return (float(fn(info)) if share > 0 and fn is not None else 0.0), share
 
 
 def interference_of(cost: CostModel) -> float:

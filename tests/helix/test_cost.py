@@ -120,7 +120,8 @@ def test_op_signature_names_shapes_strides_and_literals():
 def test_flags_are_pinned():
     assert field_names(HelixConfig) == ["helix", "helix_tiles", "helix_memory_budget_gb", "helix_seq_tiling",
                                         "helix_bucketing", "helix_min_gain", "helix_cost_model", "helix_cost_cache",
-                                        "helix_interconnect", "helix_mode", "helix_select_rounds"]
+                                        "helix_interconnect", "helix_host_interference", "helix_mode",
+                                        "helix_select_rounds"]
 
 
 @pytest.mark.parametrize("values, message", [

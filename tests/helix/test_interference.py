@@ -140,3 +140,35 @@ def test_a_flight_holds_the_collective_input_until_its_wait():
     assert ref() is not None
     emulated_wait(x, flight)
     assert ref() is None
+
+
+def test_the_hosts_own_share_is_charged_over_the_real_collective_only():
+    # On CPU ranks the real collective works on the compute's cores for host_s (here the first 2 s
+    # of the 5 s emulated window) and takes 20 % of the compute's throughput meanwhile: b overlaps
+    # those 2 s, so 2 * 0.25 = 0.5 s extra. The emulated share (none here) would be charged over
+    # the whole window; the two add.
+    ops = [comp("a", 2.0), coll("c", 5.0), comp("b", 6.0), wait("w", 1), comp("d", 1.0)]
+    ops[1].host_s, ops[1].host_share = 2.0, 0.2
+    r = simulate(ops)
+    assert r.interference_s == pytest.approx(0.5)
+    assert r.makespan_s == pytest.approx(9.5)
+    both = simulate(ops, interference=0.2)
+    assert both.interference_s == pytest.approx(1.25 + 0.5)
+    # A real collective longer than the priced one is cut to it (the priced time is the larger).
+    ops[1].host_s = 9.0
+    assert simulate(ops).interference_s == pytest.approx(5 * 0.25)
+
+
+def test_the_cost_model_hands_the_hosts_share_and_the_real_collective_to_the_simulator():
+    from megatron_ext.helix.ir import CollectiveInfo
+    from megatron_ext.helix.simulator import host_cost
+
+    real = Interconnect("measured", latency_s=2e-4, bandwidth_Bps=1e9)
+    info = CollectiveInfo(kind="all_reduce", group="tp", group_size=2, dtype=torch.float32, in_bytes=1 << 20,
+                          out_bytes=1 << 20, reduce_op="sum")
+    model = AnalyticalCostModel(DEFAULT_CPU, Interconnect("link", 5e-5, 1e10), {("tp", "all_reduce"): real},
+                                host_interference=0.12)
+    assert host_cost(model, info) == (pytest.approx(real.time_of(info)), 0.12)
+    assert host_cost(AnalyticalCostModel(DEFAULT_CPU), info) == (0.0, 0.0)
+    with pytest.raises(ValueError, match=r"host_interference is a share of compute throughput in \[0, 1\), got 1.0"):
+        AnalyticalCostModel(DEFAULT_CPU, host_interference=1.0)

@@ -27,7 +27,7 @@ import torch.fx as fx
 from megatron_ext.helix.cost import CostModel
 from megatron_ext.helix.ir import CollectiveInfo, GraphIR, Kind, set_tile, value_of
 from megatron_ext.helix.passes.checks import check_dependencies, impure_names
-from megatron_ext.helix.simulator import SimOp, SimResult, interference_of, simulate
+from megatron_ext.helix.simulator import SimOp, SimResult, host_cost, interference_of, simulate
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +159,11 @@ def merged_ops(ops: Sequence[SimOp], merges: Sequence[Candidate], cost: CostMode
                             label="cat"))
             bucket_cat[id(c)] = cat
             info = _merged_info(c)
+            host_s, host_share = host_cost(cost, info)
             bucket_coll[id(c)] = add(SimOp(name=f"bucket:{c.name}", kind=Kind.COLLECTIVE, inputs=(cat,),
                                            alloc_bytes=info.out_bytes, compute_s=dev.op_overhead_s,
                                            comm_s=cost.collective_s(info), channel=info.group,
-                                           label=info.kind))
+                                           label=info.kind, host_s=host_s, host_share=host_share))
     return new
 
 
