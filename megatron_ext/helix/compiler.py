@@ -206,8 +206,8 @@ class HelixBackend:
         self._links: dict[tuple[str, str], Interconnect] = {}  # measured real collectives
         # The share of compute throughput a real collective takes from the compute it overlaps on
         # this host (CPU ranks: gloo works on the same cores); None: measured with the links.
-        self.host_interference = host_interference
-        self._host_from: "HelixBackend | None" = None      # adopt_links: the backend that measures it
+        # (a dict, shared with the links by ``adopt_links``)
+        self._host: dict[str, float | None] = {"share": host_interference}
         self.link: Interconnect | None = None
 
     # -- setup -------------------------------------------------------------------------------------
@@ -297,9 +297,12 @@ class HelixBackend:
         return AnalyticalCostModel(self.device_spec, self.link, self._links, self._host_share() or 0.0)
 
     def _host_share(self) -> float | None:
-        if self.host_interference is None and self._host_from is not None:
-            return self._host_from._host_share()
-        return self.host_interference
+        return self._host["share"]
+
+    @property
+    def host_interference(self) -> float | None:
+        """The host's collective interference share in use (None until measured)."""
+        return self._host_share()
 
     def _measure_links(self, irs: list[GraphIR], device: str) -> None:
         """Fit ``latency + bytes / bandwidth`` to the real collectives of every (group, kind) in
@@ -333,9 +336,9 @@ class HelixBackend:
             fits.append(measure_host_interference(todo[0][0], device))
         agreed = agree_max(fits, groups)
         if len(agreed) > 2 * len(todo):
-            self.host_interference = agreed[-1]
+            self._host["share"] = agreed[-1]
             logger.info("helix: a real collective takes %.1f %% of the compute it overlaps on this host",
-                        100 * self.host_interference)
+                        100 * agreed[-1])
         for i, (group, kind, _size) in enumerate(todo):
             lat, inv_bw = agreed[2 * i], agreed[2 * i + 1]
             self._links[(group, kind)] = Interconnect(f"measured:{group}:{kind}", latency_s=lat,
@@ -346,7 +349,8 @@ class HelixBackend:
         """Price real collectives with the fits ``other`` measured (shared dict: later measurements of
         either are seen by both). For comparing variants under one measurement of a noisy host."""
         self._links = other._links
-        self._host_from = other
+        if self._host["share"] is None:     # an explicit share of its own stays
+            self._host = other._host
 
     def simulate_compiled(self, index: int = 0, measured_compute_s: float | None = None) -> SimResult:
         """Simulate graph ``index`` exactly as compiled. With ``measured_compute_s`` (the compute
