@@ -172,3 +172,18 @@ def test_the_cost_model_hands_the_hosts_share_and_the_real_collective_to_the_sim
     assert host_cost(AnalyticalCostModel(DEFAULT_CPU), info) == (0.0, 0.0)
     with pytest.raises(ValueError, match=r"host_interference is a share of compute throughput in \[0, 1\), got 1.0"):
         AnalyticalCostModel(DEFAULT_CPU, host_interference=1.0)
+
+
+def test_backends_that_adopt_links_share_the_measured_host_share():
+    from megatron_ext.helix.compiler import HelixBackend
+
+    first = HelixBackend()
+    first.adopt_links(first)                      # the bench's baseline adopts its own links
+    assert first.host_interference is None
+    other, explicit = HelixBackend(), HelixBackend(host_interference=0.05)
+    other.adopt_links(first)
+    explicit.adopt_links(first)
+    first._host["share"] = 0.12                   # what _measure_links records once measured
+    assert (first.host_interference, other.host_interference, explicit.host_interference) == (0.12, 0.12, 0.05)
+    with pytest.raises(ValueError, match=r"host_interference is a share of compute throughput in \[0, 1\)"):
+        HelixBackend(host_interference=1.5)
