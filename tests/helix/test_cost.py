@@ -128,6 +128,7 @@ def test_flags_are_pinned():
     ({"helix_tiles": 0}, "--helix-tiles must be >= 1, got 0"),
     ({"helix_memory_budget_gb": -1}, "--helix-memory-budget-gb must be > 0, got -1.0"),
     ({"helix_min_gain": 1.5}, "--helix-min-gain must be in [0, 1), got 1.5"),
+    ({"helix_host_interference": 1.0}, "--helix-host-interference must be in [0, 1), got 1.0"),
     # a YAML value outside a field's choices is refused by the config loader, naming the file
     ({"helix_interconnect": "ib"},
      "run.yaml: key 'helix_interconnect' must be one of 'none', 'intra_node', 'cross_node', got 'ib'"),
