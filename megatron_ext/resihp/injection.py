@@ -111,15 +111,9 @@ class SlowNicFault:
 
 
 @dataclasses.dataclass(frozen=True)
-class SlowPathFault:
-    a: int
-    b: int
-    since: int
-    mbps: float
-
-    @property
-    def pair(self) -> tuple[int, int]:
-        return (min(self.a, self.b), max(self.a, self.b))
+class SlowPathFault(SlowLinkFault):
+    """The network path between launch ranks ``a`` and ``b`` at ``mbps`` from iteration ``since``:
+    the link's fields; it also carries their probe messages and their data-parallel ring's share."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,15 @@ from megatron_ext.resihp.verdicts import Verdict
 logger = logging.getLogger(__name__)
 
 
+def _bandwidth(v: Verdict, what: str) -> float:
+    """The bytes/s a ``slow_nic`` or ``slow_path`` verdict carries (``detail["mbps"]``, decimal MB/s)."""
+    mbps = v.detail.get("mbps")
+    if not (isinstance(mbps, (int, float)) and math.isfinite(mbps) and mbps > 0):
+        raise PlanningError(f"{v.kind} verdict for {what} at iteration {v.iteration} has no usable bandwidth "
+                            f"(detail mbps {mbps!r})")
+    return 1e6 * float(mbps)
+
+
 class PlanPolicy:
     """Feeds verdicts to the planner with hysteresis; one instance per job, on the rank that
     decides (its plans are broadcast). ``observe`` once per iteration."""
@@ -171,28 +180,23 @@ class PlanPolicy:
             elif v.kind == "link_recovered" and v.link in self.links:
                 self._links_recovering.setdefault(v.link, iteration)
             elif v.kind == "slow_nic":
-                mbps = v.detail.get("mbps")
-                if not (isinstance(mbps, (int, float)) and math.isfinite(mbps) and mbps > 0):
-                    raise PlanningError(f"slow_nic verdict for device {r} at iteration {v.iteration} has no usable "
-                                        f"bandwidth (detail mbps {mbps!r})")
+                bw = _bandwidth(v, f"device {r}")
                 self._nics_recovering.pop(r, None)
-                if self.nics.get(r) != 1e6 * mbps:
-                    self.nics[r] = 1e6 * float(mbps)
-                    changed.append(f"NIC of {r} at {mbps:.4g} MB/s")
+                if self.nics.get(r) != bw:
+                    self.nics[r] = bw
+                    changed.append(f"NIC of {r} at {bw / 1e6:.4g} MB/s")
             elif v.kind == "nic_recovered" and r in self.nics:
                 self._nics_recovering.setdefault(r, iteration)
             elif v.kind == "slow_path":
-                path, mbps = v.link, v.detail.get("mbps")
-                if not (isinstance(mbps, (int, float)) and math.isfinite(mbps) and mbps > 0):
-                    raise PlanningError(f"slow_path verdict for devices {path} at iteration {v.iteration} has no "
-                                        f"usable bandwidth (detail mbps {mbps!r})")
+                path = v.link
+                bw = _bandwidth(v, f"devices {path}")
                 if path[0] == path[1] or path[1] >= self.speeds.shape[0]:
                     raise PlanningError(f"slow_path verdict at iteration {v.iteration} names devices {path}; need two "
                                         f"different devices of the {self.speeds.shape[0]} known")
                 self._paths_recovering.pop(path, None)
-                if self.paths.get(path) != 1e6 * mbps:
-                    self.paths[path] = 1e6 * float(mbps)
-                    changed.append(f"path {path[0]}-{path[1]} at {mbps:.4g} MB/s")
+                if self.paths.get(path) != bw:
+                    self.paths[path] = bw
+                    changed.append(f"path {path[0]}-{path[1]} at {bw / 1e6:.4g} MB/s")
             elif v.kind == "path_recovered" and v.link in self.paths:
                 self._paths_recovering.setdefault(v.link, iteration)
         for r, since in sorted(self._recovering.items()):

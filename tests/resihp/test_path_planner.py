@@ -9,22 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from megatron_ext.models.flops import ModelSpec
-from megatron_ext.resihp.planner import (Cluster, Plan, PlanLayout, Planner, PlannerConfig, PlanningError, Workload,
-                                         ring_factors, ring_order, state_move_bytes)
+from megatron_ext.resihp.planner import (Plan, PlanLayout, PlanningError, Workload, ring_factors, ring_order,
+                                         state_move_bytes)
 from megatron_ext.resihp.planner_policy import PlanPolicy
 from megatron_ext.resihp.verdicts import Verdict
-
-M350 = ModelSpec(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50304)
-LINK = 25e9
-ONLY = dict(tp_regroup=False, pp_repartition=False, dp_migration=False, drop_replicas=False, grow_replicas=False,
-            reshape=False)
-
-
-def planner(**cfg) -> Planner:
-    cl = Cluster(device_flops=150e12, memory_bytes=80e9, link_bytes_per_s=LINK, relayout_pause_s=10.0,
-                 tp_bytes_per_s=300e9)
-    return Planner(M350, cl, Workload(seq_length=2048), PlannerConfig(**{"horizon_iterations": 1000, **cfg}))
+from tests.resihp.test_nic_planner import LINK, M350, ONLY, planner
 
 
 DP4 = PlanLayout.even(num_layers=24, tp=1, pp=1, dp=4, num_microbatches=16)      # ring 0-1-2-3-0
