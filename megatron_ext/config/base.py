@@ -85,12 +85,15 @@ def suggest_flag(message: str, known: Iterable[str]) -> str:
 
 def doc(help: str, default: Any = dataclasses.MISSING, *, choices: Iterable[Any] | None = None,
         default_factory: Any = dataclasses.MISSING, aliases: Iterable[str] = (), negatives: Iterable[str] = (),
-        renamed_from: str = "") -> Any:
+        renamed_from: str = "", repeatable: bool = False) -> Any:
     """A dataclass field with a help text (shown by ``--help`` and in docs/). ``aliases``: other
     spellings of its flag (Megatron-LM's, e.g. ``--override-opt_param-scheduler``); the YAML key
     is the field's name. ``negatives``: flags that set a bool field to False besides ``--no-<name>``
     (Megatron-LM's ``--disable-...`` spellings). ``renamed_from``: the field's former name, still taken
-    as a flag and a YAML key; a run that uses it is told once which name replaced it (``renamed_keys``)."""
+    as a flag and a YAML key; a run that uses it is told once which name replaced it (``renamed_keys``).
+    ``repeatable``: a list field whose flag, given twice, adds to the values (``--inject-slow A
+    --inject-slow B``); without it the last occurrence replaces the others, as argparse (and
+    Megatron-LM) do."""
     meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = tuple(choices)
@@ -100,6 +103,8 @@ def doc(help: str, default: Any = dataclasses.MISSING, *, choices: Iterable[Any]
         meta["negatives"] = tuple(negatives)
     if renamed_from:
         meta["renamed_from"] = renamed_from
+    if repeatable:
+        meta["repeatable"] = True
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -147,6 +152,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
+        if f.metadata.get("repeatable"):
+            kwargs["action"] = "extend"
         names = (flag_name(f.name), *f.metadata.get("aliases", ()))
         _add_flag(group, names, f.name, base, kwargs)
         negatives = f.metadata.get("negatives", ())

@@ -235,30 +235,30 @@ class FaultInjectionConfig:
     """Fault injection for testing detection (real extra work, real process death)."""
 
     inject_slow: list[str] | None = doc("RANK:ITER:FACTOR — from ITER on, RANK computes FACTOR times slower "
-                                        "(repeatable).", None)
+                                        "(repeatable).", None, repeatable=True)
     inject_stop: list[str] | None = doc("RANK:ITER[:POINT] — RANK (its rank at launch) dies (SIGKILL) in ITER at "
                                         "POINT: start (default), step (before the optimizer update), save (inside "
-                                        "a checkpoint save), relayout (while survivors regroup) (repeatable).", None)
+                                        "a checkpoint save), relayout (while survivors regroup) (repeatable).", None, repeatable=True)
     inject_error: list[str] | None = doc("RANK:ITER[:KIND] — RANK (its rank at launch) raises an exception at the "
                                          "start of ITER: value (a ValueError, an ordinary bug) or collective (a "
                                          "RuntimeError as a failed gloo collective raises, no rank lost) "
-                                         "(repeatable; for testing the exception policy).", None)
+                                         "(repeatable; for testing the exception policy).", None, repeatable=True)
     inject_hang: list[str] | None = doc("RANK:ITER:WHERE — RANK's (launch rank) training thread stops for good in "
                                         "ITER while its process lives: inside its next all-reduce (collective), "
                                         "pipeline send/receive (p2p), a forward (compute) or the data fetch (data) "
-                                        "(repeatable; for testing the hang watch, --ft-hang-timeout-s).", None)
+                                        "(repeatable; for testing the hang watch, --ft-hang-timeout-s).", None, repeatable=True)
     inject_slow_link: list[str] | None = doc("A:B:ITER:MBPS — from ITER on, pipeline messages between ranks A and B "
                                              "(launch ranks) also cross a link of MBPS megabytes/s: the sender is "
-                                             "held bytes/MBPS before it sends (megatron engine; repeatable).", None)
+                                             "held bytes/MBPS before it sends (megatron engine; repeatable).", None, repeatable=True)
     inject_slow_nic: list[str] | None = doc("RANK:ITER:MBPS — from ITER on, RANK's (launch rank) sends cross a NIC of "
                                             "MBPS megabytes/s: held bytes/MBPS before each pipeline message and each "
                                             "ResiHP ring-probe message, and its ring share of the gradient all-reduce "
-                                            "(megatron engine; repeatable).", None)
+                                            "(megatron engine; repeatable).", None, repeatable=True)
     inject_slow_path: list[str] | None = doc("A:B:ITER:MBPS — from ITER on, the network path between ranks A and B "
                                              "(launch ranks) carries MBPS megabytes/s both ways: their ring-probe "
                                              "and pipeline messages to each other are held bytes/MBPS, and while "
                                              "they are data-parallel ring neighbours their gradient all-reduce too "
-                                             "(megatron engine; repeatable).", None)
+                                             "(megatron engine; repeatable).", None, repeatable=True)
     inject_slow_mode: str = doc("How a slow rank is slowed: 'throttle' (held idle inside each op) or 'work' "
                                 "(extra real matrix multiplies inside each op).", "throttle",
                                 choices=("throttle", "work"))

@@ -236,3 +236,16 @@ def test_override_opt_param_scheduler_takes_megatrons_spellings(spelling, tmp_pa
     assert parse_run_config([]).training.override_opt_param_scheduler is False
     path = write(tmp_path, "override-opt_param-scheduler: true\n")
     assert parse_run_config(["--config", path]).training.override_opt_param_scheduler is True
+
+
+def test_a_repeatable_list_flag_given_twice_adds_and_another_list_flag_keeps_the_last():
+    # The fault-injection flags say "repeatable": each occurrence adds its specs (before, the last
+    # occurrence silently replaced the others). Megatron-LM's list flags keep argparse's rule.
+    cfg = parse_run_config(["--inject-slow", "1:5:2", "--inject-slow", "2:6:2.5", "--inject-slow-path", "0:1:20:3",
+                            "--inject-slow-path", "2:3:20:3"])
+    faults = cfg.ext("faults")
+    assert faults.inject_slow == ["1:5:2", "2:6:2.5"]
+    assert [f.pair for f in faults.slow_path] == [(0, 1), (2, 3)]
+    assert parse_run_config(["--inject-slow", "1:5:2", "2:6:2.5"]).ext("faults").inject_slow == ["1:5:2", "2:6:2.5"]
+    cfg = parse_run_config(["--data-path", "a", "--data-path", "b"])
+    assert cfg.data.data_path == ["b"]
