@@ -462,10 +462,11 @@ def live_runs(slow_at: int = 30, stop_at: int = 8) -> dict[str, tuple[list[str],
     fault is what the run was given."""
     from megatron_ext.resihp.injection import parse_slow, parse_slow_link, parse_slow_nic, parse_slow_path, parse_stop
 
-    common = ["pretrain_gpt.py", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
+    model = ["pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "64",
               "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "1",
               "--global-batch-size", "8", "--eval-iters", "0", "--lr-decay-style", "constant",
               "--doc-length-dist", "lognormal:3.5,1", "--resihp", "--resihp-warmup", "15", "--log-interval", "10"]
+    common = model + ["--pipeline-model-parallel-size", "2"]      # PP2 x DP2 on the 4 ranks
     # The ring probe every iteration, its messages of the default size (ResiHPConfig).
     probe = ["--resihp-nic-probe-interval", "1"]
     short = ["--train-iters", str(slow_at + 30)]
@@ -481,7 +482,7 @@ def live_runs(slow_at: int = 30, stop_at: int = 8) -> dict[str, tuple[list[str],
         "nic": (common + probe + short, "--inject-slow-nic", f"1:{slow_at}:4", parse_slow_nic),
         # A slow path (nic.py's PathDetector) between ranks 0 and 1, neighbours on the data-parallel
         # ring of a pure DP 4 job (no pipeline: only the ring and the probe cross it).
-        "path": ([x for x in common if x not in ("--pipeline-model-parallel-size", "2")] + probe + short,
+        "path": (model + probe + short,
                  "--inject-slow-path", f"0:1:{slow_at}:3", parse_slow_path),
     }
     return {name: (argv + [flag, spec], parse(spec)) for name, (argv, flag, spec, parse) in runs.items()}

@@ -331,11 +331,12 @@ class HelixBackend:
             link = fit_link(f"measured:{group}:{kind}", kind, size, samples)
             fits += [link.latency_s, 1.0 / link.bandwidth_Bps]
         groups = sorted({n.collective.group for ir in irs for n in ir.collectives()})
-        if self._host_share() is None:
+        measure_host = self._host_share() is None
+        if measure_host:
             # Once per backend, on the first group measured (the same on every rank), agreed below.
             fits.append(measure_host_interference(todo[0][0], device))
         agreed = agree_max(fits, groups)
-        if len(agreed) > 2 * len(todo):
+        if measure_host:
             self._host["share"] = agreed[-1]
             logger.info("helix: a real collective takes %.1f %% of the compute it overlaps on this host",
                         100 * agreed[-1])

@@ -188,22 +188,29 @@ def ring_factors(layout: PlanLayout, nics: Nics | None, link_bytes_per_s: float,
     return out
 
 
+def _hop_factor(grid: np.ndarray, s: int, i: int, j: int, paths: Paths, link_bytes_per_s: float) -> float:
+    """How many times slower stage ``s``'s rings run a hop between replicas ``i`` and ``j``: the
+    slowest TP rank's path between the two (1 where no path of theirs is slow)."""
+    f = 1.0
+    for t in range(grid.shape[2]):
+        key = _pair(grid[s, i, t], grid[s, j, t])
+        bw = paths.get(key)
+        if bw is not None:
+            if not bw > 0:
+                raise PlanningError(f"path {key}: bandwidth must be > 0 bytes/s, got {bw!r}")
+            f = max(f, link_bytes_per_s / min(float(bw), link_bytes_per_s))
+    return f
+
+
 def _ring_hop_factors(grid: np.ndarray, paths: Paths, link_bytes_per_s: float) -> np.ndarray:
     """(pp, dp) the slowdown of each ring hop from replica d to d + 1 (closed), the worst TP rank's."""
-    pp, dp, tp = grid.shape
+    pp, dp, _ = grid.shape
     out = np.ones((pp, dp))
     if dp == 1:
         return out
     for s in range(pp):
         for d in range(dp):
-            e = (d + 1) % dp
-            for t in range(tp):
-                bw = paths.get(_pair(grid[s, d, t], grid[s, e, t]))
-                if bw is not None:
-                    if not bw > 0:
-                        raise PlanningError(f"path {_pair(grid[s, d, t], grid[s, e, t])}: bandwidth must be > 0 "
-                                            f"bytes/s, got {bw!r}")
-                    out[s, d] = max(out[s, d], link_bytes_per_s / min(float(bw), link_bytes_per_s))
+            out[s, d] = _hop_factor(grid, s, d, (d + 1) % dp, paths, link_bytes_per_s)
     return out
 
 
@@ -218,17 +225,11 @@ def ring_order(layout: PlanLayout, paths: Paths, link_bytes_per_s: float) -> Pla
         return layout                                  # a ring of 2 has one hop, whatever the order
     paths = {_pair(*k): bw for k, bw in paths.items()}
     grid = layout.grid()
-    pp, _, tp = grid.shape
+    pp = grid.shape[0]
     bad = np.ones((dp, dp))
     for i in range(dp):
         for j in range(i + 1, dp):
-            f = 1.0
-            for s in range(pp):
-                for t in range(tp):
-                    bw = paths.get(_pair(grid[s, i, t], grid[s, j, t]))
-                    if bw is not None and bw > 0:
-                        f = max(f, link_bytes_per_s / min(float(bw), link_bytes_per_s))
-            bad[i, j] = bad[j, i] = f
+            bad[i, j] = bad[j, i] = max(_hop_factor(grid, s, i, j, paths, link_bytes_per_s) for s in range(pp))
 
     def cost(order: Sequence[int]) -> tuple[float, int]:
         hops = [bad[order[k], order[(k + 1) % dp]] for k in range(dp)]
@@ -871,7 +872,7 @@ class Planner:
 
     def _avoid_paths(self, layout: PlanLayout, slow: _SlowPaths) -> list[tuple[PlanLayout, tuple[str, ...]]]:
         """Around slow paths on the data-parallel rings: the replicas reordered so that the rings'
-        slowest hop is as fast as it can be (``ring_order``, ``ring_order``: nothing moves); and,
+        slowest hop is as fast as it can be (``ring_order``: nothing moves); and,
         where the order cannot help (a ring of 2 or 3 replicas has every pair as neighbours), one
         end of each slow ring hop swapped with the device of its own replica at the same TP rank of
         another stage, or at another TP rank of the same stage (``path_avoid``: state moves), so the

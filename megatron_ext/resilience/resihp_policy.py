@@ -129,7 +129,7 @@ class ResiHP(Policy):
 
     def react(self, ctx, t, it, verdicts, links):
         if self.nics:
-            verdicts = list(verdicts) + self._nic_verdicts(ctx, it, links) + self._readmit_nics(t, it)
+            verdicts = list(verdicts) + self._probe_verdicts(ctx, it, links) + self._readmit_nics(t, it)
         if self.reroute_first:
             return self._reroute_or_plan(ctx, it, verdicts)
         return self.decide(ctx, it, verdicts)
@@ -196,7 +196,7 @@ class ResiHP(Policy):
         return [Verdict(kind="nic_recovered", rank=int(d), stage=None, iteration=it, factor=None, confidence=1.0,
                         detector="readmission") for d in sorted(back)]
 
-    def _nic_verdicts(self, ctx: Context, it: int, links: list[LinkVerdict]) -> list[Verdict]:
+    def _probe_verdicts(self, ctx: Context, it: int, links: list[LinkVerdict]) -> list[Verdict]:
         """The detector model's NIC and path verdicts as the live ring probe gives them
         (``resihp/nic.py``: ``slow_nic`` with the NIC's bandwidth in ``detail["mbps"]``,
         ``nic_recovered``; ``slow_path`` / ``path_recovered`` for a pair of devices). A slow path
