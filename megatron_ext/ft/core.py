@@ -289,8 +289,17 @@ class FaultTolerance:
                    else "probe" if why.startswith(ms.PROBE_REASON) else "launcher")
             loss = Loss(member=m, incarnation=inc, iteration=iteration, how=how, why=why)
             self.losses.append(loss)
+            silence = self.silent.get(m) or self._reported_silence(m, inc)
             for listener in self.listeners:
-                listener(loss, self.silent.get(m))
+                listener(loss, silence)
+
+    def _reported_silence(self, member: int, incarnation: int) -> Silence | None:
+        """The silence another rank reported for ``member`` (this rank learnt of the loss from that
+        report before its own heartbeat watch timed out)."""
+        report = self._exits.known(member, incarnation) or self._watch_exits.known(member, incarnation)
+        if report is None or report.get("by") != "heartbeat" or "silence" not in report:
+            return None
+        return Silence(**report["silence"])
 
     def _on_silent(self, silence: Silence, reporter: bool, members: tuple[int, ...]) -> None:
         """Monitor thread: a member of the heartbeat's generation (``members``, in rank order) stopped
@@ -306,7 +315,8 @@ class FaultTolerance:
             print(f"ft: rank {m} of generation {self.round} is silent for {silence.silent_s:.1f} s "
                   f"(heartbeat timeout {silence.timeout_s:g} s): lost", file=sys.stderr, flush=True)
             # In the store, so that a launcher can stop the process if it still runs (a wedged one).
-            ms.report_exit(self.watch_base, m, self.members.get(m, 0), code=None, reason=why, by="heartbeat")
+            ms.report_exit(self.watch_base, m, self.members.get(m, 0), code=None, reason=why, by="heartbeat",
+                           silence=dataclasses.asdict(silence))
         self._record_losses({m: why}, silence.iteration)
         self._react({m: why})
 

@@ -48,12 +48,17 @@ def proc(member: int, incarnation: int) -> str:
 
 # --- exit reports ---------------------------------------------------------------------------------
 
-def report_exit(base: Any, member: int, incarnation: int, *, code: int | None, reason: str, by: str) -> bool:
+def report_exit(base: Any, member: int, incarnation: int, *, code: int | None, reason: str, by: str,
+                silence: dict[str, Any] | None = None) -> bool:
     """Process (``member``, ``incarnation``) ended: ``code`` (negative: a signal; None: not known
-    yet), ``reason`` in words, ``by`` "launcher", "self" or "probe". The first report wins; returns whether
-    this one did."""
+    yet), ``reason`` in words, ``by`` "launcher", "self", "probe" or "heartbeat" (then ``silence``, the
+    reporter's ``liveness.Silence`` as a dict, so that a rank that learns of the loss from this report
+    names it as the reporter did). The first report wins; returns whether this one did."""
     keys = store_lib.job_keys(base, "exited")
-    value = json.dumps({"code": code, "reason": reason, "by": by})
+    report: dict[str, Any] = {"code": code, "reason": reason, "by": by}
+    if silence is not None:
+        report["silence"] = silence
+    value = json.dumps(report)
     won = keys.compare_set(proc(member, incarnation), "", value) == value.encode()
     if won:
         keys.add("count", 1)
@@ -84,6 +89,10 @@ class ExitWatch:
                 if key not in self._known and self.keys.check([key]):
                     self._known[key] = json.loads(self.keys.get(key))
         return {m: self._known[proc(m, inc)] for m, inc in members.items() if proc(m, inc) in self._known}
+
+    def known(self, member: int, incarnation: int) -> dict[str, Any] | None:
+        """The report of (``member``, ``incarnation``) already read by ``exited`` (no store access)."""
+        return self._known.get(proc(member, incarnation))
 
 
 # --- process records: a peer on this host whose process is gone -------------------------------

@@ -175,6 +175,31 @@ def test_exit_reports_name_each_process_once_and_the_first_report_wins(store):
     assert watch.exited({0: 0, 1: 1}) == {}
 
 
+def test_a_rank_that_learns_a_loss_from_a_heartbeat_report_names_the_reporters_silence(store):
+    """The survivor whose own heartbeat watch had not yet timed out when the report arrived names the
+    loss with the reporter's silence (its ``fail_stop`` verdict then carries the timeout), not as an
+    unexplained launcher report."""
+    import dataclasses
+    import types
+
+    from megatron_ext.ft import membership as ms
+    from megatron_ext.ft.core import FaultTolerance
+    from megatron_ext.ft.liveness import Silence
+
+    _, addr, connect = store
+    base = connect(addr, timeout_s=5)
+    silence = Silence(rank=3, iteration=6, time_s=100.0, last_seen_s=96.5, silent_s=3.5, timeout_s=3.0)
+    assert ms.report_exit(base, 3, 0, code=None, reason="heartbeat silent for 3.5 s", by="heartbeat",
+                          silence=dataclasses.asdict(silence))
+    ms.report_exit(base, 2, 0, code=-9, reason="killed by signal 9", by="launcher")
+    ft = types.SimpleNamespace(_exits=ms.ExitWatch(connect(addr, timeout_s=5)),
+                               _watch_exits=ms.ExitWatch(connect(addr, timeout_s=5)))
+    assert FaultTolerance._reported_silence(ft, 3, 0) is None  # not read from the store yet
+    assert set(ft._exits.exited({2: 0, 3: 0})) == {2, 3}
+    assert FaultTolerance._reported_silence(ft, 3, 0) == silence
+    assert FaultTolerance._reported_silence(ft, 2, 0) is None  # a launcher's report has no silence
+
+
 def test_the_same_error_on_a_second_rank_is_counted_by_its_signature(store):
     from megatron_ext.ft import membership as ms
 
