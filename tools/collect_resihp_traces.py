@@ -47,6 +47,18 @@ MOE = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2
        "--seq-length", "128", "--doc-length-dist", "lognormal:3.5,1"]
 
 
+# The whole-simulator validation's model (issue #47 item 5): wide enough that its matrix products,
+# not the loop's overheads, take an op's time, in the simulator's own setting -- SwiGLU (the FLOPs
+# count's three MLP matrices), untied output layer, sequence parallelism and the distributed
+# optimizer -- on 4 ranks: TP2 x PP2 and PP2 x DP2 (``megatron-w256-<layout>-*``, tests/resilience/data/).
+WIDE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "768",
+        "--swiglu", "--untie-embeddings-and-output-weights", "--seq-length", "512",
+        "--doc-length-dist", "lognormal:3.5,1", "--use-distributed-optimizer"]
+WIDE_LAYOUTS = {"tp2pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--sequence-parallel"],
+                "pp2dp2": ["--pipeline-model-parallel-size", "2"]}
+
+
 def scenarios(iters: int) -> dict[str, tuple[int, list[str]]]:
     """name -> (ranks, extra flags). Fault onsets vary so calibration sees different amounts of history."""
     out: dict[str, tuple[int, list[str]]] = {}
@@ -73,6 +85,11 @@ def scenarios(iters: int) -> dict[str, tuple[int, list[str]]]:
     # simulator's send model, validated.
     for mbps, since in ((4, 30), (2, 25)):
         out[f"megatron-pp2-link0-1at{mbps:g}@{since}"] = (2, base + ["--inject-slow-link", f"0:1:{since}:{mbps}"])
+    for lay, flags in WIDE_LAYOUTS.items():
+        out[f"megatron-w256-{lay}-healthy"] = (4, WIDE + flags)
+    # A slow device in each: in TP2 x PP2 its TP group waits for it; in PP2 x DP2 its pipeline.
+    out["megatron-w256-tp2pp2-slow1x2@20"] = (4, WIDE + WIDE_LAYOUTS["tp2pp2"] + ["--inject-slow", "1:20:2"])
+    out["megatron-w256-pp2dp2-slow2x2@20"] = (4, WIDE + WIDE_LAYOUTS["pp2dp2"] + ["--inject-slow", "2:20:2"])
     out["moe-pp2dp2ep2-healthy"] = (4, MOE)
     out["moe-pp2dp2ep2-noaux-healthy"] = (4, MOE + ["--moe-aux-loss-coeff", "0"])
     for factor, since in ((1.6, 35), (2.0, 25), (3.0, 40)):
@@ -94,6 +111,139 @@ def pack(src: str, dst: str) -> None:
             out.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 
+# ---- the host's device, measured once for the whole-simulator validation -------------------------
+
+LINK_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)
+OPTIMIZER_PARAMS = 1 << 20
+
+
+def _links_and_optimizer(rank: int, world: int, addr: str, reps: int, out: dict) -> None:
+    """One of ``world`` gloo ranks: pairs (0, 1), (2, 3), ... each time a reduce-scatter then an
+    all-gather (the ring all-reduce the simulator prices, the collectives sequence parallelism and
+    the distributed optimizer call) of each size in ``LINK_BYTES`` fp32, all pairs at once, as in
+    the recorded runs; then an AdamW step over ``OPTIMIZER_PARAMS`` fp32 parameters, every rank at
+    once. Medians of ``reps`` each, into ``out`` (rank 0's)."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the _tensor collectives' renaming
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=world)
+    pair = None
+    for a in range(0, world, 2):
+        g = dist.new_group([a, a + 1])
+        if rank in (a, a + 1):
+            pair = g
+    times = {}
+    for nbytes in LINK_BYTES:
+        x = torch.ones(nbytes // 4)
+        half = torch.empty(nbytes // 8)
+        got = []
+        for _ in range(reps + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.reduce_scatter_tensor(half, x, group=pair)
+            dist.all_gather_into_tensor(x, half, group=pair)
+            got.append(time.perf_counter() - t0)
+        times[nbytes] = sorted(got[2:])[len(got[2:]) // 2]
+    params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS // 16)) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    steps = []
+    for _ in range(reps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        steps.append(time.perf_counter() - t0)
+    step_s = sorted(steps[2:])[len(steps[2:]) // 2]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"link_s": times, "optimizer_step_s": step_s})
+    if rank == 0:
+        out.update({"ranks": gathered})
+    dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, addr: str, reps: int, path: str) -> None:
+    out: dict = {}
+    _links_and_optimizer(rank, world, addr, reps, out)
+    if rank == 0:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(out, f)
+
+
+def measure_device(out_json: str, out_dir: str, iters: int, world: int = 4, reps: int = 20) -> dict:
+    """The whole-simulator validation's device, measured once on this host with ``world`` busy
+    processes (the recorded runs' contention): FLOP/s from ``world`` concurrent single-rank runs of
+    the wide model (the simulator's FLOPs count over their op seconds), a link's bandwidth and
+    latency from paired collectives, the optimizer's bytes per second from AdamW steps (the
+    simulator's 30 bytes per parameter over the step's seconds)."""
+    import socket
+    import tempfile
+    import threading
+
+    import numpy as np
+    import torch.multiprocessing as mp
+
+    from megatron_ext.resilience import validate
+
+    traces = [os.path.join(out_dir, f"megatron-w256-single-r{k}.trace.jsonl") for k in range(world)]
+    for t in traces:
+        if os.path.exists(t):
+            os.remove(t)
+    codes: list = [None] * world
+
+    def one(k: int) -> None:
+        res = launch_ranks(["pretrain_gpt.py", *MODEL, *WIDE, "--train-iters", str(iters), "--seed", str(7000 + k),
+                            "--resihp", "--resihp-trace-out", traces[k]], 1, cwd=ROOT, timeout_s=900)
+        codes[k] = res[0].returncode
+        if res[0].returncode:
+            print(res[0].output[-2000:], file=sys.stderr)
+
+    t0 = time.time()
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(codes):
+        raise SystemExit(f"the single-rank runs failed: exit codes {codes}")
+    compute = validate.device_flops(traces)
+    print(f"compute: {world} concurrent single-rank runs, {time.time() - t0:.0f} s: "
+          f"{compute['flops'] / 1e9:.2f} GFLOP/s per rank", flush=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "links.json")
+        mp.spawn(_spawned, args=(world, f"127.0.0.1:{port}", reps, path), nprocs=world, join=True)
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    sizes = np.array(LINK_BYTES, dtype=float)
+    med = np.array([np.median([r["link_s"][str(n)] for r in raw["ranks"]]) for n in LINK_BYTES])
+    slope, intercept = np.polyfit(sizes, med, 1)
+    # A ring of 2: t = bytes / bandwidth + 2 latency (sim.ring_s).
+    bw, lat = 1.0 / slope, max(intercept / 2.0, 1e-6)
+    step = float(np.median([r["optimizer_step_s"] for r in raw["ranks"]]))
+    device = {"flops": compute["flops"], "link_bytes_per_s": float(bw), "link_latency_s": float(lat),
+              "optimizer_bytes_per_s": 30.0 * OPTIMIZER_PARAMS / step,
+              "measured": {"flops_per_run": compute["per_run"], "ranks": world,
+                           "link_seconds_by_bytes": {str(n): float(t) for n, t in zip(LINK_BYTES, med)},
+                           "optimizer_params": OPTIMIZER_PARAMS, "optimizer_step_s": step},
+              "how": "python tools/collect_resihp_traces.py OUT --measure-device tests/resilience/data/cpu-device.json"}
+    for n, t in zip(LINK_BYTES, med):
+        print(f"link: {n / 1024:7.0f} KiB reduce-scatter + all-gather {1e3 * t:7.2f} ms "
+              f"(fit {1e3 * (n / bw + 2 * lat):7.2f} ms)", flush=True)
+    print(f"link: {bw / 1e9:.3f} GB/s, latency {1e6 * lat:.0f} us; optimizer: AdamW step over {OPTIMIZER_PARAMS} "
+          f"parameters {1e3 * step:.1f} ms ({device['optimizer_bytes_per_s'] / 1e9:.2f} GB/s at 30 B/parameter)")
+    with open(out_json, "w", encoding="utf-8") as f:
+        json.dump(device, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return device
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
@@ -102,8 +252,13 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=[], help="scenarios whose name contains one of these")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the first run; run k adds k")
     parser.add_argument("--gzip", action="store_true", help="also write a compressed copy of each trace (1 us)")
+    parser.add_argument("--measure-device", metavar="JSON", help="measure this host's device, link and optimizer "
+                        "once (the whole-simulator validation's figures) into JSON, then stop")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.measure_device:
+        measure_device(args.measure_device, args.out, args.iters)
+        return 0
     todo = {n: f for n, f in scenarios(args.iters).items() if not args.only or any(s in n for s in args.only)}
     for k in range(args.runs):
         for name, (ranks, flags) in todo.items():

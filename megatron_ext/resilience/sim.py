@@ -182,8 +182,12 @@ class IterationResult:
 class Simulator:
     """Iteration times of jobs on cluster states, cached (a run asks for the same pair many times)."""
 
-    def __init__(self, shape: ModelShape, hw: Hardware, data: Data) -> None:
-        self.shape, self.hw, self.data = shape, hw, data
+    def __init__(self, shape: ModelShape, hw: Hardware, data: Data, *, value_bytes: float = 2.0) -> None:
+        """``value_bytes``: bytes of an activation or gradient value on the wire (bf16: 2; the fp32 CPU
+        runs of the validation: 4)."""
+        if not value_bytes > 0:
+            raise ValueError(f"Simulator: value_bytes must be > 0, got {value_bytes!r}")
+        self.shape, self.hw, self.data, self.value_bytes = shape, hw, data, float(value_bytes)
         self._cache: dict[tuple, IterationResult] = {}
 
     def iteration(self, job: Job, state: ClusterState) -> IterationResult:
@@ -222,7 +226,7 @@ class Simulator:
         fwd = (lin + att) / rate
         bwd = (BWD_LINEAR * lin + BWD_ATTENTION * att) / rate
         group = pipe.stages[k]
-        act = 2.0 * tokens * sh.hidden_size   # bf16 activations of the micro-batch
+        act = self.value_bytes * tokens * sh.hidden_size   # the micro-batch's activations
         comm = layers * ring_s(group, act, state, hw, collectives=2.0)
         if sh.is_moe and tp > 1:
             bw, lat = min(link(group[i], group[(i + 1) % tp], state, hw) for i in range(tp))
@@ -232,7 +236,7 @@ class Simulator:
 
     def _send_s(self, pipe: Pipeline, k: int, state: ClusterState) -> float:
         """Stage k -> k+1 (and its gradient back): each TP rank sends its sequence shard."""
-        nbytes = 2.0 * self.data.tokens * self.shape.hidden_size / pipe.tp
+        nbytes = self.value_bytes * self.data.tokens * self.shape.hidden_size / pipe.tp
         worst = 0.0
         for a, b in zip(pipe.stages[k], pipe.stages[k + 1]):
             bw, lat = link(a, b, state, self.hw)
@@ -257,7 +261,7 @@ class Simulator:
         makespan = np.zeros(len(job.pipelines))
         busy: list[np.ndarray] = [np.zeros(0)] * len(job.pipelines)
         peer_speed = self._peer_speeds(job, speeds)
-        hop = 2.0 * self.data.tokens * self.shape.hidden_size / job.tp / self.hw.nic_bytes_per_s + self.hw.nic_latency_s
+        hop = self.value_bytes * self.data.tokens * self.shape.hidden_size / job.tp / self.hw.nic_bytes_per_s + self.hw.nic_latency_s
         for (pp, m, extra, async_sends), qs in groups.items():
             fwd = np.zeros((len(qs), pp, m))
             bwd = np.zeros((len(qs), pp, m))
@@ -344,7 +348,7 @@ class Simulator:
                     if key in done:
                         continue
                     done.add(key)
-                    nbytes = 2.0 * stage_params(self.shape, p, k) / p.tp
+                    nbytes = self.value_bytes * stage_params(self.shape, p, k) / p.tp
                     worst = max(worst, ring_s(ring, nbytes, state, self.hw))
         return worst
 

@@ -49,7 +49,11 @@ import re
 
 import numpy as np
 
-from megatron_ext.resilience.sim import compiled, run_pipelines
+from megatron_ext.resilience.faults import ClusterState
+from megatron_ext.resilience.hardware import Hardware
+from megatron_ext.resilience.job import Job, Pipeline
+from megatron_ext.resilience.shapes import BWD_ATTENTION, BWD_LINEAR, ModelShape
+from megatron_ext.resilience.sim import Data, Simulator, compiled, run_pipelines
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,13 @@ TRACE_GLOB = os.path.join(ROOT, "tests", "resihp", "data", "*.trace.jsonl.gz")
 CORE_TRACE_GLOB = os.path.join(ROOT, "tests", "resilience", "data", "*.trace.jsonl.gz")
 SETS = {"resihp-traces": "4 ranks on 2 cores (tests/resihp/data)",
         "relayout-timelines": "2 ranks on 2 cores (docs/figures/resihp_relayout)",
-        "pp2-traces": "2 ranks on 2 cores (tests/resilience/data)"}
+        "pp2-traces": "2 ranks on 2 cores (tests/resilience/data)",
+        "wide-traces": "TP2 x PP2 and PP2 x DP2, 4 ranks on 2 cores (tests/resilience/data, megatron-w256-*)"}
+WIDE_TAG = "-w256-"
+"""The traces of the whole-simulator validation carry this in their name."""
+DEVICE_JSON = os.path.join(ROOT, "tests", "resilience", "data", "cpu-device.json")
+"""This host's device, link and optimizer figures, measured once (``tools/collect_resihp_traces.py
+--measure-device``) apart from every predicted run."""
 TIMELINES = os.path.join(ROOT, "docs", "figures", "resihp_relayout", "timeline_iter{:07d}.json")
 _NAME = re.compile(r"^(?P<engine>megatron|moe)-.*?(?:slow(?P<rank>\d+)x(?P<factor>[\d.]+)@(?P<onset>\d+)|healthy|"
                    r"link(?P<a>\d+)-(?P<b>\d+)at(?P<mbps>[\d.]+)@(?P<link_onset>\d+))")
@@ -78,7 +88,8 @@ def _pipeline_s(fwd: np.ndarray, bwd: np.ndarray, send: np.ndarray | None = None
 
 
 def _records(path: str) -> list[dict]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -115,7 +126,7 @@ def trace_case(path: str) -> dict | None:
         return None
     recs = _records(path)
     lay = recs[0]["layout"]
-    if lay["schedule"] != "1f1b" or lay["tp"] != 1 or lay["vp"] != 1:
+    if lay["schedule"] != "1f1b" or lay["vp"] != 1:
         return None
     pp, dp = lay["pp"], lay["dp"]
     warm = 5
@@ -174,17 +185,158 @@ def trace_case(path: str) -> dict | None:
     healthy = [i for i in range(f_med.shape[0]) if i != rank]
     common = float(np.median(np.median([o[0][healthy] + o[1][healthy] for o in later], axis=0)
                              / (fc_med[healthy] + bc_med[healthy])))
-    own_core = os.path.dirname(os.path.abspath(path)) == os.path.dirname(CORE_TRACE_GLOB)
+    wide = WIDE_TAG in os.path.basename(path)
+    own_core = os.path.dirname(os.path.abspath(path)) == os.path.dirname(CORE_TRACE_GLOB) and not wide
     # The simulator's composition alone: each predicted iteration's own recorded op times (every
     # rank's, the slow one's included) through the pipeline, plus the calibrated tail. No device
     # speed is predicted here: it tells the simulator's error from the error of its inputs.
     composed = float(np.median([span(o[0] + o[2], o[1] + o[3], send) for o in later])) + tail
     return {"case": os.path.basename(path).split(".trace")[0], "predicted_s": predicted, "observed_s": observed,
             "composed_s": composed, "rel_error_composition": (composed - observed) / observed,
-            "set": "pp2-traces" if own_core else "resihp-traces", "one_rank_per_core": own_core,
+            "set": "wide-traces" if wide else "pp2-traces" if own_core else "resihp-traces",
+            "one_rank_per_core": own_core,
             "slow_link": send is not None,
             "rel_error": (predicted - observed) / observed, "host_load_factor": common,
             "rel_error_load_normalised": (predicted * common - observed) / observed}
+
+
+# ---- the whole simulator: every op, collective and the optimizer priced from figures measured once ----
+
+def shape_of(model: dict) -> ModelShape:
+    """The simulator's ``ModelShape`` of a trace's ``model`` record. The simulator counts a SwiGLU
+    MLP (three matrices) and no experts: another model is refused, not mispriced."""
+    if not model.get("gated_linear_unit") or model.get("num_experts"):
+        raise ValueError("the whole-simulator validation prices a dense SwiGLU model (the simulator's FLOPs "
+                         f"count); this trace's model has gated_linear_unit={model.get('gated_linear_unit')}, "
+                         f"num_experts={model.get('num_experts')}")
+    heads = int(model["num_attention_heads"])
+    return ModelShape(name="recorded", source="the trace's model record", num_layers=int(model["num_layers"]),
+                      hidden_size=int(model["hidden_size"]), num_attention_heads=heads,
+                      num_query_groups=int(model.get("num_query_groups") or heads),
+                      ffn_hidden_size=int(model["ffn_hidden_size"]), vocab_size=int(model["vocab_size"]))
+
+
+def data_of(rec: dict) -> Data:
+    """The iteration's packed micro-batches, replica by replica (the simulator's pipeline ``q`` takes
+    the ``q``-th run of ``m`` micro-batches)."""
+    docs = rec["documents"]
+    sq = np.array([float(sum(x * x for x in mb)) for replica in docs for mb in replica])
+    return Data(seq_length=int(sum(docs[0][0])), micro_batch_size=1, sum_sq=sq)
+
+
+def job_of(rec: dict) -> Job:
+    """The recorded layout as the simulator's job: device = rank; each stage's TP group in TP order."""
+    lay = rec["layout"]
+    tp, pp, dp = lay["tp"], lay["pp"], lay["dp"]
+    ranks = lay.get("ranks") or [[r // (tp * dp), (r // tp) % dp, r % tp] for r in range(tp * pp * dp)]
+    layers = ([sum(x) for x in rec["layers"]] if rec.get("layers")
+              else [rec["model"]["num_layers"] // pp] * pp)
+    pipes = []
+    for d in range(dp):
+        stages = tuple(tuple(r for t in range(tp) for r, (s, dd, tt) in enumerate(ranks) if (s, dd, tt) == (k, d, t))
+                       for k in range(pp))
+        pipes.append(Pipeline(stages=stages, layers=tuple(layers), microbatches=int(lay["num_microbatches"])))
+    return Job(pipelines=tuple(pipes))
+
+
+def op_flops(shape: ModelShape, tokens: int, sum_sq: float, layers: int, head: bool) -> float:
+    """Forward plus backward FLOPs of one micro-batch through ``layers`` layers (and the output layer),
+    the simulator's count (``sim.Simulator._stage_op_s``)."""
+    lin = layers * shape.layer_linear_flops() * tokens + (shape.head_flops() * tokens if head else 0.0)
+    att = layers * shape.layer_attention_flops_per_sq() * sum_sq
+    return (1 + BWD_LINEAR) * lin + (1 + BWD_ATTENTION) * att
+
+
+def device_flops(paths: list[str], warm: int = 3) -> dict:
+    """FLOP/s of one device from single-rank runs of the model (no parallelism): per iteration after
+    ``warm``, the simulator's FLOPs of its ops over their recorded seconds; the median over every
+    iteration of every run (and each run's), so that the runs' ragged ends -- one finishing
+    first hands its core to the others -- do not count."""
+    per_run, rates = [], []
+    for path in paths:
+        recs = [r for r in _records(path) if r["iteration"] > warm]
+        if not recs or recs[0]["layout"]["tp"] * recs[0]["layout"]["pp"] * recs[0]["layout"]["dp"] != 1:
+            raise ValueError(f"{path}: device_flops needs a single-rank run with iterations after {warm}")
+        shape = shape_of(recs[0]["model"])
+        mine = []
+        for r in recs:
+            data = data_of(r)
+            fl = sum(op_flops(shape, data.tokens, q, shape.num_layers, True) for q in data.sum_sq)
+            mine.append(fl / float(np.sum(r["fwd_s"][0]) + np.sum(r["bwd_s"][0])))
+        per_run.append(float(np.median(mine)))
+        rates += mine
+    return {"flops": float(np.median(rates)), "per_run": per_run}
+
+
+def hardware_of(device: dict, world: int) -> Hardware:
+    """The simulator's ``Hardware`` for the measured host: every rank a device of one node (each link
+    a collective over gloo on the host), the measured FLOP/s at efficiency 1."""
+    return Hardware(gpus_per_node=world, peak_flops=device["flops"], efficiency=1.0,
+                    hbm_bytes_per_s=device["optimizer_bytes_per_s"], nvlink_bytes_per_s=device["link_bytes_per_s"],
+                    nvlink_latency_s=device["link_latency_s"], memory_bytes=24e9)
+
+
+def load_device(path: str = DEVICE_JSON) -> dict:
+    with open(path, encoding="utf-8") as f:
+        device = json.load(f)
+    missing = {"flops", "link_bytes_per_s", "link_latency_s", "optimizer_bytes_per_s"} - set(device)
+    if missing:
+        raise ValueError(f"{path}: missing {', '.join(sorted(missing))} (written by tools/collect_resihp_traces.py "
+                         "--measure-device)")
+    return device
+
+
+WIDE_VALUE_BYTES = 4
+"""The wide runs train in fp32: 4 bytes per value on the wire."""
+
+
+def whole_case(path: str, device: dict, warm: int = 5) -> dict | None:
+    """A wide trace predicted by the whole simulator from ``device`` alone (figures measured once,
+    apart from every predicted run): compute from the simulator's FLOPs count, the TP collectives,
+    the pipeline sends, the DP gradient reduce and the optimizer step from its communication and
+    memory models. Nothing of the trace is used but its model, layout, documents and injected fault;
+    the recorded iteration times are only compared with."""
+    name = os.path.basename(path)
+    m = _NAME.match(name)
+    if m is None or WIDE_TAG not in name:
+        return None
+    recs = _records(path)
+    shape, job = shape_of(recs[0]["model"]), job_of(recs[0])
+    world = len(job.devices)
+    hw = hardware_of(device, world)
+    speed = np.ones(world)
+    first = warm
+    if m.group("rank") is not None:
+        speed[int(m.group("rank"))] = 1.0 / float(m.group("factor"))
+        first = int(m.group("onset")) + 2
+    state = ClusterState(speed, np.ones(world), {})
+    target = [r for r in recs if r["iteration"] >= first]
+    if len(target) < 3:
+        return None
+    res = [Simulator(shape, hw, data_of(r), value_bytes=WIDE_VALUE_BYTES).iteration(job, state) for r in target]
+    predicted = float(np.median([x.time_s for x in res]))
+    observed = float(np.median([r["iteration_s"] for r in target]))
+    lay = recs[0]["layout"]
+    return {"case": name.split(".trace")[0], "layout": f"tp{lay['tp']}pp{lay['pp']}dp{lay['dp']}",
+            "predicted_s": predicted, "observed_s": observed, "rel_error": (predicted - observed) / observed,
+            "compute_s": float(np.median([x.compute_s for x in res])),
+            "grad_sync_s": float(np.median([x.grad_sync_s for x in res])),
+            "optimizer_s": float(np.median([x.optimizer_s for x in res])), "iterations": len(target)}
+
+
+def whole_error(paths: list[str] | None = None, device: dict | None = None) -> dict | None:
+    """The whole simulator's error over the wide traces (None where none is given or recorded)."""
+    if paths is None:
+        paths = [p for p in glob.glob(CORE_TRACE_GLOB) if WIDE_TAG in os.path.basename(p)]
+    if not paths:
+        return None
+    device = load_device() if device is None else device
+    cases = [c for c in (whole_case(p, device) for p in sorted(paths)) if c is not None]
+    if not cases:
+        return None
+    err = np.abs([c["rel_error"] for c in cases])
+    return {"median": round(float(np.median(err)), 4), "p95": round(float(np.percentile(err, 95)), 4),
+            "cases": len(cases), "detail": cases, "device": device}
 
 
 def _timeline(it: int) -> dict:
@@ -261,6 +413,7 @@ def sim_error(paths: list[str] | None = None) -> dict:
     if not cases:
         raise FileNotFoundError(f"no recorded runs found ({TRACE_GLOB}, {CORE_TRACE_GLOB}, {TIMELINES.format(25)})")
     own = [c for c in cases if c["one_rank_per_core"]]
-    return {**_summary(cases), "detail": cases,
+    wide = [p for p in paths if WIDE_TAG in os.path.basename(p)]
+    return {**_summary(cases), "detail": cases, "whole_simulator": whole_error(wide) if wide else None,
             "by_set": {name: _summary(sub) for name in SETS if (sub := [c for c in cases if c["set"] == name])},
             "one_rank_per_core": _summary(own) if own else None}
