@@ -90,6 +90,12 @@ def scenarios(iters: int) -> dict[str, tuple[int, list[str]]]:
     # A slow device in each: in TP2 x PP2 its TP group waits for it; in PP2 x DP2 its pipeline.
     out["megatron-w256-tp2pp2-slow1x2@20"] = (4, WIDE + WIDE_LAYOUTS["tp2pp2"] + ["--inject-slow", "1:20:2"])
     out["megatron-w256-pp2dp2-slow2x2@20"] = (4, WIDE + WIDE_LAYOUTS["pp2dp2"] + ["--inject-slow", "2:20:2"])
+    # The same with the slow rank burning its extra time on its core (``--inject-slow-mode work``)
+    # instead of sleeping: a slow device that does not hand its share of the host to the others, as
+    # the simulator's devices do not (added after the sleeping ones were seen; both are kept).
+    for name in ("megatron-w256-tp2pp2-slow1x2@20", "megatron-w256-pp2dp2-slow2x2@20"):
+        ranks, flags = out[name]
+        out[name.replace("@20", "@20-work")] = (ranks, flags + ["--inject-slow-mode", "work"])
     out["moe-pp2dp2ep2-healthy"] = (4, MOE)
     out["moe-pp2dp2ep2-noaux-healthy"] = (4, MOE + ["--moe-aux-loss-coeff", "0"])
     for factor, since in ((1.6, 35), (2.0, 25), (3.0, 40)):
