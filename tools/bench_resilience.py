@@ -356,6 +356,20 @@ def main() -> int:
     out["by_kind"] = kinds
     if not args.no_validate:
         err = validate.sim_error()
+        whole = err["whole_simulator"]
+        if whole is not None:
+            dev = whole["device"]
+            lines.append(f"the whole simulator vs recorded TP2 x PP2 and PP2 x DP2 runs ({whole['cases']} cases; compute, "
+                         f"TP collectives, sends, the DP gradient reduce and the optimizer all predicted from figures "
+                         f"measured once: {dev['flops'] / 1e9:.1f} GFLOP/s, a link at {dev['link_bytes_per_s'] / 1e9:.3f} "
+                         f"GB/s + {1e6 * dev['link_latency_s']:.0f} us, the optimizer at "
+                         f"{dev['optimizer_bytes_per_s'] / 1e9:.2f} GB/s): |error| median {whole['median']:.3f}, "
+                         f"p95 {whole['p95']:.3f}")
+            for c in whole["detail"]:
+                lines.append(f"  {c['case']:<36} predicted {1e3 * c['predicted_s']:7.1f} ms (compute "
+                             f"{1e3 * c['compute_s']:6.1f}, grad reduce {1e3 * c['grad_sync_s']:5.1f}, optimizer "
+                             f"{1e3 * c['optimizer_s']:4.1f})  recorded {1e3 * c['observed_s']:7.1f} ms  "
+                             f"{100 * c['rel_error']:+6.1f} %")
         lines.append(f"simulator vs recorded CPU runs ({err['cases']} cases, predicted before any fitting): "
                      f"|error| median {err['median']:.3f}, p95 {err['p95']:.3f}; with the host's load change "
                      f"between windows factored out: median {err['load_normalised']['median']:.3f}, "
@@ -377,7 +391,10 @@ def main() -> int:
                          f"{100 * c['rel_error_composition']:+6.1f} %  {c['set']}")
         out["sim_err"] = {"median": err["median"], "p95": err["p95"], "cases": err["cases"],
                           "load_normalised": err["load_normalised"], "composition": err["composition"],
-                          "by_set": err["by_set"], "one_rank_per_core": err["one_rank_per_core"]}
+                          "by_set": err["by_set"], "one_rank_per_core": err["one_rank_per_core"],
+                          "whole_simulator": None if whole is None else {
+                              k: whole[k] for k in ("median", "p95", "cases")} | {
+                              "cases_detail": [{k: c[k] for k in ("case", "rel_error")} for c in whole["detail"]]}}
     else:
         out["sim_err"] = None
     report.emit(out, "\n".join(lines))

@@ -21,6 +21,15 @@ Three sets of recorded CPU runs, the first two recorded for other purposes:
   the first set's megatron model on PP2 over 2 ranks, one per core, healthy or stage 1 throttled
   1.3x-3x; predicted as the first set.
 
+* the wide traces ``tests/resilience/data/megatron-w256-*`` (issue #47 item 5): a model whose
+  matrix products take an op's time, TP2 x PP2 (sequence parallel) and PP2 x DP2 on 4 ranks, the
+  distributed optimizer; healthy, or one rank slowed 2x (sleeping or burning its extra time). These
+  are also predicted by **the whole simulator** (``whole_case``): every op, TP collective, pipeline
+  send, the DP gradient reduce and the optimizer step priced by ``sim.Simulator`` from this host's
+  figures measured once apart from every predicted run (``cpu-device.json``: FLOP/s, a link's
+  bandwidth and latency, the optimizer's bytes per second), no calibration on the trace at all.
+  That is the headline error (``whole_simulator``), named as such.
+
 A third figure, beside the prediction and never instead of it, is the simulator's composition alone
 (``rel_error_composition``): the predicted window's own recorded op times (every rank's, median over
 its iterations of the composed time) through the same pipeline, plus the calibrated tail. Nothing

@@ -154,7 +154,7 @@ def test_the_simulator_is_validated_against_recorded_runs():
     assert not any(n.startswith("deepspeed") for n in names)
     # Per set and over the runs with a core per rank, beside (not instead of) the figure over all.
     assert sum(e["cases"] for e in err["by_set"].values()) == err["cases"]
-    assert set(err["by_set"]) == {"resihp-traces", "relayout-timelines", "pp2-traces"}
+    assert set(err["by_set"]) == {"resihp-traces", "relayout-timelines", "pp2-traces", "wide-traces"}
     own = [c for c in err["detail"] if c["one_rank_per_core"]]
     assert {c["set"] for c in own} == {"relayout-timelines", "pp2-traces"}
     assert err["one_rank_per_core"]["cases"] == len(own)
@@ -166,6 +166,16 @@ def test_the_simulator_is_validated_against_recorded_runs():
     # within 5 %, the whole simulator's within 15 % (1.4 % and 11.2 % when the bounds were set).
     assert err["composition"]["median"] <= 0.05, err["composition"]
     assert err["median"] <= 0.15, (err["median"], err["p95"])
+    # The whole simulator (compute, TP collectives, sends, DP reduce, optimizer from figures measured
+    # once) on the TP2 x PP2 and PP2 x DP2 runs: 22.2 % median when the bound was set, the host's
+    # core sharing most of it (docs/resilience.md); the healthy TP2 x PP2 runs within 10 % each.
+    whole = err["whole_simulator"]
+    assert whole["cases"] == 12 and {c["layout"] for c in whole["detail"]} == {"tp2pp2dp1", "tp1pp2dp2"}
+    assert whole["median"] <= 0.30, whole["median"]
+    healthy_tp = [c for c in whole["detail"] if c["layout"] == "tp2pp2dp1" and "healthy" in c["case"]]
+    assert len(healthy_tp) == 2 and all(abs(c["rel_error"]) <= 0.10 for c in healthy_tp), healthy_tp
+    assert all(c["grad_sync_s"] > 0 for c in whole["detail"] if c["layout"] == "tp1pp2dp2")
+    assert err["by_set"]["wide-traces"]["composition"]["median"] <= 0.05
 
 
 def _moe_record(it: int, slow: bool) -> dict:
