@@ -370,6 +370,10 @@ def main() -> int:
                              f"{1e3 * c['compute_s']:6.1f}, grad reduce {1e3 * c['grad_sync_s']:5.1f}, optimizer "
                              f"{1e3 * c['optimizer_s']:4.1f})  recorded {1e3 * c['observed_s']:7.1f} ms  "
                              f"{100 * c['rel_error']:+6.1f} %")
+                lines.append("      per op, predicted / recorded ms: " + "; ".join(
+                    f"stage {st['stage']} forward {1e3 * st['predicted_fwd_s']:.1f} / {1e3 * st['recorded_fwd_s']:.1f}, "
+                    f"backward {1e3 * st['predicted_bwd_s']:.1f} / {1e3 * st['recorded_bwd_s']:.1f}"
+                    for st in c["stages"]))
         lines.append(f"simulator vs recorded CPU runs ({err['cases']} cases, predicted before any fitting): "
                      f"|error| median {err['median']:.3f}, p95 {err['p95']:.3f}; with the host's load change "
                      f"between windows factored out: median {err['load_normalised']['median']:.3f}, "

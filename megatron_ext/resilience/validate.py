@@ -322,11 +322,24 @@ def whole_case(path: str, device: dict, warm: int = 5) -> dict | None:
     target = [r for r in recs if r["iteration"] >= first]
     if len(target) < 3:
         return None
-    res = [Simulator(shape, hw, data_of(r), value_bytes=WIDE_VALUE_BYTES).iteration(job, state) for r in target]
+    sims = [Simulator(shape, hw, data_of(r), value_bytes=WIDE_VALUE_BYTES) for r in target]
+    res = [s.iteration(job, state) for s in sims]
     predicted = float(np.median([x.time_s for x in res]))
     observed = float(np.median([r["iteration_s"] for r in target]))
     lay = recs[0]["layout"]
-    return {"case": name.split(".trace")[0], "layout": f"tp{lay['tp']}pp{lay['pp']}dp{lay['dp']}",
+    # Per stage of the first replica, an op's seconds (median over the window's micro-batches and the
+    # stage's TP ranks, TP collectives included): the simulator's against the recorded, to say which
+    # term missed.
+    stages = []
+    for k in range(job.pipelines[0].pp):
+        mine = list(job.pipelines[0].stages[k])
+        rec = {ph: float(np.median([np.asarray(r[key], dtype=float)[mine, 0, :] for r in target]))
+               for ph, key in (("fwd", "fwd_s"), ("bwd", "bwd_s"))}
+        ops = [s.op_seconds(job, state, 0) for s in sims]
+        pred = {"fwd": float(np.median([o[0][k] for o in ops])), "bwd": float(np.median([o[1][k] for o in ops]))}
+        stages.append({"stage": k, "recorded_fwd_s": rec["fwd"], "recorded_bwd_s": rec["bwd"],
+                       "predicted_fwd_s": pred["fwd"], "predicted_bwd_s": pred["bwd"]})
+    return {"case": name.split(".trace")[0], "layout": f"tp{lay['tp']}pp{lay['pp']}dp{lay['dp']}", "stages": stages,
             "predicted_s": predicted, "observed_s": observed, "rel_error": (predicted - observed) / observed,
             "compute_s": float(np.median([x.compute_s for x in res])),
             "grad_sync_s": float(np.median([x.grad_sync_s for x in res])),
