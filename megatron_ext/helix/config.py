@@ -13,6 +13,9 @@ INTERCONNECTS = ("none", "intra_node", "cross_node")
 COST_MODELS = ("analytical", "calibrated")
 MODES = ("auto", "tiled", "baseline")
 DEFAULT_SELECT_ROUNDS = 8
+CANDIDATE_DEFAULTS = ("tiled-k2", "tiled-k4", "tiled-k2-unbucketed", "inductor")
+"""The measured selection's candidates besides the untiled graph and the --helix-mode schedule
+(``helix/selection.py`` parses them)."""
 """Measured-selection rounds of ``--helix-mode auto`` when ``--helix-select-rounds`` is unset."""
 
 
@@ -61,7 +64,26 @@ class HelixConfig:
         "schedule slower than not using it; 0 with tiled or baseline (the schedule as forced). 0: the "
         "simulator's choice alone.", None)
 
+    helix_select_candidates: list[str] = doc(
+        "Schedules the measured selection compiles besides the untiled graph and the --helix-mode schedule: "
+        "tiled-kN (forced tiling at N tiles), auto-kN (the simulator decides), either with -unbucketed, or "
+        "inductor (Inductor's own overlap scheduler on the untiled graph). The simulator ranks them all after "
+        "each compiles once; the best --helix-select-measure are timed.",
+        default_factory=lambda: list(CANDIDATE_DEFAULTS))
+    helix_select_measure: int = doc(
+        "How many of the simulator's best candidates the measured selection times against the untiled graph "
+        "(the rest compile once and are not timed).", 2)
+
     def __post_init__(self) -> None:
+        from megatron_ext.helix.selection import parse_candidate
+
+        for spec in self.helix_select_candidates or []:
+            try:
+                parse_candidate(spec)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        if self.helix_select_measure < 1:
+            raise ConfigError(f"--helix-select-measure must be >= 1, got {self.helix_select_measure}")
         if self.helix_select_rounds is not None and self.helix_select_rounds < 0:
             raise ConfigError(f"--helix-select-rounds must be >= 0, got {self.helix_select_rounds}")
         if self.helix_select_rounds and self.helix_mode == "baseline":

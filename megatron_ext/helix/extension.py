@@ -33,29 +33,41 @@ class HelixExtension(Extension):
         self.cfg = cfg
         self.models: list = []
         self.backend = None
-        self.untiled_backend = None
-        # measured selection (--helix-select-rounds): per model, candidate name -> compiled forward
+        # measured selection (--helix-select-rounds): candidate name -> its backend; per model,
+        # candidate name -> compiled forward
+        self.backends: dict = {}
         self.candidates: list[dict] = []
         self.selection = None
         self.step = 0
         self.decision = None
+        self._summary_start: dict[str, int] = {}
 
     def setup(self, trainer: "Trainer") -> None:
         from megatron_ext.helix.compiler import backend_from_config
+        from megatron_ext.helix.selection import parse_candidate
 
         chunks = getattr(trainer.model, "chunks", None)
         if chunks is None:
             raise ConfigError("--helix needs the megatron engine (--engine megatron)")
         # Calibration agrees over the world group: here, where every rank is (see prepare()).
-        self.backend = backend_from_config(self.cfg, batch_size=trainer.cfg.training.micro_batch_size).prepare()
+        mbs = trainer.cfg.training.micro_batch_size
+        self.backend = backend_from_config(self.cfg, batch_size=mbs).prepare()
         if self.cfg.select_rounds:
-            import dataclasses
-
-            # the untiled candidate: no pass, so no decision for a calibrated cost model to make
-            untiled = dataclasses.replace(self.cfg, helix_mode="baseline", helix_cost_model="analytical",
-                                          helix_select_rounds=0)
-            self.untiled_backend = backend_from_config(untiled, batch_size=trainer.cfg.training.micro_batch_size
-                                                       ).prepare()
+            # the untiled candidate: no pass; simulated with the same cost model as the others, so
+            # that the ranking's figures compare
+            self.backends = {UNTILED: backend_from_config(self.cfg, batch_size=mbs, mode="baseline").prepare(),
+                             self.schedule_name: self.backend}
+            mine = (self.cfg.helix_mode, self.cfg.helix_tiles, self.cfg.helix_bucketing)
+            for spec in (parse_candidate(c) for c in self.cfg.helix_select_candidates or []):
+                if (spec.mode, spec.tiles, spec.bucketing) == mine or spec.name in self.backends:
+                    continue
+                self.backends[spec.name] = backend_from_config(self.cfg, batch_size=mbs, mode=spec.mode,
+                                                               tiles=spec.tiles, bucketing=spec.bucketing).prepare()
+            # one measurement of the links and of the host's share for every candidate: the ranking
+            # compares schedules, not four draws of a noisy host
+            for name, b in self.backends.items():
+                if b is not self.backend:
+                    b.adopt_links(self.backend)
         self.attach(trainer)
 
     def attach(self, trainer: "Trainer") -> None:
@@ -70,14 +82,17 @@ class HelixExtension(Extension):
             logger.info("helix: megatron's CUDA RNG-state setter runs outside Dynamo "
                         "(torch.cuda._lazy_call re-enters its lock)")
         seq_length = getattr(getattr(trainer.cfg, "model", None), "seq_length", None)
+        if self.backends:
+            _allow_recompiles(len(self.backends) * len(trainer.model.chunks))
+            self._summary_start = {name: len(b.summaries) for name, b in self.backends.items()}
         for chunk in trainer.model.chunks:
             model = unwrap(chunk)
             report = make_traceable(model)
             if seq_length is not None:  # else the first micro-batch's graph creates it: two graphs
                 prefill_first_call_state(model, trainer.cfg.training.micro_batch_size, seq_length)
-            if self.untiled_backend is not None:
-                compiled = {UNTILED: torch.compile(model.forward, backend=self.untiled_backend, dynamic=False),
-                            self.schedule_name: torch.compile(model.forward, backend=self.backend, dynamic=False)}
+            if self.backends:
+                compiled = {name: torch.compile(model.forward, backend=b, dynamic=False)
+                            for name, b in self.backends.items()}
                 self.candidates.append(compiled)
                 model.forward = compiled[UNTILED]
             else:
@@ -89,15 +104,17 @@ class HelixExtension(Extension):
                             f"{self.cfg.helix_memory_budget_gb} GiB" if self.cfg.helix_memory_budget_gb else "none",
                             self.cfg.helix_cost_model)
 
-        if self.untiled_backend is not None:
+        if self.backends:
             from megatron_ext.helix.selection import MeasuredSelection
 
-            self.selection = MeasuredSelection([UNTILED, self.schedule_name], self.cfg.select_rounds)
+            self.selection = MeasuredSelection(list(self.backends), self.cfg.select_rounds,
+                                               measure=self.cfg.helix_select_measure, ranked=True)
             self.step, self.decision = 0, None
 
     @property
     def schedule_name(self) -> str:
-        return f"helix-{self.cfg.helix_mode}-k{self.cfg.helix_tiles}"
+        return f"helix-{self.cfg.helix_mode}-k{self.cfg.helix_tiles}" + (
+            "" if self.cfg.helix_bucketing else "-unbucketed")
 
     def before_iteration(self, trainer: "Trainer", iteration: int) -> None:
         if self.selection is None:
@@ -111,53 +128,71 @@ class HelixExtension(Extension):
             return
         self.selection.record(self.step, metrics.iter_time_s)
         self.step += 1
-        if self.step == len(self.selection.names) and not self.any_graph_tiled(trainer):
-            # every candidate has compiled: where the simulator tiled no graph they are one schedule
-            self.selection = None
-            self.decision = None
-            if trainer.ctx.rank == 0:
-                logger.info("helix: the simulator kept every graph untiled: nothing to measure, the untiled "
-                            "graph runs")
-            for model, compiled in zip(self.models, self.candidates):
-                model.forward = compiled[UNTILED]
-            return
+        if self.step == self.selection.warmups and not self.selection.narrowed:
+            self.rank_candidates(trainer)
+            if self.selection.done_after == self.step:  # nothing worth timing
+                self.decision = self.selection.decide()
+                self._keep(trainer, self.decision.chosen)
+                return
         if self.step < self.selection.done_after:
             return
         self.decide(trainer)
 
-    def any_graph_tiled(self, trainer: "Trainer") -> bool:
-        """Whether the schedule kept a tiled graph on any rank (all ranks agree: a stage whose
-        graphs stayed untiled must still measure beside a stage whose graphs did not)."""
-        import torch
-        import torch.distributed as dist
+    # --- the simulator's ranking, agreed over the ranks ---------------------------------------------
+    def _graphs_of(self, name: str) -> list:
+        b = self.backends[name]
+        return b.summaries[self._summary_start.get(name, 0):]
 
-        tiled = any(s.tiled for s in self.backend.summaries)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return tiled
-        from megatron_ext.runtime.distributed import collective_device
+    def rank_candidates(self, trainer: "Trainer") -> None:
+        """Every candidate has compiled: rank them by the simulator's step makespan (the slowest rank's
+        prediction), leave out those whose graphs are the untiled graph's or another candidate's, and
+        time the best ``--helix-select-measure``. Every rank computes the same from agreed numbers."""
+        from megatron_ext.helix.selection import parse_candidate
 
-        t = torch.tensor([int(tiled)], device=collective_device(trainer.ctx))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        names = list(self.backends)
+        specs = {n: (parse_candidate(n) if n not in (UNTILED, self.schedule_name) else None) for n in names}
+        predicted = [sum(s.chosen.makespan_s for s in self._graphs_of(n) if s.chosen is not None) for n in names]
+        tiled = [float(any(s.tiled for s in self._graphs_of(n))) for n in names]
+        config = {n: ((s.tiles, s.bucketing) if s is not None else
+                      (self.cfg.helix_tiles, self.cfg.helix_bucketing) if n == self.schedule_name else None)
+                  for n, s in specs.items()}
+        inductor = {n: bool(specs[n] is not None and specs[n].mode == "inductor") for n in names}
+        pairs = [(i, j) for i in range(1, len(names)) for j in range(i + 1, len(names))
+                 if config[names[i]] is not None and config[names[i]] == config[names[j]]]
+        differ = [float([s.tiled for s in self._graphs_of(names[i])] != [s.tiled for s in self._graphs_of(names[j])])
+                  for i, j in pairs]
+        agreed = _agree(trainer, predicted + tiled + differ)
+        predicted, tiled, differ = (agreed[:len(names)], agreed[len(names):2 * len(names)],
+                                    agreed[2 * len(names):])
+        same_as = {names[j]: names[i] for (i, j), d in zip(pairs, differ) if not d}
+        dropped, ranked = {}, []
+        for k in sorted(range(1, len(names)), key=lambda k: (predicted[k], k)):
+            n = names[k]
+            if not inductor[n] and not tiled[k]:
+                dropped[n] = "the simulator tiled no graph: the untiled graph"
+            elif n in same_as and same_as[n] not in dropped:
+                dropped[n] = f"the same graphs as {same_as[n]}"
+            else:
+                ranked.append(n)
+        timed = self.selection.narrow(ranked, predicted_s=dict(zip(names, predicted)), dropped=dropped)
+        for n in ranked:
+            if n not in timed:
+                self.selection.dropped[n] = "ranked below the timed ones"
+        if trainer.ctx.rank == 0:
+            logger.info("helix: the simulator's step makespan per candidate: %s; timing %s",
+                        ", ".join(f"{n} {1e3 * t:.2f} ms" for n, t in zip(names, predicted)), ", ".join(timed))
 
     def decide(self, trainer: "Trainer") -> None:
         """Every rank's samples, the slowest of each iteration (all-reduce MAX), decide: every rank
         keeps the same graph (its collectives must match its peers')."""
-        import torch
-        import torch.distributed as dist
+        self.decision = self.selection.decide(_agree(trainer, self.selection.vector()))
+        self._keep(trainer, self.decision.chosen)
 
-        agreed = self.selection.vector()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            from megatron_ext.runtime.distributed import collective_device
-
-            t = torch.tensor(agreed, dtype=torch.float64, device=collective_device(trainer.ctx))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            agreed = t.cpu().tolist()
-        self.decision = self.selection.decide(agreed)
+    def _keep(self, trainer: "Trainer", name: str) -> None:
         for model, compiled in zip(self.models, self.candidates):
-            model.forward = compiled[self.decision.chosen]
+            model.forward = compiled[name]
         self.selection = None
-        if trainer.ctx.rank == 0:
+        if trainer.ctx.rank == 0 and self.decision is not None:
             logger.info("%s", self.decision.line())
 
     def detach(self, trainer: "Trainer") -> None:
@@ -174,6 +209,32 @@ class HelixExtension(Extension):
         self.candidates.clear()
         self.selection = None
         rng.remove()
+
+
+def _agree(trainer: "Trainer", values: list[float]) -> list[float]:
+    """``values`` all-reduced (MAX) over the world: every rank decides on the same numbers."""
+    import torch
+    import torch.distributed as dist
+
+    if not values or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    from megatron_ext.runtime.distributed import collective_device
+
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(trainer.ctx))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def _allow_recompiles(graphs: int) -> None:
+    """Each candidate compiles the same forward code with another backend: Dynamo keeps one cache
+    entry per (code, backend, model) and falls back to eager past its limit. Raise the limit to fit
+    every candidate of every chunk (with room for graph breaks)."""
+    import torch._dynamo.config as dc
+
+    for key in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dc, key):
+            setattr(dc, key, max(getattr(dc, key), 4 * graphs + 8))
+            break
 
 
 @register_extension("helix")

@@ -32,33 +32,87 @@ class Decision:
     """candidate -> ``ratio_interval`` of its per-round time over the untiled graph's."""
     iterations: int
     """iterations the selection ran (warm-up included): its cost."""
+    predicted_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """candidate -> the simulator's step makespan, summed over its graphs (the ranking)."""
+    dropped: dict[str, str] = dataclasses.field(default_factory=dict)
+    """candidate -> why it was not timed (the same graphs as another; ranked below those timed)."""
 
     def line(self) -> str:
         parts = [f"{name} {t * 1e3:.1f} ms" for name, t in self.medians_s.items()]
         rel = [f"{name}/untiled {r['median']:.3f} [{r['interval'][0]:.3f}, {r['interval'][1]:.3f}]"
                for name, r in self.ratios.items()]
+        pred = [f"{name} {t * 1e3:.1f} ms" for name, t in self.predicted_s.items()]
+        extra = (f"; simulated {', '.join(pred)}" if pred else "") + (
+            "; not timed: " + ", ".join(f"{n} ({why})" for n, why in self.dropped.items()) if self.dropped else "")
+        if not self.medians_s:
+            return f"helix: measured selection over {self.iterations} iterations{extra} -> kept {self.chosen}"
         return (f"helix: measured selection over {self.iterations} iterations: median {', '.join(parts)}; "
-                f"{'; '.join(rel)} -> kept {self.chosen}")
+                f"{'; '.join(rel)}{extra} -> kept {self.chosen}")
 
 
 class MeasuredSelection:
-    """The iteration plan and the decision; ``names[0]`` is the untiled reference."""
+    """The iteration plan and the decision; ``names[0]`` is the untiled reference.
 
-    def __init__(self, names: Sequence[str], rounds: int) -> None:
+    ``measure``: how many candidates besides the untiled graph are timed. Every candidate runs its
+    warm-up (its graphs compile, so the simulator's prediction of each exists); then ``narrow``
+    takes the simulator's ranking and the timed rounds cover the untiled graph and the first
+    ``measure`` of the ranking. None (or as many as there are): every candidate, no ranking asked
+    unless ``ranked`` (then ``narrow`` also leaves out candidates that are another's graphs)."""
+
+    def __init__(self, names: Sequence[str], rounds: int, *, measure: int | None = None,
+                 ranked: bool = False) -> None:
         if len(names) < 2 or len(set(names)) != len(names):
             raise ValueError(f"measured selection needs two or more distinct candidates, got {list(names)}")
         if rounds < 1:
             raise ValueError(f"measured selection needs rounds >= 1, got {rounds}")
+        if measure is not None and measure < 1:
+            raise ValueError(f"measured selection needs measure >= 1 candidate besides the untiled graph, "
+                             f"got {measure}")
         self.names = list(names)
         self.rounds = rounds
+        self.measure = len(self.names) - 1 if measure is None else min(measure, len(self.names) - 1)
         # warm-up: each candidate once (its graphs compile); then the timed rounds, rotated
         self.plan: list[tuple[str, int | None]] = [(n, None) for n in self.names]
-        for r in range(rounds):
-            self.plan += [(n, r) for n in rotated_order(self.names, r)]
         self.samples: list[float | None] = [None] * len(self.plan)
+        self.measured: list[str] | None = None
+        self.predicted_s: dict[str, float] = {}
+        self.dropped: dict[str, str] = {}
+        if self.measure == len(self.names) - 1 and not ranked:
+            self.narrow(self.names[1:])
+
+    @property
+    def warmups(self) -> int:
+        return len(self.names)
+
+    @property
+    def narrowed(self) -> bool:
+        return self.measured is not None
+
+    def narrow(self, ranked: Sequence[str], *, predicted_s: dict[str, float] | None = None,
+               dropped: dict[str, str] | None = None) -> list[str]:
+        """After the warm-ups: ``ranked``, the candidates worth timing best first (the simulator's
+        order; those it found the same as another are left out, ``dropped`` says why). Times the
+        untiled graph and the first ``measure`` of them; returns what is timed. With none left the
+        selection is over (``done_after`` is the warm-ups) and the untiled graph is kept."""
+        if self.measured is not None:
+            raise RuntimeError("measured selection: narrowed twice")
+        unknown = [n for n in ranked if n not in self.names[1:]]
+        if unknown:
+            raise ValueError(f"measured selection: {unknown} are not candidates of {self.names}")
+        self.predicted_s = dict(predicted_s or {})
+        self.dropped = dict(dropped or {})
+        keep = list(dict.fromkeys(ranked))[:self.measure]
+        self.measured = [self.names[0], *keep] if keep else [self.names[0]]
+        if keep:
+            for r in range(self.rounds):
+                self.plan += [(n, r) for n in rotated_order(self.measured, r)]
+        self.samples += [None] * (len(self.plan) - len(self.samples))
+        return list(self.measured)
 
     def candidate(self, step: int) -> str | None:
         """The candidate of the selection's ``step``-th iteration; None once the plan is done."""
+        if step >= self.warmups and not self.narrowed:
+            raise RuntimeError("measured selection: rank the candidates (narrow) after their warm-ups")
         return self.plan[step][0] if step < len(self.plan) else None
 
     @property
@@ -75,14 +129,47 @@ class MeasuredSelection:
 
     def decide(self, agreed: Sequence[float] | None = None) -> Decision:
         """The decision on ``agreed`` (the all-reduced ``vector()``) or this rank's samples."""
+        if not self.narrowed:
+            raise RuntimeError("measured selection: nothing timed yet (narrow after the warm-ups)")
         values = list(agreed) if agreed is not None else self.vector()
-        per: dict[str, list[float]] = {n: [0.0] * self.rounds for n in self.names}
+        names = self.measured
+        ref = names[0]
+        if len(names) == 1:
+            return Decision(chosen=ref, medians_s={}, ratios={}, iterations=len(self.plan),
+                            predicted_s=self.predicted_s, dropped=self.dropped)
+        per: dict[str, list[float]] = {n: [0.0] * self.rounds for n in names}
         for (name, r), v in zip(self.plan, values):
             if r is not None:
                 per[name][r] = v
-        ref = self.names[0]
-        ratios = {n: ratio_interval(per[n], per[ref]) for n in self.names[1:]}
-        winners = [n for n in self.names[1:] if ratios[n]["interval"][1] < 1.0]
+        ratios = {n: ratio_interval(per[n], per[ref]) for n in names[1:]}
+        winners = [n for n in names[1:] if ratios[n]["interval"][1] < 1.0]
         chosen = min(winners, key=lambda n: ratios[n]["median"]) if winners else ref
-        return Decision(chosen=chosen, medians_s={n: statistics.median(per[n]) for n in self.names},
-                        ratios=ratios, iterations=len(self.plan))
+        return Decision(chosen=chosen, medians_s={n: statistics.median(per[n]) for n in names},
+                        ratios=ratios, iterations=len(self.plan), predicted_s=self.predicted_s,
+                        dropped=self.dropped)
+
+
+# ---- candidates ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CandidateSpec:
+    """A schedule the selection may compile: the backend's mode, tiles and bucketing."""
+
+    name: str
+    mode: str          # "auto", "tiled", "baseline" or "inductor" (Inductor's own overlap scheduler)
+    tiles: int = 2
+    bucketing: bool = True
+
+
+def parse_candidate(spec: str) -> CandidateSpec:
+    """``tiled-kN[-unbucketed]``, ``auto-kN[-unbucketed]`` or ``inductor``; a clear error otherwise."""
+    text = spec.strip().lower()
+    if text == "inductor":
+        return CandidateSpec(name="inductor", mode="inductor")
+    parts = text.split("-")
+    ok = (len(parts) in (2, 3) and parts[0] in ("tiled", "auto") and parts[1][:1] == "k" and parts[1][1:].isdigit()
+          and int(parts[1][1:]) >= 2 and (len(parts) == 2 or parts[2] == "unbucketed"))
+    if not ok:
+        raise ValueError(f"--helix-select-candidates {spec!r}: expected tiled-kN, auto-kN (N >= 2, optionally "
+                         f"-unbucketed) or inductor")
+    return CandidateSpec(name=text, mode=parts[0], tiles=int(parts[1][1:]), bucketing=len(parts) == 2)

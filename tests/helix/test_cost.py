@@ -121,7 +121,7 @@ def test_flags_are_pinned():
     assert field_names(HelixConfig) == ["helix", "helix_tiles", "helix_memory_budget_gb", "helix_seq_tiling",
                                         "helix_bucketing", "helix_min_gain", "helix_cost_model", "helix_cost_cache",
                                         "helix_interconnect", "helix_host_interference", "helix_mode",
-                                        "helix_select_rounds"]
+                                        "helix_select_rounds", "helix_select_candidates", "helix_select_measure"]
 
 
 @pytest.mark.parametrize("values, message", [

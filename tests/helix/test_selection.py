@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ext.helix.config import HelixConfig
 from megatron_ext.helix.extension import UNTILED, HelixExtension
-from megatron_ext.helix.selection import MeasuredSelection
+from megatron_ext.helix.selection import CandidateSpec, MeasuredSelection
 from megatron_ext.config.base import ConfigError
 
 
@@ -95,26 +95,84 @@ def test_the_extension_runs_each_candidate_in_turn_and_keeps_the_faster(monkeypa
     assert ext.decision.chosen == UNTILED and models[1].forward is graphs[UNTILED]
 
 
+def _summary(tiled: bool, makespan_s: float):
+    return types.SimpleNamespace(tiled=tiled, chosen=types.SimpleNamespace(makespan_s=makespan_s))
+
+
+def _stand_in(ext: HelixExtension, summaries: dict[str, list], measure: int | None = None, rounds: int = 3):
+    """The extension with stand-in graphs and backends (their compiled graphs' summaries as given)."""
+    ext.backends = {n: types.SimpleNamespace(summaries=list(v)) for n, v in summaries.items()}
+    ext._summary_start = {n: 0 for n in summaries}
+    models = [types.SimpleNamespace(forward=None)]
+    graphs = {n: object() for n in summaries}
+    ext.models, ext.candidates = models, [dict(graphs)]
+    ext.selection = MeasuredSelection(list(summaries), rounds, measure=measure, ranked=True)
+    ext.step = 0
+    return models, graphs
+
+
+def _run(ext, models, graphs, speed, iterations):
+    trainer = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=0))
+    ran = []
+    for it in range(iterations):
+        ext.before_iteration(trainer, it)
+        ran.append(next(n for n, g in graphs.items() if models[0].forward is g))
+        ext.after_iteration(trainer, types.SimpleNamespace(iter_time_s=speed[ran[-1]]))
+    return ran
+
+
 def test_selection_is_the_default_of_auto_and_ends_at_once_where_no_graph_was_tiled():
     assert HelixConfig(helix=True).select_rounds == 8
     assert HelixConfig(helix=True, helix_mode="tiled").select_rounds == 0
     assert HelixConfig(helix=True, helix_mode="tiled", helix_select_rounds=2).select_rounds == 2
     assert HelixConfig(helix=True, helix_select_rounds=0).select_rounds == 0
     ext = HelixExtension(HelixConfig(helix=True))
-    models = [types.SimpleNamespace(forward=None)]
-    graphs = {UNTILED: object(), ext.schedule_name: object()}
-    ext.models, ext.candidates = models, [dict(graphs)]
-    ext.selection = MeasuredSelection([UNTILED, ext.schedule_name], 4)
-    ext.backend = types.SimpleNamespace(summaries=[types.SimpleNamespace(tiled=False)] * 2)
-    trainer = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=0))
-    ran = []
-    for it in range(5):
-        ext.before_iteration(trainer, it)
-        ran.append(next(n for n, g in graphs.items() if models[0].forward is g))
-        ext.after_iteration(trainer, types.SimpleNamespace(iter_time_s=0.1))
+    models, graphs = _stand_in(ext, {UNTILED: [_summary(False, 1.0)] * 2,
+                                     ext.schedule_name: [_summary(False, 1.0)] * 2}, measure=2, rounds=4)
+    ran = _run(ext, models, graphs, {UNTILED: 0.1, ext.schedule_name: 0.1}, 5)
     # both candidates compiled once; the simulator tiled nothing: the untiled graph from then on
     assert ran == [UNTILED, ext.schedule_name, UNTILED, UNTILED, UNTILED]
-    assert ext.selection is None and ext.decision is None
+    assert ext.selection is None and ext.decision.chosen == UNTILED and ext.decision.iterations == 2
+    assert "the simulator tiled no graph" in ext.decision.dropped[ext.schedule_name]
+
+
+def test_the_simulator_ranks_the_candidates_and_the_best_few_are_timed():
+    """Five candidates compile once each; the untiled twin and the duplicate are left out, the
+    simulator's best two are timed against the untiled graph, and the measured fastest is kept --
+    here the simulator's second choice, not its first."""
+    ext = HelixExtension(HelixConfig(helix=True, helix_select_candidates=["tiled-k2", "tiled-k4", "inductor"]))
+    assert ext.schedule_name == "helix-auto-k2"
+    models, graphs = _stand_in(ext, {
+        UNTILED: [_summary(False, 1.00)],
+        ext.schedule_name: [_summary(True, 0.80)],   # auto at K=2 tiled: the same graphs as tiled-k2
+        "tiled-k2": [_summary(True, 0.80)],
+        "tiled-k4": [_summary(True, 0.70)],
+        "inductor": [_summary(False, 1.00)],
+    }, measure=2, rounds=3)
+    speed = {UNTILED: 0.30, ext.schedule_name: 0.25, "tiled-k2": 0.25, "tiled-k4": 0.33, "inductor": 0.29}
+    ran = _run(ext, models, graphs, speed, 5 + 3 * 3 + 2)
+    assert ran[:5] == list(graphs)   # every candidate's warm-up (compile), in order
+    assert set(ran[5:14]) == {UNTILED, "tiled-k4", ext.schedule_name}
+    assert ext.decision.chosen == ext.schedule_name and set(ran[14:]) == {ext.schedule_name}
+    d = ext.decision
+    assert d.iterations == 14 and d.predicted_s["tiled-k4"] == pytest.approx(0.70)
+    assert d.dropped == {"tiled-k2": f"the same graphs as {ext.schedule_name}",
+                         "inductor": "ranked below the timed ones"}
+    assert "not timed: tiled-k2 (the same graphs as helix-auto-k2)" in d.line() and "-> kept helix-auto-k2" in d.line()
+
+
+def test_candidates_are_parsed_and_bad_ones_refused():
+    from megatron_ext.helix.selection import parse_candidate
+
+    assert parse_candidate("tiled-k4-unbucketed") == CandidateSpec("tiled-k4-unbucketed", "tiled", 4, False)
+    assert parse_candidate("Inductor").mode == "inductor"
+    for bad in ("tiled", "tiled-k1", "auto-k2-bucketed", "fast"):
+        with pytest.raises(ConfigError, match=r"--helix-select-candidates .*expected tiled-kN, auto-kN"):
+            HelixConfig(helix=True, helix_select_candidates=[bad])
+    with pytest.raises(ConfigError, match="--helix-select-measure must be >= 1"):
+        HelixConfig(helix=True, helix_select_measure=0)
+    with pytest.raises(RuntimeError, match="rank the candidates"):
+        MeasuredSelection(["untiled", "a", "b"], 2, measure=1).candidate(3)
 
 
 @pytest.mark.multirank
@@ -122,9 +180,15 @@ def test_a_tp2_job_measures_its_schedules_and_says_what_it_kept():
     from tests.conftest import run_python
 
     proc = run_python("pretrain_gpt.py", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2",
-                      "--train-iters", "8", "--eval-iters", "0", "--helix", "--helix-mode", "tiled",
+                      "--train-iters", "13", "--eval-iters", "0", "--helix", "--helix-mode", "tiled",
                       "--helix-select-rounds", "2", "--log-interval", "1")
     out = proc.stdout + proc.stderr
-    line = next(l for l in out.splitlines() if "helix: measured selection over 6 iterations" in l)
-    assert "median untiled" in line and "helix-tiled-k2/untiled" in line and "-> kept " in line
-    assert "iteration      8/     8" in out
+    # five candidates compile once (tiled-k2 is the --helix-mode schedule itself); the simulator ranks
+    # them and its best two are timed against the untiled graph in two rotated rounds: 5 + 2 x 3
+    ranking = next(l for l in out.splitlines() if "the simulator's step makespan per candidate" in l)
+    for name in ("untiled", "helix-tiled-k2", "tiled-k4", "tiled-k2-unbucketed", "inductor"):
+        assert f"{name} " in ranking, ranking
+    line = next(l for l in out.splitlines() if "helix: measured selection over 11 iterations" in l)
+    assert "median untiled" in line and "/untiled" in line and "simulated untiled" in line and "-> kept " in line
+    assert "not timed: " in line
+    assert "iteration     13/    13" in out
