@@ -24,8 +24,9 @@ as the noise floor; same process, same weights; 30 rounds by default):
   inductor  Inductor's own overlap scheduler (fx_passes/overlap_scheduling) on the same graphs
   helix     tiling (K=2) + segmented round-robin + bucketing; the simulator may keep the baseline
   measured  the graph the job's measured selection keeps (--helix-select-rounds, helix/selection.py):
-            untiled or helix, from --select-rounds rounds of its own before the measured rounds; its
-            cost is reported (the selection's steps, and their time beyond as many untiled steps)
+            untiled, helix or inductor -- each stepped once, the simulator's ranking, then
+            --select-rounds rounds of those it times, before the measured rounds; its cost is
+            reported (the selection's steps, and their time beyond as many untiled steps)
 Helix gets a memory budget of the baseline's measured peak + 5 % (its predicted peak when none
 was measured).
 
@@ -100,7 +101,7 @@ from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.bench.harness import Report, aa_name, ratio_interval, rotated_order  # noqa: E402
 from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
 from megatron_ext.helix.config import DEFAULT_SELECT_ROUNDS  # noqa: E402
-from megatron_ext.helix.selection import MeasuredSelection  # noqa: E402
+from megatron_ext.helix.selection import MeasuredSelection, rank  # noqa: E402
 from megatron_ext.helix.measure import (UnclosedAccounting, all_ranks_agree, step_peak_bytes, timed_step,  # noqa: E402
                                         train_step)
 from megatron_ext.runtime.distributed import free_port  # noqa: E402
@@ -278,8 +279,20 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
         step("helix")()
     # Measured selection (--helix-select-rounds, helix/selection.py): the job's own choice between the
     # untiled graph and Helix's, from rounds of its own; the "measured" arm then steps the graph it kept.
-    selection = MeasuredSelection(["baseline", "helix"], args.select_rounds)
-    for i in range(selection.done_after):
+    # The candidates this bench compiles (the job also compiles forced tilings at each factor): each
+    # once untimed, then the simulator's ranking (agreed over ranks, helix/selection.rank) picks
+    # which are timed against the untiled graph, as the job does.
+    cands = ["baseline", "helix", "inductor"]
+    selection = MeasuredSelection(cands, args.select_rounds, measure=2, ranked=True)
+    for i in range(selection.warmups):
+        selection.record(i, timed_step(step(selection.candidate(i)), dist.barrier).step_s)
+    figures = torch.tensor([backends[n].summaries[-1].chosen.makespan_s for n in cands]
+                           + [float(backends[n].summaries[-1].tiled) for n in cands], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    ranked, dropped = rank(cands, figures[:3].tolist(), [bool(t) for t in figures[3:].tolist()],
+                           always=["inductor"])
+    selection.narrow(ranked, predicted_s=dict(zip(cands, figures[:3].tolist())), dropped=dropped)
+    for i in range(selection.warmups, selection.done_after):
         selection.record(i, timed_step(step(selection.candidate(i)), dist.barrier).step_s)
     agreed = torch.tensor(selection.vector(), dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)

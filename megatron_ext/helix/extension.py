@@ -147,7 +147,7 @@ class HelixExtension(Extension):
         """Every candidate has compiled: rank them by the simulator's step makespan (the slowest rank's
         prediction), leave out those whose graphs are the untiled graph's or another candidate's, and
         time the best ``--helix-select-measure``. Every rank computes the same from agreed numbers."""
-        from megatron_ext.helix.selection import parse_candidate
+        from megatron_ext.helix.selection import parse_candidate, rank
 
         names = list(self.backends)
         specs = {n: (parse_candidate(n) if n not in (UNTILED, self.schedule_name) else None) for n in names}
@@ -165,15 +165,9 @@ class HelixExtension(Extension):
         predicted, tiled, differ = (agreed[:len(names)], agreed[len(names):2 * len(names)],
                                     agreed[2 * len(names):])
         same_as = {names[j]: names[i] for (i, j), d in zip(pairs, differ) if not d}
-        dropped, ranked = {}, []
-        for k in sorted(range(1, len(names)), key=lambda k: (predicted[k], k)):
-            n = names[k]
-            if not inductor[n] and not tiled[k]:
-                dropped[n] = "the simulator tiled no graph: the untiled graph"
-            elif n in same_as and same_as[n] not in dropped:
-                dropped[n] = f"the same graphs as {same_as[n]}"
-            else:
-                ranked.append(n)
+        same_as.update({names[i]: names[j] for (i, j), d in zip(pairs, differ) if not d})
+        ranked, dropped = rank(names, predicted, [bool(t) for t in tiled], same_as=same_as,
+                               always=[n for n in names if inductor[n]])
         timed = self.selection.narrow(ranked, predicted_s=dict(zip(names, predicted)), dropped=dropped)
         for n in ranked:
             if n not in timed:
