@@ -153,7 +153,8 @@ class HelixExtension(Extension):
         specs = {n: (parse_candidate(n) if n not in (UNTILED, self.schedule_name) else None) for n in names}
         predicted = [sum(s.chosen.makespan_s for s in self._graphs_of(n) if s.chosen is not None) for n in names]
         tiled = [float(any(s.tiled for s in self._graphs_of(n))) for n in names]
-        config = {n: ((s.tiles, s.bucketing) if s is not None else
+        config = {n: (("inductor",) if s is not None and s.mode == "inductor" else (s.tiles, s.bucketing)
+                      if s is not None else
                       (self.cfg.helix_tiles, self.cfg.helix_bucketing) if n == self.schedule_name else None)
                   for n, s in specs.items()}
         inductor = {n: bool(specs[n] is not None and specs[n].mode == "inductor") for n in names}
@@ -164,8 +165,11 @@ class HelixExtension(Extension):
         agreed = _agree(trainer, predicted + tiled + differ)
         predicted, tiled, differ = (agreed[:len(names)], agreed[len(names):2 * len(names)],
                                     agreed[2 * len(names):])
-        same_as = {names[j]: names[i] for (i, j), d in zip(pairs, differ) if not d}
-        same_as.update({names[i]: names[j] for (i, j), d in zip(pairs, differ) if not d})
+        same_as: dict[str, list[str]] = {}
+        for (i, j), d in zip(pairs, differ):
+            if not d:
+                same_as.setdefault(names[i], []).append(names[j])
+                same_as.setdefault(names[j], []).append(names[i])
         ranked, dropped = rank(names, predicted, [bool(t) for t in tiled], same_as=same_as,
                                always=[n for n in names if inductor[n]])
         timed = self.selection.narrow(ranked, predicted_s=dict(zip(names, predicted)), dropped=dropped)

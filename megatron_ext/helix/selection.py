@@ -152,11 +152,12 @@ class MeasuredSelection:
 # ---- candidates ---------------------------------------------------------------------------------
 
 def rank(names: Sequence[str], predicted_s: Sequence[float], tiled: Sequence[bool], *,
-         same_as: dict[str, str] | None = None, always: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+         same_as: dict[str, Sequence[str]] | None = None,
+         always: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
     """The simulator's ranking of ``names[1:]`` (``names[0]``: the untiled graph) by ``predicted_s``,
     best first, and why the others are left out: a candidate that tiled no graph is the untiled
     graph (unless in ``always``: Inductor's scheduler changes the untiled graph's order);
-    ``same_as[c] = d``: c's graphs are d's (left out when d is ranked)."""
+    ``same_as[c]``: the candidates whose graphs are c's (c is left out once one of them is ranked)."""
     same_as = same_as or {}
     dropped: dict[str, str] = {}
     ranked: list[str] = []
@@ -164,8 +165,8 @@ def rank(names: Sequence[str], predicted_s: Sequence[float], tiled: Sequence[boo
         n = names[k]
         if n not in always and not tiled[k]:
             dropped[n] = "the simulator tiled no graph: the untiled graph"
-        elif n in same_as and same_as[n] in ranked:
-            dropped[n] = f"the same graphs as {same_as[n]}"
+        elif any(d in ranked for d in same_as.get(n, ())):
+            dropped[n] = f"the same graphs as {next(d for d in ranked if d in same_as[n])}"
         else:
             ranked.append(n)
     return ranked, dropped

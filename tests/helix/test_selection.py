@@ -192,3 +192,15 @@ def test_a_tp2_job_measures_its_schedules_and_says_what_it_kept():
     assert "median untiled" in line and "/untiled" in line and "simulated untiled" in line and "-> kept " in line
     assert "not timed: " in line
     assert "iteration     13/    13" in out
+
+
+def test_the_ranking_leaves_out_untiled_twins_and_every_copy_of_a_ranked_candidate():
+    from megatron_ext.helix.selection import rank
+
+    # a, b and c compiled the same graphs; b is the simulator's best of them, so a and c go
+    ranked, dropped = rank(["untiled", "a", "b", "c", "inductor", "k4"], [1.0, 0.8, 0.7, 0.8, 0.9, 0.6],
+                           [False, True, True, True, False, False],
+                           same_as={"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"]}, always=["inductor"])
+    assert ranked == ["b", "inductor"]
+    assert dropped == {"k4": "the simulator tiled no graph: the untiled graph", "a": "the same graphs as b",
+                       "c": "the same graphs as b"}
