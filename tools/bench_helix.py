@@ -289,9 +289,9 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
     figures = torch.tensor([backends[n].summaries[-1].chosen.makespan_s for n in cands]
                            + [float(backends[n].summaries[-1].tiled) for n in cands], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    ranked, dropped = rank(cands, figures[:3].tolist(), [bool(t) for t in figures[3:].tolist()],
-                           always=["inductor"])
-    selection.narrow(ranked, predicted_s=dict(zip(cands, figures[:3].tolist())), dropped=dropped)
+    predicted, tiled = figures[:len(cands)].tolist(), [bool(t) for t in figures[len(cands):].tolist()]
+    ranked, dropped = rank(cands, predicted, tiled, always=["inductor"])
+    selection.narrow(ranked, predicted_s=dict(zip(cands, predicted)), dropped=dropped)
     for i in range(selection.warmups, selection.done_after):
         selection.record(i, timed_step(step(selection.candidate(i)), dist.barrier).step_s)
     agreed = torch.tensor(selection.vector(), dtype=torch.float64)

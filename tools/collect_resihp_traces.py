@@ -123,12 +123,12 @@ LINK_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)
 OPTIMIZER_PARAMS = 1 << 20
 
 
-def _links_and_optimizer(rank: int, world: int, addr: str, reps: int, out: dict) -> None:
+def _links_and_optimizer(rank: int, world: int, addr: str, reps: int, path: str) -> None:
     """One of ``world`` gloo ranks: pairs (0, 1), (2, 3), ... each time a reduce-scatter then an
     all-gather (the ring all-reduce the simulator prices, the collectives sequence parallelism and
     the distributed optimizer call) of each size in ``LINK_BYTES`` fp32, all pairs at once, as in
     the recorded runs; then an AdamW step over ``OPTIMIZER_PARAMS`` fp32 parameters, every rank at
-    once. Medians of ``reps`` each, into ``out`` (rank 0's)."""
+    once. Medians of ``reps`` each, every rank's, written by rank 0 to ``path`` (JSON)."""
     import warnings
 
     import torch
@@ -168,16 +168,9 @@ def _links_and_optimizer(rank: int, world: int, addr: str, reps: int, out: dict)
     gathered = [None] * world
     dist.all_gather_object(gathered, {"link_s": times, "optimizer_step_s": step_s})
     if rank == 0:
-        out.update({"ranks": gathered})
-    dist.destroy_process_group()
-
-
-def _spawned(rank: int, world: int, addr: str, reps: int, path: str) -> None:
-    out: dict = {}
-    _links_and_optimizer(rank, world, addr, reps, out)
-    if rank == 0:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(out, f)
+            json.dump({"ranks": gathered}, f)
+    dist.destroy_process_group()
 
 
 def measure_device(out_json: str, out_dir: str, iters: int, world: int = 4, reps: int = 20) -> dict:
@@ -185,8 +178,7 @@ def measure_device(out_json: str, out_dir: str, iters: int, world: int = 4, reps
     processes (the recorded runs' contention): FLOP/s from ``world`` concurrent single-rank runs of
     the wide model (the simulator's FLOPs count over their op seconds), a link's bandwidth and
     latency from paired collectives, the optimizer's bytes per second from AdamW steps (the
-    simulator's 30 bytes per parameter over the step's seconds)."""
-    import socket
+    simulator's bytes per parameter, ``sim.OPTIMIZER_BYTES_PER_PARAM``, over the step's seconds)."""
     import tempfile
     import threading
 
@@ -194,6 +186,8 @@ def measure_device(out_json: str, out_dir: str, iters: int, world: int = 4, reps
     import torch.multiprocessing as mp
 
     from megatron_ext.resilience import validate
+    from megatron_ext.resilience.sim import OPTIMIZER_BYTES_PER_PARAM
+    from megatron_ext.runtime.distributed import free_port
 
     traces = [os.path.join(out_dir, f"megatron-w256-single-r{k}.trace.jsonl") for k in range(world)]
     for t in traces:
@@ -219,12 +213,9 @@ def measure_device(out_json: str, out_dir: str, iters: int, world: int = 4, reps
     compute = validate.device_flops(traces)
     print(f"compute: {world} concurrent single-rank runs, {time.time() - t0:.0f} s: "
           f"{compute['flops'] / 1e9:.2f} GFLOP/s per rank", flush=True)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "links.json")
-        mp.spawn(_spawned, args=(world, f"127.0.0.1:{port}", reps, path), nprocs=world, join=True)
+        mp.spawn(_links_and_optimizer, args=(world, f"127.0.0.1:{free_port()}", reps, path), nprocs=world, join=True)
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
     sizes = np.array(LINK_BYTES, dtype=float)
@@ -234,7 +225,7 @@ def measure_device(out_json: str, out_dir: str, iters: int, world: int = 4, reps
     bw, lat = 1.0 / slope, max(intercept / 2.0, 1e-6)
     step = float(np.median([r["optimizer_step_s"] for r in raw["ranks"]]))
     device = {"flops": compute["flops"], "link_bytes_per_s": float(bw), "link_latency_s": float(lat),
-              "optimizer_bytes_per_s": 30.0 * OPTIMIZER_PARAMS / step,
+              "optimizer_bytes_per_s": OPTIMIZER_BYTES_PER_PARAM * OPTIMIZER_PARAMS / step,
               "measured": {"flops_per_run": compute["per_run"], "ranks": world,
                            "link_seconds_by_bytes": {str(n): float(t) for n, t in zip(LINK_BYTES, med)},
                            "optimizer_params": OPTIMIZER_PARAMS, "optimizer_step_s": step},
@@ -243,7 +234,7 @@ def measure_device(out_json: str, out_dir: str, iters: int, world: int = 4, reps
         print(f"link: {n / 1024:7.0f} KiB reduce-scatter + all-gather {1e3 * t:7.2f} ms "
               f"(fit {1e3 * (n / bw + 2 * lat):7.2f} ms)", flush=True)
     print(f"link: {bw / 1e9:.3f} GB/s, latency {1e6 * lat:.0f} us; optimizer: AdamW step over {OPTIMIZER_PARAMS} "
-          f"parameters {1e3 * step:.1f} ms ({device['optimizer_bytes_per_s'] / 1e9:.2f} GB/s at 30 B/parameter)")
+          f"parameters {1e3 * step:.1f} ms ({device['optimizer_bytes_per_s'] / 1e9:.2f} GB/s at {OPTIMIZER_BYTES_PER_PARAM:g} B/parameter)")
     with open(out_json, "w", encoding="utf-8") as f:
         json.dump(device, f, indent=1, sort_keys=True)
         f.write("\n")

@@ -616,11 +616,13 @@ def backend(tiles: int = 2, memory_budget_bytes: int | None = None,
 
 
 def backend_from_config(cfg: Any, batch_size: int | None = None, *, mode: str | None = None,
-                        tiles: int | None = None, bucketing: bool | None = None) -> HelixBackend:
+                        tiles: int | None = None, bucketing: bool | None = None,
+                        device: DeviceSpec | None = None) -> HelixBackend:
     """Build the backend from a :class:`megatron_ext.helix.config.HelixConfig`; ``batch_size``
     (the micro-batch size) lets graphs after a graph break find their batch dim. ``mode``, ``tiles``
     and ``bucketing`` override the config's (a measured-selection candidate; ``mode`` "inductor":
-    Inductor's own overlap scheduler)."""
+    Inductor's own overlap scheduler); ``device``: a device already calibrated and agreed (another
+    backend's ``device_spec``), not calibrated again."""
     link = None if cfg.helix_interconnect == "none" else cfg.helix_interconnect
     mode = {"auto": "auto", "tiled": "helix", "baseline": "baseline", "inductor": "inductor_overlap"}[
         mode or getattr(cfg, "helix_mode", "auto")]
@@ -629,4 +631,4 @@ def backend_from_config(cfg: Any, batch_size: int | None = None, *, mode: str | 
     return HelixBackend(tiles=tiles, memory_budget_bytes=cfg.memory_budget_bytes, interconnect=link,
                         seq_tiling=cfg.helix_seq_tiling, bucketing=bucketing, min_gain=cfg.helix_min_gain,
                         cost_model=cfg.helix_cost_model, cost_cache=cfg.helix_cost_cache, batch_size=batch_size,
-                        mode=mode, host_interference=getattr(cfg, "helix_host_interference", None))
+                        mode=mode, host_interference=getattr(cfg, "helix_host_interference", None), device=device)

@@ -13,10 +13,10 @@ INTERCONNECTS = ("none", "intra_node", "cross_node")
 COST_MODELS = ("analytical", "calibrated")
 MODES = ("auto", "tiled", "baseline")
 DEFAULT_SELECT_ROUNDS = 8
+"""Measured-selection rounds of ``--helix-mode auto`` when ``--helix-select-rounds`` is unset."""
 CANDIDATE_DEFAULTS = ("tiled-k2", "tiled-k4", "tiled-k2-unbucketed", "inductor")
 """The measured selection's candidates besides the untiled graph and the --helix-mode schedule
 (``helix/selection.py`` parses them)."""
-"""Measured-selection rounds of ``--helix-mode auto`` when ``--helix-select-rounds`` is unset."""
 
 
 @dataclasses.dataclass(kw_only=True)

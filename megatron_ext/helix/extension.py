@@ -36,6 +36,7 @@ class HelixExtension(Extension):
         # measured selection (--helix-select-rounds): candidate name -> its backend; per model,
         # candidate name -> compiled forward
         self.backends: dict = {}
+        self.specs: dict = {}  # candidate name -> its CandidateSpec (the untiled graph: mode "baseline")
         self.candidates: list[dict] = []
         self.selection = None
         self.step = 0
@@ -44,7 +45,6 @@ class HelixExtension(Extension):
 
     def setup(self, trainer: "Trainer") -> None:
         from megatron_ext.helix.compiler import backend_from_config
-        from megatron_ext.helix.selection import parse_candidate
 
         chunks = getattr(trainer.model, "chunks", None)
         if chunks is None:
@@ -53,21 +53,18 @@ class HelixExtension(Extension):
         mbs = trainer.cfg.training.micro_batch_size
         self.backend = backend_from_config(self.cfg, batch_size=mbs).prepare()
         if self.cfg.select_rounds:
-            # the untiled candidate: no pass; simulated with the same cost model as the others, so
-            # that the ranking's figures compare
-            self.backends = {UNTILED: backend_from_config(self.cfg, batch_size=mbs, mode="baseline").prepare(),
-                             self.schedule_name: self.backend}
-            mine = (self.cfg.helix_mode, self.cfg.helix_tiles, self.cfg.helix_bucketing)
-            for spec in (parse_candidate(c) for c in self.cfg.helix_select_candidates or []):
-                if (spec.mode, spec.tiles, spec.bucketing) == mine or spec.name in self.backends:
+            self.specs = self.candidate_specs()
+            # Every candidate is priced with the same cost model, device and one measurement of the
+            # links and of the host's share: the ranking compares schedules, not draws of a noisy host.
+            self.backends = {}
+            for name, spec in self.specs.items():
+                if name == self.schedule_name:
+                    self.backends[name] = self.backend
                     continue
-                self.backends[spec.name] = backend_from_config(self.cfg, batch_size=mbs, mode=spec.mode,
-                                                               tiles=spec.tiles, bucketing=spec.bucketing).prepare()
-            # one measurement of the links and of the host's share for every candidate: the ranking
-            # compares schedules, not four draws of a noisy host
-            for name, b in self.backends.items():
-                if b is not self.backend:
-                    b.adopt_links(self.backend)
+                b = backend_from_config(self.cfg, batch_size=mbs, mode=spec.mode, tiles=spec.tiles,
+                                        bucketing=spec.bucketing, device=self.backend.device_spec).prepare()
+                b.adopt_links(self.backend)
+                self.backends[name] = b
         self.attach(trainer)
 
     def attach(self, trainer: "Trainer") -> None:
@@ -111,6 +108,20 @@ class HelixExtension(Extension):
                                                measure=self.cfg.helix_select_measure, ranked=True)
             self.step, self.decision = 0, None
 
+    def candidate_specs(self) -> dict:
+        """The measured selection's candidates, name -> ``CandidateSpec``: the untiled graph (no pass)
+        first, the --helix-mode schedule, then --helix-select-candidates less any that builds the same
+        backend as one before it."""
+        from megatron_ext.helix.selection import CandidateSpec, parse_candidate
+
+        specs = {UNTILED: CandidateSpec(UNTILED, "baseline"),
+                 self.schedule_name: CandidateSpec(self.schedule_name, self.cfg.helix_mode, self.cfg.helix_tiles,
+                                                   self.cfg.helix_bucketing)}
+        for spec in (parse_candidate(c) for c in self.cfg.helix_select_candidates or []):
+            if all(spec.key != s.key for s in specs.values()):
+                specs[spec.name] = spec
+        return specs
+
     @property
     def schedule_name(self) -> str:
         return f"helix-{self.cfg.helix_mode}-k{self.cfg.helix_tiles}" + (
@@ -147,19 +158,16 @@ class HelixExtension(Extension):
         """Every candidate has compiled: rank them by the simulator's step makespan (the slowest rank's
         prediction), leave out those whose graphs are the untiled graph's or another candidate's, and
         time the best ``--helix-select-measure``. Every rank computes the same from agreed numbers."""
-        from megatron_ext.helix.selection import parse_candidate, rank
+        from megatron_ext.helix.selection import rank
 
         names = list(self.backends)
-        specs = {n: (parse_candidate(n) if n not in (UNTILED, self.schedule_name) else None) for n in names}
         predicted = [sum(s.chosen.makespan_s for s in self._graphs_of(n) if s.chosen is not None) for n in names]
         tiled = [float(any(s.tiled for s in self._graphs_of(n))) for n in names]
-        config = {n: (("inductor",) if s is not None and s.mode == "inductor" else (s.tiles, s.bucketing)
-                      if s is not None else
-                      (self.cfg.helix_tiles, self.cfg.helix_bucketing) if n == self.schedule_name else None)
-                  for n, s in specs.items()}
-        inductor = {n: bool(specs[n] is not None and specs[n].mode == "inductor") for n in names}
+        # candidates that tile alike (the same tiles and bucketing, the simulator deciding or not)
+        # compiled the same graphs where they tiled the same graphs
+        alike = {n: (s.tiles, s.bucketing) if s.mode in ("auto", "tiled") else None for n, s in self.specs.items()}
         pairs = [(i, j) for i in range(1, len(names)) for j in range(i + 1, len(names))
-                 if config[names[i]] is not None and config[names[i]] == config[names[j]]]
+                 if alike[names[i]] is not None and alike[names[i]] == alike[names[j]]]
         differ = [float([s.tiled for s in self._graphs_of(names[i])] != [s.tiled for s in self._graphs_of(names[j])])
                   for i, j in pairs]
         agreed = _agree(trainer, predicted + tiled + differ)
@@ -171,7 +179,7 @@ class HelixExtension(Extension):
                 same_as.setdefault(names[i], []).append(names[j])
                 same_as.setdefault(names[j], []).append(names[i])
         ranked, dropped = rank(names, predicted, [bool(t) for t in tiled], same_as=same_as,
-                               always=[n for n in names if inductor[n]])
+                               always=[n for n in names if self.specs[n].mode == "inductor"])
         timed = self.selection.narrow(ranked, predicted_s=dict(zip(names, predicted)), dropped=dropped)
         for n in ranked:
             if n not in timed:
@@ -190,7 +198,7 @@ class HelixExtension(Extension):
         for model, compiled in zip(self.models, self.candidates):
             model.forward = compiled[name]
         self.selection = None
-        if trainer.ctx.rank == 0 and self.decision is not None:
+        if trainer.ctx.rank == 0:
             logger.info("%s", self.decision.line())
 
     def detach(self, trainer: "Trainer") -> None:

@@ -181,6 +181,11 @@ class CandidateSpec:
     tiles: int = 2
     bucketing: bool = True
 
+    @property
+    def key(self) -> tuple:
+        """What the backend is built from: two candidates with one key are one schedule."""
+        return (self.mode, self.tiles, self.bucketing)
+
 
 def parse_candidate(spec: str) -> CandidateSpec:
     """``tiled-kN[-unbucketed]``, ``auto-kN[-unbucketed]`` or ``inductor``; a clear error otherwise."""

@@ -150,6 +150,20 @@ def run_pipelines(c: _Compiled, fwd: np.ndarray, bwd: np.ndarray, send_fwd: np.n
 
 # ---- costs of one op ------------------------------------------------------------------------
 
+OPTIMIZER_BYTES_PER_PARAM = 30.0
+"""The optimizer step's memory traffic per parameter of a device's shard: fp32 master weights and
+two moments read and written, the fp32 gradient read, the bf16 weight written."""
+
+
+def stage_flops(shape: ModelShape, tokens: int, sum_sq: np.ndarray | float, layers: int, head: bool
+                ) -> tuple[np.ndarray | float, np.ndarray | float]:
+    """Forward FLOPs of one micro-batch through ``layers`` layers (and the output layer where
+    ``head``): (the projections', the attention's); ``sum_sq``: its sum of squared document lengths.
+    The backward is ``BWD_LINEAR`` and ``BWD_ATTENTION`` times each."""
+    lin = layers * shape.layer_linear_flops() * tokens + (shape.head_flops() * tokens if head else 0.0)
+    return lin, layers * shape.layer_attention_flops_per_sq() * sum_sq
+
+
 def link(a: int, b: int, state: ClusterState, hw: Hardware) -> tuple[float, float]:
     """(bytes/s, latency s) between two devices: NVLink inside a node, else the slower NIC and path."""
     na, nb = a // hw.gpus_per_node, b // hw.gpus_per_node
@@ -220,8 +234,7 @@ class Simulator:
         """Forward and backward seconds of stage ``k``'s micro-batches (``sum_sq`` per micro-batch)."""
         sh, hw, tokens = self.shape, self.hw, self.data.tokens
         tp, layers = pipe.tp, pipe.layers[k]
-        lin = layers * sh.layer_linear_flops() * tokens + (sh.head_flops() * tokens if k == pipe.pp - 1 else 0.0)
-        att = layers * sh.layer_attention_flops_per_sq() * sum_sq
+        lin, att = stage_flops(sh, tokens, sum_sq, layers, k == pipe.pp - 1)
         rate = hw.flops * speed * tp
         fwd = (lin + att) / rate
         bwd = (BWD_LINEAR * lin + BWD_ATTENTION * att) / rate
@@ -318,8 +331,7 @@ class Simulator:
             work = 0.0
             for q, r in moved:
                 p = job.pipelines[q]
-                lin = p.layers[k] * sh.layer_linear_flops() * tokens + (sh.head_flops() * tokens if k == p.pp - 1 else 0.0)
-                att = p.layers[k] * sh.layer_attention_flops_per_sq() * mean_sq
+                lin, att = stage_flops(sh, tokens, mean_sq, p.layers[k], k == p.pp - 1)
                 work += r * ((1 + BWD_LINEAR) * lin + (1 + BWD_ATTENTION) * att) / (self.hw.flops * p.tp)
             for q in peers:
                 share = work / len(peers) / max(speeds[q][k], 1e-12)
@@ -359,9 +371,8 @@ class Simulator:
             for k in range(p.pp):
                 if _off(p, k):
                     continue
-                # fp32 master weights and two moments read and written, fp32 gradient read, bf16
-                # weight written: 30 bytes per parameter of the device's distributed-optimizer shard.
-                nbytes = 30.0 * stage_params(self.shape, p, k) / p.tp / dp
+                # the device's distributed-optimizer shard
+                nbytes = OPTIMIZER_BYTES_PER_PARAM * stage_params(self.shape, p, k) / p.tp / dp
                 worst = max(worst, nbytes / self.hw.hbm_bytes_per_s / speeds[q][k])
         return worst
 

@@ -58,11 +58,12 @@ import re
 
 import numpy as np
 
+from megatron_ext.resihp.trace import TraceLayout
 from megatron_ext.resilience.faults import ClusterState
 from megatron_ext.resilience.hardware import Hardware
 from megatron_ext.resilience.job import Job, Pipeline
 from megatron_ext.resilience.shapes import BWD_ATTENTION, BWD_LINEAR, ModelShape
-from megatron_ext.resilience.sim import Data, Simulator, compiled, run_pipelines
+from megatron_ext.resilience.sim import Data, Simulator, compiled, run_pipelines, stage_flops
 
 logger = logging.getLogger(__name__)
 
@@ -235,24 +236,19 @@ def data_of(rec: dict) -> Data:
 
 def job_of(rec: dict) -> Job:
     """The recorded layout as the simulator's job: device = rank; each stage's TP group in TP order."""
-    lay = rec["layout"]
-    tp, pp, dp = lay["tp"], lay["pp"], lay["dp"]
-    ranks = lay.get("ranks") or [[r // (tp * dp), (r // tp) % dp, r % tp] for r in range(tp * pp * dp)]
-    layers = ([sum(x) for x in rec["layers"]] if rec.get("layers")
-              else [rec["model"]["num_layers"] // pp] * pp)
-    pipes = []
-    for d in range(dp):
-        stages = tuple(tuple(r for t in range(tp) for r, (s, dd, tt) in enumerate(ranks) if (s, dd, tt) == (k, d, t))
-                       for k in range(pp))
-        pipes.append(Pipeline(stages=stages, layers=tuple(layers), microbatches=int(lay["num_microbatches"])))
-    return Job(pipelines=tuple(pipes))
+    lay = TraceLayout(**rec["layout"])
+    rank_of = {lay.coords(r): r for r in range(lay.world_size)}
+    layers = [sum(x) for x in rec["layers"]] if rec.get("layers") else [rec["model"]["num_layers"] // lay.pp] * lay.pp
+    return Job(pipelines=tuple(
+        Pipeline(stages=tuple(tuple(rank_of[(k, d, t)] for t in range(lay.tp)) for k in range(lay.pp)),
+                 layers=tuple(layers), microbatches=lay.num_microbatches)
+        for d in range(lay.dp)))
 
 
 def op_flops(shape: ModelShape, tokens: int, sum_sq: float, layers: int, head: bool) -> float:
     """Forward plus backward FLOPs of one micro-batch through ``layers`` layers (and the output layer),
-    the simulator's count (``sim.Simulator._stage_op_s``)."""
-    lin = layers * shape.layer_linear_flops() * tokens + (shape.head_flops() * tokens if head else 0.0)
-    att = layers * shape.layer_attention_flops_per_sq() * sum_sq
+    the simulator's count (``sim.stage_flops``)."""
+    lin, att = stage_flops(shape, tokens, sum_sq, layers, head)
     return (1 + BWD_LINEAR) * lin + (1 + BWD_ATTENTION) * att
 
 
@@ -331,11 +327,11 @@ def whole_case(path: str, device: dict, warm: int = 5) -> dict | None:
     # stage's TP ranks, TP collectives included): the simulator's against the recorded, to say which
     # term missed.
     stages = []
+    ops = [s.op_seconds(job, state, 0) for s in sims]
     for k in range(job.pipelines[0].pp):
         mine = list(job.pipelines[0].stages[k])
         rec = {ph: float(np.median([np.asarray(r[key], dtype=float)[mine, 0, :] for r in target]))
                for ph, key in (("fwd", "fwd_s"), ("bwd", "bwd_s"))}
-        ops = [s.op_seconds(job, state, 0) for s in sims]
         pred = {"fwd": float(np.median([o[0][k] for o in ops])), "bwd": float(np.median([o[1][k] for o in ops]))}
         stages.append({"stage": k, "recorded_fwd_s": rec["fwd"], "recorded_bwd_s": rec["bwd"],
                        "predicted_fwd_s": pred["fwd"], "predicted_bwd_s": pred["bwd"]})

@@ -102,6 +102,7 @@ def _summary(tiled: bool, makespan_s: float):
 def _stand_in(ext: HelixExtension, summaries: dict[str, list], measure: int | None = None, rounds: int = 3):
     """The extension with stand-in graphs and backends (their compiled graphs' summaries as given)."""
     ext.backends = {n: types.SimpleNamespace(summaries=list(v)) for n, v in summaries.items()}
+    ext.specs = {n: spec for n, spec in ext.candidate_specs().items() if n in summaries}
     ext._summary_start = {n: 0 for n in summaries}
     models = [types.SimpleNamespace(forward=None)]
     graphs = {n: object() for n in summaries}
