@@ -29,3 +29,15 @@ def test_a_short_seeded_soak_gets_every_verdict_right(tmp_path):
     assert "rejoined at" in soak["faults"][0]["action"] and "rejoined at" in soak["faults"][3]["action"]
     assert 0 < soak["ettr"]["ettr"] < 1 and soak["ettr"]["seconds"]["restarts"] > 0   # two launches, one account
     assert "right verdicts 5/5; finished True" in out and "PASSED" in out
+
+
+def test_a_missed_slow_device_says_what_the_detector_saw():
+    from tools import chaos
+    f = chaos.Fault("slow", 0, 52)
+    train = [{"iteration": 50, "resihp_max_score": 9.0, "resihp_max_score_rank": 3}] + [
+        {"iteration": i, "resihp_max_score": s, "resihp_max_score_rank": r}
+        for i, s, r in ((52, 1.9, 0), (53, 1.4, 1), (54, 1.7, 0), (55, 1.2, 0))]
+    assert chaos.missed_slow(f, train) == ("missed; highest score over 4 iterations after it: median 1.70, max 1.90, "
+                                           "most often rank 0 (3 times)")
+    assert chaos.missed_slow(f, train[:1]) == "missed; the detector scored no iteration after it"
+    assert chaos.Fault("slow", 2, 9).flags() == ["--inject-slow", f"2:9:{chaos.SLOW_FACTOR}"]
