@@ -265,45 +265,57 @@ _SYNC = 8  # floats all-reduced to line the ranks up before each timed collectiv
 
 
 def measure_collectives(group: str, group_size: int, kinds: Iterable[str], device: torch.device | str = "cpu",
-                        sizes: tuple[int, ...] = (1 << 16, 1 << 20), reps: int = 7) -> dict[str, list[tuple[int, float]]]:
+                        sizes: tuple[int, ...] = (1 << 16, 1 << 20), reps: int = 7,
+                        issue: dict[str, list[tuple[int, float]]] | None = None) -> dict[str, list[tuple[int, float]]]:
     """Time the real collectives of ``group`` (every rank of it must call this, in step):
     for each kind and payload size, the median of ``reps`` runs, each started right after a small
     all-reduce that lines the ranks up. Returns (payload bytes, seconds) samples per kind, for
-    :func:`megatron_ext.helix.cost.fit_link`. Uses the functional collectives only."""
+    :func:`megatron_ext.helix.cost.fit_link`. Uses the functional collectives only.
+
+    ``issue``, when given, also gets per kind the (payload bytes, seconds) the *calling* thread
+    spends starting each collective, before its wait: on CPU ranks that is not free (the functional
+    all-reduce clones its input, gloo queues the work), and it is paid on the compute thread
+    whether or not the transfer is hidden."""
     device = torch.device(device)
     ops = torch.ops._c10d_functional
     sync = torch.zeros(_SYNC, device=device)
     out: dict[str, list[tuple[int, float]]] = {}
     for kind in sorted(set(kinds)):
-        samples = []
+        samples, started = [], []
         for size in sizes:
             n = max(size // 4 // group_size, 1) * group_size
             x = torch.ones(n, device=device)
 
-            def run() -> torch.Tensor:
+            def start() -> torch.Tensor:
                 if kind == "all_reduce":
-                    return ops.wait_tensor(ops.all_reduce(x, "sum", group))
+                    return ops.all_reduce(x, "sum", group)
                 if kind == "all_gather":
-                    return ops.wait_tensor(ops.all_gather_into_tensor(x, group_size, group))
+                    return ops.all_gather_into_tensor(x, group_size, group)
                 if kind == "reduce_scatter":
-                    return ops.wait_tensor(ops.reduce_scatter_tensor(x, "sum", group_size, group))
+                    return ops.reduce_scatter_tensor(x, "sum", group_size, group)
                 if kind == "all_to_all":
                     split = [n // group_size] * group_size
-                    return ops.wait_tensor(ops.all_to_all_single(x, split, split, group))
+                    return ops.all_to_all_single(x, split, split, group)
                 raise ValueError(f"cannot measure collective kind {kind!r}")
 
-            run()  # warm-up (connections, buffers)
-            times = []
+            ops.wait_tensor(start())  # warm-up (connections, buffers)
+            times, issued = [], []
             for _ in range(reps):
                 ops.wait_tensor(ops.all_reduce(sync, "sum", group))
                 _sync(device)
                 t0 = time.perf_counter()
-                run()
+                pending = start()
+                t1 = time.perf_counter()
+                ops.wait_tensor(pending)
                 _sync(device)
                 times.append(time.perf_counter() - t0)
+                issued.append(t1 - t0)
             payload = n * 4 * (group_size if kind == "all_gather" else 1)
             samples.append((payload, statistics.median(times)))
+            started.append((payload, statistics.median(issued)))
         out[kind] = samples
+        if issue is not None:
+            issue[kind] = started
     return out
 
 

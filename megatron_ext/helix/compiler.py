@@ -204,6 +204,7 @@ class HelixBackend:
         self._base: _Variant | None = None
         self._decision_cost: CostModel | None = None
         self._links: dict[tuple[str, str], Interconnect] = {}  # measured real collectives
+        self._issue: dict[tuple[str, str], Interconnect] = {}  # what starting each costs the compute thread
         # The share of compute throughput a real collective takes from the compute it overlaps on
         # this host (CPU ranks: gloo works on the same cores); None: measured with the links.
         # (a dict, shared with the links by ``adopt_links``)
@@ -294,7 +295,8 @@ class HelixBackend:
             return MeasuredCostModel(agreed_table, self._fallback(), scale=agreed[-1]), agreed[-1]
 
     def _fallback(self) -> AnalyticalCostModel:
-        return AnalyticalCostModel(self.device_spec, self.link, self._links, self._host_share() or 0.0)
+        return AnalyticalCostModel(self.device_spec, self.link, self._links, self._host_share() or 0.0,
+                                   issue=self._issue)
 
     def _host_share(self) -> float | None:
         return self._host["share"]
@@ -327,9 +329,11 @@ class HelixBackend:
             return
         fits = []
         for group, kind, size in todo:
-            samples = measure_collectives(group, size, [kind], device)[kind]
+            started: dict[str, list[tuple[int, float]]] = {}
+            samples = measure_collectives(group, size, [kind], device, issue=started)[kind]
             link = fit_link(f"measured:{group}:{kind}", kind, size, samples)
-            fits += [link.latency_s, 1.0 / link.bandwidth_Bps]
+            issue = fit_link(f"issue:{group}:{kind}", kind, size, started[kind])
+            fits += [link.latency_s, 1.0 / link.bandwidth_Bps, issue.latency_s, 1.0 / issue.bandwidth_Bps]
         groups = sorted({n.collective.group for ir in irs for n in ir.collectives()})
         measure_host = self._host_share() is None
         if measure_host:
@@ -341,15 +345,20 @@ class HelixBackend:
             logger.info("helix: a real collective takes %.1f %% of the compute it overlaps on this host",
                         100 * agreed[-1])
         for i, (group, kind, _size) in enumerate(todo):
-            lat, inv_bw = agreed[2 * i], agreed[2 * i + 1]
+            lat, inv_bw, issue_lat, issue_inv_bw = agreed[4 * i:4 * i + 4]
             self._links[(group, kind)] = Interconnect(f"measured:{group}:{kind}", latency_s=lat,
                                                       bandwidth_Bps=1.0 / inv_bw)
-            logger.info("helix: measured %s on group %s: %.1f us + %.1f MB/s", kind, group, lat * 1e6, 1e-6 / inv_bw)
+            self._issue[(group, kind)] = Interconnect(f"issue:{group}:{kind}", latency_s=issue_lat,
+                                                      bandwidth_Bps=1.0 / issue_inv_bw)
+            logger.info("helix: measured %s on group %s: %.1f us + %.1f MB/s; starting one costs the compute "
+                        "thread %.1f us + %.1f MB/s", kind, group, lat * 1e6, 1e-6 / inv_bw, issue_lat * 1e6,
+                        1e-6 / issue_inv_bw)
 
     def adopt_links(self, other: "HelixBackend") -> None:
         """Price real collectives with the fits ``other`` measured (shared dict: later measurements of
         either are seen by both). For comparing variants under one measurement of a noisy host."""
         self._links = other._links
+        self._issue = other._issue
         if self._host["share"] is None:     # an explicit share of its own stays
             self._host = other._host
 

@@ -181,12 +181,15 @@ class AnalyticalCostModel:
     description of the real network). ``measured``: per (group name, collective kind), the link
     fitted to micro-benchmarks of the *actual* process group (``calibrate.measure_collectives``). A
     collective costs the larger of the two -- an emulated wait cannot end before the real
-    collective has. Neither given: links are free.
+    collective has. Neither given: links are free. ``issue``: per (group name, collective kind),
+    what starting one costs the compute thread (``calibrate.measure_collectives(issue=)``): it is
+    charged as the collective's compute, and the link's window starts after it (so the measured
+    fit, which includes it, is shortened by it).
     """
 
     def __init__(self, device: DeviceSpec = DEFAULT_CPU, interconnect: Interconnect | None = None,
                  measured: Mapping[tuple[str, str], Interconnect] | None = None,
-                 host_interference: float = 0.0) -> None:
+                 host_interference: float = 0.0, issue: Mapping[tuple[str, str], Interconnect] | None = None) -> None:
         if not 0.0 <= host_interference < 1.0:
             raise ValueError(f"host_interference is a share of compute throughput in [0, 1), got {host_interference}")
         self.device = device
@@ -196,25 +199,33 @@ class AnalyticalCostModel:
         # copies on the host): the share of compute throughput it takes while it works, measured
         # once (``calibrate.measure_host_interference``); 0 elsewhere.
         self.host_interference = float(host_interference)
+        self.issue = dict(issue or {})
 
     def compute_s(self, node: IRNode) -> float:
         d = self.device
         if node.kind == Kind.OTHER or node.node.op in ("placeholder", "output", "get_attr"):
             return 0.0
+        if node.kind == Kind.COLLECTIVE and node.collective is not None:
+            return max(d.op_overhead_s, self.issue_s(node.collective))
         if node.kind in (Kind.VIEW, Kind.WAIT, Kind.COLLECTIVE):
             return d.op_overhead_s
         flops = _flops(node.node)
         return d.op_overhead_s + max(flops / d.peak_flops_per_s, moved_bytes(node.node) / d.mem_bandwidth_Bps)
 
+    def issue_s(self, info: CollectiveInfo) -> float:
+        """What starting the collective costs the compute thread (0 where unmeasured)."""
+        fit = self.issue.get((info.group, info.kind))
+        return fit.time_of(info) if fit is not None else 0.0
+
     def collective_s(self, info: CollectiveInfo) -> float:
         t = 0.0 if self.interconnect is None else self.interconnect.time_of(info)
         real = self.measured.get((info.group, info.kind))
-        return max(t, real.time_of(info)) if real is not None else t
+        return max(t, real.time_of(info) - self.issue_s(info)) if real is not None else t
 
     def host_collective_s(self, info: CollectiveInfo) -> float:
-        """How long the real collective works (its measured fit; 0 where unmeasured)."""
+        """How long the real collective works after its start (its measured fit; 0 where unmeasured)."""
         real = self.measured.get((info.group, info.kind))
-        return real.time_of(info) if real is not None else 0.0
+        return max(0.0, real.time_of(info) - self.issue_s(info)) if real is not None else 0.0
 
 
 def fit_link(name: str, kind: str, group_size: int, samples: list[tuple[int, float]]) -> Interconnect:

@@ -152,3 +152,43 @@ def test_budget_in_bytes_and_backend_from_config():
     assert be.mode == "auto"
     forced = build(HelixConfig, {"helix": True, "helix_mode": "tiled"}, "run.yaml")
     assert backend_from_config(forced).mode == "helix"   # the tiled schedule whatever the simulator says
+
+
+def test_starting_a_collective_is_charged_to_the_compute_thread_and_the_link_window_follows_it():
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from megatron_ext.helix.ir import Kind
+    from megatron_ext.helix.simulator import graph_ops, simulate
+    from tests.helix.helix_helpers import fake_world
+
+    emulated = Interconnect("emu", latency_s=1e-4, bandwidth_Bps=1e12)
+    real = Interconnect("gloo", latency_s=5e-3, bandwidth_Bps=1e12)
+    issue = Interconnect("issue", latency_s=2e-3, bandwidth_Bps=1e12)
+    model = AnalyticalCostModel(DEV, emulated, measured={("0", "all_reduce"): real},
+                                issue={("0", "all_reduce"): issue})
+    info = _info("all_reduce", 1000, 2)
+    assert model.issue_s(info) == pytest.approx(2e-3 + 1e-9)
+    # the measured fit (start to end) less its start; never below the emulated link
+    assert model.collective_s(info) == pytest.approx(3e-3)
+    assert model.host_collective_s(info) == pytest.approx(3e-3)
+    assert AnalyticalCostModel(DEV, emulated, measured={("0", "all_reduce"): real}).collective_s(info) == \
+        pytest.approx(real.time_of(info))   # unmeasured start: as before
+    ops = torch.ops._c10d_functional
+    with fake_world(0) as g:
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return ops.wait_tensor(ops.all_reduce(x * 2, "sum", g.name)).sum()
+
+        gm = make_fx(f)(torch.randn(250))
+    ir = GraphIR(gm, lambda name: 2)
+    (coll,) = [n for n in ir.nodes if n.kind == Kind.COLLECTIVE]
+    model = AnalyticalCostModel(DEV, emulated, measured={(coll.collective.group, "all_reduce"): real},
+                                issue={(coll.collective.group, "all_reduce"): issue})
+    assert model.compute_s(coll) == pytest.approx(model.issue_s(coll.collective))
+    res = simulate(graph_ops(ir, model))
+    without = simulate(graph_ops(ir, AnalyticalCostModel(DEV, emulated, measured={(coll.collective.group,
+                                                                                 "all_reduce"): real})))
+    # start + the rest of the transfer = the measured collective: the step is as long (less the fixed
+    # op overhead the start replaces), but the start is compute-thread time that no overlap can hide
+    assert res.makespan_s == pytest.approx(without.makespan_s - DEV.op_overhead_s, rel=1e-6)
+    assert res.compute_s == pytest.approx(without.compute_s - DEV.op_overhead_s + model.issue_s(coll.collective))
