@@ -1,0 +1,303 @@
+"""Where a tiled graph's extra compute-thread time goes (issue #48 item 2): the untiled and the tiled
+(K tiles, forced) graph of one bench_helix case, side by side under torch's profiler.
+
+bench_helix found the tiled intra-node graphs' busy time (step minus time in waits) 40 % above the
+untiled graphs' on these CPU ranks. This tool splits one step's busy time of each graph by what the
+step's thread did, from the profiler's self times of the operators it ran:
+
+  matmul        mm, addmm, bmm, baddbmm and the fused attention kernels: the arithmetic itself, so
+                its growth is per-tile efficiency plus the host's interference (gloo's threads
+                reducing and copying on the same cores while the overlapped compute runs)
+  copies        data movement and allocation: cat, copy_, clone, stack, contiguous, fills, empties
+                (the tiles' split-and-join costs, and the layout copies every graph has)
+  views         metadata only: view, reshape, slice, split, transpose, expand, ...
+  issue         starting a collective on gloo (c10d and _c10d_functional calls, not their wait)
+  elementwise   every other ATen operator (norms, activations, softmax, adds, the optimizer-free
+                backward's elementwise work)
+  between ops   the rest of the busy time: the graphs' Python code and the autograd engine around
+                the operators, and the profiler's own cost per operator
+
+The busy time itself is measured twice: in profiled steps (what the split adds up to; the profiler
+adds its own cost to every call) and in plain timed steps of the same graphs (rounds in rotated order
+with an A/A arm, as bench_helix steps them), which also record each thread's time on a CPU (Linux
+schedstat): the step's thread, and the process's other threads -- gloo's workers, which on a rank
+pinned to one core run on the core the step needs. Beside them, "compute alone": the two graphs'
+computation timed as the compiler's calibration times it (collectives made local copies, waits
+removed, no autograd), which is what the cost model's per-operator times are scaled to.
+
+Everything runs on 2 gloo ranks pinned one per core, the case's layer shape and emulated link as
+bench_helix sets them (no emulated GPU interference). Rank 0's split is printed (the cases are symmetric over ranks);
+the JSON line gives every rank's.
+
+Prints a table per case, then one JSON line:
+  {"bench": "bench_helix_profile", "cases": {"tp_intra": [{"untiled": {"step_ms": ..., "busy_ms": ..., "exposed_ms": ...,
+   "thread_cpu_ms": ..., "other_threads_cpu_ms": ..., "compute_alone_ms": ..., "profiled_busy_ms": ...,
+   "categories_ms": {...}, "calls": {...}, "graph_nodes": ...}, "tiled": {...}, "untiled (A/A)": {...}},
+   ...one per rank]}}
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.bench.harness import Report, aa_name, rotated_order  # noqa: E402
+from megatron_ext.helix.calibrate import time_graphs  # noqa: E402
+from megatron_ext.helix.collectives import GroupRef  # noqa: E402
+from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
+from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
+from megatron_ext.helix.measure import timed_step, train_step  # noqa: E402
+from tools import bench_helix as bh  # noqa: E402
+
+ARMS = ("untiled", "tiled")
+AA = aa_name("untiled")
+CATEGORIES = ("matmul", "copies", "views", "issue", "elementwise", "between ops")
+MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+          "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
+COPIES = {"aten::cat", "aten::copy_", "aten::clone", "aten::stack", "aten::contiguous", "aten::_to_copy",
+          "aten::fill_", "aten::zero_", "aten::zeros", "aten::zeros_like", "aten::empty", "aten::empty_like",
+          "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided", "aten::new_zeros", "aten::full",
+          "aten::ones_like", "aten::resize_", "aten::index_put_", "aten::scatter_add_"}
+VIEWS = {"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::slice", "aten::narrow", "aten::split",
+         "aten::split_with_sizes", "aten::chunk", "aten::unbind", "aten::select", "aten::transpose", "aten::t",
+         "aten::permute", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::alias",
+         "aten::detach", "aten::view_as", "aten::_reshape_alias", "aten::lift_fresh", "aten::numpy_T"}
+WAIT = "_c10d_functional::wait_tensor"
+
+
+def category(name: str) -> str | None:
+    """The category of an operator event by its name (None: not an operator, e.g. the autograd
+    engine's or the compiled function's wrapper events, whose self time is 'between ops')."""
+    if name == WAIT:
+        return "wait"
+    if name in MATMUL:
+        return "matmul"
+    if name in COPIES:
+        return "copies"
+    if name in VIEWS:
+        return "views"
+    if "c10d" in name or name.startswith("gloo:"):
+        return "issue"
+    if name.startswith("aten::"):
+        return "elementwise"
+    return None
+
+
+def split_step(events, thread: int, busy_s: float) -> tuple[dict[str, float], dict[str, int]]:
+    """Seconds of ``busy_s`` per category, and operator calls per category, from the profiler's
+    events of one step on ``thread``; 'between ops' is the busy time no operator's self time covers."""
+    secs = {c: 0.0 for c in CATEGORIES}
+    calls = {c: 0 for c in CATEGORIES}
+    for e in events:
+        if e.thread != thread:
+            continue
+        c = category(e.name)
+        if c is None or c == "wait":
+            continue
+        secs[c] += e.self_cpu_time_total / 1e6
+        calls[c] += 1
+    secs["between ops"] = busy_s - sum(v for k, v in secs.items() if k != "between ops")
+    return secs, calls
+
+
+def thread_cpu_ns() -> dict[int, int]:
+    """Each of this process's threads' time on a CPU so far (ns; Linux schedstat), by thread id."""
+    out = {}
+    base = "/proc/self/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/schedstat") as fh:
+                out[int(tid)] = int(fh.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return out
+
+
+def cpu_step(step) -> tuple[float, float, float, float, int]:
+    """One plain timed step: (step s, busy s, exposed s, the step thread's CPU s, the other threads'
+    CPU s -- gloo's workers reducing and copying --, collectives). With a rank pinned to one core,
+    the other threads' CPU time is taken from the step's thread whenever it is not waiting."""
+    me = threading.get_native_id()
+    before = thread_cpu_ns()
+    s = timed_step(step, dist.barrier)
+    after = thread_cpu_ns()
+    mine = (after.get(me, 0) - before.get(me, 0)) / 1e9
+    others = sum(v - before.get(t, 0) for t, v in after.items() if t != me) / 1e9
+    return s.step_s, s.step_s - s.exposed_comm_s, s.exposed_comm_s, mine, others, s.collectives
+
+
+def profiled_step(step) -> tuple[float, float, dict[str, float], dict[str, int]]:
+    """One step under the profiler: (step s, busy s, seconds and calls per category)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("bench_helix_profile_step"):
+            sample = timed_step(step, dist.barrier)
+    events = prof.events()
+    (mark,) = [e for e in events if e.name == "bench_helix_profile_step"]
+    busy = sample.step_s - sample.exposed_comm_s
+    secs, calls = split_step(events, mark.thread, busy)
+    return sample.step_s, busy, secs, calls
+
+
+def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, ctx) -> tuple[dict, object]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if case in bh.FAMILY_WORLD:
+        ctx, make, shape = bh.family_builder(case, args, ctx)
+        batch_size = args.batch
+    else:
+        model0 = bh.build(case, args, g)
+        shape, batch_size = (args.batch, args.seq, args.hidden), None
+
+        def make(traceable: bool = True) -> torch.nn.Module:
+            import copy
+            return copy.deepcopy(model0)
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=True)
+    gy = torch.randn(*shape)
+    rate = bh.effective_flops(make(), x, gy)
+    device = DeviceSpec(name="effective", peak_flops_per_s=rate, mem_bandwidth_Bps=1e10, op_overhead_s=0.0)
+    wire = dataclasses.replace(PRESETS[bh.LINKS[link]].resolve(device), compute_interference=0.0)
+    common = dict(tiles=args.tiles, interconnect=wire, cost_model=args.cost_model, cost_cache=args.cost_cache,
+                  batch_size=batch_size)
+    backends = {"untiled": HelixBackend(mode="baseline", **common), "tiled": HelixBackend(mode="helix", **common)}
+    models = {a: make() for a in ARMS}
+    fns = {a: torch.compile(models[a], backend=backends[a]) for a in ARMS}
+
+    def step(arm: str):
+        return lambda: train_step(fns[arm], x, gy, models[arm].parameters())
+
+    for arm in ARMS:
+        if arm != "untiled":
+            backends[arm].adopt_links(backends["untiled"])
+        for _ in range(args.warmup):
+            step(arm)()
+    if not backends["tiled"].summaries[-1].tiled:
+        raise RuntimeError(f"bench_helix_profile: {case}_{link}: the forced tiling was refused: "
+                           f"{backends['tiled'].summaries[-1].line()}")
+    timed = {a: [] for a in (*ARMS, AA)}
+    for r in range(args.rounds):
+        for arm in rotated_order([*ARMS, AA], r):
+            timed[arm].append(cpu_step(step("untiled" if arm == AA else arm)))
+    # The graphs' computation alone (collectives made local copies, no autograd, no_grad), timed as
+    # the compiler's calibration times it: what the cost model's per-operator times are scaled to.
+    alone = {a: time_graphs(list(backends[a].summaries[-1].graphs.values()), "cpu", reps=15) for a in ARMS}
+    prof = {a: [] for a in ARMS}
+    for r in range(args.profiled):
+        for arm in rotated_order(list(ARMS), r):
+            prof[arm].append(profiled_step(step(arm)))
+    out = {}
+    for arm in ARMS:
+        rows = prof[arm]
+        cats = {c: statistics.median(p[2][c] for p in rows) * 1e3 for c in CATEGORIES}
+        calls = {c: int(statistics.median(p[3][c] for p in rows)) for c in CATEGORIES}
+        summ = backends[arm].summaries[-1]
+        out[arm] = {"step_ms": statistics.median(t[0] for t in timed[arm]) * 1e3,
+                    "busy_ms": statistics.median(t[1] for t in timed[arm]) * 1e3,
+                    "exposed_ms": statistics.median(t[2] for t in timed[arm]) * 1e3,
+                    "thread_cpu_ms": statistics.median(t[3] for t in timed[arm]) * 1e3,
+                    "other_threads_cpu_ms": statistics.median(t[4] for t in timed[arm]) * 1e3,
+                    "collectives": int(statistics.median(t[5] for t in timed[arm])),
+                    "profiled_busy_ms": statistics.median(p[1] for p in rows) * 1e3,
+                    "compute_alone_ms": alone[arm] * 1e3,
+                    "categories_ms": cats, "calls": calls,
+                    "graph_nodes": sum(len(gm.graph.nodes) for gm in summ.graphs.values())}
+    out[AA] = {"busy_ms": statistics.median(t[1] for t in timed[AA]) * 1e3}
+    return out, ctx
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    torch.set_num_threads(1)
+    if hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    g = GroupRef.of()
+    ctx = None
+    if any(c in bh.FAMILY_WORLD for c in args.cases):
+        from megatron_ext.config.run import config_from_values
+        from megatron_ext.runtime import distributed
+
+        ctx = distributed.setup(config_from_values({}).parallel, seed=1234)
+    results = {}
+    for case in args.cases:
+        res, ctx = run_case(case, args.link, args, g, ctx)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, res)
+        results[f"{case}_{args.link}"] = gathered
+        if rank == 0:
+            print(f"  done {case}_{args.link}", file=sys.stderr, flush=True)
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()
+    if ctx is not None:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def table(name: str, ranks: list[dict]) -> str:
+    r0 = ranks[0]
+    u, t = r0["untiled"], r0["tiled"]
+    lines = [f"{name}: rank 0, ms per step (profiled steps' medians; calls = operator calls)",
+             f"  {'':<14}{'untiled':>10}{'tiled':>10}{'change':>10}{'calls':>8}{'tiled':>8}"]
+    for c in CATEGORIES:
+        a, b = u["categories_ms"][c], t["categories_ms"][c]
+        lines.append(f"  {c:<14}{a:>10.2f}{b:>10.2f}{b - a:>+10.2f}{u['calls'][c]:>8}{t['calls'][c]:>8}")
+    lines.append(f"  {'busy profiled':<14}{u['profiled_busy_ms']:>10.2f}{t['profiled_busy_ms']:>10.2f}"
+                 f"{t['profiled_busy_ms'] - u['profiled_busy_ms']:>+10.2f}")
+    lines.append(f"  {'compute alone':<14}{u['compute_alone_ms']:>10.2f}{t['compute_alone_ms']:>10.2f}"
+                 f"{t['compute_alone_ms'] - u['compute_alone_ms']:>+10.2f}   (no collectives, no autograd)")
+    lines.append(f"  {'busy plain':<14}{u['busy_ms']:>10.2f}{t['busy_ms']:>10.2f}{t['busy_ms'] - u['busy_ms']:>+10.2f}"
+                 f"   (A/A {r0[AA]['busy_ms']:.2f})")
+    lines.append(f"  {'exposed comm':<14}{u['exposed_ms']:>10.2f}{t['exposed_ms']:>10.2f}"
+                 f"{t['exposed_ms'] - u['exposed_ms']:>+10.2f}")
+    lines.append(f"  {'thread CPU':<14}{u['thread_cpu_ms']:>10.2f}{t['thread_cpu_ms']:>10.2f}"
+                 f"{t['thread_cpu_ms'] - u['thread_cpu_ms']:>+10.2f}   (the step's thread on a core)")
+    lines.append(f"  {'gloo CPU':<14}{u['other_threads_cpu_ms']:>10.2f}{t['other_threads_cpu_ms']:>10.2f}"
+                 f"{t['other_threads_cpu_ms'] - u['other_threads_cpu_ms']:>+10.2f}   (the other threads, same core)")
+    lines.append(f"  {'step plain':<14}{u['step_ms']:>10.2f}{t['step_ms']:>10.2f}{t['step_ms'] - u['step_ms']:>+10.2f}")
+    lines.append(f"  collectives per step {u['collectives']} -> {t['collectives']}; graph nodes (fw + bw) "
+                 f"{u['graph_nodes']} -> {t['graph_nodes']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=["tp", "llama_tp"], choices=["tp", "moe", "tpep", "llama_tp", "moe_ep"],
+                   help="bench_helix's 2-rank cases")
+    p.add_argument("--link", default="intra", choices=list(bh.LINKS))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--tiles", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=20, help="plain timed rounds (rotated, with an A/A arm)")
+    p.add_argument("--profiled", type=int, default=10, help="profiled steps per arm (rotated)")
+    p.add_argument("--cost-model", default="calibrated", choices=["calibrated", "analytical"])
+    p.add_argument("--cost-cache", default=None)
+    args = p.parse_args(argv)
+    report = Report("bench_helix_profile")
+    t0 = time.monotonic()
+    results = bh._spawn_ranks(worker, 2, (args,), "the profiled ranks")
+    text = "\n".join(table(name, ranks) for name, ranks in results.items())
+    report.emit({"cases": results, "args": vars(args), "wall_s": round(time.monotonic() - t0, 1)}, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
