@@ -23,7 +23,8 @@ with an A/A arm, as bench_helix steps them), which also record each thread's tim
 schedstat): the step's thread, and the process's other threads -- gloo's workers, which on a rank
 pinned to one core run on the core the step needs. Beside them, "compute alone": the two graphs'
 computation timed as the compiler's calibration times it (collectives made local copies, waits
-removed, no autograd), which is what the cost model's per-operator times are scaled to.
+removed, no autograd), which is what the cost model's per-operator times are scaled to. Last, one
+all-reduce of the layer's activations alone: its wall time and the CPU time gloo's threads spend on it.
 
 Everything runs on 2 gloo ranks pinned one per core, the case's layer shape and emulated link as
 bench_helix sets them (no emulated GPU interference). Rank 0's split is printed (the cases are symmetric over ranks);
@@ -32,8 +33,8 @@ the JSON line gives every rank's.
 Prints a table per case, then one JSON line:
   {"bench": "bench_helix_profile", "cases": {"tp_intra": [{"untiled": {"step_ms": ..., "busy_ms": ..., "exposed_ms": ...,
    "thread_cpu_ms": ..., "other_threads_cpu_ms": ..., "compute_alone_ms": ..., "profiled_busy_ms": ...,
-   "categories_ms": {...}, "calls": {...}, "graph_nodes": ...}, "tiled": {...}, "untiled (A/A)": {...}},
-   ...one per rank]}}
+   "categories_ms": {...}, "calls": {...}, "graph_nodes": ...}, "tiled": {...}, "untiled (A/A)": {...},
+   "isolated_all_reduce": {"bytes", "wall_ms", "thread_cpu_ms", "other_threads_cpu_ms"}}, ...one per rank]}}
 """
 from __future__ import annotations
 
@@ -213,7 +214,30 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, ctx) -
                     "categories_ms": cats, "calls": calls,
                     "graph_nodes": sum(len(gm.graph.nodes) for gm in summ.graphs.values())}
     out[AA] = {"busy_ms": statistics.median(t[1] for t in timed[AA]) * 1e3}
+    out["isolated_all_reduce"] = isolated_all_reduce(x.numel() * x.element_size())
     return out, ctx
+
+
+def isolated_all_reduce(nbytes: int, reps: int = 15) -> dict:
+    """One all-reduce of ``nbytes`` (the layer's activations) alone, the ranks lined up first: its
+    wall time, and the CPU time the rank's threads spent on it (medians)."""
+    ops = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+    buf, sync = torch.randn(nbytes // 4), torch.zeros(1)
+    me = threading.get_native_id()
+    for _ in range(3):
+        ops.wait_tensor(ops.all_reduce(buf, "sum", group))
+    wall, mine, others = [], [], []
+    for _ in range(reps):
+        ops.wait_tensor(ops.all_reduce(sync, "sum", group))
+        before, t0 = thread_cpu_ns(), time.perf_counter()
+        ops.wait_tensor(ops.all_reduce(buf, "sum", group))
+        t1, after = time.perf_counter(), thread_cpu_ns()
+        wall.append(t1 - t0)
+        mine.append((after.get(me, 0) - before.get(me, 0)) / 1e9)
+        others.append(sum(v - before.get(t, 0) for t, v in after.items() if t != me) / 1e9)
+    return {"bytes": nbytes, "wall_ms": statistics.median(wall) * 1e3, "thread_cpu_ms": statistics.median(mine) * 1e3,
+            "other_threads_cpu_ms": statistics.median(others) * 1e3}
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -270,8 +294,13 @@ def table(name: str, ranks: list[dict]) -> str:
     lines.append(f"  {'gloo CPU':<14}{u['other_threads_cpu_ms']:>10.2f}{t['other_threads_cpu_ms']:>10.2f}"
                  f"{t['other_threads_cpu_ms'] - u['other_threads_cpu_ms']:>+10.2f}   (the other threads, same core)")
     lines.append(f"  {'step plain':<14}{u['step_ms']:>10.2f}{t['step_ms']:>10.2f}{t['step_ms'] - u['step_ms']:>+10.2f}")
-    lines.append(f"  collectives per step {u['collectives']} -> {t['collectives']}; graph nodes (fw + bw) "
-                 f"{u['graph_nodes']} -> {t['graph_nodes']}")
+    calls = [sum(a["calls"].values()) for a in (u, t)]
+    lines.append(f"  collectives per step {u['collectives']} -> {t['collectives']}; operator calls {calls[0]} -> "
+                 f"{calls[1]}; graph nodes (fw + bw) {u['graph_nodes']} -> {t['graph_nodes']}")
+    iso = r0["isolated_all_reduce"]
+    lines.append(f"  one all-reduce of the activations ({iso['bytes'] // 1024} KiB) alone: {iso['wall_ms']:.3f} ms, "
+                 f"the step's thread {iso['thread_cpu_ms']:.3f} ms and gloo's threads {iso['other_threads_cpu_ms']:.3f} "
+                 f"ms on a core")
     return "\n".join(lines)
 
 
