@@ -80,6 +80,7 @@ says so). JSON: ``"long_context": {"16384": {"seq-k2": {"peak_bytes", "predicted
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -213,13 +214,24 @@ def _megatron_eager_s(make, x: torch.Tensor, gy: torch.Tensor, reps: int) -> flo
     return float(t)
 
 
-def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interference: float = 0.0,
-             ctx=None) -> tuple[dict, object]:
-    # Every case compiles the same layer class with three new backends; without a reset Dynamo's
+@dataclasses.dataclass
+class CaseSetup:
+    """One case on this rank: ``make()`` builds its model afresh (identical weights every time),
+    ``x`` / ``gy`` the input and output gradient, ``batch_size`` the tiling's batch for the runtime's
+    models (None: the benchmark's own layers, batch-first)."""
+
+    ctx: object
+    make: object
+    x: torch.Tensor
+    gy: torch.Tensor
+    batch_size: int | None
+
+
+def setup_case(case: str, args: argparse.Namespace, g: GroupRef, ctx=None) -> CaseSetup:
+    # Every case compiles the same layer class with new backends; without a reset Dynamo's
     # per-function recompile limit (8) is reached after three runs of one layer.
     torch._dynamo.reset()
     torch.manual_seed(0)
-    extra: dict = {}
     if case in FAMILY_WORLD:
         ctx, make, shape = family_builder(case, args, ctx)
         batch_size = args.batch
@@ -231,13 +243,26 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
             return copy.deepcopy(model0)
     torch.manual_seed(0)  # the same hidden states on every rank (replicated across TP ranks)
     x = torch.randn(*shape, requires_grad=True)
-    gy = torch.randn(*shape)
+    return CaseSetup(ctx, make, x, torch.randn(*shape), batch_size)
+
+
+def emulated_link(rate: float, link: str, interference: float = 0.0):
+    """The emulated ``link`` ("intra" / "xnode") for a layer that runs at ``rate`` FLOP/s here: the
+    preset's ratio of communication to computation, whatever the host's speed or load."""
+    device = DeviceSpec(name="effective", peak_flops_per_s=rate, mem_bandwidth_Bps=1e10, op_overhead_s=0.0)
+    return dataclasses.replace(PRESETS[LINKS[link]].resolve(device), compute_interference=interference)
+
+
+def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interference: float = 0.0,
+             ctx=None) -> tuple[dict, object]:
+    c = setup_case(case, args, g, ctx)
+    ctx, make, x, gy, batch_size = c.ctx, c.make, c.x, c.gy, c.batch_size
+    extra: dict = {}
     if case in FAMILY_WORLD:
         extra["megatron_eager_s"] = _megatron_eager_s(make, x, gy, 5)
     model = make()
     rate = effective_flops(model, x, gy)
-    device = DeviceSpec(name="effective", peak_flops_per_s=rate, mem_bandwidth_Bps=1e10, op_overhead_s=0.0)
-    wire = dataclasses.replace(PRESETS[LINKS[link]].resolve(device), compute_interference=interference)
+    wire = emulated_link(rate, link, interference)
     common = dict(tiles=args.tiles, interconnect=wire, cost_model=args.cost_model, cost_cache=args.cost_cache,
                   batch_size=batch_size)
     backends, fns, models = {}, {}, {}
@@ -344,29 +369,51 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
     return out, ctx
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, cases: list[str], queue) -> None:
+@contextlib.contextmanager
+def rank_session(rank: int, world: int, port: int, cases: list[str], pin: bool = True, verbose: bool = False):
+    """This rank's process group (gloo), pinned to its own core (as one GPU per rank), with
+    megatron's parallel state when a case is a runtime model; yields ``{"ctx": ...}``, which the
+    cases update (they re-lay out megatron's groups), and tears it all down after."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)  # runtime.distributed reads them
     torch.set_num_threads(1)
-    if args.pin and hasattr(os, "sched_setaffinity"):
+    if pin and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # one core per rank, as one GPU per rank
-    logging.basicConfig(level=logging.INFO if (rank == 0 and args.verbose) else logging.WARNING,
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    logging.basicConfig(level=logging.INFO if (rank == 0 and verbose) else logging.WARNING,
                         format="%(name)s: %(message)s")
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    g = GroupRef.of()
-    ctx = None
+    state: dict = {"ctx": None, "group": GroupRef.of()}
     if any(c in FAMILY_WORLD for c in cases):  # megatron's parallel state (and CPU shims) for the runtime's models
         from megatron_ext.config.run import config_from_values
         from megatron_ext.runtime import distributed
 
-        ctx = distributed.setup(config_from_values({}).parallel, seed=1234)
+        state["ctx"] = distributed.setup(config_from_values({}).parallel, seed=1234)
+    yield state
+    dist.barrier()
+    if state["ctx"] is not None:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, cases: list[str], queue) -> None:
+    with rank_session(rank, world, port, cases, args.pin, args.verbose) as state:
+        results = _worker_cases(rank, world, args, cases, state)
+        if rank == 0:
+            queue.put(results)
+
+
+def _worker_cases(rank: int, world: int, args: argparse.Namespace, cases: list[str], state: dict) -> dict:
+    g, ctx = state["group"], state["ctx"]
     results: dict[str, dict] = {"plain": {}, "interference": {}}
     shares = {"plain": 0.0} | ({"interference": args.interference} if args.interference > 0 else {})
     for case in cases:
         for link in args.links:
             for block, share in shares.items():
                 res, ctx = run_case(case, link, args, g, share, ctx)
+                state["ctx"] = ctx
                 # A layer is as slow as its slowest rank: take the per-step max over ranks.
                 gathered = [None] * world
                 dist.all_gather_object(gathered, {k: v for k, v in res.items() if k not in ("timeline", "link")})
@@ -380,14 +427,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, cases: li
                 results[block][f"{case}_{link}"] = res
                 if rank == 0:
                     print(f"  done {case}_{link} ({block})", file=sys.stderr, flush=True)
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    if ctx is not None:
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    return results
 
 
 def _spawn(world: int, args: argparse.Namespace, cases: list[str]) -> dict:

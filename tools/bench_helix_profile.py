@@ -39,7 +39,6 @@ Prints a table per case, then one JSON line:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -55,7 +54,6 @@ from megatron_ext.bench.harness import Report, aa_name, rotated_order  # noqa: E
 from megatron_ext.helix.calibrate import time_graphs  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
-from megatron_ext.helix.cost import PRESETS, DeviceSpec  # noqa: E402
 from megatron_ext.helix.measure import timed_step, train_step  # noqa: E402
 from tools import bench_helix as bh  # noqa: E402
 
@@ -151,26 +149,11 @@ def profiled_step(step) -> tuple[float, float, dict[str, float], dict[str, int]]
 
 
 def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, ctx) -> tuple[dict, object]:
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    if case in bh.FAMILY_WORLD:
-        ctx, make, shape = bh.family_builder(case, args, ctx)
-        batch_size = args.batch
-    else:
-        model0 = bh.build(case, args, g)
-        shape, batch_size = (args.batch, args.seq, args.hidden), None
-
-        def make(traceable: bool = True) -> torch.nn.Module:
-            import copy
-            return copy.deepcopy(model0)
-    torch.manual_seed(0)
-    x = torch.randn(*shape, requires_grad=True)
-    gy = torch.randn(*shape)
-    rate = bh.effective_flops(make(), x, gy)
-    device = DeviceSpec(name="effective", peak_flops_per_s=rate, mem_bandwidth_Bps=1e10, op_overhead_s=0.0)
-    wire = dataclasses.replace(PRESETS[bh.LINKS[link]].resolve(device), compute_interference=0.0)
+    c = bh.setup_case(case, args, g, ctx)
+    ctx, make, x, gy = c.ctx, c.make, c.x, c.gy
+    wire = bh.emulated_link(bh.effective_flops(make(), x, gy), link)
     common = dict(tiles=args.tiles, interconnect=wire, cost_model=args.cost_model, cost_cache=args.cost_cache,
-                  batch_size=batch_size)
+                  batch_size=c.batch_size)
     backends = {"untiled": HelixBackend(mode="baseline", **common), "tiled": HelixBackend(mode="helix", **common)}
     models = {a: make() for a in ARMS}
     fns = {a: torch.compile(models[a], backend=backends[a]) for a in ARMS}
@@ -241,36 +224,17 @@ def isolated_all_reduce(nbytes: int, reps: int = 15) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-    torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity"):
-        cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    g = GroupRef.of()
-    ctx = None
-    if any(c in bh.FAMILY_WORLD for c in args.cases):
-        from megatron_ext.config.run import config_from_values
-        from megatron_ext.runtime import distributed
-
-        ctx = distributed.setup(config_from_values({}).parallel, seed=1234)
-    results = {}
-    for case in args.cases:
-        res, ctx = run_case(case, args.link, args, g, ctx)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, res)
-        results[f"{case}_{args.link}"] = gathered
+    with bh.rank_session(rank, world, port, args.cases) as state:
+        results = {}
+        for case in args.cases:
+            res, state["ctx"] = run_case(case, args.link, args, state["group"], state["ctx"])
+            gathered = [None] * world
+            dist.all_gather_object(gathered, res)
+            results[f"{case}_{args.link}"] = gathered
+            if rank == 0:
+                print(f"  done {case}_{args.link}", file=sys.stderr, flush=True)
         if rank == 0:
-            print(f"  done {case}_{args.link}", file=sys.stderr, flush=True)
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    if ctx is not None:
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
-    dist.destroy_process_group()
+            queue.put(results)
 
 
 def table(name: str, ranks: list[dict]) -> str:
