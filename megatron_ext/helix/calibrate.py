@@ -187,32 +187,18 @@ def compute_only_copy(gm: fx.GraphModule) -> fx.GraphModule:
 def time_graphs(graphs: Iterable[fx.GraphModule], device: torch.device | str = "cpu", reps: int = 5) -> float:
     """Median seconds to run the computation of ``graphs`` once each, on inputs built from their
     placeholders' recorded shapes (a whole-graph micro-benchmark: it sees cache effects and the
-    machine's current load, which per-operator timings miss).
-
-    A graph's placeholder named like an earlier graph's output (the backward's saved activations,
-    named after the forward's outputs by AOT's partitioner) takes that output of the same run: the
-    backward then reads the activations the forward just wrote, and the forward allocates them
-    anew each time, as in a training step. Fed made-up inputs held across runs instead, the backward
-    measured well below a live step's (docs/helix.md, "the profile")."""
+    machine's current load, which per-operator timings miss)."""
     device = torch.device(device)
     runs = []
     for gm in graphs:
         g = compute_only_copy(gm)
-        names = [n.name for n in g.graph.nodes if n.op == "placeholder"]
-        made = [_materialize(value_of(n), device) for n in g.graph.nodes if n.op == "placeholder"]
-        out = next((n for n in g.graph.nodes if n.op == "output"), None)
-        outs = out.args[0] if out is not None else ()
-        out_names = [a.name if isinstance(a, fx.Node) else None
-                     for a in (outs if isinstance(outs, (tuple, list)) else (outs,))]
-        runs.append((g, names, made, out_names))
+        args = [_materialize(value_of(n), device) for n in g.graph.nodes if n.op == "placeholder"]
+        runs.append((g, args))
 
     def once() -> None:
-        produced: dict[str, Any] = {}
         with torch.no_grad():
-            for g, names, made, out_names in runs:
-                result = g(*[produced.get(name, m) for name, m in zip(names, made)])
-                values = result if isinstance(result, (tuple, list)) else (result,)
-                produced = {k: v for k, v in zip(out_names, values) if k is not None}
+            for g, args in runs:
+                g(*args)
 
     once()  # first runs pay for page faults and allocator growth
     return time_call(once, device, reps=reps, min_total_s=0.0)
