@@ -23,7 +23,10 @@ with an A/A arm, as bench_helix steps them), which also record each thread's tim
 schedstat): the step's thread, and the process's other threads -- gloo's workers, which on a rank
 pinned to one core run on the core the step needs. Beside them, "compute alone": the two graphs'
 computation timed as the compiler's calibration times it (collectives made local copies, waits
-removed, no autograd), which is what the cost model's per-operator times are scaled to. Last, one
+removed, no autograd), which is what the cost model's per-operator times are scaled to; the same
+with the backward fed what the forward just returned ("chained"), and that with denormal floats
+flushed to zero (the compiler's made-up inputs are standard normal: a chained forward's activations
+are not a trained layer's, and can reach denormal arithmetic in the backward). Last, one
 all-reduce of the layer's activations alone: its wall time and the CPU time gloo's threads spend on it.
 
 Everything runs on 2 gloo ranks pinned one per core, the case's layer shape and emulated link as
@@ -32,7 +35,8 @@ the JSON line gives every rank's.
 
 Prints a table per case, then one JSON line:
   {"bench": "bench_helix_profile", "cases": {"tp_intra": [{"untiled": {"step_ms": ..., "busy_ms": ..., "exposed_ms": ...,
-   "thread_cpu_ms": ..., "other_threads_cpu_ms": ..., "compute_alone_ms": ..., "profiled_busy_ms": ...,
+   "thread_cpu_ms": ..., "other_threads_cpu_ms": ..., "compute_alone_ms": ..., "compute_chained_ms": ...,
+   "compute_chained_flushed_ms": ..., "profiled_busy_ms": ...,
    "categories_ms": {...}, "calls": {...}, "graph_nodes": ...}, "tiled": {...}, "untiled (A/A)": {...},
    "isolated_all_reduce": {"bytes", "wall_ms", "thread_cpu_ms", "other_threads_cpu_ms"}}, ...one per rank]}}
 """
@@ -51,7 +55,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench.harness import Report, aa_name, rotated_order  # noqa: E402
-from megatron_ext.helix.calibrate import time_graphs  # noqa: E402
+from megatron_ext.helix.calibrate import _materialize, compute_only_copy, time_call, time_graphs  # noqa: E402
+from megatron_ext.helix.ir import value_of  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
 from megatron_ext.helix.measure import timed_step, train_step  # noqa: E402
@@ -176,6 +181,8 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, ctx) -
     # The graphs' computation alone (collectives made local copies, no autograd, no_grad), timed as
     # the compiler's calibration times it: what the cost model's per-operator times are scaled to.
     alone = {a: time_graphs(list(backends[a].summaries[-1].graphs.values()), "cpu", reps=15) for a in ARMS}
+    chained = {a: chained_s(backends[a].summaries[-1].graphs, flush=False) for a in ARMS}
+    flushed = {a: chained_s(backends[a].summaries[-1].graphs, flush=True) for a in ARMS}
     prof = {a: [] for a in ARMS}
     for r in range(args.profiled):
         for arm in rotated_order(list(ARMS), r):
@@ -194,11 +201,39 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, ctx) -
                     "collectives": int(statistics.median(t[5] for t in timed[arm])),
                     "profiled_busy_ms": statistics.median(p[1] for p in rows) * 1e3,
                     "compute_alone_ms": alone[arm] * 1e3,
+                    "compute_chained_ms": chained[arm] * 1e3, "compute_chained_flushed_ms": flushed[arm] * 1e3,
                     "categories_ms": cats, "calls": calls,
                     "graph_nodes": sum(len(gm.graph.nodes) for gm in summ.graphs.values())}
     out[AA] = {"busy_ms": statistics.median(t[1] for t in timed[AA]) * 1e3}
     out["isolated_all_reduce"] = isolated_all_reduce(x.numel() * x.element_size())
     return out, ctx
+
+
+def chained_s(graphs: dict, flush: bool, reps: int = 15) -> float:
+    """The forward and backward computation as the compiler times it, except that the backward's
+    saved inputs are what the forward just returned (matched by name: AOT's partitioner names them
+    after the forward's outputs); with ``flush``, denormal floats are flushed to zero meanwhile.
+    The forward's inputs are made up (standard normal floats) as the compiler makes them, so its
+    activations are not a trained layer's: the flushed timing shows what of the difference is
+    denormal arithmetic."""
+    fw, bw = compute_only_copy(graphs["fw"]), compute_only_copy(graphs["bw"])
+    fw_in = [_materialize(value_of(n), torch.device("cpu")) for n in fw.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    out_names = [a.name if isinstance(a, torch.fx.Node) else None for a in out]
+    bw_ph = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    bw_made = {n.name: _materialize(value_of(n), torch.device("cpu")) for n in bw_ph}
+
+    def once() -> None:
+        with torch.no_grad():
+            got = dict(zip(out_names, fw(*fw_in)))
+            bw(*[got.get(n.name, bw_made[n.name]) for n in bw_ph])
+
+    torch.set_flush_denormal(flush)
+    try:
+        once()
+        return time_call(once, torch.device("cpu"), reps=reps, min_total_s=0.0)
+    finally:
+        torch.set_flush_denormal(False)   # torch's default; this tool sets it nowhere else
 
 
 def isolated_all_reduce(nbytes: int, reps: int = 15) -> dict:
@@ -249,6 +284,9 @@ def table(name: str, ranks: list[dict]) -> str:
                  f"{t['profiled_busy_ms'] - u['profiled_busy_ms']:>+10.2f}")
     lines.append(f"  {'compute alone':<14}{u['compute_alone_ms']:>10.2f}{t['compute_alone_ms']:>10.2f}"
                  f"{t['compute_alone_ms'] - u['compute_alone_ms']:>+10.2f}   (no collectives, no autograd)")
+    for key, label, what in (("compute_chained_ms", "... chained", "the backward on the forward's outputs"),
+                             ("compute_chained_flushed_ms", "... flushed", "the same, denormals flushed")):
+        lines.append(f"  {label:<14}{u[key]:>10.2f}{t[key]:>10.2f}{t[key] - u[key]:>+10.2f}   ({what})")
     lines.append(f"  {'busy plain':<14}{u['busy_ms']:>10.2f}{t['busy_ms']:>10.2f}{t['busy_ms'] - u['busy_ms']:>+10.2f}"
                  f"   (A/A {r0[AA]['busy_ms']:.2f})")
     lines.append(f"  {'exposed comm':<14}{u['exposed_ms']:>10.2f}{t['exposed_ms']:>10.2f}"
