@@ -56,9 +56,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench.harness import Report, aa_name, rotated_order  # noqa: E402
 from megatron_ext.helix.calibrate import _materialize, compute_only_copy, time_call, time_graphs  # noqa: E402
-from megatron_ext.helix.ir import value_of  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
+from megatron_ext.helix.ir import value_of  # noqa: E402
 from megatron_ext.helix.measure import timed_step, train_step  # noqa: E402
 from tools import bench_helix as bh  # noqa: E402
 
@@ -126,16 +126,21 @@ def thread_cpu_ns() -> dict[int, int]:
     return out
 
 
-def cpu_step(step) -> tuple[float, float, float, float, int]:
+def with_cpu(fn):
+    """``(fn(), this thread's CPU s, the process's other threads' CPU s)`` over the call."""
+    me = threading.get_native_id()
+    before = thread_cpu_ns()
+    result = fn()
+    after = thread_cpu_ns()
+    mine = (after.get(me, 0) - before.get(me, 0)) / 1e9
+    return result, mine, sum(v - before.get(t, 0) for t, v in after.items() if t != me) / 1e9
+
+
+def cpu_step(step) -> tuple[float, float, float, float, float, int]:
     """One plain timed step: (step s, busy s, exposed s, the step thread's CPU s, the other threads'
     CPU s -- gloo's workers reducing and copying --, collectives). With a rank pinned to one core,
     the other threads' CPU time is taken from the step's thread whenever it is not waiting."""
-    me = threading.get_native_id()
-    before = thread_cpu_ns()
-    s = timed_step(step, dist.barrier)
-    after = thread_cpu_ns()
-    mine = (after.get(me, 0) - before.get(me, 0)) / 1e9
-    others = sum(v - before.get(t, 0) for t, v in after.items() if t != me) / 1e9
+    s, mine, others = with_cpu(lambda: timed_step(step, dist.barrier))
     return s.step_s, s.step_s - s.exposed_comm_s, s.exposed_comm_s, mine, others, s.collectives
 
 
@@ -242,18 +247,21 @@ def isolated_all_reduce(nbytes: int, reps: int = 15) -> dict:
     ops = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
     buf, sync = torch.randn(nbytes // 4), torch.zeros(1)
-    me = threading.get_native_id()
-    for _ in range(3):
+
+    def once() -> float:
+        t0 = time.perf_counter()
         ops.wait_tensor(ops.all_reduce(buf, "sum", group))
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        once()
     wall, mine, others = [], [], []
     for _ in range(reps):
         ops.wait_tensor(ops.all_reduce(sync, "sum", group))
-        before, t0 = thread_cpu_ns(), time.perf_counter()
-        ops.wait_tensor(ops.all_reduce(buf, "sum", group))
-        t1, after = time.perf_counter(), thread_cpu_ns()
-        wall.append(t1 - t0)
-        mine.append((after.get(me, 0) - before.get(me, 0)) / 1e9)
-        others.append(sum(v - before.get(t, 0) for t, v in after.items() if t != me) / 1e9)
+        w, m, o = with_cpu(once)
+        wall.append(w)
+        mine.append(m)
+        others.append(o)
     return {"bytes": nbytes, "wall_ms": statistics.median(wall) * 1e3, "thread_cpu_ms": statistics.median(mine) * 1e3,
             "other_threads_cpu_ms": statistics.median(others) * 1e3}
 
