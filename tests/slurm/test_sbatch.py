@@ -200,13 +200,19 @@ def test_the_warning_signal_saves_requeues_and_resumes_on_the_straight_curve(tmp
         time.sleep(0.2)
     assert sent, f"job {job} never reached iteration 20:\n{out.read_text()[-3000:] if out.exists() else ''}"
     # Requeued, the job is PENDING again, eligible two minutes later (Slurm's own delay for a requeued
-    # batch job): the test makes it eligible now rather than wait.
+    # batch job): the test makes it eligible sooner, but not within the second of the requeue. slurmd
+    # revoked the first run's credential then, and treats a credential created in that same second as
+    # revoked too (whole-second times): a restart started at once dies with "Killing non-startable batch
+    # job: Job credential revoked" (exit 1, no further requeue), as CI and 3 of 6 local tries saw. So the
+    # test waits 2 s, then sets the start to now (a start in the future waits for Slurm's next scheduling
+    # pass, some 15 s; an update that makes the job eligible now schedules it at once).
     # While Slurm requeues it, the job may show an ended state for a moment (its batch script is
     # cancelled "due to job requeue"): only an ended state without a restart counts as the end.
     hurried = False
     while time.time() < deadline and not hurried:
         show = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
         if "Restarts=1" in show and "JobState=PENDING" in show:
+            time.sleep(2)
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
             hurried = True
         elif "Restarts=1" in show and re.search(r"JobState=(RUNNING|COMPLETED) ", show):
