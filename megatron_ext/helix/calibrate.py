@@ -264,13 +264,29 @@ def benchmark_graph_ops(graphs: Iterable[fx.GraphModule | fx.Graph], device: tor
 _SYNC = 8  # floats all-reduced to line the ranks up before each timed collective
 
 
+def trimmed_mean(values: Iterable[float]) -> float:
+    """The mean without the largest and the smallest value (from 5 values on)."""
+    v = sorted(values)
+    if len(v) >= 5:
+        v = v[1:-1]
+    return sum(v) / len(v)
+
+
 def measure_collectives(group: str, group_size: int, kinds: Iterable[str], device: torch.device | str = "cpu",
-                        sizes: tuple[int, ...] = (1 << 16, 1 << 20), reps: int = 7,
+                        sizes: Iterable[int] = (1 << 16, 1 << 20), reps: int = 31,
                         issue: dict[str, list[tuple[int, float]]] | None = None) -> dict[str, list[tuple[int, float]]]:
     """Time the real collectives of ``group`` (every rank of it must call this, in step):
-    for each kind and payload size, the median of ``reps`` runs, each started right after a small
-    all-reduce that lines the ranks up. Returns (payload bytes, seconds) samples per kind, for
+    for each kind and payload size (``sizes``, bytes: the larger of input and output, as the cost
+    model counts them), the mean of ``reps`` runs less the slowest and the fastest, each started
+    right after a small all-reduce that lines the ranks up. Returns (payload bytes, seconds) samples
+    per kind, for :class:`megatron_ext.helix.cost.MeasuredLink` and
     :func:`megatron_ext.helix.cost.fit_link`. Uses the functional collectives only.
+
+    Why a mean, not a median: on CPU ranks a gloo collective over loopback either completes on its
+    fast path or stalls some 3 ms more, and the share of stalls grows with the payload (2 ranks,
+    one core each: from a quarter of the runs at 64 KiB to half at 512 KiB and more). A step runs
+    several collectives, so what it pays is their expected time; a median of a few runs lands on
+    either mode, which made the fitted link of one compile differ from the next by up to 3x.
 
     ``issue``, when given, also gets per kind the (payload bytes, seconds) the *calling* thread
     spends starting each collective, before its wait: on CPU ranks that is not free (the functional
@@ -283,7 +299,9 @@ def measure_collectives(group: str, group_size: int, kinds: Iterable[str], devic
     for kind in sorted(set(kinds)):
         samples, started = [], []
         for size in sizes:
-            n = max(size // 4 // group_size, 1) * group_size
+            # Elements whose payload is ``size``: the gathered side of an all-gather is the group's
+            # inputs together; the others' inputs divide evenly among the ranks.
+            n = max(size // 4 // group_size, 1) * (1 if kind == "all_gather" else group_size)
             x = torch.ones(n, device=device)
 
             def start() -> torch.Tensor:
@@ -311,7 +329,7 @@ def measure_collectives(group: str, group_size: int, kinds: Iterable[str], devic
                 times.append(time.perf_counter() - t0)
                 issued.append(t1 - t0)
             payload = n * 4 * (group_size if kind == "all_gather" else 1)
-            samples.append((payload, statistics.median(times)))
+            samples.append((payload, trimmed_mean(times)))
             started.append((payload, statistics.median(issued)))
         out[kind] = samples
         if issue is not None:

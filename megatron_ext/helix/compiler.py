@@ -34,7 +34,7 @@ import torch.fx as fx
 from megatron_ext.helix.calibrate import (CostCache, benchmark_graph_ops, benchmarkable, calibrate_device,
                                          measure_collectives, measure_host_interference, time_graphs)
 from megatron_ext.helix.cost import (DEFAULT_CPU, AnalyticalCostModel, CostModel, DeviceSpec, Interconnect,
-                                     InterconnectPreset, MeasuredCostModel, fit_link, op_signature,
+                                     InterconnectPreset, MeasuredCostModel, MeasuredLink, fit_link, op_signature,
                                      resolve_interconnect)
 from megatron_ext.helix.ir import GraphIR, Kind, collective_kind, iter_subgraph_modules
 from megatron_ext.helix.passes.bucketing import BucketingReport, bucket_graphs
@@ -203,8 +203,11 @@ class HelixBackend:
         self._scale: float | None = None
         self._base: _Variant | None = None
         self._decision_cost: CostModel | None = None
-        self._links: dict[tuple[str, str], Interconnect] = {}  # measured real collectives
+        self._links: dict[tuple[str, str], MeasuredLink] = {}  # measured real collectives
         self._issue: dict[tuple[str, str], Interconnect] = {}  # what starting each costs the compute thread
+        # What they were measured from: per (group, kind), payload bytes -> seconds (agreed).
+        self._real_samples: dict[tuple[str, str], dict[int, float]] = {}
+        self._issue_samples: dict[tuple[str, str], dict[int, float]] = {}
         # The share of compute throughput a real collective takes from the compute it overlaps on
         # this host (CPU ranks: gloo works on the same cores); None: measured with the links.
         # (a dict, shared with the links by ``adopt_links``)
@@ -307,58 +310,73 @@ class HelixBackend:
         return self._host_share()
 
     def _measure_links(self, irs: list[GraphIR], device: str) -> None:
-        """Fit ``latency + bytes / bandwidth`` to the real collectives of every (group, kind) in
-        the graphs, once per backend; agreed (slowest) over every group of the graphs.
+        """Measure the real collectives of every (group, kind) in the graphs at the payloads they
+        carry, and once per (group, kind) at 64 KiB and 1 MiB for the fit beyond them; each payload
+        once per backend (and those it shares them with); agreed (slowest) over every group of the
+        graphs.
 
         Why over every group, and in graph order: ranks in different groups of one kind (TP
         {0, 1} and {2, 3} under TP2 x DP2) compile the same graph on differently named groups. If
-        each priced its own group's fit, ranks {0, 1} could keep the tiled schedule while {2, 3}
-        declined it -- and a group spanning both (EP, TP x EP) would see different collectives
-        from its members and hang. Entries are matched across ranks by first appearance in the
-        graphs (the same on every rank), not by name."""
+        each priced its own group's measurement, ranks {0, 1} could keep the tiled schedule while
+        {2, 3} declined it -- and a group spanning both (EP, TP x EP) would see different
+        collectives from its members and hang. Entries are matched across ranks by first
+        appearance in the graphs (the same on every rank), not by name."""
         if not _dist_ready():
             return
-        todo: list[tuple[str, str, int]] = []
+        todo: dict[tuple[str, str], tuple[int, list[int]]] = {}   # (group, kind) -> (group size, payloads)
         for ir in irs:
             for n in ir.collectives():
                 c = n.collective
-                entry = (c.group, c.kind, c.group_size)
-                if entry not in todo and (c.group, c.kind) not in self._links and c.kind != "broadcast":
-                    todo.append(entry)
+                if c.kind == "broadcast":
+                    continue
+                key = (c.group, c.kind)
+                done = self._real_samples.get(key)
+                size, payloads = todo.setdefault(key, (c.group_size, [] if done is not None else [1 << 16, 1 << 20]))
+                payload = max(c.in_bytes, c.out_bytes)
+                if payload > 0 and payload not in payloads and payload not in (done or {}):
+                    payloads.append(payload)
+        todo = {k: v for k, v in todo.items() if v[1]}
         if not todo:
             return
-        fits = []
-        for group, kind, size in todo:
+        figures = []
+        for (group, kind), (size, payloads) in todo.items():
             started: dict[str, list[tuple[int, float]]] = {}
-            samples = measure_collectives(group, size, [kind], device, issue=started)[kind]
-            link = fit_link(f"measured:{group}:{kind}", kind, size, samples)
-            issue = fit_link(f"issue:{group}:{kind}", kind, size, started[kind])
-            fits += [link.latency_s, 1.0 / link.bandwidth_Bps, issue.latency_s, 1.0 / issue.bandwidth_Bps]
+            samples = measure_collectives(group, size, [kind], device, sizes=payloads, issue=started)[kind]
+            # Kept under the payloads asked for: one that the group cannot split evenly (a scalar
+            # on two ranks) is measured at the nearest that it can, and is not measured again.
+            figures += [t for _, t in samples] + [t for _, t in started[kind]]
         groups = sorted({n.collective.group for ir in irs for n in ir.collectives()})
         measure_host = self._host_share() is None
         if measure_host:
             # Once per backend, on the first group measured (the same on every rank), agreed below.
-            fits.append(measure_host_interference(todo[0][0], device))
-        agreed = agree_max(fits, groups)
+            figures.append(measure_host_interference(next(iter(todo))[0], device))
+        agreed = agree_max(figures, groups)
         if measure_host:
             self._host["share"] = agreed[-1]
             logger.info("helix: a real collective takes %.1f %% of the compute it overlaps on this host",
                         100 * agreed[-1])
-        for i, (group, kind, _size) in enumerate(todo):
-            lat, inv_bw, issue_lat, issue_inv_bw = agreed[4 * i:4 * i + 4]
-            self._links[(group, kind)] = Interconnect(f"measured:{group}:{kind}", latency_s=lat,
-                                                      bandwidth_Bps=1.0 / inv_bw)
-            self._issue[(group, kind)] = Interconnect(f"issue:{group}:{kind}", latency_s=issue_lat,
-                                                      bandwidth_Bps=1.0 / issue_inv_bw)
-            logger.info("helix: measured %s on group %s: %.1f us + %.1f MB/s; starting one costs the compute "
-                        "thread %.1f us + %.1f MB/s", kind, group, lat * 1e6, 1e-6 / inv_bw, issue_lat * 1e6,
-                        1e-6 / issue_inv_bw)
+        i = 0
+        for (group, kind), (size, payloads) in todo.items():
+            times, starts = agreed[i:i + len(payloads)], agreed[i + len(payloads):i + 2 * len(payloads)]
+            i += 2 * len(payloads)
+            real = self._real_samples.setdefault((group, kind), {})
+            real.update(zip(payloads, times))
+            issued = self._issue_samples.setdefault((group, kind), {})
+            issued.update(zip(payloads, starts))
+            fit = fit_link(f"measured:{group}:{kind}", kind, size, sorted(real.items()))
+            self._links[(group, kind)] = MeasuredLink(f"measured:{group}:{kind}", tuple(sorted(real.items())), fit)
+            self._issue[(group, kind)] = fit_link(f"issue:{group}:{kind}", kind, size, sorted(issued.items()))
+            logger.info("helix: measured %s on group %s: %s; starting one costs the compute thread %.1f us + %.1f MB/s",
+                        kind, group, ", ".join(f"{b / 1024:.0f} KiB {t * 1e3:.3f} ms" for b, t in sorted(real.items())),
+                        self._issue[(group, kind)].latency_s * 1e6, 1e-6 * self._issue[(group, kind)].bandwidth_Bps)
 
     def adopt_links(self, other: "HelixBackend") -> None:
         """Price real collectives with the fits ``other`` measured (shared dict: later measurements of
         either are seen by both). For comparing variants under one measurement of a noisy host."""
         self._links = other._links
         self._issue = other._issue
+        self._real_samples = other._real_samples
+        self._issue_samples = other._issue_samples
         if self._host["share"] is None:     # an explicit share of its own stays
             self._host = other._host
 

@@ -178,8 +178,9 @@ class AnalyticalCostModel:
     """Roofline compute + link model for collectives.
 
     ``interconnect``: the link the collectives are priced on (an emulated one on CPU, or a
-    description of the real network). ``measured``: per (group name, collective kind), the link
-    fitted to micro-benchmarks of the *actual* process group (``calibrate.measure_collectives``). A
+    description of the real network). ``measured``: per (group name, collective kind), the time of
+    the *actual* process group's collective, from micro-benchmarks at the graphs' payloads
+    (``calibrate.measure_collectives``; a :class:`MeasuredLink`, or any link with ``time_of``). A
     collective costs the larger of the two -- an emulated wait cannot end before the real
     collective has. Neither given: links are free. ``issue``: per (group name, collective kind),
     what starting one costs the compute thread (``calibrate.measure_collectives(issue=)``): it is
@@ -188,7 +189,7 @@ class AnalyticalCostModel:
     """
 
     def __init__(self, device: DeviceSpec = DEFAULT_CPU, interconnect: Interconnect | None = None,
-                 measured: Mapping[tuple[str, str], Interconnect] | None = None,
+                 measured: Mapping[tuple[str, str], Interconnect | MeasuredLink] | None = None,
                  host_interference: float = 0.0, issue: Mapping[tuple[str, str], Interconnect] | None = None) -> None:
         if not 0.0 <= host_interference < 1.0:
             raise ValueError(f"host_interference is a share of compute throughput in [0, 1), got {host_interference}")
@@ -240,6 +241,38 @@ def fit_link(name: str, kind: str, group_size: int, samples: list[tuple[int, flo
     slope = max(slope, 1e-15)  # time per byte; a flat or noisy fit still gets a finite bandwidth
     latency = max(my - slope * mx, 0.0)
     return Interconnect(name=name, latency_s=latency, bandwidth_Bps=1.0 / slope)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredLink:
+    """A real collective's time as measured at given payloads: ``points`` (payload bytes, seconds),
+    sorted by payload, linear between two of them; outside them (or with fewer than one), ``fit``
+    (``latency + algorithm bytes / bandwidth`` through every sample). Measured where the graphs'
+    collectives are, rather than a line through two sizes: on CPU ranks gloo's time is not linear in
+    the payload (see ``calibrate.measure_collectives``)."""
+
+    name: str
+    points: tuple[tuple[int, float], ...]
+    fit: Interconnect
+
+    def __post_init__(self) -> None:
+        if any(b <= 0 or not (math.isfinite(t) and t >= 0) for b, t in self.points):
+            raise ValueError(f"MeasuredLink {self.name!r}: need positive payloads and finite times >= 0, "
+                             f"got {self.points}")
+        if list(self.points) != sorted(set(self.points)) or len({b for b, _ in self.points}) != len(self.points):
+            raise ValueError(f"MeasuredLink {self.name!r}: points must be sorted by payload, one per payload")
+
+    def time_of(self, info: CollectiveInfo) -> float:
+        if info.group_size <= 1:
+            return 0.0
+        payload = max(info.in_bytes, info.out_bytes)
+        pts = self.points
+        if not pts or payload < pts[0][0] or payload > pts[-1][0]:
+            return self.fit.time_of(info)
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if b0 <= payload <= b1:
+                return t0 + (t1 - t0) * (payload - b0) / (b1 - b0)
+        return pts[0][1]  # a single point, exactly at the payload
 
 
 def op_signature(node: fx.Node) -> str:

@@ -148,8 +148,8 @@ def parity_case(ctx, name: str) -> tuple[object, dict]:
            "compiled_loss": _rel(c_loss, ref_loss), "compiled_grad": max(map(_rel, c_grads, ref_grads)),
            "graphs": len(summaries), "tiled_graphs": sum(su.tiled for su in summaries),
            "decisions": [su.decisions for su in summaries],
-           # the fitted real collectives, in the order the graph first uses them
-           "links": [[kind, link.latency_s, link.bandwidth_Bps] for (_, kind), link in ext.backend._links.items()],
+           # the measured real collectives (payload, seconds), in the order the graph first uses them
+           "links": [[kind, [list(p) for p in link.points]] for (_, kind), link in ext.backend._links.items()],
            "joins": sorted({(op, why) for su in summaries for _, op, why in (su.tiling.joins if su.tiling else [])}),
            "order": [su.order for su in summaries], "groups": {g: _group_ranks(g) for g in groups},
            "moe_layers": sum(1 for m in model.modules() if type(m).__name__ == "MoELayer")}

@@ -51,6 +51,31 @@ def test_a_collective_costs_the_slower_of_the_emulated_link_and_the_measured_one
     assert model.collective_s(a2a) == pytest.approx(emulated.time_of(a2a))
 
 
+def test_a_measured_link_answers_at_its_payloads_between_them_linearly_and_beyond_them_by_its_fit():
+    from megatron_ext.helix.calibrate import trimmed_mean
+    from megatron_ext.helix.cost import MeasuredLink
+
+    # gloo's step: fast up to 256 KiB, 3 ms more at 512 KiB -- which no line through 64 KiB and 1 MiB gives.
+    fit = Interconnect("fit", latency_s=1e-4, bandwidth_Bps=3e8)
+    link = MeasuredLink("m", ((1 << 16, 2.5e-4), (1 << 18, 4e-4), (1 << 19, 3.4e-3), (1 << 20, 3.7e-3)), fit)
+    assert link.time_of(_info("all_reduce", 1 << 18, 2)) == pytest.approx(4e-4)
+    assert link.time_of(_info("all_reduce", 1 << 19, 2)) == pytest.approx(3.4e-3)
+    assert link.time_of(_info("all_reduce", 3 << 17, 2)) == pytest.approx((4e-4 + 3.4e-3) / 2)
+    beyond = _info("all_reduce", 1 << 22, 2)
+    assert link.time_of(beyond) == pytest.approx(fit.time_of(beyond))
+    assert link.time_of(_info("all_reduce", 16, 2)) == pytest.approx(fit.time_of(_info("all_reduce", 16, 2)))
+    assert link.time_of(_info("all_reduce", 1 << 19, 1)) == 0.0
+    model = AnalyticalCostModel(DEV, None, measured={("0", "all_reduce"): link})
+    assert model.collective_s(_info("all_reduce", 1 << 19, 2)) == pytest.approx(3.4e-3)
+    with pytest.raises(ValueError, match="sorted by payload"):
+        MeasuredLink("bad", ((1 << 20, 1e-3), (1 << 16, 1e-4)), fit)
+    with pytest.raises(ValueError, match="finite times"):
+        MeasuredLink("bad", ((1 << 16, float("nan")),), fit)
+    # The statistic: a mixture of fast runs and 3 ms stalls costs its mean, one outlier each side dropped.
+    assert trimmed_mean([0.3, 0.3, 3.3, 0.3, 3.3, 40.0, 0.0]) == pytest.approx((0.3 * 3 + 3.3 * 2) / 5)
+    assert trimmed_mean([1.0, 3.0]) == pytest.approx(2.0)
+
+
 def test_presets_scale_with_the_device_and_keep_their_ratio():
     fast = dataclasses.replace(DEV, peak_flops_per_s=4e9)
     intra, cross = (PRESETS[k].resolve(DEV) for k in ("intra_node", "cross_node"))
