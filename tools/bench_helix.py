@@ -45,8 +45,11 @@ when the decision was taken; "sim MiB" is the compile-time memory prediction. Si
 |predicted - measured| / measured for the schedule Helix chose: "sim_makespan_err" with the rescaled
 compute, "sim_makespan_err_predicted" for the makespan predicted at compile time (per-operator
 micro-benchmarks and one timing of the computation taken while compiling; nothing from the
-measured steps). "sim_makespan_err_compile" is the same figure under its old name. The real
-collectives are measured once per case and every variant is priced with that fit. ALL TIMES ARE
+measured steps). "sim_makespan_err_compile" is the same figure under its old name.
+"sim_compile_miss_ms" splits each arm's compile-time miss by term (predicted minus measured, ms):
+"busy", the compute thread's time outside waits, and "exposed", its time in waits; the summary line
+gives Helix's. The real collectives are measured per case (at the payloads its graphs carry) and
+every variant is priced with those measurements. ALL TIMES ARE
 EMULATED: collectives really run on gloo, but their waits complete at latency + bytes / bandwidth
 of the emulated link.
 
@@ -59,7 +62,8 @@ wait and the simulator models the same rule, so the decision and the predictions
 
 Prints a table, then one JSON line:
   {"cases": {"tp_xnode": {"exposed_comm_reduction": ..., "speedup": ..., "sim_makespan_err": ...,
-   "sim_makespan_err_compile": ..., "sim_makespan_err_predicted": ..., "sim_peak_mem_err": ...,
+   "sim_makespan_err_compile": ..., "sim_makespan_err_predicted": ...,
+   "sim_compile_miss_ms": {"baseline": {"busy": ..., "exposed": ...}, ...}, "sim_peak_mem_err": ...,
    "peak_mem_bytes": {"baseline": ..., "helix": ...}}, ...},
    "gpu_interference": {"share": 0.18, "cases": {"tp_xnode": {...same keys...}, ...}}}
 ``--timeline PNG`` also draws the simulated before/after timeline of tp_xnode.
@@ -355,7 +359,8 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
                      "slow_s": [s.interference_s for s in samples[name]],
                      "sim_slow_s": now.interference_s,
                      "peak": peaks[name], "sim_makespan_s": now.makespan_s, "sim_peak": chosen.peak_bytes,
-                     "sim_compile_s": chosen.makespan_s, "sim_exposed_s": now.exposed_comm_s,
+                     "sim_compile_s": chosen.makespan_s, "sim_compile_exposed_s": chosen.exposed_comm_s,
+                     "sim_exposed_s": now.exposed_comm_s,
                      "tiled": summ[last].tiled, "decision": summ[last].line()}
         if name == "helix" and case == "tp" and link == "xnode":
             out["timeline"] = {"baseline": summ[0].baseline, "helix": summ[0].helix}
@@ -662,6 +667,13 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
         exp_b, exp_h = med(b["exposed_s"]), med(h["exposed_s"])
         t_h = med(h["step_s"])
         predicted = round(abs(h["sim_compile_s"] - t_h) / t_h, 4)
+
+        def miss(r: dict) -> dict:
+            # Which term of the compile-time prediction missed, ms (predicted - measured): the compute
+            # thread's busy time (step less its waits) and the time in waits.
+            step, exposed = med(r["step_s"]), med(r["exposed_s"])
+            return {"busy": round(((r["sim_compile_s"] - r["sim_compile_exposed_s"]) - (step - exposed)) * 1e3, 3),
+                    "exposed": round((r["sim_compile_exposed_s"] - exposed) * 1e3, 3)}
         # Speedups as medians of the paired per-round ratios (baseline / arm) with 90 % bootstrap
         # intervals, beside the A/A arm's (baseline / baseline again): the noise floor.
         spd = {name: ratio_interval(b["step_s"], res[name]["step_s"]) for name in ("inductor", "helix", MEASURED, AA)}
@@ -685,6 +697,8 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
             # the measured steps; "_compile" is its old name.
             "sim_makespan_err_compile": predicted,
             "sim_makespan_err_predicted": predicted,
+            # the compile-time prediction's miss split by term, per arm (ms, predicted - measured)
+            "sim_compile_miss_ms": {name: miss(res[name]) for name in VARIANTS},
             # None: no profiled step closed its allocator accounting (see run_case)
             "sim_peak_mem_err": None if h["peak"] is None else round(abs(h["sim_peak"] - h["peak"]) / h["peak"], 4),
             "peak_mem_bytes": {"baseline": b["peak"], "helix": h["peak"]},
@@ -698,7 +712,8 @@ def summarise(results: dict, args: argparse.Namespace, title: str) -> dict:
               f"{out[key]['speedup_measured']:.3f}x {iv('speedup_measured_interval')}, choosing cost "
               f"{m['select_iterations']} steps, {m['select_extra_s'] * 1e3:+.1f} ms beyond untiled ones), "
               f"sim err makespan {out[key]['sim_makespan_err']:.1%} "
-              f"(predicted at compile time {predicted:.1%}) "
+              f"(predicted at compile time {predicted:.1%}: busy {out[key]['sim_compile_miss_ms']['helix']['busy']:+.2f} ms, "
+              f"waits {out[key]['sim_compile_miss_ms']['helix']['exposed']:+.2f} ms) "
               f"peak {_pct(out[key]['sim_peak_mem_err'])}, budget {res['budget'] / 2**20:.2f} MiB; link "
               f"{res['link']['bandwidth_Bps'] / 1e6:.0f} MB/s + {res['link']['latency_s'] * 1e6:.0f} us "
               f"(layer runs at {res['link']['layer_flops_per_s'] / 1e9:.1f} GFLOP/s){eager}")
