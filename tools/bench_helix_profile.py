@@ -26,7 +26,11 @@ computation timed as the compiler's calibration times it (collectives made local
 removed, no autograd), which is what the cost model's per-operator times are scaled to; the same
 with the backward fed what the forward just returned ("chained"), and that with denormal floats
 flushed to zero (the compiler's made-up inputs are standard normal: a chained forward's activations
-are not a trained layer's, and can reach denormal arithmetic in the backward). Last, one
+are not a trained layer's, and can reach denormal arithmetic in the backward), and the graphs run
+the same way but with their real collectives, less the time in the collectives' starts and waits
+("live": what running beside gloo does to the computation; the step's busy time beyond it is the
+machinery outside the graphs: Dynamo's guards, the compiled function's wrappers, the autograd
+engine, gradient accumulation). Last, one
 all-reduce of the layer's activations alone: its wall time and the CPU time gloo's threads spend on it.
 
 Everything runs on 2 gloo ranks pinned one per core, the case's layer shape and emulated link as
@@ -36,13 +40,14 @@ the JSON line gives every rank's.
 Prints a table per case, then one JSON line:
   {"bench": "bench_helix_profile", "cases": {"tp_intra": [{"untiled": {"step_ms": ..., "busy_ms": ..., "exposed_ms": ...,
    "thread_cpu_ms": ..., "other_threads_cpu_ms": ..., "compute_alone_ms": ..., "compute_chained_ms": ...,
-   "compute_chained_flushed_ms": ..., "profiled_busy_ms": ...,
+   "compute_chained_flushed_ms": ..., "compute_live_ms": ..., "profiled_busy_ms": ...,
    "categories_ms": {...}, "calls": {...}, "graph_nodes": ...}, "tiled": {...}, "untiled (A/A)": {...},
    "isolated_all_reduce": {"bytes", "wall_ms", "thread_cpu_ms", "other_threads_cpu_ms"}}, ...one per rank]}}
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -58,7 +63,7 @@ from megatron_ext.bench.harness import Report, aa_name, rotated_order  # noqa: E
 from megatron_ext.helix.calibrate import _materialize, compute_only_copy, time_call, time_graphs  # noqa: E402
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
-from megatron_ext.helix.ir import value_of  # noqa: E402
+from megatron_ext.helix.ir import collective_kind, is_emulated_issue, is_wait, value_of  # noqa: E402
 from megatron_ext.helix.measure import timed_step, train_step  # noqa: E402
 from tools import bench_helix as bh  # noqa: E402
 
@@ -188,6 +193,7 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, ctx) -
     alone = {a: time_graphs(list(backends[a].summaries[-1].graphs.values()), "cpu", reps=15) for a in ARMS}
     chained = {a: chained_s(backends[a].summaries[-1].graphs, flush=False) for a in ARMS}
     flushed = {a: chained_s(backends[a].summaries[-1].graphs, flush=True) for a in ARMS}
+    live = {a: live_s(backends[a].summaries[-1].graphs) for a in ARMS}
     prof = {a: [] for a in ARMS}
     for r in range(args.profiled):
         for arm in rotated_order(list(ARMS), r):
@@ -207,6 +213,7 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, ctx) -
                     "profiled_busy_ms": statistics.median(p[1] for p in rows) * 1e3,
                     "compute_alone_ms": alone[arm] * 1e3,
                     "compute_chained_ms": chained[arm] * 1e3, "compute_chained_flushed_ms": flushed[arm] * 1e3,
+                    "compute_live_ms": live[arm] * 1e3,
                     "categories_ms": cats, "calls": calls,
                     "graph_nodes": sum(len(gm.graph.nodes) for gm in summ.graphs.values())}
     out[AA] = {"busy_ms": statistics.median(t[1] for t in timed[AA]) * 1e3}
@@ -239,6 +246,76 @@ def chained_s(graphs: dict, flush: bool, reps: int = 15) -> float:
         return time_call(once, torch.device("cpu"), reps=reps, min_total_s=0.0)
     finally:
         torch.set_flush_denormal(False)   # torch's default; this tool sets it nowhere else
+
+
+class _Clock:
+    """Seconds spent in the collectives' waits and starts of a ``live_copy`` graph since ``reset``."""
+
+    waits = starts = 0.0
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.waits = cls.starts = 0.0
+
+
+def _timed_wait(x: torch.Tensor) -> torch.Tensor:
+    t0 = time.perf_counter()
+    out = torch.ops._c10d_functional.wait_tensor.default(x)
+    _Clock.waits += time.perf_counter() - t0
+    return out
+
+
+def _timed_start(target):
+    def start(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = target(*args, **kwargs)
+        _Clock.starts += time.perf_counter() - t0
+        return out
+
+    start.__name__ = f"timed_{getattr(target, '__name__', 'collective')}"
+    return start
+
+
+def live_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a compiled graph that runs its real collectives (the emulated link's helpers taken
+    out), each start and each wait timed into ``_Clock``."""
+    g = copy.deepcopy(gm)
+    g.graph.set_codegen(torch.fx.graph.CodeGen())  # plain calling convention even if gm is boxed
+    for n in list(g.graph.nodes):
+        if collective_kind(n) is not None:
+            n.target = _timed_start(n.target)
+        elif is_wait(n):
+            n.target, n.args, n.kwargs = _timed_wait, (n.args[0],), {}
+    for n in reversed(list(g.graph.nodes)):
+        if is_emulated_issue(n) and not n.users:
+            g.graph.erase_node(n)
+    g.graph.lint()
+    g.recompile()
+    return g
+
+
+def live_s(graphs: dict, reps: int = 15) -> float:
+    """The forward and backward graphs run as the compiler's timing runs them (made-up inputs, no
+    autograd) but with their real collectives, every rank in step: the median over ``reps`` of the
+    time outside the collectives' starts and waits. What it adds to "compute alone" is what running
+    beside real collectives does to the computation (gloo's threads on the core, its caches);
+    what the step's busy time adds beyond it is the step's machinery outside the graphs (Dynamo's
+    guards, the compiled function's wrappers, the autograd engine, gradient accumulation)."""
+    runs = []
+    for tag in ("fw", "bw"):
+        g = live_copy(graphs[tag])
+        runs.append((g, [_materialize(value_of(n), torch.device("cpu")) for n in g.graph.nodes if n.op == "placeholder"]))
+    out = []
+    for r in range(reps + 1):
+        dist.barrier()
+        _Clock.reset()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for g, args in runs:
+                g(*args)
+        if r:   # the first run pays for page faults and allocator growth
+            out.append(time.perf_counter() - t0 - _Clock.waits - _Clock.starts)
+    return statistics.median(out)
 
 
 def isolated_all_reduce(nbytes: int, reps: int = 15) -> dict:
@@ -293,7 +370,8 @@ def table(name: str, ranks: list[dict]) -> str:
     lines.append(f"  {'compute alone':<14}{u['compute_alone_ms']:>10.2f}{t['compute_alone_ms']:>10.2f}"
                  f"{t['compute_alone_ms'] - u['compute_alone_ms']:>+10.2f}   (no collectives, no autograd)")
     for key, label, what in (("compute_chained_ms", "... chained", "the backward on the forward's outputs"),
-                             ("compute_chained_flushed_ms", "... flushed", "the same, denormals flushed")):
+                             ("compute_chained_flushed_ms", "... flushed", "the same, denormals flushed"),
+                             ("compute_live_ms", "... live", "real collectives, less their starts and waits")):
         lines.append(f"  {label:<14}{u[key]:>10.2f}{t[key]:>10.2f}{t[key] - u[key]:>+10.2f}   ({what})")
     lines.append(f"  {'busy plain':<14}{u['busy_ms']:>10.2f}{t['busy_ms']:>10.2f}{t['busy_ms'] - u['busy_ms']:>+10.2f}"
                  f"   (A/A {r0[AA]['busy_ms']:.2f})")
