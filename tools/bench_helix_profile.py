@@ -47,7 +47,6 @@ Prints a table per case, then one JSON line:
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -60,10 +59,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench.harness import Report, aa_name, rotated_order  # noqa: E402
-from megatron_ext.helix.calibrate import _materialize, compute_only_copy, time_call, time_graphs  # noqa: E402
+from megatron_ext.helix.calibrate import (_materialize, compute_only_copy, rewritten_copy, time_call,  # noqa: E402
+                                         time_graphs)
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
-from megatron_ext.helix.ir import collective_kind, is_emulated_issue, is_wait, value_of  # noqa: E402
+from megatron_ext.helix.ir import collective_kind, is_wait, value_of  # noqa: E402
 from megatron_ext.helix.measure import timed_step, train_step  # noqa: E402
 from tools import bench_helix as bh  # noqa: E402
 
@@ -276,22 +276,17 @@ def _timed_start(target):
     return start
 
 
+def _timed_collectives(graph: torch.fx.Graph, n: torch.fx.Node) -> None:
+    if collective_kind(n) is not None:
+        n.target = _timed_start(n.target)
+    elif is_wait(n):
+        n.target, n.args, n.kwargs = _timed_wait, (n.args[0],), {}
+
+
 def live_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of a compiled graph that runs its real collectives (the emulated link's helpers taken
     out), each start and each wait timed into ``_Clock``."""
-    g = copy.deepcopy(gm)
-    g.graph.set_codegen(torch.fx.graph.CodeGen())  # plain calling convention even if gm is boxed
-    for n in list(g.graph.nodes):
-        if collective_kind(n) is not None:
-            n.target = _timed_start(n.target)
-        elif is_wait(n):
-            n.target, n.args, n.kwargs = _timed_wait, (n.args[0],), {}
-    for n in reversed(list(g.graph.nodes)):
-        if is_emulated_issue(n) and not n.users:
-            g.graph.erase_node(n)
-    g.graph.lint()
-    g.recompile()
-    return g
+    return rewritten_copy(gm, _timed_collectives)
 
 
 def live_s(graphs: dict, reps: int = 15) -> float:

@@ -154,34 +154,44 @@ def _materialize(v: Any, device: torch.device) -> Any:
     return base.as_strided(tuple(v.shape), tuple(v.stride()))
 
 
-def compute_only_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of an AOT graph whose collectives are local copies and whose waits are no-ops:
-    its run time is the graph's computation alone."""
+def rewritten_copy(gm: fx.GraphModule, rewrite: Callable[[fx.Graph, fx.Node], None]) -> fx.GraphModule:
+    """A copy of an AOT graph with ``rewrite(graph, node)`` applied to each node in order, the
+    emulated link's issue helpers left without users dropped, in the plain calling convention."""
     import copy
 
     g = copy.deepcopy(gm)
     g.graph.set_codegen(fx.graph.CodeGen())  # plain calling convention even if gm is boxed
     for n in list(g.graph.nodes):
-        kind = collective_kind(n)
-        if kind == "all_gather":      # (input, group size, group): the output is group-size inputs
-            n.target = torch.ops.aten.cat.default
-            n.args, n.kwargs = ([n.args[0]] * int(n.args[1]),), {}
-        elif kind == "reduce_scatter":  # (input, op, group size, group): one chunk of dim 0
-            n.target = torch.ops.aten.narrow_copy.default
-            size = int(n.args[2])
-            n.args, n.kwargs = (n.args[0], 0, 0, int(value_of(n.args[0]).shape[0]) // size), {}
-        elif kind is not None:
-            n.target = torch.ops.aten.clone.default
-            n.args, n.kwargs = (n.args[0],), {}
-        elif is_wait(n):
-            n.replace_all_uses_with(n.args[0])
-            g.graph.erase_node(n)
+        rewrite(g.graph, n)
     for n in reversed(list(g.graph.nodes)):
         if is_emulated_issue(n) and not n.users:
             g.graph.erase_node(n)
     g.graph.lint()
     g.recompile()
     return g
+
+
+def _compute_only(graph: fx.Graph, n: fx.Node) -> None:
+    kind = collective_kind(n)
+    if kind == "all_gather":      # (input, group size, group): the output is group-size inputs
+        n.target = torch.ops.aten.cat.default
+        n.args, n.kwargs = ([n.args[0]] * int(n.args[1]),), {}
+    elif kind == "reduce_scatter":  # (input, op, group size, group): one chunk of dim 0
+        n.target = torch.ops.aten.narrow_copy.default
+        size = int(n.args[2])
+        n.args, n.kwargs = (n.args[0], 0, 0, int(value_of(n.args[0]).shape[0]) // size), {}
+    elif kind is not None:
+        n.target = torch.ops.aten.clone.default
+        n.args, n.kwargs = (n.args[0],), {}
+    elif is_wait(n):
+        n.replace_all_uses_with(n.args[0])
+        graph.erase_node(n)
+
+
+def compute_only_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of an AOT graph whose collectives are local copies and whose waits are no-ops:
+    its run time is the graph's computation alone."""
+    return rewritten_copy(gm, _compute_only)
 
 
 def time_graphs(graphs: Iterable[fx.GraphModule], device: torch.device | str = "cpu", reps: int = 5) -> float:
