@@ -7,15 +7,17 @@ all-reduce each in two conditions, the order of the (payload, condition) pairs r
   idle           right after a small all-reduce that lines the ranks up (how the compiler measures)
   after compute  the same, then --compute-ms of matmuls on both ranks first (as in a step, where
                  a collective follows the layer's compute)
+  idle (A/A)     "idle" again: the noise floor of the comparison
 
 For each: the mean, the mean less the slowest and the fastest run (what the compiler keeps since
 400b5e1), the median (what it kept before) and the quartiles, rank 0's wall time from the start
 of the collective to the end of its wait, and the share of runs that stalled: slower than the
-fastest tenth of that payload's runs (both conditions) by more than --stall-ms.
+fastest tenth of that payload's runs (every condition) by more than --stall-ms.
 
 Prints a table, then one JSON line:
   {"bench": "bench_gloo_sizes", "payloads": {"524288": {"idle": {"mean_ms", "trimmed_mean_ms",
-   "median_ms", "q1_ms", "q3_ms", "stalled"}, "after compute": {...}}, ...}, "args": {...}}
+   "median_ms", "q1_ms", "q3_ms", "stalled"}, "after compute": {...}, "idle (A/A)": {...}}, ...},
+   "args": {...}}
 """
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.bench.harness import Report, rotated_order  # noqa: E402
+from megatron_ext.bench.harness import Report, aa_name, rotated_order  # noqa: E402
 from megatron_ext.helix.calibrate import trimmed_mean  # noqa: E402
 from tools import bench_helix as bh  # noqa: E402
 
-CONDITIONS = ("idle", "after compute")
+CONDITIONS = ("idle", "after compute", aa_name("idle"))
 
 
 def summarise(times: dict[str, list[float]], stall_s: float) -> dict[str, dict]:

@@ -331,7 +331,7 @@ class HelixBackend:
                     continue
                 key = (c.group, c.kind)
                 done = self._real_samples.get(key)
-                size, payloads = todo.setdefault(key, (c.group_size, [] if done is not None else [1 << 16, 1 << 20]))
+                payloads = todo.setdefault(key, (c.group_size, [] if done is not None else [1 << 16, 1 << 20]))[1]
                 payload = max(c.in_bytes, c.out_bytes)
                 if payload > 0 and payload not in payloads and payload not in (done or {}):
                     payloads.append(payload)

@@ -259,7 +259,8 @@ class MeasuredLink:
         if any(b <= 0 or not (math.isfinite(t) and t >= 0) for b, t in self.points):
             raise ValueError(f"MeasuredLink {self.name!r}: need positive payloads and finite times >= 0, "
                              f"got {self.points}")
-        if list(self.points) != sorted(set(self.points)) or len({b for b, _ in self.points}) != len(self.points):
+        payloads = [b for b, _ in self.points]
+        if payloads != sorted(set(payloads)):
             raise ValueError(f"MeasuredLink {self.name!r}: points must be sorted by payload, one per payload")
 
     def time_of(self, info: CollectiveInfo) -> float:
