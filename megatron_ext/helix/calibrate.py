@@ -294,7 +294,7 @@ def measure_collectives(group: str, group_size: int, kinds: Iterable[str], devic
 
     Why a mean, not a median: on CPU ranks a gloo collective over loopback either completes on its
     fast path or stalls some 3 ms more, and the share of stalls grows with the payload (2 ranks,
-    one core each: from a quarter of the runs at 64 KiB to half at 512 KiB and more;
+    one core each: a fifth to a quarter of the runs at 64 KiB, 40-55 % at 512 KiB, more above;
     ``tools/bench_gloo_sizes.py``). A step runs several collectives, so what it pays is their
     expected time; a median of a few runs lands on either mode.
 
