@@ -174,35 +174,72 @@ def test_fault_flags():
         cfg.ext("faults").check_world(4)
 
 
+class _Clock:
+    """A fake ``time`` for the injection module: ``perf_counter`` moves only when told; ``sleep``
+    records what it was asked to hold."""
+
+    def __init__(self):
+        self.now, self.slept = 100.0, []
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, s):
+        self.slept.append(s)
+
+
 @pytest.mark.parametrize("mode", ["throttle", "work"])
-def test_throttle_makes_real_work_slower(mode):
+def test_throttle_holds_factor_minus_one_times_the_chunks_own_time(mode, monkeypatch):
+    # Forward takes 1.0 s of the fake clock (0.25 s of it inside an excluded collective) and
+    # backward 2.0 s: at factor 3 the chunk is held 2 * 0.75 after forward and 2 * 2.0 after its
+    # backward, by sleeping (throttle) or by real work (burn), and not at all while inactive.
     import torch
 
-    from megatron_ext.resihp.injection import Throttle
+    from megatron_ext.resihp import injection
 
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
-    x = torch.randn(64, 256)
-    throttle = Throttle([model], factor=3.0, mode=mode)
+    clock, burned = _Clock(), []
+    monkeypatch.setattr(injection, "time", clock)
+    monkeypatch.setattr(injection, "burn", burned.append)
+    excluded = {"s": 0.0}
 
-    def step() -> float:
-        t0 = time.perf_counter()
-        model(x).sum().backward()
-        return time.perf_counter() - t0
+    class Advance(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            clock.now += 0.75
+            excluded["s"] += 0.25
+            clock.now += 0.25
+            return x.clone()
 
-    for _ in range(3):
-        step()
-    ratios = []
-    for _ in range(5):  # side by side, median ratio
-        throttle.active = False
-        off = step()
-        throttle.active = True
-        on = step()
-        ratios.append(on / off)
+        @staticmethod
+        def backward(ctx, g):
+            clock.now += 2.0
+            return g
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Advance.apply(self.lin(x))
+
+    model = Chunk()
+    throttle = injection.Throttle([model], factor=3.0, mode=mode)
+    throttle.exclude_s = lambda: excluded["s"]
+    held = clock.slept if mode == "throttle" else burned
+    other = burned if mode == "throttle" else clock.slept
+
+    model(torch.randn(2, 4)).sum().backward()
+    assert held == [] and other == []
+    throttle.active = True
+    model(torch.randn(2, 4)).sum().backward()
+    assert held == pytest.approx([1.5, 4.0]) and other == []
     throttle.remove()
-    assert np.median(ratios) > 2.0
+    model(torch.randn(2, 4)).sum().backward()
+    assert len(held) == 2
 
 
-def test_burn_does_real_work():
+def test_burn_does_real_work_for_at_least_the_time_asked():
     import torch
 
     calls = {"n": 0}
@@ -214,10 +251,12 @@ def test_burn_does_real_work():
 
     torch.Tensor.__matmul__ = counting
     try:
+        t0 = time.perf_counter()
         burn(0.02)
+        took = time.perf_counter() - t0
     finally:
         torch.Tensor.__matmul__ = real
-    assert calls["n"] > 0
+    assert calls["n"] > 0 and took >= 0.02
 
 
 def test_a_plan_names_devices_by_launch_rank_and_becomes_a_target():
