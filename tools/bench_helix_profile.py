@@ -59,11 +59,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench.harness import Report, aa_name, rotated_order  # noqa: E402
-from megatron_ext.helix.calibrate import (_materialize, compute_only_copy, rewritten_copy, time_call,  # noqa: E402
+from megatron_ext.helix.calibrate import (_materialize, compute_only_copy, time_call, time_graphs_live,  # noqa: E402
                                          time_graphs)
 from megatron_ext.helix.collectives import GroupRef  # noqa: E402
 from megatron_ext.helix.compiler import HelixBackend  # noqa: E402
-from megatron_ext.helix.ir import collective_kind, is_wait, value_of  # noqa: E402
+from megatron_ext.helix.ir import value_of  # noqa: E402
 from megatron_ext.helix.measure import timed_step, train_step  # noqa: E402
 from tools import bench_helix as bh  # noqa: E402
 
@@ -248,69 +248,15 @@ def chained_s(graphs: dict, flush: bool, reps: int = 15) -> float:
         torch.set_flush_denormal(False)   # torch's default; this tool sets it nowhere else
 
 
-class _Clock:
-    """Seconds spent in the collectives' waits and starts of a ``live_copy`` graph since ``reset``."""
-
-    waits = starts = 0.0
-
-    @classmethod
-    def reset(cls) -> None:
-        cls.waits = cls.starts = 0.0
-
-
-def _timed_wait(x: torch.Tensor) -> torch.Tensor:
-    t0 = time.perf_counter()
-    out = torch.ops._c10d_functional.wait_tensor.default(x)
-    _Clock.waits += time.perf_counter() - t0
-    return out
-
-
-def _timed_start(target):
-    def start(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = target(*args, **kwargs)
-        _Clock.starts += time.perf_counter() - t0
-        return out
-
-    start.__name__ = f"timed_{getattr(target, '__name__', 'collective')}"
-    return start
-
-
-def _timed_collectives(graph: torch.fx.Graph, n: torch.fx.Node) -> None:
-    if collective_kind(n) is not None:
-        n.target = _timed_start(n.target)
-    elif is_wait(n):
-        n.target, n.args, n.kwargs = _timed_wait, (n.args[0],), {}
-
-
-def live_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of a compiled graph that runs its real collectives (the emulated link's helpers taken
-    out), each start and each wait timed into ``_Clock``."""
-    return rewritten_copy(gm, _timed_collectives)
-
-
 def live_s(graphs: dict, reps: int = 15) -> float:
     """The forward and backward graphs run as the compiler's timing runs them (made-up inputs, no
-    autograd) but with their real collectives, every rank in step: the median over ``reps`` of the
-    time outside the collectives' starts and waits. What it adds to "compute alone" is what running
-    beside real collectives does to the computation (gloo's threads on the core, its caches);
-    what the step's busy time adds beyond it is the step's machinery outside the graphs (Dynamo's
-    guards, the compiled function's wrappers, the autograd engine, gradient accumulation)."""
-    runs = []
-    for tag in ("fw", "bw"):
-        g = live_copy(graphs[tag])
-        runs.append((g, [_materialize(value_of(n), torch.device("cpu")) for n in g.graph.nodes if n.op == "placeholder"]))
-    out = []
-    for r in range(reps + 1):
-        dist.barrier()
-        _Clock.reset()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for g, args in runs:
-                g(*args)
-        if r:   # the first run pays for page faults and allocator growth
-            out.append(time.perf_counter() - t0 - _Clock.waits - _Clock.starts)
-    return statistics.median(out)
+    autograd) but with their real collectives, every rank in step (a barrier before each run): the
+    median over ``reps`` of the time outside the collectives' starts and waits
+    (calibrate.time_graphs_live). What it adds to "compute alone" is what running beside real
+    collectives does to the computation (gloo's threads on the core, its caches); what the step's
+    busy time adds beyond it is the step's machinery outside the graphs (Dynamo's guards, the
+    compiled function's wrappers, the autograd engine, gradient accumulation)."""
+    return time_graphs_live([graphs["fw"], graphs["bw"]], "cpu", reps=reps, sync=dist.barrier)
 
 
 def isolated_all_reduce(nbytes: int, reps: int = 15) -> dict:

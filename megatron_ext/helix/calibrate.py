@@ -214,6 +214,81 @@ def time_graphs(graphs: Iterable[fx.GraphModule], device: torch.device | str = "
     return time_call(once, device, reps=reps, min_total_s=0.0)
 
 
+class _CollectiveClock:
+    """Seconds spent in the collectives' starts and waits of a :func:`live_copy` graph since ``reset``."""
+
+    waits = starts = 0.0
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.waits = cls.starts = 0.0
+
+
+def _wait_op(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor.default(x)
+
+
+def _timed_wait(x: torch.Tensor) -> torch.Tensor:
+    t0 = time.perf_counter()
+    out = _wait_op(x)
+    _CollectiveClock.waits += time.perf_counter() - t0
+    return out
+
+
+def _timed_start(target: Callable[..., Any]) -> Callable[..., Any]:
+    def start(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = target(*args, **kwargs)
+        _CollectiveClock.starts += time.perf_counter() - t0
+        return out
+
+    start.__name__ = f"timed_{getattr(target, '__name__', 'collective')}"
+    return start
+
+
+def _timed_collectives(graph: fx.Graph, n: fx.Node) -> None:
+    if collective_kind(n) is not None:
+        n.target = _timed_start(n.target)
+    elif is_wait(n):
+        n.target, n.args, n.kwargs = _timed_wait, (n.args[0],), {}
+
+
+def live_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a compiled graph that runs its real collectives (an emulated link's helpers taken
+    out), each start and each wait timed into ``_CollectiveClock``."""
+    return rewritten_copy(gm, _timed_collectives)
+
+
+def time_graphs_live(graphs: Iterable[fx.GraphModule], device: torch.device | str = "cpu", reps: int = 5,
+                     sync: Callable[[], Any] | None = None) -> float:
+    """Median seconds of the computation of ``graphs`` (each run once, in order, on inputs made up
+    from their placeholders) run *with* their real collectives: the elapsed time less the time in
+    the collectives' starts and waits. Unlike :func:`time_graphs` it sees what running beside the
+    collectives does to the computation (the communication library's threads on the cores, its
+    caches). Every rank of the graphs' groups must call it at the same point, as the collectives
+    need (it calls nothing of ``torch.distributed`` itself); ``sync`` (e.g. a barrier) runs before
+    each repetition, untimed."""
+    device = torch.device(device)
+    runs = []
+    for gm in graphs:
+        g = live_copy(gm)
+        runs.append((g, [_materialize(value_of(n), device) for n in g.graph.nodes if n.op == "placeholder"]))
+    out = []
+    for r in range(reps + 1):
+        if sync is not None:
+            sync()
+        _sync(device)
+        _CollectiveClock.reset()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for g, args in runs:
+                g(*args)
+        _sync(device)
+        if r:   # the first run pays for page faults and allocator growth
+            out.append(time.perf_counter() - t0 - _CollectiveClock.waits - _CollectiveClock.starts)
+    return statistics.median(out)
+
+
 def benchmarkable(node: fx.Node) -> bool:
     """Whether a node is an operator call that micro-benchmarks can time on made-up inputs."""
     if node.op not in ("call_function",) or not isinstance(node.target, torch._ops.OpOverload):

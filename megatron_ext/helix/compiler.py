@@ -32,7 +32,8 @@ import torch
 import torch.fx as fx
 
 from megatron_ext.helix.calibrate import (CostCache, benchmark_graph_ops, benchmarkable, calibrate_device,
-                                         measure_collectives, measure_host_interference, time_graphs)
+                                         measure_collectives, measure_host_interference, time_graphs,
+                                         time_graphs_live)
 from megatron_ext.helix.cost import (DEFAULT_CPU, AnalyticalCostModel, CostModel, DeviceSpec, Interconnect,
                                      InterconnectPreset, MeasuredCostModel, MeasuredLink, fit_link, op_signature,
                                      resolve_interconnect)
@@ -291,11 +292,22 @@ class HelixBackend:
                 scale_graphs = scale_graphs or graphs
                 predicted = sum(unscaled.compute_s(n) for g in scale_graphs for n in GraphIR(g, gs).nodes
                                 if n.kind not in (Kind.COLLECTIVE, Kind.WAIT))
-                measured = time_graphs(scale_graphs, device)
+                measured = self._time_computation(scale_graphs, device)
                 scale = max(measured / predicted, 1.0) if predicted > 0 else 1.0
             agreed = agree_max([table.get(k, -1.0) for k in keys] + [scale], groups)
             agreed_table = {k: v for k, v in zip(keys, agreed[:-1]) if v > 0}
             return MeasuredCostModel(agreed_table, self._fallback(), scale=agreed[-1]), agreed[-1]
+
+    def _time_computation(self, graphs: list[fx.GraphModule], device: str) -> float:
+        """Seconds of the computation of ``graphs``, the whole-graph figure the compute scale is
+        fitted to. On CPU ranks whose graphs carry collectives, timed running beside the real
+        collectives (calibrate.time_graphs_live: gloo's threads share the cores, which slows the
+        computation by 1.2-1.4 ms a step untiled in bench_helix_profile run e); every rank of the graphs' groups
+        is here at once, as the agreement that follows needs. Otherwise (GPU: the collectives run
+        on their own streams; no collectives; one process) the computation alone."""
+        live = (device == "cpu" and _dist_ready()
+                and any(collective_kind(n) is not None for g in graphs for n in g.graph.nodes))
+        return time_graphs_live(graphs, device) if live else time_graphs(graphs, device)
 
     def _fallback(self) -> AnalyticalCostModel:
         return AnalyticalCostModel(self.device_spec, self.link, self._links, self._host_share() or 0.0,

@@ -69,33 +69,3 @@ def test_the_chained_timing_feeds_the_backward_what_the_forward_returned():
         assert bp.chained_s({"fw": fx.GraphModule({}, fw), "bw": fx.GraphModule({}, bw)}, flush, reps=3) > 0
     assert SEEN and all(v == 7.0 for v in SEEN), SEEN      # never a made-up input
     assert (torch.tensor([1e-40]) * 1.0).item() != 0.0   # denormals are kept again afterwards
-
-
-def test_the_live_copy_runs_the_real_collectives_without_the_emulated_link_and_times_their_starts_and_waits():
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from megatron_ext.helix.cost import Interconnect
-    from megatron_ext.helix.interconnect import emulation_stats, install_emulation, reset_emulation
-    from megatron_ext.helix.ir import is_emulated_issue
-    from tests.helix.helix_helpers import fake_world
-
-    with fake_world(0, 2) as g:
-        def layer(x):
-            y = torch.ops._c10d_functional.all_reduce(x * 2, "sum", g.name)
-            return torch.ops._c10d_functional.wait_tensor(y) + 1
-
-        x = torch.randn(4, 8)
-        gm = make_fx(layer)(x)
-        assert install_emulation(gm, Interconnect("link", latency_s=1e-4, bandwidth_Bps=1e9), lambda _: 2) == 1
-        live = bp.live_copy(gm)
-        assert not any(is_emulated_issue(n) for n in live.graph.nodes)
-        targets = [getattr(n.target, "__name__", "") for n in live.graph.nodes if n.op == "call_function"]
-        assert "_timed_wait" in targets and any(t.startswith("timed_") for t in targets), targets
-        assert "emulated_wait" not in targets
-        reset_emulation()
-        bp._Clock.reset()
-        out = live(x)
-        assert emulation_stats().waits == 0 and emulation_stats().collectives == 0   # the link is not in it
-        torch.testing.assert_close(out, gm(x))
-        assert emulation_stats().waits == 1   # the original still goes through the emulated link
-        assert bp._Clock.waits > 0 and bp._Clock.starts > 0

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_ext.config.base import ConfigError, build, field_names
+from megatron_ext.helix import calibrate
 from megatron_ext.helix.calibrate import CostCache, benchmark_graph_ops, device_key
 from megatron_ext.helix.config import HelixConfig
 from megatron_ext.helix.cost import (PRESETS, AnalyticalCostModel, DeviceSpec, Interconnect, MeasuredCostModel,
@@ -217,3 +218,76 @@ def test_starting_a_collective_is_charged_to_the_compute_thread_and_the_link_win
     # op overhead the start replaces), but the start is compute-thread time that no overlap can hide
     assert res.makespan_s == pytest.approx(without.makespan_s - DEV.op_overhead_s, rel=1e-6)
     assert res.compute_s == pytest.approx(without.compute_s - DEV.op_overhead_s + model.issue_s(coll.collective))
+
+
+def test_the_live_copy_runs_the_real_collectives_without_the_emulated_link_and_times_their_starts_and_waits():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from megatron_ext.helix.cost import Interconnect
+    from megatron_ext.helix.interconnect import emulation_stats, install_emulation, reset_emulation
+    from megatron_ext.helix.ir import is_emulated_issue
+    from tests.helix.helix_helpers import fake_world
+
+    with fake_world(0, 2) as g:
+        def layer(x):
+            y = torch.ops._c10d_functional.all_reduce(x * 2, "sum", g.name)
+            return torch.ops._c10d_functional.wait_tensor(y) + 1
+
+        x = torch.randn(4, 8)
+        gm = make_fx(layer)(x)
+        assert install_emulation(gm, Interconnect("link", latency_s=1e-4, bandwidth_Bps=1e9), lambda _: 2) == 1
+        live = calibrate.live_copy(gm)
+        assert not any(is_emulated_issue(n) for n in live.graph.nodes)
+        targets = [getattr(n.target, "__name__", "") for n in live.graph.nodes if n.op == "call_function"]
+        assert "_timed_wait" in targets and any(t.startswith("timed_") for t in targets), targets
+        assert "emulated_wait" not in targets
+        reset_emulation()
+        calibrate._CollectiveClock.reset()
+        out = live(x)
+        assert emulation_stats().waits == 0 and emulation_stats().collectives == 0   # the link is not in it
+        torch.testing.assert_close(out, gm(x))
+        assert emulation_stats().waits == 1   # the original still goes through the emulated link
+        assert calibrate._CollectiveClock.waits > 0 and calibrate._CollectiveClock.starts > 0
+
+
+class _FakeTime:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_live_timing_counts_the_computation_and_not_the_collectives_starts_and_waits(monkeypatch):
+    # The wait takes 5 s of a fake clock, the computation after it 1 s: each repetition counts 1 s;
+    # the first run is dropped and ``sync`` runs before every run.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tests.helix.helix_helpers import fake_world
+
+    clock = _FakeTime()
+    monkeypatch.setattr(calibrate, "time", clock)
+
+    def slow_wait(x):
+        clock.now += 5.0
+        return torch.ops._c10d_functional.wait_tensor.default(x)
+
+    def one_second(x):
+        clock.now += 1.0
+        return x
+
+    monkeypatch.setattr(calibrate, "_wait_op", slow_wait)
+    with fake_world(0, 2) as g:
+        def layer(x):
+            y = torch.ops._c10d_functional.all_reduce(x * 2, "sum", g.name)
+            return torch.ops._c10d_functional.wait_tensor(y) + 1
+
+        gm = make_fx(layer)(torch.randn(4, 8))
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        with gm.graph.inserting_before(out):
+            tick = gm.graph.call_function(one_second, (out.args[0],))
+        out.args = (tick,)
+        gm.recompile()
+        synced = []
+        got = calibrate.time_graphs_live([gm, gm], reps=3, sync=lambda: synced.append(clock.now))
+    assert got == 2.0 and len(synced) == 4
