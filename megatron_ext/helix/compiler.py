@@ -502,12 +502,13 @@ class HelixBackend:
                                          else None, self._decision_cost), record=True,
                                 interference=interference_of(self._decision_cost))
             summary.baseline = base.sim
-            self._scale = helix.scale
         summary.helix, summary.reorder, summary.bucketing = helix.sim, helix.reorder, helix.bucketing
         ok, why = self._accept(base.sim, helix.sim, prefill)
         if not ok:
             summary.refused.insert(0, f"tiled schedule: {why}")
+            self._scale = base.scale
             return base
+        self._scale = helix.scale
         summary.tiled = True
         along = "the sequence" if any(d == 1 for d in trep.tiled_inputs.values()) and prefill else None
         summary.decisions.append(f"tiling into {tiles} streams{' along ' + along if along else ''} + round-robin "
@@ -591,10 +592,13 @@ class HelixBackend:
                     logger.warning("helix: Inductor overlap scheduling failed: %s", v.error)
         if v.tiled and self._base is not None:
             # Measure the untiled and tiled operators in one session, so the comparison that
-            # decides between them is not skewed by the host's load changing in between.
+            # decides between them is not skewed by the host's load changing in between; each
+            # variant's compute scale is fitted to its own graphs timed whole, back to back (the
+            # tiled graphs' extra operators, views and copies cost more than their operators
+            # timed one by one say: bench_helix's busy-time miss).
             base = [g for g in (self._base.fw, self._base.bw) if g is not None]
-            cost, v.scale = self._cost_for(base + graphs, None, scale_graphs=base)
-            self._decision_cost = cost
+            self._decision_cost, self._base.scale = self._cost_for(base + graphs, None, scale_graphs=base)
+            cost, v.scale = self._cost_for(base + graphs, None, scale_graphs=graphs)
         else:
             cost, v.scale = self._cost_for(graphs, v.scale)
         fw_ir = GraphIR(v.fw, gs)
