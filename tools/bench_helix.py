@@ -40,12 +40,13 @@ are the simulated step and exposed communication of the graphs as compiled, with
 scale calibrated to the compute thread's busy time in the measured steps (step minus time in
 waits, median, slowest rank): the operators' relative costs come from the micro-benchmarks, their
 total from the steps themselves, so the error measures the schedule and communication model rather
-than a shared host's load drifting since compile. "compile" is the prediction made at compile time,
-when the decision was taken; "sim MiB" is the compile-time memory prediction. Simulator error =
+than a shared host's load drifting since compile. "compile" is the prediction made at compile time
+(``GraphSummary.prediction``: the graphs that run, their compute scale fitted to a whole timing of
+those graphs while compiling); "sim MiB" is the compile-time memory prediction. Simulator error =
 |predicted - measured| / measured for the schedule Helix chose: "sim_makespan_err" with the rescaled
 compute, "sim_makespan_err_predicted" for the makespan predicted at compile time (per-operator
-micro-benchmarks and one timing of the computation taken while compiling; nothing from the
-measured steps). "sim_makespan_err_compile" is the same figure under its old name.
+micro-benchmarks and whole timings of the computation taken while compiling, beside the real
+collectives; nothing from the measured steps). "sim_makespan_err_compile" is the same figure under its old name.
 "sim_compile_miss_ms" splits each arm's compile-time miss by term (predicted minus measured, ms):
 "busy", the compute thread's time outside waits, and "exposed", its time in waits; the summary line
 gives Helix's. The real collectives are measured per case (at the payloads its graphs carry) and
@@ -315,7 +316,7 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
     selection = MeasuredSelection(cands, args.select_rounds, measure=2, ranked=True)
     for i in range(selection.warmups):
         selection.record(i, timed_step(step(selection.candidate(i)), dist.barrier).step_s)
-    figures = torch.tensor([backends[n].summaries[-1].chosen.makespan_s for n in cands]
+    figures = torch.tensor([backends[n].summaries[-1].prediction.makespan_s for n in cands]
                            + [float(backends[n].summaries[-1].tiled) for n in cands], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     predicted, tiled = figures[:len(cands)].tolist(), [bool(t) for t in figures[len(cands):].tolist()]
@@ -346,7 +347,7 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
         if len(summ) not in ((1, 2) if case in FAMILY_WORLD else (1,)):
             raise RuntimeError(f"{case}/{link}/{name}: expected one compiled graph, got {len(summ)}")
         last = len(summ) - 1
-        chosen = summ[last].chosen
+        chosen, prediction = summ[last].chosen, summ[last].prediction
         # Compute-thread busy time in the steps: median over steps, slowest rank. The emulated
         # interference is not compute the operators did: the simulator adds it on top again.
         busy = torch.tensor(statistics.median(s.step_s - s.exposed_comm_s - s.interference_s
@@ -359,7 +360,7 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
                      "slow_s": [s.interference_s for s in samples[name]],
                      "sim_slow_s": now.interference_s,
                      "peak": peaks[name], "sim_makespan_s": now.makespan_s, "sim_peak": chosen.peak_bytes,
-                     "sim_compile_s": chosen.makespan_s, "sim_compile_exposed_s": chosen.exposed_comm_s,
+                     "sim_compile_s": prediction.makespan_s, "sim_compile_exposed_s": prediction.exposed_comm_s,
                      "sim_exposed_s": now.exposed_comm_s,
                      "tiled": summ[last].tiled, "decision": summ[last].line()}
         if name == "helix" and case == "tp" and link == "xnode":

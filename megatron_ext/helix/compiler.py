@@ -64,6 +64,9 @@ class GraphSummary:
     step_collectives: dict[str, int] = dataclasses.field(default_factory=dict)  # untiled fw/bw graphs
     baseline: SimResult | None = None
     helix: SimResult | None = None       # the tiled candidate, whether taken or not
+    # The taken tiled graphs simulated with their own whole-graph compute scale (the decision
+    # prices both variants with the untiled graphs' scale); None when the untiled graphs run.
+    predicted: SimResult | None = None
     tiling: TilingReport | None = None
     reorder: dict[str, ReorderReport] = dataclasses.field(default_factory=dict)
     bucketing: BucketingReport | None = None
@@ -75,6 +78,12 @@ class GraphSummary:
     @property
     def chosen(self) -> SimResult | None:
         return self.helix if self.tiled else self.baseline
+
+    @property
+    def prediction(self) -> SimResult | None:
+        """The compile-time prediction of the graphs that run: each variant's step with the compute
+        scale fitted to its own graphs."""
+        return self.predicted or self.chosen
 
     def line(self) -> str:
         b, c = self.baseline, self.chosen
@@ -99,6 +108,8 @@ class _Variant:
     sim: SimResult | None = None
     emulate: bool = False
     scale: float | None = None  # whole-graph calibration factor shared by the variants
+    own_scale: float | None = None  # a tiled variant's: fitted to its own graphs
+    predicted: SimResult | None = None  # simulated with ``own_scale``
     reorder: dict[str, ReorderReport] = dataclasses.field(default_factory=dict)
     bucketing: BucketingReport | None = None
     error: str = ""
@@ -502,14 +513,14 @@ class HelixBackend:
                                          else None, self._decision_cost), record=True,
                                 interference=interference_of(self._decision_cost))
             summary.baseline = base.sim
+            self._scale = helix.scale
         summary.helix, summary.reorder, summary.bucketing = helix.sim, helix.reorder, helix.bucketing
         ok, why = self._accept(base.sim, helix.sim, prefill)
         if not ok:
             summary.refused.insert(0, f"tiled schedule: {why}")
-            self._scale = base.scale
             return base
-        self._scale = helix.scale
-        summary.tiled = True
+        summary.tiled, summary.predicted = True, helix.predicted
+        self._scale = helix.own_scale or self._scale
         along = "the sequence" if any(d == 1 for d in trep.tiled_inputs.values()) and prefill else None
         summary.decisions.append(f"tiling into {tiles} streams{' along ' + along if along else ''} + round-robin "
                                  f"({why})")
@@ -592,13 +603,15 @@ class HelixBackend:
                     logger.warning("helix: Inductor overlap scheduling failed: %s", v.error)
         if v.tiled and self._base is not None:
             # Measure the untiled and tiled operators in one session, so the comparison that
-            # decides between them is not skewed by the host's load changing in between; each
-            # variant's compute scale is fitted to its own graphs timed whole, back to back (the
-            # tiled graphs' extra operators, views and copies cost more than their operators
-            # timed one by one say: bench_helix's busy-time miss).
+            # decides between them is not skewed by the host's load changing in between. The
+            # decision prices both with the untiled graphs' compute scale (one scale: whole-graph
+            # timings of MoE graphs on made-up routing scatter); the prediction of the tiled step
+            # uses a scale fitted to the tiled graphs timed whole right after (their extra views,
+            # copies and collectives cost more than their operators timed one by one say).
             base = [g for g in (self._base.fw, self._base.bw) if g is not None]
-            self._decision_cost, self._base.scale = self._cost_for(base + graphs, None, scale_graphs=base)
-            cost, v.scale = self._cost_for(base + graphs, None, scale_graphs=graphs)
+            cost, v.scale = self._cost_for(base + graphs, None, scale_graphs=base)
+            self._decision_cost = cost
+            _, v.own_scale = self._cost_for(base + graphs, None, scale_graphs=graphs)
         else:
             cost, v.scale = self._cost_for(graphs, v.scale)
         fw_ir = GraphIR(v.fw, gs)
@@ -614,6 +627,9 @@ class HelixBackend:
                 bw_ir = GraphIR(v.bw, gs) if v.bw is not None else None
                 ops = step_ops(fw_ir, bw_ir, cost)
         v.sim = simulate(ops, record=True, interference=interference_of(cost))
+        if v.own_scale is not None:
+            own, _ = self._cost_for(graphs, v.own_scale)
+            v.predicted = simulate(step_ops(fw_ir, bw_ir, own), record=True, interference=interference_of(own))
 
 
 def _inductor_overlap(g: fx.GraphModule, cost: CostModel, group_size: Callable[[str], int] | None) -> None:

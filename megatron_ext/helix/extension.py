@@ -161,7 +161,8 @@ class HelixExtension(Extension):
         from megatron_ext.helix.selection import rank
 
         names = list(self.backends)
-        predicted = [sum(s.chosen.makespan_s for s in self._graphs_of(n) if s.chosen is not None) for n in names]
+        predicted = [sum(s.prediction.makespan_s for s in self._graphs_of(n) if s.prediction is not None)
+                     for n in names]
         tiled = [float(any(s.tiled for s in self._graphs_of(n))) for n in names]
         # candidates that tile alike (the same tiles and bucketing, the simulator deciding or not)
         # compiled the same graphs where they tiled the same graphs

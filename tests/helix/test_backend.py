@@ -237,3 +237,31 @@ def test_dynamic_shapes_run_unchanged_with_a_refusal():
         torch.testing.assert_close(c(x), m(x))
     s = be.summaries[0]
     assert s.refused == ["all passes: dynamic shapes (compile with dynamic=False)"] and not s.tiled
+
+
+def test_the_decision_prices_both_variants_at_one_scale_and_the_tiled_prediction_at_its_own(monkeypatch, tmp_path):
+    # The whole-graph timing says the tiled graphs' computation takes a second, the untiled graphs'
+    # no more than their operators. The decision's gain is the untiled scale's for both variants;
+    # the prediction of the tiled step -- what the job ranks candidates by and simulate_compiled
+    # reproduces -- carries the tiled graphs' second.
+    timed = []
+
+    def whole(self, graphs, device):
+        tiled = any(tile_of(n) is not None for g in graphs for n in g.graph.nodes)
+        timed.append(tiled)
+        return 1.0 if tiled else 1e-9
+
+    monkeypatch.setattr(HelixBackend, "_time_computation", whole)
+    torch._dynamo.reset()
+    be, _ = _compile("tp", 0, cost_model="calibrated", cost_cache=str(tmp_path / "c.json"), mode="helix")
+    s = be.summaries[0]
+    assert timed == [False, False, True]     # untiled alone, then untiled and tiled in one session
+    assert s.tiled and s.chosen is s.helix and s.helix.makespan_s < 0.5
+    gain = (s.baseline.makespan_s - s.helix.makespan_s) / s.baseline.makespan_s
+    assert s.decisions[0].endswith(f"(forced; predicted gain {gain:+.1%})"), s.decisions
+    assert s.prediction is s.predicted and s.predicted.makespan_s >= 1.0
+    with fake_world(0):
+        assert be.simulate_compiled(0).makespan_s == pytest.approx(s.predicted.makespan_s)
+    torch._dynamo.reset()
+    untiled, _ = _compile("tp", 0, cost_model="calibrated", cost_cache=str(tmp_path / "c.json"), mode="baseline")
+    assert untiled.summaries[0].predicted is None and untiled.summaries[0].prediction is untiled.summaries[0].baseline

@@ -96,7 +96,7 @@ def test_the_extension_runs_each_candidate_in_turn_and_keeps_the_faster(monkeypa
 
 
 def _summary(tiled: bool, makespan_s: float):
-    return types.SimpleNamespace(tiled=tiled, chosen=types.SimpleNamespace(makespan_s=makespan_s))
+    return types.SimpleNamespace(tiled=tiled, prediction=types.SimpleNamespace(makespan_s=makespan_s))
 
 
 def _stand_in(ext: HelixExtension, summaries: dict[str, list], measure: int | None = None, rounds: int = 3):
