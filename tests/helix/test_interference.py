@@ -106,7 +106,10 @@ def test_emulated_wait_charges_the_overlapped_compute():
     st = emulation_stats()
     # the time inside the wait is split into exposed communication and the charged slowdown
     assert 0.0 <= st.exposed_s and st.interference_s + st.exposed_s <= t_done - t_wait
-    assert st.interference_s >= overlap_lo - 1e-3
+    # At least the overlapped window is charged, less what the real collective's wait took (on a
+    # loaded host the thread can be descheduled inside it): that time is the exposed time that is
+    # not the sleep's overshoot past the charged deadline (link_s).
+    assert st.interference_s >= overlap_lo - (st.exposed_s - st.link_s) - 1e-3
     # ...and never more than the whole window at share 0.5 (sleep overshoot counts as exposed)
     assert st.interference_s <= (flight.deadline - flight.start) + 1e-6
 
