@@ -93,6 +93,8 @@ class GraphSummary:
         if b is not None and c is not None:
             parts.append(f"exposed comm {b.exposed_comm_s * 1e3:.2f} -> {c.exposed_comm_s * 1e3:.2f} ms (simulated)")
             parts.append(f"makespan {b.makespan_s * 1e3:.2f} -> {c.makespan_s * 1e3:.2f} ms")
+            if self.predicted is not None:
+                parts.append(f"predicted step {self.predicted.makespan_s * 1e3:.2f} ms (the tiled graphs timed whole)")
             parts.append(f"peak {_mib(b.peak_bytes)} -> {_mib(c.peak_bytes)}")
         parts.append("taken: " + ("; ".join(self.decisions) or "none"))
         parts.append("refused: " + ("; ".join(self.refused) or "none"))
@@ -611,7 +613,8 @@ class HelixBackend:
             base = [g for g in (self._base.fw, self._base.bw) if g is not None]
             cost, v.scale = self._cost_for(base + graphs, None, scale_graphs=base)
             self._decision_cost = cost
-            _, v.own_scale = self._cost_for(base + graphs, None, scale_graphs=graphs)
+            if self.cost_model_spec == "calibrated":
+                _, v.own_scale = self._cost_for(base + graphs, None, scale_graphs=graphs)
         else:
             cost, v.scale = self._cost_for(graphs, v.scale)
         fw_ir = GraphIR(v.fw, gs)

@@ -261,6 +261,7 @@ def test_the_decision_prices_both_variants_at_one_scale_and_the_tiled_prediction
     assert s.decisions[0].endswith(f"(forced; predicted gain {gain:+.1%})"), s.decisions
     # a second of computation (bucketing, after the timing, adds or removes a few copies)
     assert s.prediction is s.predicted and s.predicted.compute_s == pytest.approx(1.0, rel=0.25)
+    assert f"| predicted step {s.predicted.makespan_s * 1e3:.2f} ms (the tiled graphs timed whole) |" in s.line()
     with fake_world(0):
         assert be.simulate_compiled(0).makespan_s == pytest.approx(s.predicted.makespan_s)
     torch._dynamo.reset()
