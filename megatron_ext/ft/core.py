@@ -84,6 +84,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
+
+def _say(line: str) -> None:
+    """One line to stderr in one write: ``print`` writes the text and its newline apart, and the
+    launcher's own messages on the same pipe can land between them (the line then runs on)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
 INCARNATION_ENV = "MEGATRON_EXT_INCARNATION"
 """Set by the launcher on a process it started again in place of a lost one (1, 2, ...)."""
 
@@ -372,8 +379,7 @@ class FaultTolerance:
     def _terminate(self, why: str, code: int | None = None) -> None:
         """Monitor thread: the training thread did not follow a decision (``why``) within the grace:
         end the process (``code``, else SIGKILL, as a lost process ends)."""
-        print(f"ft: rank {self.member} ends: {why}, and its training thread did not follow", file=sys.stderr,
-              flush=True)
+        _say(f"ft: rank {self.member} ends: {why}, and its training thread did not follow")
         if code is not None:
             os._exit(code)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -417,8 +423,8 @@ class FaultTolerance:
         end = self._declare_end(store, code=RESTART_EXIT_CODE, message=f"rank(s) {what} gone", lost=info)
         if end["by"] == self.member:  # said once per job: by the survivor that declared the end
             where = self.cfg.checkpoint
-            print(f"resihp: aborting the job: rank(s) {what} gone; resume from the last checkpoint"
-                  + (f" (--load {where})" if where else " (none was saved: --save DIR)"), file=sys.stderr, flush=True)
+            _say(f"resihp: aborting the job: rank(s) {what} gone; resume from the last checkpoint"
+                 + (f" (--load {where})" if where else " (none was saved: --save DIR)"))
         # Linger a few polls: the other survivors should read it from the store before this goes.
         time.sleep(0.5)
         os._exit(end["code"])
