@@ -165,3 +165,18 @@ if _CPU_LOG:
         with open(_CPU_LOG, "a", encoding="utf-8") as fh:
             fh.write(f"{item.nodeid}\t{cpu(resource.RUSAGE_CHILDREN) + _forked_cpu[0] - c0:.1f}\t{cpu(resource.RUSAGE_SELF) - s0:.1f}\t"
                      f"{time.monotonic() - t0:.1f}\n")
+
+
+class FakeTime:
+    """A stand-in for a module's ``time`` (``monkeypatch.setattr(module, "time", FakeTime())``):
+    ``perf_counter`` returns ``now``, which moves only when the test moves it; ``sleep`` records
+    what it was asked to hold and returns at once."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now, self.slept = now, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)

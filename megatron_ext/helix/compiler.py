@@ -83,7 +83,7 @@ class GraphSummary:
     def prediction(self) -> SimResult | None:
         """The compile-time prediction of the graphs that run: each variant's step with the compute
         scale fitted to its own graphs."""
-        return self.predicted or self.chosen
+        return self.predicted if self.predicted is not None else self.chosen
 
     def line(self) -> str:
         b, c = self.baseline, self.chosen
@@ -592,6 +592,7 @@ class HelixBackend:
     def _optimize(self, v: _Variant) -> None:
         gs = self._group_size()
         graphs = [g for g in (v.fw, v.bw) if g is not None]
+        own: CostModel | None = None   # a tiled variant's costs at its own scale (calibrated only)
         if v.tiled:
             for tag, g in (("fw", v.fw), ("bw", v.bw)):
                 if g is not None:
@@ -614,7 +615,7 @@ class HelixBackend:
             cost, v.scale = self._cost_for(base + graphs, None, scale_graphs=base)
             self._decision_cost = cost
             if self.cost_model_spec == "calibrated":
-                _, v.own_scale = self._cost_for(base + graphs, None, scale_graphs=graphs)
+                own, v.own_scale = self._cost_for(base + graphs, None, scale_graphs=graphs)
         else:
             cost, v.scale = self._cost_for(graphs, v.scale)
         fw_ir = GraphIR(v.fw, gs)
@@ -624,14 +625,15 @@ class HelixBackend:
             offsets = {"fw": 1, "bw": len(fw_ir) + 2}
             tagged = {"fw": v.fw} | ({"bw": v.bw} if v.bw is not None else {})
             v.bucketing = bucket_graphs(tagged, ops, offsets, cost, self.memory_budget_bytes, gs)
-            if v.bucketing.taken:
+            if v.bucketing.taken:  # the merged collectives' copies are new operators to price
                 cost, _ = self._cost_for(graphs, v.scale)
+                if own is not None:
+                    own, _ = self._cost_for(graphs, v.own_scale)
                 fw_ir = GraphIR(v.fw, gs)
                 bw_ir = GraphIR(v.bw, gs) if v.bw is not None else None
                 ops = step_ops(fw_ir, bw_ir, cost)
         v.sim = simulate(ops, record=True, interference=interference_of(cost))
-        if v.own_scale is not None:
-            own, _ = self._cost_for(graphs, v.own_scale)
+        if own is not None:
             v.predicted = simulate(step_ops(fw_ir, bw_ir, own), record=True, interference=interference_of(own))
 
 

@@ -12,6 +12,7 @@ from megatron_ext.helix.config import HelixConfig
 from megatron_ext.helix.cost import (PRESETS, AnalyticalCostModel, DeviceSpec, Interconnect, MeasuredCostModel,
                                      op_signature, resolve_interconnect)
 from megatron_ext.helix.ir import CollectiveInfo, GraphIR
+from tests.conftest import FakeTime
 
 DEV = DeviceSpec(name="t", peak_flops_per_s=1e9, mem_bandwidth_Bps=1e9, op_overhead_s=1e-6)
 
@@ -250,14 +251,6 @@ def test_the_live_copy_runs_the_real_collectives_without_the_emulated_link_and_t
         assert calibrate._CollectiveClock.waits > 0 and calibrate._CollectiveClock.starts > 0
 
 
-class _FakeTime:
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self):
-        return self.now
-
-
 def test_live_timing_counts_the_computation_and_not_the_collectives_starts_and_waits(monkeypatch):
     # The wait takes 5 s of a fake clock, the computation after it 1 s: each repetition counts 1 s;
     # the first run is dropped and ``sync`` runs before every run.
@@ -265,7 +258,7 @@ def test_live_timing_counts_the_computation_and_not_the_collectives_starts_and_w
 
     from tests.helix.helix_helpers import fake_world
 
-    clock = _FakeTime()
+    clock = FakeTime()
     monkeypatch.setattr(calibrate, "time", clock)
 
     def slow_wait(x):

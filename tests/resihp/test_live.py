@@ -13,7 +13,7 @@ from megatron_ext.config.base import ConfigError
 from megatron_ext.config.run import config_from_values
 from megatron_ext.resihp.injection import burn, fail_at, parse_slow, parse_stop, slow_from
 from megatron_ext.resihp.trace import read_trace
-from tests.conftest import ROOT, run_python, run_torchrun
+from tests.conftest import ROOT, FakeTime, run_python, run_torchrun
 
 
 def verdicts(path):
@@ -174,20 +174,6 @@ def test_fault_flags():
         cfg.ext("faults").check_world(4)
 
 
-class _Clock:
-    """A fake ``time`` for the injection module: ``perf_counter`` moves only when told; ``sleep``
-    records what it was asked to hold."""
-
-    def __init__(self):
-        self.now, self.slept = 100.0, []
-
-    def perf_counter(self):
-        return self.now
-
-    def sleep(self, s):
-        self.slept.append(s)
-
-
 @pytest.mark.parametrize("mode", ["throttle", "work"])
 def test_throttle_holds_factor_minus_one_times_the_chunks_own_time(mode, monkeypatch):
     # Forward takes 1.0 s of the fake clock (0.25 s of it inside an excluded collective) and
@@ -197,7 +183,7 @@ def test_throttle_holds_factor_minus_one_times_the_chunks_own_time(mode, monkeyp
 
     from megatron_ext.resihp import injection
 
-    clock, burned = _Clock(), []
+    clock, burned = FakeTime(100.0), []
     monkeypatch.setattr(injection, "time", clock)
     monkeypatch.setattr(injection, "burn", burned.append)
     excluded = {"s": 0.0}
