@@ -64,7 +64,8 @@ class Actor:
         if carried.get("healthy_s") is not None and not self.healthy_times:
             self.healthy_times = [float(carried["healthy_s"])]
         planner = make_planner(trainer, executable_only=self.cfg.resihp_act == "relayout",
-                               min_gain=self.cfg.resihp_act_min_gain, horizon=self.cfg.resihp_act_horizon,
+                               min_gain=self.cfg.resihp_act_min_gain,
+                               min_gain_healthy=self.cfg.resihp_act_min_gain_healthy, horizon=self.cfg.resihp_act_horizon,
                                healthy_times=self.healthy_times, live_reshape=self.cfg.resihp_act_reshape)
         known = [*carried.get("speeds", {}), *carried.get("recovering", {}), *carried.get("nics", {}),
                  *carried.get("nics_recovering", {})]

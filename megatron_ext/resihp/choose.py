@@ -70,7 +70,8 @@ def plan_layout(trainer: "TrainerLike") -> PlanLayout:
                       devices=tuple(ctx.members))
 
 
-def make_planner(trainer: "TrainerLike", *, executable_only: bool, min_gain: float = 0.05, horizon: int = 500,
+def make_planner(trainer: "TrainerLike", *, executable_only: bool, min_gain: float = 0.05,
+                 min_gain_healthy: float = 0.02, horizon: int = 500,
                  healthy_times: list[float] | None = None, live_reshape: bool = False) -> "Planner":
     """A planner for the running job. ``executable_only``: search only what ``Trainer.relayout``
     applies in a live job with every rank kept (the engine's ``relayout_knobs``: layers per stage,
@@ -85,7 +86,7 @@ def make_planner(trainer: "TrainerLike", *, executable_only: bool, min_gain: flo
     workload = Workload(seq_length=trainer.cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
                         state_bytes_per_param=12.0 if not t.bf16 else 16.0,
                         grad_bytes_per_param=2.0 if t.bf16 else 4.0, activation_bytes_per_value=2.0 if t.bf16 else 4.0)
-    config = PlannerConfig(min_gain=min_gain, horizon_iterations=horizon,
+    config = PlannerConfig(min_gain=min_gain, min_gain_healthy=min_gain_healthy, horizon_iterations=horizon,
                            tp_regroup=not executable_only or "permute" in trainer.relayout_knobs,
                            dp_migration="microbatches" in trainer.relayout_knobs,
                            uneven_microbatches="microbatches" in trainer.relayout_knobs,

@@ -75,6 +75,9 @@ class ResiHPConfig:
                                    False)
     resihp_act_min_gain: float = doc("Act only on a plan that shortens the iteration by more than this "
                                      "fraction, after its pause is amortized over --resihp-act-horizon.", 0.05)
+    resihp_act_min_gain_healthy: float = doc("The threshold instead of --resihp-act-min-gain for a plan between "
+                                             "layouts whose ranks are all believed healthy (a grow back onto "
+                                             "returned ranks): only the cost model's error is at stake.", 0.02)
     resihp_act_horizon: int = doc("Iterations over which a re-layout's pause is amortized.", 500)
 
     def __post_init__(self) -> None:
@@ -123,6 +126,8 @@ class ResiHPConfig:
                               f"all but one of its last N iterations flagged), got {self.resihp_window}")
         if not 0 <= self.resihp_act_min_gain < 1:
             raise ConfigError(f"--resihp-act-min-gain must be in [0, 1), got {self.resihp_act_min_gain}")
+        if not 0 <= self.resihp_act_min_gain_healthy < 1:
+            raise ConfigError(f"--resihp-act-min-gain-healthy must be in [0, 1), got {self.resihp_act_min_gain_healthy}")
         if self.resihp_act_horizon < 1:
             raise ConfigError(f"--resihp-act-horizon must be >= 1, got {self.resihp_act_horizon}")
 

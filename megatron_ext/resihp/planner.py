@@ -571,6 +571,15 @@ class _SlowPaths:
     paths: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
 
 
+def _all_healthy(devices: set[int], speeds: np.ndarray, slow: _SlowPaths) -> bool:
+    """No believed slowness among ``devices``: each at full speed, no slow link, NIC or path
+    touching one."""
+    if any(abs(speeds[d] - 1.0) > HEALTHY_EPS for d in devices):
+        return False
+    return not (any(d in devices for d in slow.nics)
+                or any(a in devices or b in devices for a, b in [*slow.links, *slow.paths]))
+
+
 @dataclasses.dataclass
 class _Candidate:
     layout: PlanLayout
@@ -622,16 +631,19 @@ class Planner:
         in the layout are spares), slow pipeline ``links`` ((device, device) -> extra seconds
         per message), slow ``nics`` (device -> bytes/s) and slow ``paths`` ((device, device) ->
         bytes/s), or None when none gains more than
-        ``min_gain``. Raises ``PlanningError`` when the layout has a dead device and no layout runs
-        on the rest."""
+        ``min_gain`` (``min_gain_healthy`` where every device of both layouts is believed healthy).
+        Raises ``PlanningError`` when the layout has a dead device and no layout runs on the rest."""
         best, current_s, speeds_arr, slow = self._search(layout, speeds, links=links, nics=nics, paths=paths)
         if best is None:
             return None
         horizon = self.config.horizon_iterations
         after = best.sim_s + best.move_s / horizon
-        if not math.isinf(current_s) and after >= current_s * (1 - self.config.min_gain):
-            logger.debug("resihp planner: best %s gains %.1f %%, under the threshold", best.actions,
-                         100 * (1 - after / current_s))
+        threshold = self.config.min_gain
+        if _all_healthy({*layout.devices, *best.layout.devices}, speeds_arr, slow):
+            threshold = min(threshold, self.config.min_gain_healthy)
+        if not math.isinf(current_s) and after >= current_s * (1 - threshold):
+            logger.debug("resihp planner: best %s gains %.1f %%, under the threshold of %.0f %%", best.actions,
+                         100 * (1 - after / current_s), 100 * threshold)
             return None
         return self._to_plan(layout, best, current_s, speeds_arr, slow)
 

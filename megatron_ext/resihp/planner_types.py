@@ -239,7 +239,15 @@ class PlannerConfig:
 
     min_gain: float = 0.05
     """Propose a plan only when it shortens the iteration by more than this fraction, after the
-    state move is amortized over ``horizon_iterations``."""
+    state move is amortized over ``horizon_iterations``. It guards against acting on a believed
+    speed that is off (a factor re-estimated from x2.0 to x2.1)."""
+    min_gain_healthy: float = 0.02
+    """The threshold instead of ``min_gain`` for a plan where no believed slowness is at stake: every
+    device of the layout in force and of the plan believed healthy, and no slow link, NIC or path
+    among them (a grow back onto devices that returned, a reshape between healthy layouts). Only the
+    cost model's error between two layouts can make such a plan wrong, and that is smaller
+    (docs/resilience.md, "Two thresholds"): under 5 %, a job shrunk by a lost node stayed shrunk
+    after the node came back."""
     horizon_iterations: int = 500
     """Iterations over which a re-layout's pause is amortized (how long the new layout is expected
     to stay right)."""
@@ -276,8 +284,9 @@ class PlannerConfig:
     """...of those, only the ones whose closed-form cost is within this fraction of the best."""
 
     def __post_init__(self) -> None:
-        if not self.min_gain >= 0:
-            raise PlanningError(f"planner.min_gain must be >= 0, got {self.min_gain}")
+        if not self.min_gain >= 0 or not self.min_gain_healthy >= 0:
+            raise PlanningError(f"planner.min_gain and min_gain_healthy must be >= 0, got {self.min_gain} and "
+                                f"{self.min_gain_healthy}")
         if self.horizon_iterations < 1:
             raise PlanningError(f"planner.horizon_iterations must be >= 1, got {self.horizon_iterations}")
         if self.max_reshapes < 0 or self.simulate_top < 1:

@@ -20,7 +20,7 @@ def test_flag_list_is_pinned():
         "resihp_p2p_latency_s", "resihp_links", "resihp_link_floor_ms", "resihp_link_severe_factor",
         "resihp_nic_probe_interval", "resihp_nic_probe_kb",
         "resihp_trace_out", "resihp_verdicts_out", "resihp_control_file", "resihp_act", "resihp_act_reshape",
-        "resihp_act_min_gain",
+        "resihp_act_min_gain", "resihp_act_min_gain_healthy",
         "resihp_act_horizon"]
 
 
