@@ -244,10 +244,10 @@ class PlannerConfig:
     min_gain_healthy: float = 0.02
     """The threshold instead of ``min_gain`` for a plan where no believed slowness is at stake: every
     device of the layout in force and of the plan believed healthy, and no slow link, NIC or path
-    among them (a grow back onto devices that returned, a reshape between healthy layouts). Only the
-    cost model's error between two layouts can make such a plan wrong, and that is smaller
-    (docs/resilience.md, "Two thresholds"): under 5 %, a job shrunk by a lost node stayed shrunk
-    after the node came back."""
+    among them (a grow back onto devices that returned, a reshape between healthy layouts). Such a
+    plan is wrong only by the cost model's error between the two layouts, not by a misjudged speed
+    (docs/resilience.md, "Two thresholds", measures that error); under 5 %, a job shrunk by a lost
+    node stayed shrunk after the node came back."""
     horizon_iterations: int = 500
     """Iterations over which a re-layout's pause is amortized (how long the new layout is expected
     to stay right)."""
