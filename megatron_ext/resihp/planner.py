@@ -601,6 +601,17 @@ class Planner:
         self.config = config or PlannerConfig()
         self.memory_model = memory_model or default_memory_model
         self.costs = _costs(spec, workload, cluster)
+        self.shape_factors: dict[tuple[int, int], float] = {}
+        """Measured over predicted seconds per iteration of the (tp, pp) shapes the job ran
+        (``PlanPolicy.record_time``): the search scales its predictions by them."""
+
+    def shape_factor(self, layout: PlanLayout) -> float:
+        """The measured-over-predicted factor of ``layout``'s (tp, pp) shape; for a shape never
+        run, the median of the known ones (the model's error in general); 1 when none is known."""
+        f = self.shape_factors.get((layout.tp, layout.pp))
+        if f is not None:
+            return f
+        return float(np.median(list(self.shape_factors.values()))) if self.shape_factors else 1.0
 
     # ---- scoring ----
 
@@ -659,7 +670,7 @@ class Planner:
     def _to_plan(self, layout: PlanLayout, best: _Candidate, current_s: float, sp: np.ndarray,
                  slow: _SlowPaths) -> Plan:
         n_dev = sp.shape[0]
-        healthy_s = self._healthy_s(layout, slow)
+        healthy_s = self._healthy_s(layout, slow) * self.shape_factor(layout)
         members = set(layout.devices)
         return Plan(old=layout, new=best.layout, actions=best.actions, iteration_s_before=current_s,
                     iteration_s_after=float(best.sim_s), bytes_to_move=best.bytes_total,
@@ -702,8 +713,10 @@ class Planner:
             raise PlanningError(f"layout.layers hold {layout.num_layers} layers, the model has {self.spec.num_layers}")
         n_dev = sp.shape[0]
         memory = self.cluster.memory_of(n_dev)
-        current_s = self.iteration_s(layout, sp, slow.links, slow.nics, slow.paths)
+        current_s = self.iteration_s(layout, sp, slow.links, slow.nics, slow.paths) * self.shape_factor(layout)
         cands = self._candidates(layout, sp, memory, slow)
+        for c in cands:
+            c.closed_s *= self.shape_factor(c.layout)
         if not cands:
             if math.isinf(current_s):
                 dead = [r for r in layout.devices if sp[r] <= 0]
@@ -726,7 +739,7 @@ class Planner:
         for c in cands[:self.config.simulate_top]:
             # The closed form ranks well; only near-ties are worth a simulation each.
             if c is cands[0] or c.closed_s + c.move_s / horizon <= first * (1 + self.config.simulate_margin):
-                c.sim_s = self.iteration_s(c.layout, sp, slow.links, slow.nics, slow.paths)
+                c.sim_s = self.iteration_s(c.layout, sp, slow.links, slow.nics, slow.paths) * self.shape_factor(c.layout)
         scored = [c for c in cands if c.sim_s is not None]
         best = min(scored, key=lambda c: c.sim_s + c.move_s / horizon)
         return best, current_s, sp, slow

@@ -27,7 +27,16 @@ keeps a *believed* speed per device and only re-plans when that belief changes:
   the detector names it again once it computes;
 * a changed belief re-plans from the layout in force, and the planner's own threshold
   (``PlannerConfig.min_gain``) drops plans that would not pay for their move (a factor re-estimated
-  from x2.0 to x2.1 does not re-lay out the job).
+  from x2.0 to x2.1 does not re-lay out the job);
+* the measured iteration times (``record_time``): once the layout in force has run
+  ``measure_after`` iterations with nothing in it believed slow, the median of those over the
+  planner's prediction becomes its shape's factor (``Planner.shape_factors``), by which the
+  planner scales what it predicts for layouts of that (tp, pp). Once the policy has re-laid out the
+  job (a layout of its own choosing is in force), a new factor, or one changed by more than 1 %, is
+  a changed belief and re-plans: a planner that misjudges one shape against another learns it from
+  the shapes the job ran instead of staying on the one it is wrong about. The user's own starting
+  layout is not re-planned on a factor alone (a healthy job is not re-laid out because its shape ran
+  faster or slower than predicted).
 """
 from __future__ import annotations
 
@@ -58,11 +67,13 @@ class PlanPolicy:
     decides (its plans are broadcast). ``observe`` once per iteration."""
 
     def __init__(self, planner: Planner, layout: PlanLayout, num_devices: int, *, recover_after: int = 50,
-                 readmit_after: int = 0) -> None:
+                 readmit_after: int = 0, measure_after: int = 20) -> None:
         if recover_after < 0:
             raise PlanningError(f"recover_after must be >= 0 iterations, got {recover_after}")
         if readmit_after < 0:
             raise PlanningError(f"readmit_after must be >= 0 iterations (0: never), got {readmit_after}")
+        if measure_after < 0:
+            raise PlanningError(f"measure_after must be >= 0 iterations (0: never), got {measure_after}")
         if num_devices <= max(layout.devices):
             raise PlanningError(f"num_devices ({num_devices}) must exceed the largest rank of the layout "
                                 f"({max(layout.devices)})")
@@ -80,6 +91,11 @@ class PlanPolicy:
         self.paths: dict[tuple[int, int], float] = {}            # (device, device) -> the path's bytes/s
         self._paths_recovering: dict[tuple[int, int], int] = {}
         self.plans: list[tuple[int, Plan]] = []
+        self.measure_after = measure_after
+        self._times: list[float] = []          # measured seconds of the layout in force since the last change
+        self._measured = False                 # its shape's factor was taken in this period
+        self._timed_layout = layout
+        self._pending: list[str] = []          # factors to re-plan on at the next observe
 
     def believed(self, rank: int) -> float:
         return float(self.speeds[rank])
@@ -101,6 +117,8 @@ class PlanPolicy:
         if self.paths or self._paths_recovering:
             out["paths"] = {f"{a}-{b}": float(x) for (a, b), x in self.paths.items()}
             out["paths_recovering"] = {f"{a}-{b}": int(it) for (a, b), it in self._paths_recovering.items()}
+        if self.planner.shape_factors:
+            out["shape_factors"] = {f"{tp}x{pp}": float(f) for (tp, pp), f in self.planner.shape_factors.items()}
         return out
 
     def restore(self, beliefs: dict[str, dict[str, float]]) -> None:
@@ -123,24 +141,62 @@ class PlanPolicy:
         self._nics_recovering.update({int(d): int(it) for d, it in beliefs.get("nics_recovering", {}).items()})
         self.paths.update({pair(k): float(x) for k, x in beliefs.get("paths", {}).items()})
         self._paths_recovering.update({pair(k): int(it) for k, it in beliefs.get("paths_recovering", {}).items()})
+        for key, f in beliefs.get("shape_factors", {}).items():
+            tp, pp = (int(x) for x in key.split("x"))
+            self.planner.shape_factors[(tp, pp)] = float(f)
 
     def observe(self, iteration: int, verdicts: Iterable[Verdict] = (), *, adopt: bool = True) -> Plan | None:
         """Take this iteration's verdicts; return a plan when the belief changed and the planner
         found one worth its move. With ``adopt`` the plan's layout becomes the one in force (the
         caller applies it); without, the policy keeps planning from the old one (log-only mode)."""
-        changed = self.update_beliefs(iteration, verdicts)
+        changed = self.update_beliefs(iteration, verdicts) + self._pending
+        self._pending = []
         if not changed:
             return None
+        self._restart_timing()
         plan = self.planner.plan(self.layout, self.speeds, links=self.links, nics=self.nics, paths=self.paths)
         if plan is None:
-            logger.info("resihp policy iteration %d: %s; no re-layout gains more than %.0f %%", iteration,
-                        "; ".join(changed), 100 * self.planner.config.min_gain)
+            logger.info("resihp policy iteration %d: %s; no re-layout passes the threshold (%.0f %%, %.0f %% with "
+                        "nothing believed slow)", iteration, "; ".join(changed), 100 * self.planner.config.min_gain,
+                        100 * self.planner.config.min_gain_healthy)
             return None
         logger.info("resihp policy iteration %d: %s -> %s", iteration, "; ".join(changed), plan.describe())
         self.plans.append((iteration, plan))
         if adopt:
             self.layout = plan.new
         return plan
+
+    def _restart_timing(self) -> None:
+        self._times, self._measured = [], False
+
+    def record_time(self, seconds: float) -> None:
+        """One measured iteration of the layout in force (a re-layout's pause not included). Call
+        after ``observe`` of the same iteration; the first call after a change is dropped (it may
+        hold the move)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise PlanningError(f"a measured iteration must take a finite time > 0 seconds, got {seconds!r}")
+        lay = self.layout
+        if lay != self._timed_layout:   # set from outside (a live job's layout in force)
+            self._restart_timing()
+            self._timed_layout = lay
+        if not self.measure_after or self._measured:
+            return
+        devices = set(lay.devices)
+        if (any(abs(self.speeds[d] - 1.0) > 1e-6 for d in devices) or any(d in devices for d in self.nics)
+                or any(a in devices or b in devices for a, b in [*self.links, *self.paths])):
+            return   # the prediction would rest on believed speeds; only healthy layouts teach the model
+        self._times.append(float(seconds))
+        if len(self._times) <= self.measure_after:
+            return
+        self._measured = True
+        predicted = self.planner.iteration_s(lay, self.speeds)
+        factor = float(np.median(self._times[1:])) / predicted
+        key = (lay.tp, lay.pp)
+        old = self.planner.shape_factors.get(key)
+        self.planner.shape_factors[key] = factor
+        logger.debug("resihp policy: tp%dpp%d measured at x%.3f of the prediction", lay.tp, lay.pp, factor)
+        if self.plans and (old is None or abs(factor / old - 1) > 0.01):
+            self._pending.append(f"tp{lay.tp}pp{lay.pp} measured at x{factor:.3f} of the prediction")
 
     def update_beliefs(self, iteration: int, verdicts: Iterable[Verdict] = ()) -> list[str]:
         """Apply verdicts and the recovery clock to the believed speeds; returns what changed (one

@@ -61,8 +61,9 @@ class ResiHP(Policy):
 
     def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, nodes: bool = True,
                  nics: bool = True, reroute_first: bool = False, readmit_after_s: float | None = READMIT_AFTER_S,
-                 paths: bool = True) -> None:
+                 paths: bool = True, measure: bool = True) -> None:
         self.config = config or PlannerConfig()
+        self.measure = measure and not reroute_first
         if readmit_after_s is None:
             self.config = dataclasses.replace(self.config, grow_replicas=False)
         self.recover_after = recover_after
@@ -132,7 +133,13 @@ class ResiHP(Policy):
             verdicts = list(verdicts) + self._probe_verdicts(ctx, it, links) + self._readmit_nics(t, it)
         if self.reroute_first:
             return self._reroute_or_plan(ctx, it, verdicts)
-        return self.decide(ctx, it, verdicts)
+        act = self.decide(ctx, it, verdicts)
+        # The iteration's measured time, as the live job measures its own (run_policy calls react
+        # once per iteration, at its end): not when either call changed the job (a pause in it).
+        last, self._last = getattr(self, "_last", None), (t, act is None)
+        if self.measure and act is None and last is not None and last[1]:
+            self.policy.record_time(t - last[0])
+        return act
 
     def _reroute_or_plan(self, ctx: Context, it: int, verdicts: list[Verdict]) -> Action | None:
         """Glue (item 5, "combine rerouting with re-layout"): hand a slow or lost stage's

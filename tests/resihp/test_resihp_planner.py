@@ -616,3 +616,72 @@ def test_an_moe_layer_holds_every_expert_and_the_router():
     # experts at their own width, and a shared expert beside them
     narrow = dataclasses.replace(moe, moe_ffn_hidden_size=32, shared_expert_ffn_hidden_size=128)
     assert layer_params(narrow) == attention + 8 * 3 * 64 * 32 + 64 * 8 + 3 * 64 * 128
+
+
+# ---- measured iteration times -----------------------------------------------------------------
+
+def test_a_shape_measured_slower_than_predicted_is_priced_so_and_unknown_shapes_take_the_median():
+    p = planner(memory=80e9, **{**ONLY, "grow_replicas": True})
+    start = PlanLayout.even(num_layers=24, tp=1, pp=2, dp=8, num_microbatches=72)
+    sp = np.ones(18)
+    assert p.shape_factor(start) == 1.0
+    plain = p.plan(start, sp)
+    p.shape_factors[(1, 2)] = 1.5
+    scaled = p.plan(start, sp)
+    assert scaled.iteration_s_before == pytest.approx(1.5 * plain.iteration_s_before, rel=1e-12)
+    assert scaled.iteration_s_after == pytest.approx(1.5 * plain.iteration_s_after, rel=1e-12)
+    p.shape_factors[(2, 4)] = 1.1
+    other = PlanLayout.even(num_layers=24, tp=4, pp=1, dp=4, num_microbatches=72)
+    assert p.shape_factor(other) == pytest.approx(1.3)     # the median of 1.5 and 1.1
+
+
+def test_measured_times_set_the_shape_factor_and_re_plan_only_a_layout_of_the_policy_s_own():
+    p = planner(memory=80e9, **{**ONLY, "grow_replicas": True})
+    start = PlanLayout.even(num_layers=24, tp=1, pp=2, dp=8, num_microbatches=72)
+    pol = PlanPolicy(p, start, 18, measure_after=5)
+    pred = p.iteration_s(start, np.ones(18))
+    calls = []
+    plan_of = p.plan
+    p.plan = lambda *a, **k: calls.append(a[0]) or plan_of(*a, **k)
+    # The first time after a change is dropped (it may hold the move); then the median of 5.
+    for x in (9.0, 1.1, 1.2, 1.1, 1.0, 1.1):
+        pol.record_time(x * pred)
+    assert p.shape_factors == {(1, 2): pytest.approx(1.1)}
+    # The user's own layout is not re-planned on a factor alone.
+    assert pol.observe(10) is None and calls == []
+    # A layout of the policy's own choosing is: the new shape's factor re-plans from it.
+    grow = plan_of(start, np.ones(18))
+    pol.plans.append((11, grow))
+    pol.layout = grow.new
+    for _ in range(6):
+        pol.record_time(1.3 * pred)
+    pol.observe(30)
+    assert calls == [grow.new]
+    # Measured again at the same factor (within 1 %) after a change: no re-plan.
+    pol.observe(31, [slow(17, 31, 2.0)])
+    for _ in range(6):
+        pol.record_time(1.3 * pred)
+    n = len(calls)
+    pol.observe(40)
+    assert len(calls) == n
+    # Nothing is learned while a device of the layout is believed slow.
+    pol.observe(41, [slow(3, 41, 2.0)])
+    before = dict(p.shape_factors)
+    for _ in range(10):
+        pol.record_time(5 * pred)
+    assert p.shape_factors == before
+    # The factors travel with the beliefs.
+    other = PlanPolicy(planner(memory=80e9), start, 18)
+    other.restore(json.loads(json.dumps(pol.beliefs())))
+    assert other.planner.shape_factors == pytest.approx(p.shape_factors)
+
+
+def test_bad_measured_times_and_windows_are_errors():
+    p = planner()
+    start = PlanLayout.even(num_layers=24, tp=1, pp=2, dp=2, num_microbatches=8)
+    with pytest.raises(PlanningError, match=re.escape("measure_after must be >= 0 iterations (0: never), got -1")):
+        PlanPolicy(p, start, 4, measure_after=-1)
+    pol = PlanPolicy(p, start, 4)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(PlanningError, match="a measured iteration must take a finite time > 0 seconds"):
+            pol.record_time(bad)
