@@ -1,6 +1,7 @@
 """How far ResiHP's planner's healthy iteration time is from bench_resilience's scorer, per layout,
-and so how wrong the planner can be when it compares two healthy layouts (what
-``PlannerConfig.min_gain_healthy`` must stay above). Every node-aligned layout over 256 and 248
+and so how wrong the planner can be when it compares two healthy layouts (the error that
+``PlannerConfig.min_gain_healthy`` is set against and that the measured shape factors of
+``PlanPolicy.record_time`` correct for the shapes a job ran). Every node-aligned layout over 256 and 248
 GPUs (a node lost) that fits, per model, and again over only the layouts the planner times within
 10 % of its fastest (the ones it moves between); prints one row per model, then one JSON line.
 
