@@ -33,7 +33,7 @@ import functools
 import heapq
 import logging
 import math
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -45,8 +45,8 @@ from megatron_ext.resihp.planner_types import (HEALTHY_EPS, Cluster, MemoryModel
                                                PlanningError, Workload, _short)
 
 __all__ = ["Cluster", "MemoryModel", "Plan", "PlanLayout", "Planner", "PlannerConfig", "PlanningError", "Workload",
-           "capacity_optimum_s", "default_memory_model", "layer_params", "link_seconds", "node_local_groups",
-           "predict_iteration_s", "ring_factors", "ring_order",
+           "believed_healthy", "capacity_optimum_s", "default_memory_model", "layer_params", "link_seconds",
+           "node_local_groups", "predict_iteration_s", "ring_factors", "ring_order",
            "spans_nodes", "stage_params", "stage_speeds", "state_move_bytes"]
 
 logger = logging.getLogger(__name__)
@@ -571,13 +571,13 @@ class _SlowPaths:
     paths: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
 
 
-def _all_healthy(devices: set[int], speeds: np.ndarray, slow: _SlowPaths) -> bool:
+def believed_healthy(devices: set[int], speeds: np.ndarray, links: Iterable[tuple[int, int]] = (),
+                     nics: Iterable[int] = (), paths: Iterable[tuple[int, int]] = ()) -> bool:
     """No believed slowness among ``devices``: each at full speed, no slow link, NIC or path
-    touching one."""
+    touching one (``links`` and ``paths`` as device pairs, ``nics`` as devices)."""
     if any(abs(speeds[d] - 1.0) > HEALTHY_EPS for d in devices):
         return False
-    return not (any(d in devices for d in slow.nics)
-                or any(a in devices or b in devices for a, b in [*slow.links, *slow.paths]))
+    return not (any(d in devices for d in nics) or any(a in devices or b in devices for a, b in [*links, *paths]))
 
 
 @dataclasses.dataclass
@@ -650,7 +650,7 @@ class Planner:
         horizon = self.config.horizon_iterations
         after = best.sim_s + best.move_s / horizon
         threshold = self.config.min_gain
-        if _all_healthy({*layout.devices, *best.layout.devices}, speeds_arr, slow):
+        if believed_healthy({*layout.devices, *best.layout.devices}, speeds_arr, slow.links, slow.nics, slow.paths):
             threshold = min(threshold, self.config.min_gain_healthy)
         if not math.isinf(current_s) and after >= current_s * (1 - threshold):
             logger.debug("resihp planner: best %s gains %.1f %%, under the threshold of %.0f %%", best.actions,

@@ -46,7 +46,7 @@ from typing import Iterable
 
 import numpy as np
 
-from megatron_ext.resihp.planner import Planner
+from megatron_ext.resihp.planner import Planner, believed_healthy
 from megatron_ext.resihp.planner_types import Plan, PlanLayout, PlanningError
 from megatron_ext.resihp.verdicts import Verdict
 
@@ -181,9 +181,7 @@ class PlanPolicy:
             self._timed_layout = lay
         if not self.measure_after or self._measured:
             return
-        devices = set(lay.devices)
-        if (any(abs(self.speeds[d] - 1.0) > 1e-6 for d in devices) or any(d in devices for d in self.nics)
-                or any(a in devices or b in devices for a, b in [*self.links, *self.paths])):
+        if not believed_healthy(set(lay.devices), self.speeds, self.links, self.nics, self.paths):
             return   # the prediction would rest on believed speeds; only healthy layouts teach the model
         self._times.append(float(seconds))
         if len(self._times) <= self.measure_after:

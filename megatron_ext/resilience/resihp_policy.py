@@ -61,9 +61,8 @@ class ResiHP(Policy):
 
     def __init__(self, *, config: PlannerConfig | None = None, recover_after: int = 50, nodes: bool = True,
                  nics: bool = True, reroute_first: bool = False, readmit_after_s: float | None = READMIT_AFTER_S,
-                 paths: bool = True, measure: bool = True) -> None:
+                 paths: bool = True) -> None:
         self.config = config or PlannerConfig()
-        self.measure = measure and not reroute_first
         if readmit_after_s is None:
             self.config = dataclasses.replace(self.config, grow_replicas=False)
         self.recover_after = recover_after
@@ -110,6 +109,7 @@ class ResiHP(Policy):
             max(1, math.ceil(self.readmit_after_s / planner.iteration_s(layout, np.ones(ctx.num_devices))))
         self.policy = PlanPolicy(planner, layout, ctx.num_devices,
                                  recover_after=self.recover_after, readmit_after=readmit)
+        self._last: tuple[float, bool] | None = None   # the last react's time, and whether it left the job as it was
         return job
 
     def decide(self, ctx: Context, it: int, verdicts: list[Verdict]) -> Action | None:
@@ -136,9 +136,10 @@ class ResiHP(Policy):
         act = self.decide(ctx, it, verdicts)
         # The iteration's measured time, as the live job measures its own (run_policy calls react
         # once per iteration, at its end): not when either call changed the job (a pause in it).
-        last, self._last = getattr(self, "_last", None), (t, act is None)
-        if self.measure and act is None and last is not None and last[1]:
-            self.policy.record_time(t - last[0])
+        # (`resihp+rr` learns none: its rerouted job is not the planner's layout.)
+        if act is None and self._last is not None and self._last[1]:
+            self.policy.record_time(t - self._last[0])
+        self._last = (t, act is None)
         return act
 
     def _reroute_or_plan(self, ctx: Context, it: int, verdicts: list[Verdict]) -> Action | None:
