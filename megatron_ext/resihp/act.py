@@ -20,6 +20,7 @@ device in ``detail["launch_rank"]``, which the policy is fed.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from typing import TYPE_CHECKING
 
@@ -66,7 +67,13 @@ class Actor:
         planner = make_planner(trainer, executable_only=self.cfg.resihp_act == "relayout",
                                min_gain=self.cfg.resihp_act_min_gain,
                                min_gain_healthy=self.cfg.resihp_act_min_gain_healthy, horizon=self.cfg.resihp_act_horizon,
-                               healthy_times=self.healthy_times, live_reshape=self.cfg.resihp_act_reshape)
+                               healthy_times=self.healthy_times, live_reshape=self.cfg.resihp_act_reshape,
+                               device_flops=carried.get("device_flops"))
+        if not carried:
+            # The device speed was just scaled to this layout's healthy iterations: its shape is
+            # measured at x1 by construction (a factor the shapes the job runs later are set against).
+            lay = plan_layout(trainer)
+            planner.shape_factors[(lay.tp, lay.pp)] = 1.0
         known = [*carried.get("speeds", {}), *carried.get("recovering", {}), *carried.get("nics", {}),
                  *carried.get("nics_recovering", {})]
         policy = PlanPolicy(planner, plan_layout(trainer), max([*trainer.ctx.members, *map(int, known)]) + 1)
@@ -76,7 +83,7 @@ class Actor:
     def _beliefs(self) -> dict:
         """What the next decider needs: the policy's beliefs by device and the healthy iteration
         time the planner's speeds are scaled to."""
-        return {**self.policy.beliefs(),
+        return {**self.policy.beliefs(), "device_flops": self.policy.planner.cluster.device_flops,
                 "healthy_s": statistics.median(self.healthy_times) if self.healthy_times else None}
 
     def observe(self, trainer: "Trainer", iteration: int, verdicts: list["Verdict"], iter_time_s: float) -> Plan | None:
@@ -105,6 +112,11 @@ class Actor:
                 plan = self.policy.observe(iteration, named, adopt=False)
                 if plan is not None:
                     decision, beliefs = plan.to_json(), self._beliefs()
+                elif self.cfg.resihp_act == "relayout" and math.isfinite(iter_time_s) and iter_time_s > 0:
+                    # This iteration's time teaches the planner the shape in force (once it has run
+                    # ``measure_after`` healthy iterations; the first after a change is dropped).
+                    # Not under ``plan``: its layout is always the start, the one the scale came from.
+                    self.policy.record_time(iter_time_s)
         ext = extension_of(trainer)
         box = [decision, beliefs, list(ext.verdicts) if decision is not None and ext is not None else None]
         if dist.is_initialized() and dist.get_world_size() > 1:

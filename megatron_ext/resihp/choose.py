@@ -72,13 +72,15 @@ def plan_layout(trainer: "TrainerLike") -> PlanLayout:
 
 def make_planner(trainer: "TrainerLike", *, executable_only: bool, min_gain: float = 0.05,
                  min_gain_healthy: float = 0.02, horizon: int = 500,
-                 healthy_times: list[float] | None = None, live_reshape: bool = False) -> "Planner":
+                 healthy_times: list[float] | None = None, live_reshape: bool = False,
+                 device_flops: float | None = None) -> "Planner":
     """A planner for the running job. ``executable_only``: search only what ``Trainer.relayout``
     applies in a live job with every rank kept (the engine's ``relayout_knobs``: layers per stage,
     micro-batches per replica, a rank permutation; other TP x PP x DP sizes over the same ranks only
     with ``live_reshape``, ``--resihp-act-reshape``). The device speed is scaled so that the model predicts the healthy
     iterations measured so far: plans compare layouts relative to each other, but the pause is
-    amortized in seconds."""
+    amortized in seconds. ``device_flops``: that scale as another decider took it (``Actor``'s
+    carried beliefs), since the layout in force may no longer be the one the times were measured in."""
     from megatron_ext.resihp.planner import Planner
 
     spec = model_spec(trainer)
@@ -93,11 +95,13 @@ def make_planner(trainer: "TrainerLike", *, executable_only: bool, min_gain: flo
                            drop_replicas=not executable_only, grow_replicas=not executable_only,
                            reshape=not executable_only or (live_reshape and "shape" in trainer.relayout_knobs),
                            reshape_keeps_devices=executable_only)
-    probe = Cluster(device_flops=1e12, memory_bytes=float("inf"), link_bytes_per_s=CPU_LINK_BYTES_PER_S)
-    predicted = Planner(spec, probe, workload, config).iteration_s(plan_layout(trainer),
-                                                                   np.ones(max(trainer.ctx.members) + 1))
-    measured = statistics.median(healthy_times) if healthy_times else predicted
-    cluster = Cluster(device_flops=1e12 * predicted / max(measured, 1e-9), memory_bytes=float("inf"),
+    if device_flops is None:
+        probe = Cluster(device_flops=1e12, memory_bytes=float("inf"), link_bytes_per_s=CPU_LINK_BYTES_PER_S)
+        predicted = Planner(spec, probe, workload, config).iteration_s(plan_layout(trainer),
+                                                                       np.ones(max(trainer.ctx.members) + 1))
+        measured = statistics.median(healthy_times) if healthy_times else predicted
+        device_flops = 1e12 * predicted / max(measured, 1e-9)
+    cluster = Cluster(device_flops=device_flops, memory_bytes=float("inf"),
                       link_bytes_per_s=CPU_LINK_BYTES_PER_S, relayout_pause_s=CPU_RELAYOUT_PAUSE_S)
     return Planner(spec, cluster, workload, config)
 

@@ -99,7 +99,8 @@ def test_the_policy_keeps_a_slow_nic_until_it_has_recovered_for_long_enough():
               25: [nic(1, 25, LINK / 10 / 1e6)], 40: [nic(1, 40, None, "nic_recovered")]}.get(it, [])
         if it == 45:
             handed = json.loads(json.dumps(pol.beliefs()))
-            assert handed == {"speeds": {}, "recovering": {}, "nics": {"1": LINK / 10}, "nics_recovering": {"1": 40}}
+            assert handed == {"speeds": {}, "recovering": {}, "nics": {"1": LINK / 10}, "nics_recovering": {"1": 40},
+                              "chosen": True}
             pol2 = PlanPolicy(p, pol.layout, 6, recover_after=30)
             pol2.restore(handed)
             pol = pol2

@@ -387,7 +387,7 @@ def test_beliefs_handed_to_another_process_keep_the_hysteresis():
     for it in range(200):
         if it == 45:
             handed = json.loads(json.dumps(pol.beliefs()))
-            assert handed == {"speeds": {"1": 0.5}, "recovering": {"1": 40}}
+            assert handed == {"speeds": {"1": 0.5}, "recovering": {"1": 40}, "chosen": True}
             pol2 = PlanPolicy(p, pol.layout, 4, recover_after=30)
             pol2.restore(handed)
             pol = pol2
@@ -670,10 +670,24 @@ def test_measured_times_set_the_shape_factor_and_re_plan_only_a_layout_of_the_po
     for _ in range(10):
         pol.record_time(5 * pred)
     assert p.shape_factors == before
-    # The factors travel with the beliefs.
-    other = PlanPolicy(planner(memory=80e9), start, 18)
-    other.restore(json.loads(json.dumps(pol.beliefs())))
+    # The factors travel with the beliefs, and so does whose layout is in force: a policy that
+    # takes over a layout another chose (a live job's next decider) re-plans on a new factor too.
+    beliefs = json.loads(json.dumps(pol.beliefs()))
+    assert beliefs["chosen"] is True
+    other = PlanPolicy(planner(memory=80e9), grow.new, 18, measure_after=5)
+    other.restore(beliefs)
     assert other.planner.shape_factors == pytest.approx(p.shape_factors)
+    assert beliefs["speeds"] == {"3": 0.5, "17": 0.5}
+    other.speeds[[3, 17]] = 1.0   # both back (nothing is learned while a device of the layout is slow)
+    for _ in range(6):
+        other.record_time(1.6 * other.planner.iteration_s(grow.new, np.ones(18)))
+    assert other._pending == [f"tp{grow.new.tp}pp{grow.new.pp} measured at x1.600 of the prediction"]
+    # A fresh policy on the user's start says nothing of a choice; nor re-plans on a factor.
+    fresh = PlanPolicy(planner(memory=80e9), start, 18, measure_after=5)
+    assert "chosen" not in fresh.beliefs()
+    for _ in range(6):
+        fresh.record_time(1.6 * pred)
+    assert fresh._pending == [] and fresh.planner.shape_factors == {(1, 2): pytest.approx(1.6)}
 
 
 def test_bad_measured_times_and_windows_are_errors():
