@@ -3,7 +3,9 @@ the policy's log (every re-plan, every threshold it missed, every measured shape
 tokens per hour of the day, as the nominal scorer times them.
 
 Run: ``python tools/bench_resilience.py``'s cell ``MODEL/mixed_day@SEED`` as
-``python tools/trace_resihp_day.py MODEL SEED`` (a minute or two; deterministic)."""
+``python tools/trace_resihp_day.py MODEL SEED`` (a minute or two; deterministic). With
+``--against recycle`` (any baseline of the bench) that policy runs the same day too, and each hour
+prints both and ResiHP's share of it, so the hours where ResiHP falls behind stand out."""
 import argparse
 import collections
 import logging
@@ -12,6 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_ext.resilience import resihp_policy, setting  # noqa: E402
+from megatron_ext.resilience.policies import BASELINES  # noqa: E402
 from megatron_ext.resilience.run import run_policy  # noqa: E402
 
 
@@ -19,19 +22,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", choices=list(setting.LAYOUTS))
     ap.add_argument("seed", type=int, help="a held-out seed (bench_resilience prints them)")
+    ap.add_argument("--against", choices=list(BASELINES), default=None,
+                    help="a baseline to run on the same day, hour by hour beside ResiHP")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
     for name in ("megatron_ext.resihp.planner", "megatron_ext.resihp.planner_policy"):
         logging.getLogger(name).setLevel(logging.DEBUG)
     ctx = setting.context(args.model)
     day = setting.heldout_day(ctx, args.seed)
-    per_hour: dict[int, float] = collections.defaultdict(float)
-    result = run_policy(resihp_policy.make("resihp"), ctx, setting.trace(ctx, day), end_s=day.end_s,
-                        measure_from_s=day.measure_from_s,
-                        on_iteration=lambda t, tokens: per_hour.__setitem__(int(t // 3600), per_hour[int(t // 3600)] + tokens))
-    print(f"{args.model}/{day.name}: resihp {result.throughput_vs_healthy:.4f} of healthy, "
-          f"{result.relayouts} re-layouts, {result.pause_s:.0f} s paused")
+    def run(name: str) -> tuple[object, dict[int, float]]:
+        per_hour: dict[int, float] = collections.defaultdict(float)
+        result = run_policy(resihp_policy.make(name), ctx, setting.trace(ctx, day), end_s=day.end_s,
+                            measure_from_s=day.measure_from_s,
+                            on_iteration=lambda t, tokens: per_hour.__setitem__(int(t // 3600),
+                                                                                per_hour[int(t // 3600)] + tokens))
+        print(f"{args.model}/{day.name}: {name} {result.throughput_vs_healthy:.4f} of healthy, "
+              f"{result.relayouts} re-layouts, {result.pause_s:.0f} s paused")
+        return result, per_hour
+
+    _, per_hour = run("resihp")
     print("G tokens per hour: " + ", ".join(f"{h}: {v / 1e9:.3f}" for h, v in sorted(per_hour.items())))
+    if args.against:
+        logging.getLogger("megatron_ext.resihp").setLevel(logging.WARNING)
+        _, other = run(args.against)
+        print(f"hour  resihp  {args.against:>8}  resihp/{args.against} (G tokens)")
+        for h in sorted(set(per_hour) | set(other)):
+            a, b = per_hour.get(h, 0.0), other.get(h, 0.0)
+            print(f"{h:4d}  {a / 1e9:6.3f}  {b / 1e9:8.3f}  {a / b if b else float('nan'):.3f}")
 
 
 if __name__ == "__main__":
