@@ -14,8 +14,32 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_ext.resilience import resihp_policy, setting  # noqa: E402
+from megatron_ext.resihp.planner import node_local_groups  # noqa: E402
+from megatron_ext.resihp.planner_types import PlanLayout  # noqa: E402
 from megatron_ext.resilience.policies import BASELINES  # noqa: E402
 from megatron_ext.resilience.run import run_policy  # noqa: E402
+
+
+def shapes_at_end(policy) -> None:
+    """The planner's view at the day's end: the layout it holds and, for every (tp, pp) shape the
+    job ran, that shape with even stages and micro-batches over the devices alive then (TP groups
+    inside nodes), as the planner prices it (its measured shape factors included)."""
+    pol = policy.policy
+    planner, lay, speeds = pol.planner, pol.layout, pol.speeds
+    alive = [d for d in range(speeds.shape[0]) if speeds[d] > 0]
+    held = planner.iteration_s(lay, speeds, pol.links, pol.nics, pol.paths) * planner.shape_factor(lay)
+    print(f"at the day's end: {len(alive)} devices alive; holding tp{lay.tp}pp{lay.pp}dp{lay.dp} at {held:.2f} s "
+          "as the planner prices it; each shape the job ran, evenly over the alive devices:")
+    for tp, pp in sorted(planner.shape_factors):
+        dp = min(len(alive) // (tp * pp), lay.num_microbatches)
+        if dp < 1:
+            continue
+        even = PlanLayout.even(num_layers=planner.spec.num_layers, tp=tp, pp=pp, dp=dp,
+                               num_microbatches=lay.num_microbatches, devices=alive[:tp * pp * dp])
+        if planner.cluster.devices_per_node:   # TP groups inside nodes, as the planner places them
+            even = node_local_groups(even, planner.cluster.devices_per_node, speeds)
+        t = planner.iteration_s(even, speeds, pol.links, pol.nics, pol.paths) * planner.shape_factor(even)
+        print(f"  tp{tp}pp{pp}dp{dp}: {max(even.microbatches)} micro-batches on the busiest replica, {t:.2f} s")
 
 
 def main() -> None:
@@ -30,9 +54,9 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.DEBUG)
     ctx = setting.context(args.model)
     day = setting.heldout_day(ctx, args.seed)
-    def run(name: str) -> tuple[object, dict[int, float]]:
+    def run(name: str, policy=None) -> tuple[object, dict[int, float]]:
         per_hour: dict[int, float] = collections.defaultdict(float)
-        result = run_policy(resihp_policy.make(name), ctx, setting.trace(ctx, day), end_s=day.end_s,
+        result = run_policy(policy or resihp_policy.make(name), ctx, setting.trace(ctx, day), end_s=day.end_s,
                             measure_from_s=day.measure_from_s,
                             on_iteration=lambda t, tokens: per_hour.__setitem__(int(t // 3600),
                                                                                 per_hour[int(t // 3600)] + tokens))
@@ -40,7 +64,9 @@ def main() -> None:
               f"{result.relayouts} re-layouts, {result.pause_s:.0f} s paused")
         return result, per_hour
 
-    _, per_hour = run("resihp")
+    policy = resihp_policy.make("resihp")
+    _, per_hour = run("resihp", policy)
+    shapes_at_end(policy)
     print("G tokens per hour: " + ", ".join(f"{h}: {v / 1e9:.3f}" for h, v in sorted(per_hour.items())))
     if args.against:
         logging.getLogger("megatron_ext.resihp").setLevel(logging.WARNING)
