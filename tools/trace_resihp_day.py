@@ -20,6 +20,9 @@ from megatron_ext.resilience.policies import BASELINES  # noqa: E402
 from megatron_ext.resilience.run import run_policy  # noqa: E402
 
 
+TRACED = ("megatron_ext.resihp.planner", "megatron_ext.resihp.planner_policy")
+
+
 def shapes_at_end(policy) -> None:
     """The planner's view at the day's end: the layout it holds and, for every (tp, pp) shape the
     job ran, that shape with even stages and micro-batches over the devices alive then (TP groups
@@ -50,27 +53,29 @@ def main() -> None:
                     help="a baseline to run on the same day, hour by hour beside ResiHP")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
-    for name in ("megatron_ext.resihp.planner", "megatron_ext.resihp.planner_policy"):
+    for name in TRACED:
         logging.getLogger(name).setLevel(logging.DEBUG)
     ctx = setting.context(args.model)
     day = setting.heldout_day(ctx, args.seed)
-    def run(name: str, policy=None) -> tuple[object, dict[int, float]]:
+
+    def run(policy) -> dict[int, float]:
+        """The policy through the day: its summary line, and its tokens per hour."""
         per_hour: dict[int, float] = collections.defaultdict(float)
-        result = run_policy(policy or resihp_policy.make(name), ctx, setting.trace(ctx, day), end_s=day.end_s,
-                            measure_from_s=day.measure_from_s,
+        result = run_policy(policy, ctx, setting.trace(ctx, day), end_s=day.end_s, measure_from_s=day.measure_from_s,
                             on_iteration=lambda t, tokens: per_hour.__setitem__(int(t // 3600),
                                                                                 per_hour[int(t // 3600)] + tokens))
-        print(f"{args.model}/{day.name}: {name} {result.throughput_vs_healthy:.4f} of healthy, "
+        print(f"{args.model}/{day.name}: {policy.name} {result.throughput_vs_healthy:.4f} of healthy, "
               f"{result.relayouts} re-layouts, {result.pause_s:.0f} s paused")
-        return result, per_hour
+        return per_hour
 
-    policy = resihp_policy.make("resihp")
-    _, per_hour = run("resihp", policy)
-    shapes_at_end(policy)
+    resihp = resihp_policy.make("resihp")
+    per_hour = run(resihp)
+    shapes_at_end(resihp)
     print("G tokens per hour: " + ", ".join(f"{h}: {v / 1e9:.3f}" for h, v in sorted(per_hour.items())))
     if args.against:
-        logging.getLogger("megatron_ext.resihp").setLevel(logging.WARNING)
-        _, other = run(args.against)
+        for name in TRACED:   # ResiHP's trace only
+            logging.getLogger(name).setLevel(logging.WARNING)
+        other = run(resihp_policy.make(args.against))
         print(f"hour  resihp  {args.against:>8}  resihp/{args.against} (G tokens)")
         for h in sorted(set(per_hour) | set(other)):
             a, b = per_hour.get(h, 0.0), other.get(h, 0.0)

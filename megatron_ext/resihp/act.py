@@ -69,14 +69,14 @@ class Actor:
                                min_gain_healthy=self.cfg.resihp_act_min_gain_healthy, horizon=self.cfg.resihp_act_horizon,
                                healthy_times=self.healthy_times, live_reshape=self.cfg.resihp_act_reshape,
                                device_flops=carried.get("device_flops"))
+        layout = plan_layout(trainer)
         if not carried:
             # The device speed was just scaled to this layout's healthy iterations: its shape is
             # measured at x1 by construction (a factor the shapes the job runs later are set against).
-            lay = plan_layout(trainer)
-            planner.shape_factors[(lay.tp, lay.pp)] = 1.0
+            planner.shape_factors[(layout.tp, layout.pp)] = 1.0
         known = [*carried.get("speeds", {}), *carried.get("recovering", {}), *carried.get("nics", {}),
                  *carried.get("nics_recovering", {})]
-        policy = PlanPolicy(planner, plan_layout(trainer), max([*trainer.ctx.members, *map(int, known)]) + 1)
+        policy = PlanPolicy(planner, layout, max([*trainer.ctx.members, *map(int, known)]) + 1)
         policy.restore(carried)
         return policy
 

@@ -96,7 +96,13 @@ class PlanPolicy:
         self._measured = False                 # its shape's factor was taken in this period
         self._timed_layout = layout
         self._pending: list[str] = []          # factors to re-plan on at the next observe
-        self._chosen = False                   # the layout in force is a plan of another policy's (restore)
+        self._chosen = False                   # restored from a policy whose plan is in force (``chosen``)
+
+    @property
+    def chosen(self) -> bool:
+        """The layout in force is a plan of this policy's, or of the policy it took over from, not
+        the user's start."""
+        return bool(self.plans) or self._chosen
 
     def believed(self, rank: int) -> float:
         return float(self.speeds[rank])
@@ -118,8 +124,8 @@ class PlanPolicy:
         if self.paths or self._paths_recovering:
             out["paths"] = {f"{a}-{b}": float(x) for (a, b), x in self.paths.items()}
             out["paths_recovering"] = {f"{a}-{b}": int(it) for (a, b), it in self._paths_recovering.items()}
-        if self.plans or self._chosen:
-            out["chosen"] = True   # the layout in force is this policy's choice, not the user's start
+        if self.chosen:
+            out["chosen"] = True
         if self.planner.shape_factors:
             out["shape_factors"] = {f"{tp}x{pp}": float(f) for (tp, pp), f in self.planner.shape_factors.items()}
         return out
@@ -197,7 +203,7 @@ class PlanPolicy:
         old = self.planner.shape_factors.get(key)
         self.planner.shape_factors[key] = factor
         logger.debug("resihp policy: tp%dpp%d measured at x%.3f of the prediction", lay.tp, lay.pp, factor)
-        if (self.plans or self._chosen) and (old is None or abs(factor / old - 1) > 0.01):
+        if self.chosen and (old is None or abs(factor / old - 1) > 0.01):
             self._pending.append(f"tp{lay.tp}pp{lay.pp} measured at x{factor:.3f} of the prediction")
 
     def update_beliefs(self, iteration: int, verdicts: Iterable[Verdict] = ()) -> list[str]:

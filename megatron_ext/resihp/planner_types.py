@@ -246,8 +246,8 @@ class PlannerConfig:
     device of the layout in force and of the plan believed healthy, and no slow link, NIC or path
     among them (a grow back onto devices that returned, a reshape between healthy layouts). Such a
     plan is wrong only by the cost model's error between the two layouts, not by a misjudged speed
-    (docs/resilience.md, "the held-out days won back", and ``tools/bench_planner_error.py`` measure that error); under 5 %, a job shrunk by a lost
-    node stayed shrunk after the node came back."""
+    (docs/resilience.md, "the held-out days won back", and ``tools/bench_planner_error.py`` measure
+    that error); under 5 %, a job shrunk by a lost node stayed shrunk after the node came back."""
     horizon_iterations: int = 500
     """Iterations over which a re-layout's pause is amortized (how long the new layout is expected
     to stay right)."""
