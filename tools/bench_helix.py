@@ -35,7 +35,7 @@ bootstrap interval, beside the A/A ratio and its interval (``megatron_ext/bench/
 median step time, median exposed communication (time the compute thread spent in
 waits: for the slower peer to reach the collective, then for the emulated link; "link ms" is the
 link's share), peak memory (a profiled step whose allocator accounting closes,
-``measure.step_peak_bytes``; "n/a" / null when none closed in 100 tries). Simulator: "sim ms"/"sim exp"
+``measure.step_peak_bytes``; "n/a" / null when none closed in --peak-attempts tries, default 100). Simulator: "sim ms"/"sim exp"
 are the simulated step and exposed communication of the graphs as compiled, with the compute
 scale calibrated to the compute thread's busy time in the measured steps (step minus time in
 waits, median, slowest rank): the operators' relative costs come from the micro-benchmarks, their
@@ -295,7 +295,8 @@ def run_case(case: str, link: str, args: argparse.Namespace, g: GroupRef, interf
         # core (moe_tpep) that happens in nearly every step: then there is no measured peak (None;
         # every rank gives up together).
         try:
-            return step_peak_bytes(fns[name], x, gy, models[name].parameters(), attempts=100, agree=agree)
+            return step_peak_bytes(fns[name], x, gy, models[name].parameters(), attempts=args.peak_attempts,
+                                   agree=agree)
         except UnclosedAccounting:
             return None
 
@@ -788,6 +789,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiles", type=int, default=2)
     p.add_argument("--steps", type=int, default=30, help="measured rounds (one step per arm each, order rotated)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--peak-attempts", type=int, default=100,
+                   help="profiled steps tried for a peak-memory figure whose allocator accounting closes")
     p.add_argument("--select-rounds", type=int, default=DEFAULT_SELECT_ROUNDS,
                    help="rounds of the measured selection's own (untiled vs Helix), before the measured rounds "
                         "(default: the job's, --helix-select-rounds unset in auto mode)")
@@ -810,6 +813,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--timeline needs the tp case and the xnode link")
     if not 0.0 <= args.interference < 1.0:
         p.error(f"--interference is a share of compute throughput in [0, 1), got {args.interference}")
+    if args.select_rounds < 1 or args.peak_attempts < 1 or args.tiles < 2:
+        p.error(f"--select-rounds and --peak-attempts must be >= 1 and --tiles >= 2, got "
+                f"{args.select_rounds}, {args.peak_attempts} and {args.tiles}")
 
     report = Report("bench_helix")  # the load average before anything starts
     results: dict[str, dict] = {"plain": {}, "interference": {}}
