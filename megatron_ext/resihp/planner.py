@@ -622,46 +622,6 @@ class Planner:
         return predict_iteration_s(layout, self.spec, speeds, self.cluster, self.workload, links or {}, nics or {},
                                    paths or {})
 
-    def rerouted_iteration_s(self, layout: PlanLayout, speeds: Sequence[float], links: Links | None = None,
-                             nics: Nics | None = None, paths: Paths | None = None) -> float:
-        """Predicted seconds per iteration of ``layout`` with every slow or lost stage's micro-batches
-        computed by the same stage of the other replicas (ReCycle's rerouting; nothing moves). A
-        replica whose every stage lost a device is dropped and its micro-batches spread over the
-        rest. The faulty devices' own work is hidden; the work moved to a stage's peers goes into
-        their idle time at that stage first (a replica's 1F1B time at healthy speed minus its busy
-        time there: all of it counted usable, as the resilience simulator counts it for ReCycle),
-        and only what does not fit lengthens the iteration. Infinite where a stage has no peer."""
-        sp = _check_speeds(speeds, layout)
-        grid = layout.grid()
-        stage = sp[grid].min(axis=2)                                        # (pp, dp)
-        faulty = stage < 1.0
-        alive = ~(stage <= 0).all(axis=0)
-        if not alive.any():
-            return math.inf
-        hidden = sp.copy()
-        inside = grid.reshape(-1)
-        hidden[inside] = np.where(sp[inside] < 1.0, 1.0, sp[inside])
-        m = np.asarray(layout.microbatches, dtype=float)
-        share = m.sum() / m[alive].sum()
-        base = self.iteration_s(layout, hidden, links, nics, paths) * share
-        m_alive = m * share
-        fwd, bwd = _chunk_seconds(self.costs, layout.layers, layout.tp)
-        c = (fwd + bwd).sum(axis=1)                                         # (pp,) per micro-batch
-        a, b = _closed_form(fwd, bwd, np.ones_like(stage), layout.vp, self.cluster.p2p_latency_s)
-        span = a + (m_alive - 1) * b                                        # (dp,) healthy compute
-        over = 0.0
-        for k in range(layout.pp):
-            moved = faulty[k] & alive
-            peers = ~faulty[k] & alive
-            if not moved.any():
-                continue
-            if not peers.any():
-                return math.inf
-            extra = m_alive[moved].sum() * c[k] / peers.sum()
-            idle = span[peers] - m_alive[peers] * c[k]
-            over = max(over, float(np.max(extra - idle)))
-        return base + max(over, 0.0)
-
     def fits(self, layout: PlanLayout, memory: np.ndarray) -> bool:
         need = self.memory_model(self.spec, self.workload, layout.tp, layout.pp, layout.stage_layers, layout.dp)
         return bool((need[:, None, None] <= memory[layout.grid()] * (1 + 1e-9)).all())

@@ -156,10 +156,14 @@ class ResiHP(Policy):
         if np.array_equal(before, self.policy.speeds):
             # No device changed speed (a NIC did): nothing to reroute; the plan stands on its own.
             return None if plan is None else self._adopt(ctx, plan, "")
-        # The faulty stages' work on their peers, into the peers' idle time first (the planner's
-        # estimate; before 2026-12-08 the faulty work counted as hidden whole, which lost seed 22).
-        rerouted_s = self.policy.planner.rerouted_iteration_s(base, self.policy.speeds, self.policy.links,
-                                                              self.policy.nics, self.policy.paths)
+        hidden = np.where((self.policy.speeds < 1) & np.isin(np.arange(ctx.num_devices), base.devices), 1.0,
+                          self.policy.speeds)
+        # A replica that lost every stage cannot be rerouted: its micro-batches go to the others.
+        grid = np.asarray(base.devices).reshape(base.pp, base.dp, base.tp)
+        gone = [d for d in range(base.dp) if (self.policy.speeds[grid[:, d, :]] <= 0).any(axis=1).all()]
+        share = base.num_microbatches / max(1, base.num_microbatches - sum(base.microbatches[d] for d in gone))
+        rerouted_s = self.policy.planner.iteration_s(base, hidden, self.policy.links, self.policy.nics,
+                                                     self.policy.paths) * share
         if plan is not None and plan.iteration_s_after + plan.move_s / plan.horizon_iterations < rerouted_s:
             return self._adopt(ctx, plan, " (beats rerouting)")
         try:
