@@ -5,7 +5,9 @@ tokens per hour of the day, as the nominal scorer times them.
 Run: ``python tools/bench_resilience.py``'s cell ``MODEL/mixed_day@SEED`` as
 ``python tools/trace_resihp_day.py MODEL SEED`` (a minute or two; deterministic). With
 ``--against recycle`` (any baseline of the bench) that policy runs the same day too, and each hour
-prints both and ResiHP's share of it, so the hours where ResiHP falls behind stand out."""
+prints both and ResiHP's share of it, so the hours where ResiHP falls behind stand out. With
+``--perturb 0.2`` the day is timed by the bench's perturbed scorer instead (the same draw as the
+bench's cell with ``--perturb 0.2 --perturb-seed 0``); no policy is told."""
 import argparse
 import collections
 import logging
@@ -13,7 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_ext.resilience import resihp_policy, setting  # noqa: E402
+from megatron_ext.resilience import perturb, resihp_policy, setting  # noqa: E402
 from megatron_ext.resihp.planner import node_local_groups  # noqa: E402
 from megatron_ext.resihp.planner_types import PlanLayout  # noqa: E402
 from megatron_ext.resilience.policies import BASELINES  # noqa: E402
@@ -51,20 +53,35 @@ def main() -> None:
     ap.add_argument("seed", type=int, help="a held-out seed (bench_resilience prints them)")
     ap.add_argument("--against", choices=list(BASELINES), default=None,
                     help="a baseline to run on the same day, hour by hour beside ResiHP")
+    ap.add_argument("--perturb", type=float, default=0.0,
+                    help="time the day by the perturbed scorer of this spread, as bench_resilience's --perturb "
+                         "(default 0: the nominal scorer)")
+    ap.add_argument("--perturb-seed", type=int, default=0, help="as bench_resilience's --perturb-seed")
     args = ap.parse_args()
+    if not 0.0 <= args.perturb < 1.0:
+        ap.error(f"--perturb must be a fraction in [0, 1), got {args.perturb}")
+    if args.perturb_seed < 0:
+        ap.error(f"--perturb-seed must be >= 0, got {args.perturb_seed}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
     for name in TRACED:
         logging.getLogger(name).setLevel(logging.DEBUG)
     ctx = setting.context(args.model)
     day = setting.heldout_day(ctx, args.seed)
+    scorer = None
+    if args.perturb:   # the bench's draw for this cell (bench_resilience.perturbed_cell)
+        key = f"{args.model}/{day.name}"
+        scorer = perturb.perturbed(ctx, perturb.draw(ctx.num_devices, args.perturb,
+                                                     perturb.run_seed(args.perturb_seed, key)))
 
     def run(policy) -> dict[int, float]:
         """The policy through the day: its summary line, and its tokens per hour."""
         per_hour: dict[int, float] = collections.defaultdict(float)
         result = run_policy(policy, ctx, setting.trace(ctx, day), end_s=day.end_s, measure_from_s=day.measure_from_s,
+                            scorer=scorer,
                             on_iteration=lambda t, tokens: per_hour.__setitem__(int(t // 3600),
                                                                                 per_hour[int(t // 3600)] + tokens))
-        print(f"{args.model}/{day.name}: {policy.name} {result.throughput_vs_healthy:.4f} of healthy, "
+        print(f"{args.model}/{day.name}{' (perturbed)' if scorer else ''}: {policy.name} "
+              f"{result.throughput_vs_healthy:.4f} of healthy, "
               f"{result.relayouts} re-layouts, {result.pause_s:.0f} s paused")
         return per_hour
 
