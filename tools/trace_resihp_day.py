@@ -47,7 +47,7 @@ def shapes_at_end(policy) -> None:
         print(f"  tp{tp}pp{pp}dp{dp}: {max(even.microbatches)} micro-batches on the busiest replica, {t:.2f} s")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", choices=list(setting.LAYOUTS))
     ap.add_argument("seed", type=int, help="a held-out seed (bench_resilience prints them)")
@@ -57,7 +57,7 @@ def main() -> None:
                     help="time the day by the perturbed scorer of this spread, as bench_resilience's --perturb "
                          "(default 0: the nominal scorer)")
     ap.add_argument("--perturb-seed", type=int, default=0, help="as bench_resilience's --perturb-seed")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not 0.0 <= args.perturb < 1.0:
         ap.error(f"--perturb must be a fraction in [0, 1), got {args.perturb}")
     if args.perturb_seed < 0:
