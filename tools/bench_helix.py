@@ -32,27 +32,27 @@ was measured).
 
 Figures: speedups as the median of the paired per-round ratios (baseline / variant) with a 90 %
 bootstrap interval, beside the A/A ratio and its interval (``megatron_ext/bench/harness.py``);
-median step time, median exposed communication (time the compute thread spent in
-waits: for the slower peer to reach the collective, then for the emulated link; "link ms" is the
-link's share), peak memory (a profiled step whose allocator accounting closes,
-``measure.step_peak_bytes``; "n/a" / null when none closed in --peak-attempts tries, default 100). Simulator: "sim ms"/"sim exp"
-are the simulated step and exposed communication of the graphs as compiled, with the compute
-scale calibrated to the compute thread's busy time in the measured steps (step minus time in
-waits, median, slowest rank): the operators' relative costs come from the micro-benchmarks, their
-total from the steps themselves, so the error measures the schedule and communication model rather
-than a shared host's load drifting since compile. "compile" is the prediction made at compile time
+median step time, median exposed communication (time the compute thread spent in waits: for the
+slower peer to reach the collective, then for the emulated link; "link ms" is the link's share),
+peak memory (a profiled step whose allocator accounting closes, ``measure.step_peak_bytes``; "n/a" /
+null when none closed in --peak-attempts tries, default 100). Simulator: "sim ms"/"sim exp" are the
+simulated step and exposed communication of the graphs as compiled, with the compute scale
+calibrated to the compute thread's busy time in the measured steps (step minus time in waits,
+median, slowest rank): the operators' relative costs come from the micro-benchmarks, their total
+from the steps themselves, so the error measures the schedule and communication model rather than a
+shared host's load drifting since compile. "compile" is the prediction made at compile time
 (``GraphSummary.prediction``: the graphs that run, their compute scale fitted to a whole timing of
 those graphs while compiling); "sim MiB" is the compile-time memory prediction. Simulator error =
 |predicted - measured| / measured for the schedule Helix chose: "sim_makespan_err" with the rescaled
 compute, "sim_makespan_err_predicted" for the makespan predicted at compile time (per-operator
 micro-benchmarks and whole timings of the computation taken while compiling, beside the real
-collectives; nothing from the measured steps). "sim_makespan_err_compile" is the same figure under its old name.
-"sim_compile_miss_ms" splits each arm's compile-time miss by term (predicted minus measured, ms):
-"busy", the compute thread's time outside waits, and "exposed", its time in waits; the summary line
-gives Helix's. The real collectives are measured per case (at the payloads its graphs carry) and
-every variant is priced with those measurements. ALL TIMES ARE
-EMULATED: collectives really run on gloo, but their waits complete at latency + bytes / bandwidth
-of the emulated link.
+collectives; nothing from the measured steps). "sim_makespan_err_compile" is the same figure under
+its old name. "sim_compile_miss_ms" splits each arm's compile-time miss by term (predicted minus
+measured, ms): "busy", the compute thread's time outside waits, and "exposed", its time in waits;
+the summary line gives Helix's. The real collectives are measured per case (at the payloads its
+graphs carry) and every variant is priced with those measurements. ALL TIMES ARE EMULATED:
+collectives really run on gloo, but their waits complete at latency + bytes / bandwidth of the
+emulated link.
 
 GPU interference (``--interference SHARE``, default 0.18; 0 skips it): every case again with the
 emulated link's ``compute_interference`` set, i.e. compute overlapping an in-flight collective
