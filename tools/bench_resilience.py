@@ -217,7 +217,7 @@ def main() -> int:
             ap.error(f"--scenarios: unknown {', '.join(unknown)}; choose from {', '.join(scen)}")
 
         def perturbed_cell(key: str, sc) -> dict:
-            t = perturb.draw(ctx.num_devices, args.perturb, perturb.run_seed(args.perturb_seed, key))
+            t = perturb.cell_truths(ctx, key, args.perturb, args.perturb_seed)
             truths[key] = t.summary()
             thr, orc = run_cell(ctx, sc, FAIR, scorer=perturb.perturbed(ctx, t), planner=planner,
                                 verbose=False, key=key)

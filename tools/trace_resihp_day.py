@@ -68,15 +68,15 @@ def main(argv: list[str] | None = None) -> None:
     ctx = setting.context(args.model)
     day = setting.heldout_day(ctx, args.seed)
     scorer = None
-    if args.perturb:   # the bench's draw for this cell (bench_resilience.perturbed_cell)
-        key = f"{args.model}/{day.name}"
-        scorer = perturb.perturbed(ctx, perturb.draw(ctx.num_devices, args.perturb,
-                                                     perturb.run_seed(args.perturb_seed, key)))
+    if args.perturb:   # the bench's own draw for this cell
+        scorer = perturb.perturbed(ctx, perturb.cell_truths(ctx, f"{args.model}/{day.name}", args.perturb,
+                                                            args.perturb_seed))
+    trace = setting.trace(ctx, day)
 
     def run(policy) -> dict[int, float]:
         """The policy through the day: its summary line, and its tokens per hour."""
         per_hour: dict[int, float] = collections.defaultdict(float)
-        result = run_policy(policy, ctx, setting.trace(ctx, day), end_s=day.end_s, measure_from_s=day.measure_from_s,
+        result = run_policy(policy, ctx, trace, end_s=day.end_s, measure_from_s=day.measure_from_s,
                             scorer=scorer,
                             on_iteration=lambda t, tokens: per_hour.__setitem__(int(t // 3600),
                                                                                 per_hour[int(t // 3600)] + tokens))

@@ -86,6 +86,13 @@ def draw(num_devices: int, scale: float, seed: int) -> Truths:
                   doc_median=float(rng.uniform(lo, hi)))
 
 
+def cell_truths(ctx: Context, key: str, scale: float, base_seed: int) -> Truths:
+    """The truths of ``tools/bench_resilience.py``'s cell ``key`` (``MODEL/SCENARIO``, as its JSON
+    names it) under ``--perturb scale --perturb-seed base_seed``: what every tool that re-times a
+    bench cell draws, so that it times the bench's own world."""
+    return draw(ctx.num_devices, scale, run_seed(base_seed, key))
+
+
 class PerturbedSimulator(Simulator):
     """``Simulator`` on ``truths``: a state's device speeds and NIC fractions are multiplied by the
     drawn ones before the iteration is built (a gone device stays gone)."""
